@@ -1,0 +1,20 @@
+"""Distribution `vllm-nvfp4`: per-layer FP8/NVFP4 mixed-precision KV cache for vLLM."""
+from setuptools import find_packages, setup
+
+setup(
+    name="vllm-nvfp4",
+    version="0.1.0",
+    description="Per-layer mixed FP8/NVFP4 KV cache for vLLM (dtype 'nvfp4_mixed')",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["vllm_nvfp4", "vllm_nvfp4.*"]),
+    install_requires=["torch>=2.4", "numpy"],
+    extras_require={
+        "test": ["pytest", "pytest-timeout"],
+    },
+    entry_points={
+        "vllm.general_plugins": ["nvfp4_mixed = vllm_nvfp4.plugin:register"],
+        "console_scripts": ["vllm-nvfp4 = vllm_nvfp4.cli:main"],
+    },
+)
