@@ -1,0 +1,213 @@
+"""Bit-exact tests of the NVFP4 / FP8 reference against hand-computed vectors."""
+
+import pytest
+import torch
+
+from vllm_nvfp4.formats import (
+    E2M1_VALUES,
+    bytes_per_head,
+    e2m1_code,
+    fp8_dequantize,
+    fp8_quantize,
+    fp8_scale_from_amax,
+    nvfp4_dequantize,
+    nvfp4_global_scale,
+    nvfp4_quantize,
+    pack_nvfp4_head,
+    unpack_nvfp4_head,
+)
+
+# g = 1/448 and a block amax >= 6 make the block scale saturate at 448, so se = 448 * g = 1 and
+# the element codes are just E2M1(x): the cleanest way to write expected codes by hand.
+UNIT_G = 1.0 / 448.0
+
+
+def _codes(packed: torch.Tensor) -> list[int]:
+    return torch.stack([packed & 0xF, packed >> 4], -1).flatten().tolist()
+
+
+def test_every_e2m1_code_decodes_to_its_value():
+    nibbles = torch.arange(16, dtype=torch.uint8)
+    packed = nibbles[0::2] | (nibbles[1::2] << 4)
+    scales = torch.tensor([1.0], dtype=torch.float32).to(torch.float8_e4m3fn)
+    out = nvfp4_dequantize(packed, scales, 1.0)
+    expected = [*E2M1_VALUES, *(-v for v in E2M1_VALUES)]
+    assert out.tolist() == expected
+    # and every value quantizes back to its own code
+    x = torch.tensor(expected[:8] + [6.0] + [-v for v in E2M1_VALUES[1:]])
+    packed2, s2 = nvfp4_quantize(x, UNIT_G)
+    assert s2.view(torch.uint8).item() == 0x7E  # 448
+    assert _codes(packed2) == list(range(8)) + [7] + list(range(9, 16))
+
+
+def test_ties_round_to_even_code_and_saturate_at_six():
+    # midpoints between neighbours: the tie goes to the even code
+    x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0,
+                      -0.25, -0.75, 5.0001, 4.9999, 100.0, 6.0, 0.2500001, 0.0])
+    packed, scales = nvfp4_quantize(x, UNIT_G)
+    assert scales.float().item() == 448.0
+    assert _codes(packed) == [0, 2, 2, 4, 4, 6, 6, 7, 8, 10, 7, 6, 7, 7, 1, 0]
+
+
+def test_low_nibble_holds_even_element():
+    x = torch.zeros(16)
+    x[0], x[1], x[15] = 6.0, 1.0, -0.5
+    packed, _ = nvfp4_quantize(x, UNIT_G)
+    assert packed[0].item() == (0x2 << 4) | 0x7
+    assert packed[7].item() == (0x9 << 4) | 0x0
+
+
+def test_block_scale_from_global_scale_and_e4m3_rounding():
+    g = 0.5
+    # amax 3 -> 3 / (0.5 * 6) = 1.0 exactly
+    x = torch.linspace(-3.0, 3.0, 16)
+    _, s = nvfp4_quantize(x, g)
+    assert s.float().item() == 1.0
+    # amax 3.3 -> 1.1 -> e4m3 neighbours 1.0 / 1.125: nearest is 1.125
+    x2 = torch.full((16,), 0.1)
+    x2[3] = 3.3
+    _, s2 = nvfp4_quantize(x2, g)
+    assert s2.float().item() == 1.125
+    # element codes use se = 1.125 * 0.5: 3.3 / 0.5625 = 5.87 -> 6, 0.1 / 0.5625 = 0.178 -> 0
+    packed, _ = nvfp4_quantize(x2, g)
+    assert _codes(packed)[3] == 7 and _codes(packed)[0] == 0
+
+
+def test_subnormal_block_scale():
+    g = 1.0
+    # amax 0.0234375 -> 0.00390625 = 2^-8 = e4m3 subnormal 2 * 2^-9 (byte 0x02)
+    x = torch.full((16,), 0.01)
+    x[0] = 0.0234375
+    packed, s = nvfp4_quantize(x, g)
+    assert s.view(torch.uint8).item() == 0x02
+    assert s.float().item() == 2.0 ** -8
+    # 0.01 / 2^-8 = 2.56 -> 3.0 ; 0.0234375 / 2^-8 = 6
+    assert _codes(packed)[:2] == [7, 5]
+    # an amax whose scale quotient is below 2^-10 flushes the block to scale 0 and codes 0
+    tiny = torch.full((16,), 1e-5)
+    p0, s0 = nvfp4_quantize(tiny, g)
+    assert s0.view(torch.uint8).item() == 0 and int(p0.sum()) == 0
+    assert nvfp4_dequantize(p0, s0, g).abs().max().item() == 0.0
+
+
+def test_zero_block_is_all_zero_bytes_and_other_blocks_unaffected():
+    x = torch.randn(2, 48, generator=torch.Generator().manual_seed(1)) + 0.5
+    x[1, 16:32] = 0.0
+    g = nvfp4_global_scale(x.abs().max())
+    packed, scales = nvfp4_quantize(x, g)
+    assert packed[1, 8:16].tolist() == [0] * 8
+    assert scales.view(torch.uint8)[1, 1].item() == 0
+    ref_p, ref_s = nvfp4_quantize(x[1:, 32:], g)  # block independence
+    assert torch.equal(packed[1:, 16:], ref_p) and torch.equal(scales[1:, 2:], ref_s)
+
+
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 40.0, 3000.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_error_bound(magnitude, dtype):
+    gen = torch.Generator().manual_seed(int(magnitude * 1000) % 9973)
+    x = (torch.randn(33, 8, 128, generator=gen) * magnitude).to(dtype)
+    g = nvfp4_global_scale(x.float().abs().max())
+    packed, scales = nvfp4_quantize(x, g)
+    assert packed.shape == (33, 8, 64) and scales.shape == (33, 8, 8)
+    y = nvfp4_dequantize(packed, scales, g)
+    xf = x.float().reshape(33, 8, 8, 16)
+    err = (y.reshape(33, 8, 8, 16) - xf).abs()
+    # E2M1 half-ulp at the block max is 1/6 of the max (step 2 -> 1 between 4 and 6); plus the
+    # E4M3 scale rounding (<= 1/16 relative): every error stays below amax16 * (1/6 + 1/16)
+    amax16 = xf.abs().amax(-1, keepdim=True)
+    assert bool((err <= amax16 * (1 / 6 + 1 / 16) + 1e-30).all())
+    rel = (y - x.float()).norm() / x.float().norm()
+    assert 0.03 < rel.item() < 0.15  # 4-bit: a real but bounded error
+
+
+def test_per_row_global_scale_broadcast():
+    x = torch.randn(3, 4, 32) * torch.tensor([0.1, 1.0, 10.0]).view(3, 1, 1)
+    g = nvfp4_global_scale(x.abs().amax(dim=(1, 2)))  # [3]
+    with pytest.raises(ValueError, match="broadcast"):
+        nvfp4_quantize(x, g)
+    packed, scales = nvfp4_quantize(x, g.view(3, 1))
+    for i in range(3):
+        p_i, s_i = nvfp4_quantize(x[i], float(g[i]))
+        assert torch.equal(packed[i], p_i) and torch.equal(scales[i].view(torch.uint8), s_i.view(torch.uint8))
+
+
+def test_nonfinite_raises_by_default_and_propagates_within_its_block():
+    x = torch.randn(2, 64) + 0.1
+    x[0, 20] = float("nan")
+    x[1, 63] = float("inf")
+    g = 0.01
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        nvfp4_quantize(x, g)
+    packed, scales = nvfp4_quantize(x, g, nonfinite="propagate")
+    sb = scales.view(torch.uint8)
+    assert sb[0, 1].item() == 0x7F and sb[1, 3].item() == 0x7F
+    assert packed[0, 8:16].tolist() == [0] * 8
+    y = nvfp4_dequantize(packed, scales, g)
+    assert torch.isnan(y[0, 16:32]).all() and torch.isnan(y[1, 48:]).all()
+    assert torch.isfinite(y[0, :16]).all() and torch.isfinite(y[0, 32:]).all()
+    clean_p, clean_s = nvfp4_quantize(x[:, :16], g)
+    assert torch.equal(packed[:, :8], clean_p)
+
+
+def test_fp8_vllm_convention():
+    x = torch.tensor([1.0, -2.5, 1000.0, -1e9, 0.3])
+    q = fp8_quantize(x, 2.0)
+    assert q.float().tolist() == [0.5, -1.25, 448.0, -448.0, 0.15625]  # 0.15 -> nearest e4m3
+    assert fp8_dequantize(q, 2.0).tolist() == [1.0, -2.5, 896.0, -896.0, 0.3125]
+    assert fp8_scale_from_amax(896.0).item() == 2.0
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        fp8_quantize(torch.tensor([float("nan")]), 1.0)
+    qn = fp8_quantize(torch.tensor([float("inf"), float("nan")]), 1.0, nonfinite="propagate")
+    assert qn.float()[0].item() == 448.0 and torch.isnan(qn.float()[1])
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        nvfp4_quantize(torch.randn(4, 24), 1.0)
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        nvfp4_quantize(torch.randint(0, 5, (4, 16)), 1.0)
+    with pytest.raises(ValueError, match="finite and > 0"):
+        nvfp4_quantize(torch.randn(16), 0.0)
+    with pytest.raises(ValueError, match="finite and > 0"):
+        fp8_quantize(torch.randn(16), float("nan"))
+    with pytest.raises(TypeError, match="uint8"):
+        nvfp4_dequantize(torch.zeros(8), torch.zeros(1).to(torch.float8_e4m3fn), 1.0)
+    with pytest.raises(ValueError, match="do not match"):
+        nvfp4_dequantize(torch.zeros(8, dtype=torch.uint8), torch.zeros(2).to(torch.float8_e4m3fn), 1.0)
+    with pytest.raises(ValueError, match="unknown KV format"):
+        bytes_per_head("int4", 128)
+    with pytest.raises(ValueError, match="amax"):
+        nvfp4_global_scale(0.0)
+
+
+def test_bytes_per_head_and_vllm_row_layout():
+    assert bytes_per_head("fp8", 128) == 128
+    assert bytes_per_head("nvfp4", 128) == 72
+    assert bytes_per_head("nvfp4", 64) == 36
+    x = torch.randn(5, 2, 128) * 3
+    packed, scales = nvfp4_quantize(x, 0.01)
+    rows = pack_nvfp4_head(packed, scales)
+    assert rows.shape == (5, 2, 72) and rows.dtype == torch.uint8
+    assert torch.equal(rows[..., 64:], scales.view(torch.uint8))
+    p2, s2 = unpack_nvfp4_head(rows, 128)
+    assert torch.equal(p2, packed) and torch.equal(s2.view(torch.uint8), scales.view(torch.uint8))
+    with pytest.raises(ValueError, match="72 bytes"):
+        unpack_nvfp4_head(rows[..., :70], 128)
+
+
+def test_e2m1_code_sign_of_tiny_negatives():
+    assert e2m1_code(torch.tensor([-0.1, 0.1, -0.0])).tolist() == [8, 0, 0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cpu_and_cuda_agree_bit_for_bit():
+    x = torch.randn(64, 8, 128, dtype=torch.bfloat16) * 5
+    x[3, 2, 7] = float("nan")
+    g = 0.004
+    p_cpu, s_cpu = nvfp4_quantize(x, g, nonfinite="propagate")
+    p_gpu, s_gpu = nvfp4_quantize(x.cuda(), g, nonfinite="propagate")
+    assert torch.equal(p_cpu, p_gpu.cpu())
+    assert torch.equal(s_cpu.view(torch.uint8), s_gpu.cpu().view(torch.uint8))
+    q_cpu = fp8_quantize(x, 0.02, nonfinite="propagate")
+    q_gpu = fp8_quantize(x.cuda(), 0.02, nonfinite="propagate")
+    assert torch.equal(q_cpu.view(torch.uint8), q_gpu.cpu().view(torch.uint8))

@@ -1,0 +1,154 @@
+"""Policy parsing, validation, round trips and serve-time resolution."""
+
+import json
+import logging
+
+import pytest
+
+from vllm_nvfp4.policy import (
+    POLICY_ENV,
+    POLICY_FILENAME,
+    KVPolicy,
+    LayerPolicy,
+    PolicyError,
+    default_policy,
+    resolve_policy,
+)
+
+
+def _formats(p: KVPolicy) -> list[tuple[str, str]]:
+    return [(lp.k, lp.v) for lp in p.layers]
+
+
+def test_compact_ranges_negative_indices_and_kv_split():
+    p = KVPolicy.from_compact("0-1:fp8,2-4:nvfp4,5:k=fp8,v=nvfp4,-2--1:fp8", 8)
+    assert _formats(p) == [("fp8", "fp8")] * 2 + [("nvfp4", "nvfp4")] * 3 + [
+        ("fp8", "nvfp4"), ("fp8", "fp8"), ("fp8", "fp8")]
+    assert p.to_compact() == "0-1:fp8,2-4:nvfp4,5:k=fp8,v=nvfp4,6-7:fp8"
+    assert _formats(KVPolicy.from_compact(p.to_compact(), 8)) == _formats(p)
+
+
+def test_compact_wildcard_and_v_before_k():
+    p = KVPolicy.from_compact("3:v=fp8,k=nvfp4,*:fp8", 5)
+    assert _formats(p)[3] == ("nvfp4", "fp8")
+    assert p.to_compact() == "0-2:fp8,3:k=nvfp4,v=fp8,4:fp8"
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("0-3:fp4", "unknown KV format 'fp4'"),
+        ("0-3:fp8,3:nvfp4", "layer 3 is named twice"),
+        ("0-2:fp8", "leaves layers 3"),
+        ("0-4:fp8", "out of range for 4 layers"),
+        ("-5:fp8,*:nvfp4", "out of range"),
+        ("3-1:fp8", "start after end"),
+        ("0-3:k=fp8", "needs both k=FMT and v=FMT"),
+        ("0-3:fp8,,", "empty item"),
+        ("a:fp8", "bad layer range"),
+        ("fp8", "cannot parse"),
+        ("*:fp8,*:nvfp4", "twice"),
+    ],
+)
+def test_compact_errors_name_the_problem(text, match):
+    with pytest.raises(PolicyError, match=match):
+        KVPolicy.from_compact(text, 4)
+
+
+def test_json_round_trip_with_scales_and_provenance(tmp_path):
+    p = KVPolicy.from_compact("0:fp8,*:nvfp4", 3)
+    p = p.with_layer(0, k_scale=0.02, v_scale=(0.01, 0.03))
+    p = p.with_layer(1, k_global_scale=0.001, v_global_scale=0.002)
+    p = KVPolicy(layers=p.layers, provenance={"tool": "test", "kl": [0.1, 0.2]})
+    path = p.save(tmp_path / "policy.json")
+    q = KVPolicy.load(path)
+    assert q.layers == p.layers and dict(q.provenance) == dict(p.provenance)
+    assert q.layers[0].quant_scale("v") == (0.01, 0.03)
+    assert q.layers[1].quant_scale("k") == 0.001
+    assert q.layers[2].quant_scale("k") is None
+    with pytest.raises(FileExistsError, match="refusing to overwrite"):
+        p.save(path)
+    p.save(path, overwrite=True)
+
+
+def _write(tmp_path, data) -> str:
+    path = tmp_path / "p.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return str(path)
+
+
+def _valid() -> dict:
+    return KVPolicy.from_compact("*:fp8", 2).to_dict()
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda d: "{not json", "malformed JSON at line 1"),
+        (lambda d: {**d, "version": 7}, "unsupported policy version 7"),
+        (lambda d: {**d, "format": "other"}, "'format' must be"),
+        (lambda d: {**d, "num_layers": 3}, "num_layers is 3 but 2 layers"),
+        (lambda d: {**d, "layers": [d["layers"][0], {**d["layers"][1], "k": "int8"}]}, r"layers\[1\].*unknown KV format"),
+        (lambda d: {**d, "layers": [{**d["layers"][0], "k_scale": -1.0}, d["layers"][1]]}, "finite and > 0"),
+        (lambda d: {**d, "layers": [{**d["layers"][0], "v_scale": float("nan")}, d["layers"][1]]}, "finite and > 0"),
+        (lambda d: {**d, "layers": [{**d["layers"][0], "k_scale": "big"}, d["layers"][1]]}, "must be a number"),
+        (lambda d: {**d, "layers": [{**d["layers"][0], "colour": 1}, d["layers"][1]]}, "unknown keys"),
+        (lambda d: {**d, "layers": [d["layers"][1], d["layers"][0]]}, "out of order"),
+        (lambda d: [1, 2], "top level must be a JSON object"),
+    ],
+)
+def test_json_validation_errors(tmp_path, mutate, match):
+    with pytest.raises(PolicyError, match=match):
+        KVPolicy.load(_write(tmp_path, mutate(_valid())))
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(PolicyError, match="cannot read policy file"):
+        KVPolicy.load(tmp_path / "nope.json")
+
+
+def test_check_model_layer_count_and_per_head_lengths():
+    p = KVPolicy.from_compact("*:nvfp4", 4).with_layer(2, k_global_scale=(0.1, 0.2, 0.3))
+    with pytest.raises(PolicyError, match="describes 4 attention layers, but the model has 6"):
+        p.check_model(6)
+    with pytest.raises(PolicyError, match="layer 2 k_global_scale has 3 per-head values"):
+        p.check_model(4, num_kv_heads=2)
+    p.check_model(4, num_kv_heads=3)
+
+
+def test_bytes_and_fraction():
+    p = KVPolicy.from_compact("0:fp8,1:k=fp8,v=nvfp4,*:nvfp4", 4)
+    # per head D=128: fp8 128 B, nvfp4 72 B
+    assert p.kv_bytes_per_token(num_kv_heads=2, head_dim=128) == 2 * (256 + 200 + 144 + 144)
+    assert p.fraction_of_fp8() == pytest.approx((2 + 1.5625 + 1.125 + 1.125) / 8)
+    assert "layer   1: K fp8" in p.describe()
+
+
+def test_default_rule():
+    assert default_policy(6).to_compact() == "0:fp8,1-4:nvfp4,5:fp8"
+    assert default_policy(2).to_compact() == "0-1:fp8"
+
+
+def test_resolution_order(tmp_path, caplog):
+    model = tmp_path / "model"
+    model.mkdir()
+    # 3. default, with a log line
+    with caplog.at_level(logging.INFO, logger="vllm_nvfp4.policy"):
+        p = resolve_policy(4, model, env={})
+    assert p.to_compact() == "0:fp8,1-2:nvfp4,3:fp8" and "default rule" in caplog.text
+    # 2. a file in the model directory wins over the default
+    KVPolicy.from_compact("*:fp8", 4).save(model / POLICY_FILENAME)
+    assert resolve_policy(4, model, env={}).to_compact() == "0-3:fp8"
+    # 1. the environment wins over the model directory: compact string, then a file path
+    assert resolve_policy(4, model, env={POLICY_ENV: "*:nvfp4"}).to_compact() == "0-3:nvfp4"
+    other = KVPolicy.from_compact("0:nvfp4,*:fp8", 4).save(tmp_path / "mine.json")
+    assert resolve_policy(4, model, env={POLICY_ENV: str(other)}).to_compact() == "0:nvfp4,1-3:fp8"
+    with pytest.raises(PolicyError, match="no such file"):
+        resolve_policy(4, model, env={POLICY_ENV: str(tmp_path / "typo.json")})
+    with pytest.raises(PolicyError, match="but the model has 5"):
+        resolve_policy(5, model, env={})
+
+
+def test_layer_policy_rejects_unknown_format():
+    with pytest.raises(PolicyError, match="unknown KV format"):
+        LayerPolicy("fp8", "bf16")
