@@ -1,0 +1,192 @@
+"""kv_hooks: the hooked transformers forward quantizes K/V exactly as the cache stores them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_nvfp4.calibration.kv_hooks import (
+    KVObserver,
+    attention_modules,
+    fake_quantize,
+    kv_cache_quantization,
+)
+from vllm_nvfp4.calibration.testing import tiny_model
+from vllm_nvfp4.formats import fp8_dequantize, fp8_quantize, nvfp4_dequantize, nvfp4_quantize
+from vllm_nvfp4.policy import (
+    DEFAULT_FP8_SCALE,
+    DEFAULT_NVFP4_GLOBAL_SCALE,
+    KVPolicy,
+    LayerPolicy,
+    PolicyError,
+)
+
+
+def _ids(n: int = 48, vocab: int = 256, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (1, n), generator=g)
+
+
+def _manual_forward(model, ids, kv_transform) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Llama forward written out by hand; ``kv_transform(layer, k, v)`` edits post-RoPE K/V.
+
+    Returns (logits [1, T, vocab] fp32, post-RoPE keys per layer [1, kv_heads, T, D]).
+    """
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    inner = model.model
+    h = inner.embed_tokens(ids)
+    pos = torch.arange(ids.shape[1]).unsqueeze(0)
+    cos, sin = inner.rotary_emb(h, position_ids=pos)
+    keys = []
+    for i, layer in enumerate(inner.layers):
+        att = layer.self_attn
+        x = layer.input_layernorm(h)
+        b, t, _ = x.shape
+        q = att.q_proj(x).view(b, t, -1, att.head_dim).transpose(1, 2)
+        k = att.k_proj(x).view(b, t, -1, att.head_dim).transpose(1, 2)
+        v = att.v_proj(x).view(b, t, -1, att.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        keys.append(k.detach().clone())
+        k, v = kv_transform(i, k, v)
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=att.scaling)
+        h = h + att.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return model.lm_head(inner.norm(h)).float(), keys
+
+
+def _logits(model, ids, policy=None) -> torch.Tensor:
+    with torch.no_grad():
+        if policy is None:
+            return model(ids, use_cache=False).logits.float()
+        with kv_cache_quantization(model, policy) as state:
+            out = model(ids, use_cache=False).logits.float()
+        assert state.calls == len(attention_modules(model))
+        return out
+
+
+def _kl(ref: torch.Tensor, other: torch.Tensor) -> float:
+    lp, lq = ref.log_softmax(-1), other.log_softmax(-1)
+    return float((lp.exp() * (lp - lq)).sum(-1).mean())
+
+
+def _calibrated(model, ids, fmt: str) -> KVPolicy:
+    obs = KVObserver(len(attention_modules(model)))
+    with torch.no_grad(), kv_cache_quantization(model, observer=obs):
+        model(ids, use_cache=False)
+    layers = [
+        LayerPolicy(fmt, fmt, k_scale=float(k.max()) / 448, v_scale=float(v.max()) / 448,
+                    k_global_scale=float(k.max()) / 2688, v_global_scale=float(v.max()) / 2688)
+        for k, v in zip(obs.k_amax, obs.v_amax)
+    ]
+    return KVPolicy(tuple(layers))
+
+
+def test_fp8_policy_matches_manual_forward():
+    model = tiny_model(num_layers=3)
+    ids = _ids()
+    s = 0.004  # FP8 scale: amax ~1 -> codes up to ~250, a realistic but not calibrated scale
+
+    def fp8(i, k, v):
+        return (fp8_dequantize(fp8_quantize(k, s), s, k.dtype), fp8_dequantize(fp8_quantize(v, s), s, v.dtype))
+
+    with torch.no_grad():
+        manual, _ = _manual_forward(model, ids, fp8)
+        plain, _ = _manual_forward(model, ids, lambda i, k, v: (k, v))
+    hooked = _logits(model, ids, KVPolicy.from_compact("*:fp8", 3).with_layer(0, k_scale=s, v_scale=s)
+                     .with_layer(1, k_scale=s, v_scale=s).with_layer(2, k_scale=s, v_scale=s))
+    torch.testing.assert_close(hooked, manual, atol=2e-5, rtol=2e-5)
+    assert (hooked - plain).abs().max() > 1e-4  # the quantization really happened
+
+
+def test_observer_records_post_rope_amax_per_head():
+    model = tiny_model(num_layers=2)
+    ids = _ids()
+    obs = KVObserver(2)
+    with torch.no_grad(), kv_cache_quantization(model, observer=obs):
+        model(ids, use_cache=False)
+        _, keys = _manual_forward(model, ids, lambda i, k, v: (k, v))
+    for i in range(2):
+        torch.testing.assert_close(obs.k_amax[i], keys[i].abs().amax(dim=(0, 2, 3)))
+        assert obs.v_amax[i].shape == (2,)
+        assert obs.tokens[i] == ids.shape[1]
+    assert obs.missing_layers() == []
+
+
+def test_per_head_scales_quantize_each_head_with_its_own_scale():
+    x = torch.randn(1, 3, 10, 32, dtype=torch.bfloat16)
+    scales = [0.01, 0.002, 0.0005]
+    out = fake_quantize(x, "fp8", scales)
+    out_nv = fake_quantize(x, "nvfp4", scales)
+    for h, s in enumerate(scales):
+        xh = x[:, h]
+        torch.testing.assert_close(out[:, h], fp8_dequantize(fp8_quantize(xh, s), s, xh.dtype), atol=0, rtol=0)
+        ref = nvfp4_dequantize(*nvfp4_quantize(xh, s), s, dtype=xh.dtype)
+        torch.testing.assert_close(out_nv[:, h], ref, atol=0, rtol=0)
+    assert out.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="3 KV heads"):
+        fake_quantize(x, "fp8", [0.1, 0.2])
+
+
+def test_missing_scales_use_policy_defaults():
+    model = tiny_model(num_layers=2)
+    ids = _ids()
+    bare = KVPolicy.from_compact("0:fp8,1:nvfp4", 2)
+    explicit = bare.with_layer(0, k_scale=DEFAULT_FP8_SCALE, v_scale=DEFAULT_FP8_SCALE).with_layer(
+        1, k_global_scale=DEFAULT_NVFP4_GLOBAL_SCALE, v_global_scale=DEFAULT_NVFP4_GLOBAL_SCALE
+    )
+    torch.testing.assert_close(_logits(model, ids, bare), _logits(model, ids, explicit), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_damage_is_bounded_and_nvfp4_hurts_more_than_fp8(arch):
+    model = tiny_model(arch=arch, num_layers=3, dtype=torch.bfloat16)
+    ids = _ids(64)
+    ref = _logits(model, ids)
+    fp8 = _logits(model, ids, _calibrated(model, ids, "fp8"))
+    nv = _logits(model, ids, _calibrated(model, ids, "nvfp4"))
+    kl_fp8, kl_nv = _kl(ref, fp8), _kl(ref, nv)
+    assert 0 < kl_fp8 < kl_nv < 0.05
+    assert (fp8 - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_cached_generation_quantizes_each_token_once():
+    """Decoding with a DynamicCache gives the logits of one full quantized forward."""
+    model = tiny_model(num_layers=2)
+    ids = _ids(40)
+    policy = _calibrated(model, ids, "nvfp4")
+    full = _logits(model, ids, policy)
+    with torch.no_grad(), kv_cache_quantization(model, policy):
+        out = model(ids[:, :30], use_cache=True)
+        cache = out.past_key_values
+        steps = []
+        for t in range(30, 40):
+            o = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            cache = o.past_key_values
+            steps.append(o.logits[:, -1].float())
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, 30:], atol=1e-4, rtol=1e-4)
+
+
+def test_implementation_restored_and_bad_policy_rejected():
+    model = tiny_model(num_layers=2)
+    before = model.config._attn_implementation
+    with pytest.raises(RuntimeError, match="boom"):
+        with kv_cache_quantization(model, KVPolicy.from_compact("*:fp8", 2)):
+            assert model.config._attn_implementation.startswith("vllm_nvfp4_kv|")
+            raise RuntimeError("boom")
+    assert model.config._attn_implementation == before
+    with pytest.raises(PolicyError, match="3 attention layers"):
+        with kv_cache_quantization(model, KVPolicy.from_compact("*:fp8", 3)):
+            pass
+    with pytest.raises(PolicyError, match="KV heads"):
+        with kv_cache_quantization(model, KVPolicy.from_compact("*:fp8", 2).with_layer(0, k_scale=(1.0,) * 3)):
+            pass
+    # outside the block the model is untouched
+    ids = _ids()
+    with torch.no_grad():
+        a = model(ids, use_cache=False).logits
+        b, _ = _manual_forward(model, ids, lambda i, k, v: (k, v))
+    torch.testing.assert_close(a.float(), b, atol=2e-5, rtol=2e-5)

@@ -1,0 +1,270 @@
+"""Run a Hugging Face causal LM with its KV cache fake-quantized exactly as vLLM would store it.
+
+How it hooks in
+---------------
+transformers 5 dispatches every attention layer through ``ALL_ATTENTION_FUNCTIONS`` by the name in
+``config._attn_implementation``. This module registers two wrapped implementations,
+``vllm_nvfp4_kv|sdpa`` and ``vllm_nvfp4_kv|eager``, and :func:`kv_cache_quantization` switches a
+model to the one matching its current implementation for the duration of a ``with`` block. The
+wrapper receives ``key``/``value`` of shape ``[batch, kv_heads, seq, head_dim]`` *after* RoPE and
+*before* the GQA head repetition - exactly the tensors vLLM writes into its cache - and the layer
+index from ``module.layer_idx`` (Llama, Qwen2, Mistral and every model built the same way).
+
+What "as served" means (vLLM 0.32 semantics)
+--------------------------------------------
+* Every K and V head vector of every token is quantized once from the model dtype (bf16) with
+  :mod:`vllm_nvfp4.formats` - FP8: ``fp8_quantize(x, scale)``; NVFP4:
+  ``nvfp4_quantize(x, global_scale)`` - using the layer's format and its scale from the
+  :class:`~vllm_nvfp4.policy.KVPolicy` (a float, or one per KV head). Missing scales use
+  :data:`~vllm_nvfp4.policy.DEFAULT_FP8_SCALE` / :data:`~vllm_nvfp4.policy.DEFAULT_NVFP4_GLOBAL_SCALE`,
+  like the serving integration.
+* Dequantization is done in FP32 and the result is cast to the query dtype (the model dtype), as
+  vLLM's Triton attention does (``(data.to(fp32) * scale).to(Q.dtype)`` in
+  ``triton_unified_attention._cast_kv_tile``). The attention itself then runs in the model dtype.
+* In vLLM the *current* tokens' K/V are also read back from the cache (write first, then attend),
+  so quantizing every K/V the attention sees - including the prompt's own - matches prefill.
+* With a ``DynamicCache`` transformers stores the *unquantized* K/V and this wrapper quantizes the
+  whole history at each step. Quantization is per head vector with static scales, so every token
+  still gets exactly the bytes it would have been written with; only compute is repeated.
+* Non-finite K/V follow the kernels (``nonfinite="propagate"``): a bad 16-block decodes to NaN, a
+  bad FP8 element stays NaN or saturates; nothing else is touched.
+
+Observe mode
+------------
+Pass a :class:`KVObserver` to record the running per-layer, per-KV-head ``amax`` of K and V (the
+input of calibration). Observation sees the unquantized K/V; it can be combined with a policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+
+from vllm_nvfp4.formats import (
+    NonFinite,
+    check_kv_format,
+    fp8_dequantize,
+    fp8_quantize,
+    nvfp4_dequantize,
+    nvfp4_quantize,
+)
+from vllm_nvfp4.policy import DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE, KVPolicy, PolicyError
+
+HOOK_PREFIX = "vllm_nvfp4_kv|"
+_BASE_IMPLEMENTATIONS = ("sdpa", "eager")
+
+ScaleArg = Union[float, Sequence[float], torch.Tensor]
+
+
+# ---------------------------------------------------------------------------- fake quantization
+def _head_scale(scale: ScaleArg, num_heads: int, extra_dims: int) -> torch.Tensor:
+    """FP32 scale broadcastable over ``[..., heads, seq, (head_dim)]``: scalar or ``[heads, 1(, 1)]``."""
+    s = torch.as_tensor(scale, dtype=torch.float32)
+    if s.dim() == 0:
+        return s
+    s = s.reshape(-1)
+    if s.numel() != num_heads:
+        raise ValueError(f"per-head scale has {s.numel()} values, the tensor has {num_heads} KV heads")
+    return s.reshape(num_heads, *([1] * extra_dims))
+
+
+def fake_quantize(
+    x: torch.Tensor, fmt: str, scale: ScaleArg, nonfinite: NonFinite = "propagate"
+) -> torch.Tensor:
+    """Quantize and dequantize ``x [..., kv_heads, seq, head_dim]`` as the cache stores it.
+
+    Args:
+        x: K or V in the model dtype, heads on dim -3 (transformers' layout).
+        fmt: ``"fp8"`` (``scale`` = FP8 scale, amax/448) or ``"nvfp4"`` (``scale`` = global scale,
+            amax/2688).
+        scale: a positive float, or one per KV head (sequence or tensor ``[kv_heads]``).
+        nonfinite: passed to the formats reference (``"propagate"`` = the kernels' behaviour).
+    Returns:
+        Tensor of ``x.shape`` and ``x.dtype``: FP32 dequantization cast to ``x.dtype``.
+    """
+    check_kv_format(fmt)
+    if x.dim() < 3:
+        raise ValueError(f"expected [..., kv_heads, seq, head_dim], got shape {tuple(x.shape)}")
+    heads = x.shape[-3]
+    if fmt == "fp8":
+        s = _head_scale(scale, heads, extra_dims=2).to(x.device)
+        return fp8_dequantize(fp8_quantize(x, s, nonfinite=nonfinite), s, dtype=x.dtype)
+    g = _head_scale(scale, heads, extra_dims=1).to(x.device)
+    packed, block_scales = nvfp4_quantize(x, g, nonfinite=nonfinite)
+    return nvfp4_dequantize(packed, block_scales, g, dtype=x.dtype)
+
+
+# ---------------------------------------------------------------------------- observation
+class KVObserver:
+    """Running per-layer, per-KV-head amax of K and V (FP32 tensors ``[kv_heads]``)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.k_amax: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.v_amax: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.tokens: list[int] = [0] * num_layers
+
+    def observe(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Fold in ``key``/``value [batch, kv_heads, seq, head_dim]`` of ``layer``."""
+        for name, t in (("k_amax", key), ("v_amax", value)):
+            t32 = t.detach().float()
+            if not bool(torch.isfinite(t32).all()):
+                raise ValueError(f"layer {layer}: {name[0].upper()} holds NaN/Inf; cannot calibrate")
+            amax = t32.abs().amax(dim=(0, 2, 3)).cpu()  # [kv_heads]
+            prev = getattr(self, name)[layer]
+            getattr(self, name)[layer] = amax if prev is None else torch.maximum(prev, amax)
+        self.tokens[layer] += key.shape[0] * key.shape[2]
+
+    def missing_layers(self) -> list[int]:
+        """Layers never observed (a model whose attention did not go through the hook)."""
+        return [i for i in range(self.num_layers) if self.k_amax[i] is None]
+
+
+# ---------------------------------------------------------------------------- per-layer state
+@dataclass(frozen=True)
+class _LayerQuant:
+    k_fmt: str
+    v_fmt: str
+    k_scale: ScaleArg
+    v_scale: ScaleArg
+
+
+def _layer_quants(policy: KVPolicy) -> list[_LayerQuant]:
+    """Resolve every layer's formats and the scale its format uses (defaults where missing)."""
+    out = []
+    for lp in policy.layers:
+        scales = []
+        for kv in ("k", "v"):
+            s = lp.quant_scale(kv)
+            if s is None:
+                s = DEFAULT_FP8_SCALE if lp.format_of(kv) == "fp8" else DEFAULT_NVFP4_GLOBAL_SCALE
+            scales.append(s)
+        out.append(_LayerQuant(lp.k, lp.v, scales[0], scales[1]))
+    return out
+
+
+@dataclass
+class _HookState:
+    base: str
+    quants: Optional[list[_LayerQuant]]
+    observer: Optional[KVObserver]
+    nonfinite: NonFinite
+    calls: int = 0
+
+
+# Active states, keyed by id() of the attention modules' config object (shared by a model's layers).
+_ACTIVE: dict[int, _HookState] = {}
+_LOCK = threading.Lock()
+
+
+def _make_wrapper(base_name: str) -> Callable[..., Any]:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, attention_mask: Optional[torch.Tensor], **kwargs: Any) -> Any:
+        state = _ACTIVE.get(id(module.config))
+        if state is not None:
+            layer = module.layer_idx
+            state.calls += 1
+            if state.observer is not None:
+                state.observer.observe(layer, key, value)
+            if state.quants is not None:
+                lq = state.quants[layer]
+                key = fake_quantize(key, lq.k_fmt, lq.k_scale, state.nonfinite).to(query.dtype)
+                value = fake_quantize(value, lq.v_fmt, lq.v_scale, state.nonfinite).to(query.dtype)
+        if base_name == "eager":  # not in the registry: every model ships its own; Llama's is generic
+            from transformers.models.llama.modeling_llama import eager_attention_forward
+
+            return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return ALL_ATTENTION_FUNCTIONS[base_name](module, query, key, value, attention_mask, **kwargs)
+
+    attention.__name__ = f"vllm_nvfp4_kv_{base_name}"
+    return attention
+
+
+def register_hooks() -> None:
+    """Register the wrapped attention (and matching mask) functions with transformers; idempotent."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    with _LOCK:
+        for base in _BASE_IMPLEMENTATIONS:
+            name = HOOK_PREFIX + base
+            if name in AttentionInterface._global_mapping:
+                continue
+            AttentionInterface.register(name, _make_wrapper(base))
+            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+
+
+# ---------------------------------------------------------------------------- model helpers
+def text_config(model: torch.nn.Module) -> Any:
+    """The decoder's config (``get_text_config()`` for multimodal wrappers)."""
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Attention modules in layer order (modules with ``layer_idx`` and ``k_proj``/``v_proj``)."""
+    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")]
+    return sorted(mods, key=lambda m: m.layer_idx)
+
+
+def _set_impl(model: torch.nn.Module, name: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    if text_config(model)._attn_implementation != name:  # older / unusual models
+        text_config(model)._attn_implementation_internal = name
+
+
+@contextlib.contextmanager
+def kv_cache_quantization(
+    model: torch.nn.Module,
+    policy: Optional[KVPolicy] = None,
+    observer: Optional[KVObserver] = None,
+    nonfinite: NonFinite = "propagate",
+) -> Iterator[_HookState]:
+    """Within the block, ``model`` runs with K/V fake-quantized per ``policy`` and/or observed.
+
+    ``policy=None`` leaves K/V untouched (pure observation or a BF16 reference). Raises
+    :class:`~vllm_nvfp4.policy.PolicyError` if the policy does not fit the model and
+    ``RuntimeError`` for models it cannot hook. Yields the hook state (``.calls`` counts the
+    attention calls that went through the hook, a check that the model is supported).
+    """
+    mods = attention_modules(model)
+    if not mods:
+        raise RuntimeError(
+            f"{type(model).__name__}: found no attention modules with layer_idx/k_proj; "
+            "only Llama/Qwen2/Mistral-style transformers models are supported"
+        )
+    cfg = text_config(model)
+    num_layers = len(mods)
+    if policy is not None:
+        policy.check_model(num_layers, getattr(cfg, "num_key_value_heads", None))
+    if observer is not None and observer.num_layers != num_layers:
+        raise ValueError(f"observer is for {observer.num_layers} layers, the model has {num_layers}")
+    base = cfg._attn_implementation or "sdpa"
+    if base.startswith(HOOK_PREFIX):
+        raise RuntimeError("kv_cache_quantization blocks cannot be nested on the same model")
+    if base not in _BASE_IMPLEMENTATIONS:
+        raise RuntimeError(f"attention implementation {base!r} is not supported; load with sdpa or eager")
+    register_hooks()
+    state = _HookState(base, _layer_quants(policy) if policy is not None else None, observer, nonfinite)
+    keys = {id(m.config) for m in mods}
+    with _LOCK:
+        if any(k in _ACTIVE for k in keys):
+            raise RuntimeError("this model already runs inside kv_cache_quantization")
+        for k in keys:
+            _ACTIVE[k] = state
+    try:
+        _set_impl(model, HOOK_PREFIX + base)
+        yield state
+    finally:
+        _set_impl(model, base)
+        with _LOCK:
+            for k in keys:
+                _ACTIVE.pop(k, None)
+
