@@ -1,0 +1,74 @@
+"""KVPageLayout: page size formula, aligned non-overlapping planes, views of strided caches."""
+
+import itertools
+
+import pytest
+import torch
+
+from vllm_nvfp4.formats import bytes_per_head
+from vllm_nvfp4.layout import KVPageLayout, allocate_cache
+
+FORMATS = ("fp8", "nvfp4")
+
+
+@pytest.mark.parametrize("kf,vf", list(itertools.product(FORMATS, FORMATS)))
+@pytest.mark.parametrize("h,d,b", [(1, 64, 16), (8, 128, 16), (3, 256, 32), (5, 16, 48)])
+def test_page_bytes_and_planes(kf, vf, h, d, b):
+    lay = KVPageLayout(h, d, b, kf, vf)
+    assert lay.page_bytes == b * h * (bytes_per_head(kf, d) + bytes_per_head(vf, d))
+    assert lay.bytes_per_token * b == lay.page_bytes
+    planes = [
+        (lay.k_data_offset, lay.data_bytes("k")),
+        (lay.k_scale_offset, lay.scale_bytes("k")),
+        (lay.v_data_offset, lay.data_bytes("v")),
+        (lay.v_scale_offset, lay.scale_bytes("v")),
+    ]
+    end = 0
+    for off, size in planes:  # contiguous, in order, no gaps, each 16-byte aligned
+        assert off == end and off % 16 == 0
+        end = off + size
+    assert end == lay.page_bytes
+    assert (lay.scale_bytes("k") > 0) == (kf == "nvfp4")
+
+
+@pytest.mark.parametrize(
+    "args,err",
+    [
+        ((0, 128, 16, "fp8", "fp8"), "num_kv_heads"),
+        ((2, 100, 16, "fp8", "fp8"), "head_dim"),
+        ((2, 128, 8, "fp8", "fp8"), "block_size"),
+        ((2, 128, 16, "int4", "fp8"), "unknown KV format"),
+    ],
+)
+def test_invalid_layouts_raise(args, err):
+    with pytest.raises(ValueError, match=err):
+        KVPageLayout(*args)
+
+
+def test_views_address_the_documented_bytes():
+    lay = KVPageLayout(3, 32, 16, "nvfp4", "fp8")
+    cache = allocate_cache(lay, 5, row_stride=lay.page_bytes + 80)
+    assert cache.stride() == (lay.page_bytes + 80, 1)
+    blk, head, tok, chunk = 3, 2, 7, 1
+    lay.data_plane(cache, "k")[blk, head, tok, 5] = 11
+    lay.scale_plane(cache, "k")[blk, head, chunk, tok] = 22
+    lay.data_plane(cache, "v")[blk, head, tok, 31] = 33
+    raw = cache.as_strided((5 * (lay.page_bytes + 80),), (1,), 0)
+    base = blk * (lay.page_bytes + 80)
+    w_k = lay.data_width("k")
+    assert raw[base + lay.k_data_offset + (head * 16 + tok) * w_k + 5] == 11
+    assert raw[base + lay.k_scale_offset + (head * 2 + chunk) * 16 + tok] == 22
+    assert raw[base + lay.v_data_offset + (head * 16 + tok) * 32 + 31] == 33
+    assert int((raw != 0).sum()) == 3  # nothing else touched, the row gaps included
+    with pytest.raises(ValueError, match="no scales"):
+        lay.scale_plane(cache, "v")
+
+
+def test_check_cache_rejects_bad_caches():
+    lay = KVPageLayout(2, 64, 16, "fp8", "nvfp4")
+    with pytest.raises(TypeError):
+        lay.check_cache(torch.zeros(4, lay.page_bytes, dtype=torch.int8))
+    with pytest.raises(ValueError, match="page is"):
+        lay.check_cache(torch.zeros(4, lay.page_bytes + 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="stride"):
+        lay.check_cache(torch.zeros(lay.page_bytes, 4, dtype=torch.uint8).t())

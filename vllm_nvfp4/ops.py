@@ -1,0 +1,203 @@
+"""The two cache operations of one attention layer, checked at the edge and dispatched.
+
+* CUDA tensors run the Triton kernels of :mod:`vllm_nvfp4.kernels`;
+* CPU tensors run :mod:`vllm_nvfp4.paged_torch` (vLLM's CPU path, CI).
+
+``backend="torch"`` (or ``VLLM_NVFP4_FORCE_TORCH=1``) forces the torch path on CUDA, and
+``backend="triton"`` forces the kernels (on CPU tensors that needs ``TRITON_INTERPRET=1`` set
+before :mod:`vllm_nvfp4.kernels` is imported). Checks here never read tensor contents, so the
+Triton path stays free of host syncs and CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal, Optional
+
+import torch
+
+from vllm_nvfp4 import paged_torch
+from vllm_nvfp4.layout import KVPageLayout
+
+Backend = Literal["auto", "torch", "triton"]
+FORCE_TORCH_ENV = "VLLM_NVFP4_FORCE_TORCH"
+KV_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ATTN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: head dims the Triton kernels are built and tested for (the torch path takes any multiple of 16)
+TRITON_HEAD_DIMS = (64, 128, 256)
+
+
+def _backend(device: torch.device, backend: Backend) -> str:
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend != "auto":
+        return backend
+    if device.type == "cuda" and os.environ.get(FORCE_TORCH_ENV, "0") not in ("1", "true", "True"):
+        return "triton"
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device}; vllm-nvfp4 runs on CPU or CUDA")
+    return "torch"
+
+
+def _check_scales(layout: KVPageLayout, device: torch.device, **scales: torch.Tensor) -> None:
+    for name, t in scales.items():
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            raise TypeError(f"{name} must be a float32 tensor [num_kv_heads], got {getattr(t, 'dtype', t)}")
+        if tuple(t.shape) != (layout.num_kv_heads,) or t.device != device:
+            raise ValueError(
+                f"{name} must have shape ({layout.num_kv_heads},) on {device}, "
+                f"got {tuple(t.shape)} on {t.device}"
+            )
+
+
+def _check_heads(name: str, x: torch.Tensor, layout: KVPageLayout, dtypes: tuple) -> None:
+    if not isinstance(x, torch.Tensor) or x.dtype not in dtypes:
+        raise TypeError(f"{name} must be a tensor of {dtypes}, got {getattr(x, 'dtype', x)}")
+    if x.dim() != 3 or x.shape[-1] != layout.head_dim:
+        raise ValueError(
+            f"{name} must be [tokens, heads, {layout.head_dim}], got shape {tuple(x.shape)}"
+        )
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name} needs stride(-1) == 1, got strides {tuple(x.stride())}")
+
+
+def _check_triton_head_dim(layout: KVPageLayout) -> None:
+    if layout.head_dim not in TRITON_HEAD_DIMS:
+        raise ValueError(
+            f"head_dim {layout.head_dim} is not supported by the Triton kernels "
+            f"(supported: {TRITON_HEAD_DIMS})"
+        )
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layout: KVPageLayout,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    backend: Backend = "auto",
+) -> None:
+    """Quantize and store this step's K/V into one layer's paged cache.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_dim]`` bf16/fp16/fp32, ``stride(-1) == 1``.
+        cache: uint8 ``[num_blocks, layout.page_bytes]``, ``stride(1) == 1``.
+        slot_mapping: int32/int64 ``[num_tokens]``; slot = block * block_size + offset; < 0 skips.
+        layout: the page layout of this layer.
+        k_scale, v_scale: float32 ``[num_kv_heads]``: FP8 scale or NVFP4 global scale per head.
+    Bytes match :mod:`vllm_nvfp4.formats` (``nonfinite="propagate"``) bit for bit.
+    """
+    layout.check_cache(cache)
+    _check_heads("key", key, layout, KV_INPUT_DTYPES)
+    _check_heads("value", value, layout, KV_INPUT_DTYPES)
+    if key.shape != value.shape or key.shape[1] != layout.num_kv_heads:
+        raise ValueError(
+            f"key {tuple(key.shape)} and value {tuple(value.shape)} must both be "
+            f"[tokens, {layout.num_kv_heads}, {layout.head_dim}]"
+        )
+    if slot_mapping.dtype not in (torch.int32, torch.int64) or tuple(slot_mapping.shape) != (
+        key.shape[0],
+    ):
+        raise ValueError(
+            f"slot_mapping must be int32/int64 [{key.shape[0]}], "
+            f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
+    for name, t in (("value", value), ("cache", cache), ("slot_mapping", slot_mapping)):
+        if t.device != key.device:
+            raise ValueError(f"{name} is on {t.device} but key is on {key.device}")
+    _check_scales(layout, key.device, k_scale=k_scale, v_scale=v_scale)
+    if key.shape[0] == 0:
+        return
+    if _backend(key.device, backend) == "torch":
+        paged_torch.write_kv_cache(key, value, cache, slot_mapping, layout, k_scale, v_scale)
+        return
+    _check_triton_head_dim(layout)
+    from vllm_nvfp4.kernels import cache_write
+
+    cache_write.write_kv_cache(key, value, cache, slot_mapping, layout, k_scale, v_scale)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    layout: KVPageLayout,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    softmax_scale: float,
+    out: torch.Tensor,
+    sliding_window: Optional[int] = None,
+    logits_soft_cap: Optional[float] = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Causal paged attention of a batch of sequences, K/V read from the quantized cache.
+
+    Args:
+        query, out: ``[num_query_tokens, num_q_heads, head_dim]`` (bf16/fp16/fp32);
+            ``num_q_heads`` a multiple of ``num_kv_heads`` (GQA/MQA).
+        cache, layout, k_scale, v_scale: as in :func:`write_kv_cache`.
+        block_table: int32 ``[num_seqs, max_blocks]``.
+        seq_lens: int32 ``[num_seqs]``: context length including this step's tokens.
+        query_start_loc: int32 ``[num_seqs + 1]``: query token ranges, cumulative.
+        max_query_len, max_seq_len: host ints (launch configuration; upper bounds).
+        softmax_scale: multiplies ``q . k`` before the softmax.
+        sliding_window: keys at positions ``> pos - sliding_window`` only (None: no window).
+        logits_soft_cap: ``cap * tanh(logits / cap)`` on the scaled logits (None/0: off).
+    Query token j of sequence s sits at position ``seq_lens[s] - q_len + j`` and attends
+    causally. Returns ``out``.
+    """
+    layout.check_cache(cache)
+    _check_heads("query", query, layout, ATTN_DTYPES)
+    _check_heads("out", out, layout, ATTN_DTYPES)
+    if out.shape != query.shape:
+        raise ValueError(f"out {tuple(out.shape)} must match query {tuple(query.shape)}")
+    if query.shape[1] % layout.num_kv_heads != 0:
+        raise ValueError(
+            f"num_q_heads {query.shape[1]} must be a multiple of num_kv_heads {layout.num_kv_heads}"
+        )
+    for name, t, nd in (
+        ("block_table", block_table, 2),
+        ("seq_lens", seq_lens, 1),
+        ("query_start_loc", query_start_loc, 1),
+    ):
+        if t.dtype != torch.int32 or t.dim() != nd:
+            raise ValueError(f"{name} must be a {nd}-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
+    num_seqs = seq_lens.shape[0]
+    if block_table.shape[0] < num_seqs or query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"{num_seqs} sequences need block_table [>= {num_seqs}, blocks] and query_start_loc "
+            f"[{num_seqs + 1}], got {tuple(block_table.shape)} and {tuple(query_start_loc.shape)}"
+        )
+    for name, t in (
+        ("cache", cache),
+        ("out", out),
+        ("block_table", block_table),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
+    _check_scales(layout, query.device, k_scale=k_scale, v_scale=v_scale)
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be None or > 0, got {sliding_window}")
+    if logits_soft_cap is not None and logits_soft_cap < 0:
+        raise ValueError(f"logits_soft_cap must be None or >= 0, got {logits_soft_cap}")
+    if num_seqs == 0 or query.shape[0] == 0:
+        return out
+    args = (
+        query, cache, layout, k_scale, v_scale, block_table, seq_lens, query_start_loc,
+        int(max_query_len), int(max_seq_len), float(softmax_scale), out, sliding_window,
+        logits_soft_cap or None,
+    )
+    if _backend(query.device, backend) == "torch":
+        return paged_torch.paged_attention(*args)
+    _check_triton_head_dim(layout)
+    from vllm_nvfp4.kernels import attention
+
+    return attention.paged_attention(*args)
