@@ -1,15 +1,12 @@
-"""vLLM general-plugin entry point (group ``vllm.general_plugins``).
+"""vLLM general-plugin entry point (group ``vllm.general_plugins``, name ``nvfp4_mixed``).
 
 vLLM calls :func:`register` once in every process (API server, engine core, workers).
-It must be idempotent and cheap; the integration module does the actual hooking.
+It is idempotent and cheap; :mod:`vllm_nvfp4.integration.hooks` lists everything it changes.
 """
-
-_registered = False
 
 
 def register() -> None:
-    """Register the ``nvfp4_mixed`` KV-cache dtype with vLLM (idempotent)."""
-    global _registered
-    if _registered:
-        return
-    _registered = True
+    """Make ``--kv-cache-dtype nvfp4_mixed`` available in this vLLM process (idempotent)."""
+    from vllm_nvfp4.integration.hooks import install
+
+    install()

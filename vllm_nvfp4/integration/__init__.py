@@ -1,0 +1,13 @@
+"""The vLLM integration of the ``nvfp4_mixed`` KV-cache dtype.
+
+Read :mod:`vllm_nvfp4.integration.hooks` first: it lists every place where vLLM is patched and
+why. The other modules hold the logic those hooks call:
+
+* :mod:`.dtype`     - the dtype name and its registration with vLLM's config machinery;
+* :mod:`.model`     - the resolved policy of the model being served, layer names -> policy rows,
+                      start-up validation;
+* :mod:`.selection` - which attention backend serves ``nvfp4_mixed``;
+* :mod:`.spec`      - the per-layer KV-cache spec (page size from the layer's formats);
+* :mod:`.backend`   - the attention backend and its metadata builder;
+* :mod:`.impl`      - the attention impl calling :mod:`vllm_nvfp4.ops`.
+"""

@@ -1,0 +1,135 @@
+"""The ``nvfp4_mixed`` attention backend: class, metadata and metadata builder.
+
+The builder is also where each layer gets its page layout and scales (``Nvfp4MixedImpl.bind``):
+it is constructed after the model is loaded and after ``Attention.process_weights_after_loading``
+has reset vLLM's own ``_k_scale``/``_v_scale`` to 1.0 for unquantized checkpoints, and before any
+CUDA graph is captured. Our scales are separate persistent device tensors on the impl, updated in
+place, so a later rebuild of the builder cannot invalidate captured graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+
+from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE
+from vllm_nvfp4.layout import PAGE_ALIGN
+
+from vllm_nvfp4.integration.dtype import CACHE_DTYPE
+from vllm_nvfp4.integration.model import layer_plan
+
+
+class Nvfp4MixedBackend(AttentionBackend):
+    """Paged attention over per-layer FP8/NVFP4 pages (Triton on CUDA, torch on CPU)."""
+
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = [CACHE_DTYPE]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"  # the static enum member that resolves to this class (see selection.py)
+
+    @staticmethod
+    def get_impl_cls() -> type:
+        from vllm_nvfp4.integration.impl import Nvfp4MixedImpl
+
+        return Nvfp4MixedImpl
+
+    @staticmethod
+    def get_builder_cls() -> type:
+        return Nvfp4MixedMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list:
+        # Pages are not token-major, so vLLM must never split a block into kernel blocks;
+        # any multiple of 16 keeps every plane of the page 16-byte aligned.
+        return [MultipleOf(PAGE_ALIGN)]
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return head_size > 0 and head_size % NVFP4_BLOCK_SIZE == 0
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        return False  # connectors would move pages they cannot interpret
+
+    @classmethod
+    def supports_compute_capability(cls, capability: Any) -> bool:
+        # The Triton kernels target Hopper (SM90) and Blackwell (SM100/SM120).
+        return capability is None or capability.major >= 9
+
+    @classmethod
+    def check_layer(cls, selector_config: Any) -> list[str]:
+        """Reasons this backend cannot serve a layer (empty list: it can)."""
+        from vllm.platforms import current_platform
+
+        capability = current_platform.get_device_capability() if current_platform.is_cuda() else None
+        if not (current_platform.is_cuda() or current_platform.is_cpu()):
+            return [f"platform {current_platform.device_name} is not supported (CUDA or CPU only)"]
+        return cls.validate_configuration(device_capability=capability, **selector_config._asdict())
+
+
+@dataclass
+class Nvfp4MixedMetadata:
+    """Per-step attention metadata (device tensors persistent across CUDA-graph replays)."""
+
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs]: context incl. this step's tokens
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
+    slot_mapping: torch.Tensor
+
+
+class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
+    """Builds :class:`Nvfp4MixedMetadata` and binds each layer's layout and scales."""
+
+    # Full CUDA graphs for single-token decode batches (the memory-bound case); mixed
+    # prefill/decode batches run piecewise, attention eager. Captured launches are sized for
+    # max_model_len (see build_for_cudagraph_capture), so replays stay correct for any context.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
+                 device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        forward_context = vllm_config.compilation_config.static_forward_context
+        for name in layer_names:
+            index, row, layout = layer_plan(vllm_config, name)
+            forward_context[name].impl.bind(name, index, row, layout, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> Nvfp4MixedMetadata:
+        m = common_attn_metadata
+        return Nvfp4MixedMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            max_query_len=m.max_query_len,
+            max_seq_len=m.max_seq_len,
+            query_start_loc=m.query_start_loc,
+            seq_lens=m.seq_lens,
+            block_table=m.block_table_tensor,
+            slot_mapping=m.slot_mapping,
+        )
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
+                                    ) -> Nvfp4MixedMetadata:
+        # The host ints are launch bounds baked into the graph: size them for the worst case.
+        meta = self.build(0, common_attn_metadata)
+        return replace(meta, max_seq_len=self.vllm_config.model_config.max_model_len)
+

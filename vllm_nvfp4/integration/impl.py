@@ -1,0 +1,150 @@
+"""The ``nvfp4_mixed`` attention impl: write K/V into the layer's pages, attend over them.
+
+vLLM builds the impl without telling it its layer; the metadata builder calls :meth:`bind` once
+the model is loaded (layer layout + scales). Both operations go through :mod:`vllm_nvfp4.ops`,
+which runs the Triton kernels on CUDA and the torch reference on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from vllm.v1.attention.backend import AttentionImpl, AttentionType
+
+from vllm_nvfp4 import ops
+from vllm_nvfp4.layout import KVPageLayout
+from vllm_nvfp4.policy import DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE, LayerPolicy, Scale
+
+from vllm_nvfp4.integration.dtype import CACHE_DTYPE
+from vllm_nvfp4.integration.backend import Nvfp4MixedMetadata
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
+_warned_default_scales = False
+
+
+def rank_scales(scale: Optional[Scale], fmt: str, total_heads: int, num_heads: int,
+                tp_rank: int, tp_size: int) -> list[float]:
+    """This rank's per-KV-head scales from a policy entry (None: the documented default)."""
+    if scale is None:
+        return [DEFAULT_FP8_SCALE if fmt == "fp8" else DEFAULT_NVFP4_GLOBAL_SCALE] * num_heads
+    if not isinstance(scale, tuple):
+        return [float(scale)] * num_heads
+    if total_heads >= tp_size:  # heads split across ranks
+        return list(scale[tp_rank * num_heads:(tp_rank + 1) * num_heads])
+    return [scale[tp_rank * total_heads // tp_size]] * num_heads  # replicated KV head
+
+
+def page_view(kv_cache: torch.Tensor, layout: KVPageLayout) -> torch.Tensor:
+    """vLLM's ``[blocks, 1, block_size, C]`` layer view as the ops' ``[blocks, page_bytes]``."""
+    expected = (1, layout.block_size, layout.bytes_per_token)
+    if tuple(kv_cache.shape[1:]) != expected or kv_cache.stride(3) != 1 or (
+            kv_cache.stride(2) != layout.bytes_per_token):
+        raise RuntimeError(
+            f"{CACHE_DTYPE}: vLLM handed a KV cache view of shape {tuple(kv_cache.shape)} strides "
+            f"{kv_cache.stride()}, expected dense pages [blocks, {', '.join(map(str, expected))}] "
+            "(was the block split into kernel blocks, or a non-block-contiguous layout forced?)"
+        )
+    return torch.as_strided(kv_cache, (kv_cache.shape[0], layout.page_bytes),
+                            (kv_cache.stride(0), 1), kv_cache.storage_offset())
+
+
+class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
+    """Attention for one layer whose K/V pages are FP8 or NVFP4 per the policy."""
+
+    # Queries stay in the model dtype: Attention.__init__ would otherwise build an FP8 query
+    # quantizer for any kv_cache_dtype starting with "nvfp4".
+    supports_quant_query_input = False
+
+    def __init__(self, num_heads: int, head_size: int, scale: float,
+                 num_kv_heads: Optional[int] = None, alibi_slopes: Optional[list[float]] = None,
+                 sliding_window: Optional[int] = None, kv_cache_dtype: str = CACHE_DTYPE,
+                 logits_soft_cap: Optional[float] = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: Optional[str] = None, **unsupported: Any) -> None:
+        problems = [name for name, bad in (
+            ("ALiBi", alibi_slopes is not None),
+            ("sliding window", sliding_window is not None),
+            (f"attention type {attn_type}", attn_type != AttentionType.DECODER),
+            ("KV sharing across layers", kv_sharing_target_layer_name is not None),
+            (f"options {sorted(unsupported)}", bool(unsupported)),
+        ) if bad]
+        if problems:
+            raise NotImplementedError(f"{CACHE_DTYPE} attention does not support {', '.join(problems)}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.logits_soft_cap = logits_soft_cap or None
+        self.attn_type = attn_type
+        self.layer_name: Optional[str] = None
+        self.layout: Optional[KVPageLayout] = None
+        self.k_scale: Optional[torch.Tensor] = None  # float32 [num_kv_heads], persistent
+        self.v_scale: Optional[torch.Tensor] = None
+        self._pages: Optional[torch.Tensor] = None
+        self._pages_of: Optional[torch.Tensor] = None
+
+    def bind(self, layer_name: str, index: int, row: LayerPolicy, layout: KVPageLayout,
+             vllm_config: Any, device: torch.device) -> None:
+        """Attach the layer's page layout and policy scales (in place if already bound)."""
+        global _warned_default_scales
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        if layout.num_kv_heads != self.num_kv_heads or layout.head_dim != self.head_size:
+            raise RuntimeError(f"{layer_name}: layout {layout} does not match the layer "
+                               f"({self.num_kv_heads} KV heads, head size {self.head_size})")
+        total = vllm_config.model_config.get_total_num_kv_heads()
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        tp_rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
+        values = {kv: rank_scales(row.quant_scale(kv), row.format_of(kv), total,
+                                  self.num_kv_heads, tp_rank, tp_size) for kv in ("k", "v")}
+        if not _warned_default_scales and (row.quant_scale("k") is None or row.quant_scale("v") is None):
+            _warned_default_scales = True
+            logger.warning(
+                "vllm-nvfp4: the policy has no calibrated scale for some K/V planes (first: layer "
+                "%d); using the defaults FP8 scale %.4g and NVFP4 global scale %.4g (|x| <= 448 "
+                "representable). Calibrate the model for accuracy.",
+                index, DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE)
+        for kv, vals in values.items():
+            new = torch.tensor(vals, dtype=torch.float32)
+            attr = f"{kv}_scale"
+            current = getattr(self, attr)
+            if current is None or current.shape != new.shape:
+                setattr(self, attr, new.to(device))
+            else:
+                current.copy_(new)  # in place: CUDA graphs keep pointing at it
+        self.layer_name, self.layout = layer_name, layout
+
+    def _page_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        if self._pages_of is not kv_cache:
+            self._pages = page_view(kv_cache, self.layout)
+            self._pages_of = kv_cache
+        return self._pages
+
+    def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Quantize this step's K/V into the layer's pages (slot < 0: padding, skipped)."""
+        if self.layout is None or kv_cache.numel() == 0:
+            return  # profiling run before the KV cache exists
+        n = min(key.shape[0], slot_mapping.shape[0])
+        ops.write_kv_cache(key[:n], value[:n], self._page_view(kv_cache), slot_mapping[:n],
+                           self.layout, self.k_scale, self.v_scale)
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Optional[Nvfp4MixedMetadata],
+                output: torch.Tensor, output_scale: Optional[torch.Tensor] = None,
+                output_block_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Causal paged attention of ``query [tokens, heads, D]`` into ``output``."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(f"{CACHE_DTYPE} attention has no fused output quantization")
+        if attn_metadata is None:
+            return output.fill_(0)  # profiling run
+        n = attn_metadata.num_actual_tokens
+        ops.paged_attention(
+            query[:n], self._page_view(kv_cache), self.layout, self.k_scale, self.v_scale,
+            attn_metadata.block_table, attn_metadata.seq_lens, attn_metadata.query_start_loc,
+            attn_metadata.max_query_len, attn_metadata.max_seq_len, self.scale, output[:n],
+            logits_soft_cap=self.logits_soft_cap,
+        )
+        return output

@@ -1,0 +1,157 @@
+"""The model being served, seen through the policy: which layer gets which formats and scales.
+
+Every vLLM process (front end, engine core, workers) resolves the policy the same way,
+:func:`vllm_nvfp4.policy.resolve_policy` (``$VLLM_NVFP4_POLICY``, then ``nvfp4_policy.json`` in the
+model directory, then the default rule); the environment and the model directory are the same in
+all of them. :func:`check_engine_config` runs in the front-end process when the engine config is
+built, so a bad policy or an unsupported model fails before any worker starts, with a message
+naming the problem.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE
+from vllm_nvfp4.layout import PAGE_ALIGN, KVPageLayout
+from vllm_nvfp4.policy import POLICY_ENV, KVPolicy, LayerPolicy, PolicyError, resolve_policy
+
+from vllm_nvfp4.integration.dtype import CACHE_DTYPE, PLUGIN_NAME
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
+
+
+class Nvfp4MixedConfigError(ValueError):
+    """The engine configuration cannot run with ``kv_cache_dtype=nvfp4_mixed``; says why."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the policy and the page layout need to know about the model (per TP rank)."""
+
+    num_layers: int  # attention layers of the whole model = rows of the policy
+    total_num_kv_heads: int
+    num_kv_heads: int  # on this rank
+    head_dim: int
+    block_size: int
+    model_dir: Optional[str]
+
+    @classmethod
+    def of(cls, vllm_config: Any) -> "ModelShape":
+        mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        model_dir = mc.model if os.path.isdir(str(mc.model)) else None
+        return cls(
+            num_layers=mc.get_total_num_hidden_layers(),
+            total_num_kv_heads=mc.get_total_num_kv_heads(),
+            num_kv_heads=mc.get_num_kv_heads(pc),
+            head_dim=mc.get_head_size(),
+            block_size=vllm_config.cache_config.block_size,
+            model_dir=model_dir,
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def _resolve(num_layers: int, num_kv_heads: int, model_dir: Optional[str], env_value: str) -> KVPolicy:
+    del env_value  # part of the cache key only: resolve_policy reads the environment itself
+    policy = resolve_policy(num_layers, model_dir)
+    policy.check_model(num_layers, num_kv_heads)
+    return policy
+
+
+def model_policy(vllm_config: Any) -> KVPolicy:
+    """The policy in force for this engine config (resolved once per process and setting)."""
+    shape = ModelShape.of(vllm_config)
+    return _resolve(shape.num_layers, shape.total_num_kv_heads, shape.model_dir,
+                    os.environ.get(POLICY_ENV, ""))
+
+
+def layer_index(layer_name: str, num_layers: int) -> int:
+    """Policy row of an attention layer: the decoder-layer number in its name.
+
+    ``model.layers.7.self_attn.attn`` -> 7. Decoder layers are numbered in model order, also
+    under pipeline parallelism (each stage keeps the global numbers), so this matches the
+    policy's "attention layer order in the model" for the dense models we accept.
+    """
+    numbers = [int(part) for part in layer_name.split(".") if part.isdigit()]
+    if len(numbers) != 1 or not 0 <= numbers[0] < num_layers:
+        raise Nvfp4MixedConfigError(
+            f"nvfp4_mixed: cannot map attention layer {layer_name!r} to a row of the "
+            f"{num_layers}-layer policy (expected one layer number in the name)"
+        )
+    return numbers[0]
+
+
+def layer_plan(vllm_config: Any, layer_name: str) -> tuple[int, LayerPolicy, KVPageLayout]:
+    """Policy index, policy row and page layout of one attention layer on this rank."""
+    shape = ModelShape.of(vllm_config)
+    policy = model_policy(vllm_config)
+    index = layer_index(layer_name, shape.num_layers)
+    row = policy.layers[index]
+    layout = KVPageLayout(shape.num_kv_heads, shape.head_dim, shape.block_size, row.k, row.v)
+    return index, row, layout
+
+
+def check_engine_config(vllm_config: Any) -> KVPolicy:
+    """Start-up validation of an ``nvfp4_mixed`` engine config; returns the policy in force.
+
+    Raises :class:`Nvfp4MixedConfigError` (or :class:`~vllm_nvfp4.policy.PolicyError`) naming
+    the problem: plugin excluded by ``VLLM_PLUGINS``, MLA / sliding-window / hybrid models,
+    head_dim or block size the page layout cannot hold, an explicit other attention backend,
+    ``--kv-cache-dtype-skip-layers``, or a policy that does not fit the model.
+    """
+    from vllm import envs
+
+    plugins = envs.VLLM_PLUGINS
+    if plugins is not None and PLUGIN_NAME not in plugins:
+        raise Nvfp4MixedConfigError(
+            f"kv_cache_dtype={CACHE_DTYPE} needs the vLLM plugin {PLUGIN_NAME!r} in every vLLM "
+            f"process, but VLLM_PLUGINS={','.join(plugins)!r} leaves it out; add {PLUGIN_NAME} "
+            "to VLLM_PLUGINS (or unset it)"
+        )
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    if mc.use_mla:
+        raise Nvfp4MixedConfigError(
+            f"kv_cache_dtype={CACHE_DTYPE} does not support MLA models ({mc.architecture}); "
+            "it stores per-head K and V. Use --kv-cache-dtype fp8 or auto for MLA models."
+        )
+    layer_types = getattr(mc.hf_text_config, "layer_types", None) or ()
+    odd_layers = sorted({t for t in layer_types if t not in ("attention", "full_attention")})
+    if mc.get_sliding_window() is not None or odd_layers or mc.is_hybrid:
+        what = ", ".join(odd_layers) or "sliding-window attention"
+        raise Nvfp4MixedConfigError(
+            f"kv_cache_dtype={CACHE_DTYPE} supports dense full-attention decoder models only; "
+            f"{mc.architecture} has {what} layers, which would need a second KV-cache group "
+            "(padded pages). Use --kv-cache-dtype fp8 for this model."
+        )
+    if cc.kv_cache_dtype_skip_layers:
+        raise Nvfp4MixedConfigError(
+            f"--kv-cache-dtype-skip-layers cannot be combined with {CACHE_DTYPE}: the per-layer "
+            "choice comes from the policy (see $VLLM_NVFP4_POLICY / nvfp4_policy.json)"
+        )
+    backend = vllm_config.attention_config.backend
+    if backend is not None and backend.name != "CUSTOM":
+        raise Nvfp4MixedConfigError(
+            f"--attention-backend {backend.name} cannot serve kv_cache_dtype={CACHE_DTYPE}; "
+            "leave the backend unset (the nvfp4_mixed backend is chosen automatically)"
+        )
+    shape = ModelShape.of(vllm_config)
+    if shape.head_dim % NVFP4_BLOCK_SIZE:
+        raise Nvfp4MixedConfigError(
+            f"kv_cache_dtype={CACHE_DTYPE} needs head_dim to be a multiple of "
+            f"{NVFP4_BLOCK_SIZE} (NVFP4 scale blocks); this model's head_dim is {shape.head_dim}"
+        )
+    if shape.block_size % PAGE_ALIGN:
+        raise Nvfp4MixedConfigError(
+            f"kv_cache_dtype={CACHE_DTYPE} needs --block-size to be a multiple of {PAGE_ALIGN}, "
+            f"got {shape.block_size}"
+        )
+    try:
+        policy = model_policy(vllm_config)
+    except PolicyError as e:
+        raise PolicyError(f"nvfp4_mixed policy does not fit {mc.model}: {e}") from None
+    logger.info("vllm-nvfp4: %s", policy.describe())
+    return policy

@@ -1,0 +1,53 @@
+"""Per-layer KV-cache spec: each layer's page holds its own formats (FP8 or NVFP4, K and V apart).
+
+The spec describes the page as vLLM's generic allocator sees it, ``[blocks, 1, block_size, C]``
+uint8 with ``C`` = bytes per token of this layer (``num_head_slots=1``, ``state_content_bytes=C``).
+The bytes inside a page follow :class:`vllm_nvfp4.layout.KVPageLayout`; vLLM never reads them.
+Layers whose specs differ only in ``C`` form one ``UniformTypeKVCacheSpecs`` group: one block
+table, bytes per block = the sum of the layers' pages, no padding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_nvfp4.integration.dtype import CACHE_DTYPE, CACHE_TORCH_DTYPE
+from vllm_nvfp4.integration.model import Nvfp4MixedConfigError, layer_plan
+
+
+def kv_cache_spec(layer: Any, vllm_config: Any) -> Any:
+    """The ``FullAttentionSpec`` of one ``nvfp4_mixed`` attention layer (None for encoders)."""
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
+
+    if layer.attn_type in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER):
+        return None  # as vLLM: no KV cache
+    if layer.attn_type != AttentionType.DECODER:
+        raise Nvfp4MixedConfigError(
+            f"{layer.layer_name}: {CACHE_DTYPE} supports decoder self-attention only, "
+            f"not {layer.attn_type}"
+        )
+    if layer.sliding_window is not None:
+        raise Nvfp4MixedConfigError(
+            f"{layer.layer_name}: {CACHE_DTYPE} does not support sliding-window layers "
+            f"(window {layer.sliding_window}); use --kv-cache-dtype fp8 for this model"
+        )
+    if layer.head_size_v != layer.head_size:
+        raise Nvfp4MixedConfigError(
+            f"{layer.layer_name}: {CACHE_DTYPE} needs equal K and V head sizes, got "
+            f"{layer.head_size} and {layer.head_size_v}"
+        )
+    _, _, layout = layer_plan(vllm_config, layer.layer_name)
+    spec = FullAttentionSpec(
+        block_size=layout.block_size,
+        num_kv_heads=layer.num_kv_heads,
+        head_size=layer.head_size,
+        head_size_v=layer.head_size_v,
+        dtype=CACHE_TORCH_DTYPE,
+        # NONE: vLLM's quantized-KV code paths must not treat these pages as theirs.
+        kv_quant_mode=KVQuantMode.NONE,
+        num_head_slots=1,
+        state_content_bytes=layout.bytes_per_token,
+    )
+    assert spec.page_size_bytes == layout.page_bytes, (spec.page_size_bytes, layout)
+    return spec
