@@ -1,0 +1,168 @@
+"""Triton kernel: quantize this step's K/V and store them into one layer's paged cache.
+
+One program per (token, KV head); it writes the head's K and V rows (and NVFP4 block scales) into
+the page layout of :mod:`vllm_nvfp4.layout`. The bytes equal :mod:`vllm_nvfp4.formats` with
+``nonfinite="propagate"``: every division is IEEE round-to-nearest (``tl.div_rn``) and every E4M3
+cast rounds to nearest even after an explicit clamp, exactly as the torch definition does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FMT_FP8 = 0
+FMT_NVFP4 = 1
+
+
+@triton.jit
+def _e4m3_byte(x, sign_src):
+    """FP32 ``x`` (clamped to +-448, or NaN) -> E4M3 byte, round to nearest even, in integer
+    arithmetic (bit-exact on GPU and in the interpreter, whose float8 cast mis-rounds carries).
+    The sign bit comes from ``sign_src`` (same sign as ``x``; for NaN it keeps the input's sign,
+    as torch does)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = (sign_src.to(tl.uint32, bitcast=True) >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    # normal E4M3 (|x| >= 2^-6): round the 23-bit mantissa to 3 bits, carry into the exponent
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    # subnormal E4M3: round(|x| / 2^-9) to nearest even, from the FP32 significand
+    e = (a >> 23).to(tl.int32) - 127
+    mant = (a & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(14 - e, 25).to(tl.uint32)  # e <= -7 here, so shift >= 21
+    one = mant * 0 + 1
+    q = mant >> shift
+    rem = mant & ((one << shift) - 1)
+    half = one << (shift - 1)
+    q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.uint32)
+    code = tl.where(a >= (121 << 23), normal, q)
+    code = tl.where(a > 0x7F800000, 0x7F, code)  # NaN
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def _e4m3_value(b):
+    """E4M3 byte (finite, non-negative) -> FP32, in integer arithmetic."""
+    b32 = b.to(tl.uint32)
+    e = (b32 >> 3) & 0xF
+    m = b32 & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    return tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+
+
+@triton.jit
+def _store_fp8_row(x_ptr, dst_ptr, scale, D: tl.constexpr):
+    """``dst[0:D] = e4m3(clamp(x / scale, +-448))``; NaN stays NaN."""
+    offs = tl.arange(0, D)
+    x = tl.load(x_ptr + offs).to(tl.float32)
+    q = tl.div_rn(x, tl.full([D], 1.0, tl.float32) * scale)
+    q = tl.where(q != q, q, tl.minimum(tl.maximum(q, -448.0), 448.0))
+    tl.store(dst_ptr + offs, _e4m3_byte(q, x))
+
+
+@triton.jit
+def _e2m1_code(q):
+    """E2M1 nibble of FP32 ``q`` (RNE via thresholds, saturating at 6; sign iff q < 0)."""
+    m = tl.abs(q)
+    c = (
+        (m > 0.25).to(tl.uint8)
+        + (m >= 0.75).to(tl.uint8)
+        + (m > 1.25).to(tl.uint8)
+        + (m >= 1.75).to(tl.uint8)
+        + (m > 2.5).to(tl.uint8)
+        + (m >= 3.5).to(tl.uint8)
+        + (m > 5.0).to(tl.uint8)
+    )
+    return c | ((q < 0).to(tl.uint8) << 3)
+
+
+@triton.jit
+def _store_nvfp4_row(x_ptr, data_ptr, scale_ptr, g, BLOCK: tl.constexpr, D: tl.constexpr):
+    """NVFP4 of one head vector: ``data[0:D/2]`` packed codes, ``scale_ptr[c * BLOCK]`` the block
+    scale of 16-chunk ``c`` (the scale plane is transposed: chunk-major, ``BLOCK`` tokens apart)."""
+    C: tl.constexpr = D // 16
+    cc = tl.arange(0, C)[:, None]
+    jj = tl.arange(0, 8)[None, :]
+    even = tl.load(x_ptr + cc * 16 + 2 * jj).to(tl.float32)  # [C, 8]: elements 16c + 2j
+    odd = tl.load(x_ptr + cc * 16 + 2 * jj + 1).to(tl.float32)
+    inf = float("inf")
+    bad_e = (even != even) | (tl.abs(even) == inf)
+    bad_o = (odd != odd) | (tl.abs(odd) == inf)
+    bad = tl.max((bad_e | bad_o).to(tl.int32), axis=1) > 0  # [C]
+    amax = tl.maximum(
+        tl.max(tl.where(bad_e, 0.0, tl.abs(even)), axis=1),
+        tl.max(tl.where(bad_o, 0.0, tl.abs(odd)), axis=1),
+    )
+    g6 = tl.full([C], 6.0, tl.float32) * g
+    s_q = tl.minimum(tl.div_rn(amax, g6), 448.0)
+    s_byte = _e4m3_byte(s_q, s_q)
+    se = _e4m3_value(s_byte) * g  # [C]
+    ok = (se != 0.0) & (tl.abs(se) != inf) & ~bad
+    s_byte = tl.where(bad, tl.full([C], 0x7F, tl.uint8), s_byte)  # NaN scale: block decodes to NaN
+    se_safe = tl.where(ok, se, 1.0)[:, None]
+    c_even = tl.where(ok[:, None], _e2m1_code(tl.div_rn(even, se_safe)), 0)
+    c_odd = tl.where(ok[:, None], _e2m1_code(tl.div_rn(odd, se_safe)), 0)
+    tl.store(data_ptr + cc * 8 + jj, (c_even | (c_odd << 4)).to(tl.uint8))
+    tl.store(scale_ptr + tl.arange(0, C) * BLOCK, s_byte)
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_blk,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+    K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    page = cache_ptr + (slot // BLOCK) * stride_blk
+    off = slot % BLOCK
+    C: tl.constexpr = D // 16
+    k_src = key_ptr + t.to(tl.int64) * stride_kt + h * stride_kh
+    v_src = value_ptr + t.to(tl.int64) * stride_vt + h * stride_vh
+    if K_FMT == FMT_FP8:
+        _store_fp8_row(k_src, page + K_DATA + (h * BLOCK + off) * D, tl.load(k_scale_ptr + h), D)
+    else:
+        _store_nvfp4_row(k_src, page + K_DATA + (h * BLOCK + off) * (D // 2),
+                         page + K_SCALE + h * C * BLOCK + off, tl.load(k_scale_ptr + h), BLOCK, D)
+    if V_FMT == FMT_FP8:
+        _store_fp8_row(v_src, page + V_DATA + (h * BLOCK + off) * D, tl.load(v_scale_ptr + h), D)
+    else:
+        _store_nvfp4_row(v_src, page + V_DATA + (h * BLOCK + off) * (D // 2),
+                         page + V_SCALE + h * C * BLOCK + off, tl.load(v_scale_ptr + h), BLOCK, D)
+
+
+def format_code(fmt: str) -> int:
+    """Kernel constexpr of a KV format name."""
+    return FMT_FP8 if fmt == "fp8" else FMT_NVFP4
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layout,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    """Launch the write kernel (inputs checked by :func:`vllm_nvfp4.ops.write_kv_cache`).
+
+    ``key``/``value [T, H, D]``, ``cache uint8 [N, page_bytes]``, ``slot_mapping [T]``,
+    ``k_scale``/``v_scale`` FP32 ``[H]``; ``layout`` a :class:`~vllm_nvfp4.layout.KVPageLayout`.
+    """
+    num_tokens, h, d = key.shape
+    _write_kv_kernel[(num_tokens, h)](
+        key, value, cache, slot_mapping, k_scale, v_scale,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), cache.stride(0),
+        K_FMT=format_code(layout.k_format), V_FMT=format_code(layout.v_format),
+        K_DATA=layout.k_data_offset, K_SCALE=layout.k_scale_offset,
+        V_DATA=layout.v_data_offset, V_SCALE=layout.v_scale_offset,
+        H=h, D=d, BLOCK=layout.block_size,
+        num_warps=1,
+    )
