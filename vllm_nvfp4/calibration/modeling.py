@@ -1,0 +1,78 @@
+"""Load a Hugging Face causal LM for calibration and describe the shape of its KV cache."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_nvfp4.calibration.kv_hooks import attention_modules, text_config
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class ModelError(ValueError):
+    """The model directory is missing, unreadable or of an unsupported kind."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a policy depends on: layer count, KV heads, head size, and the config it came from."""
+
+    path: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    config_sha256: str
+    max_positions: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def config_sha256(model_dir: Path) -> str:
+    """SHA-256 of ``config.json`` parsed and re-serialised with sorted keys (formatting-proof)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelError(f"{model_dir}: cannot read config.json ({e})") from None
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
+
+
+def load_model(model_dir: str | Path, dtype: str = "bfloat16") -> tuple[torch.nn.Module, Any, ModelInfo]:
+    """Load ``(model, tokenizer, info)`` from a local HF directory, eval mode, SDPA attention."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{path} is not a Hugging Face model directory (no config.json); "
+                         "for SmolLM2 run: python scripts/prepare_assets.py smollm2")
+    if dtype not in DTYPES:
+        raise ModelError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], attn_implementation="sdpa")
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(f"cannot load {path} with transformers: {e}") from None
+    model.eval()
+    mods = attention_modules(model)
+    if not mods:
+        raise ModelError(f"{path}: no Llama/Qwen2/Mistral-style attention layers found")
+    cfg = text_config(model)
+    info = ModelInfo(
+        path=str(path.resolve()),
+        num_layers=len(mods),
+        num_kv_heads=int(cfg.num_key_value_heads),
+        head_dim=int(mods[0].head_dim),
+        dtype=dtype,
+        config_sha256=config_sha256(path),
+        max_positions=int(getattr(cfg, "max_position_embeddings", 0) or 0) or 1 << 30,
+    )
+    if info.head_dim % 16:
+        raise ModelError(f"{path}: head_dim {info.head_dim} is not a multiple of 16; NVFP4 needs 16-blocks")
+    return model, tokenizer, info

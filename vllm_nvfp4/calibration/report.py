@@ -1,0 +1,157 @@
+"""What people look at: per-layer sensitivity PNG, damage-vs-bytes PNG and ``REPORT.md``.
+
+Everything is rendered from the JSON files of a report directory (``sensitivity.json`` and any
+``selection-*.json``), so re-rendering is cheap and always consistent with the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from vllm_nvfp4.calibration.selection import predicted_curve
+
+SENSITIVITY_PNG = "sensitivity.png"
+DAMAGE_PNG = "damage_vs_bytes.png"
+REPORT_MD = "REPORT.md"
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def load_selections(report_dir: Path) -> list[dict[str, Any]]:
+    """All ``selection-*.json`` of a report directory, by number of FP8 slots."""
+    out = [json.loads(p.read_text()) for p in Path(report_dir).glob("selection-*.json")]
+    return sorted(out, key=lambda s: s["fp8_slots"])
+
+
+def plot_sensitivity(report: dict[str, Any], path: Path) -> None:
+    """Bars of each layer's marginal KL and delta NLL for K and V downgraded alone."""
+    plt = _plt()
+    idx = [e["index"] for e in report["layers"]]
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.3 * len(idx) + 3), 7), sharex=True)
+    for ax, metric, label in ((axes[0], "kl_marginal", "KL vs reference (nats/token)"),
+                              (axes[1], "dnll_marginal", "delta NLL (nats/token)")):
+        for off, kv, color in ((-0.2, "k", "tab:red"), (0.2, "v", "tab:blue")):
+            ax.bar([i + off for i in idx], [e[kv][metric] for e in report["layers"]], width=0.4,
+                   color=color, label=f"{kv.upper()} -> NVFP4")
+        ax.axhline(0, color="black", lw=0.6)
+        ax.set_ylabel(f"marginal {label}")
+        ax.legend(loc="upper right")
+    se = max(e[kv].get("dnll_vs_base_se", 0.0) for e in report["layers"] for kv in ("k", "v"))
+    axes[1].axhspan(-se, se, color="grey", alpha=0.25, label="+-1 s.e. (paired vs all-FP8)")
+    axes[1].legend(loc="upper right")
+    axes[1].set_xlabel("layer")
+    axes[0].set_title(f"{Path(report['model']['path']).name}: one slot in NVFP4, the rest FP8 "
+                      f"(marginal over all-FP8; {report['data']['eval_windows']} x {report['data']['window_tokens']} tokens)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_damage_vs_bytes(report: dict[str, Any], selections: list[dict[str, Any]], path: Path) -> None:
+    """Measured delta NLL and KL of the candidate policies against their KV bytes."""
+    plt = _plt()
+    cfg = report["configs"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, metric, label in ((axes[0], "dnll", "delta NLL vs reference (nats/token)"),
+                              (axes[1], "kl", "KL vs reference (nats/token)")):
+        xs, ys = zip(*predicted_curve(report, metric))
+        ax.plot(xs, ys, color="grey", lw=1, ls="--", label=f"selected, predicted (additive, {metric})")
+        ax.scatter([1.0], [cfg["all_fp8"][metric]], marker="s", color="black", label="all-FP8", zorder=3)
+        ax.scatter([0.5625], [cfg["all_nvfp4"][metric]], marker="X", color="tab:red", s=70, label="all-NVFP4", zorder=3)
+        for n, sel in enumerate(selections):
+            if "measured" not in sel["selected"]:
+                continue
+            x = sel["fraction_of_fp8"]
+            ax.scatter([x], [sel["naive"]["measured"][metric]], marker="v", color="tab:orange",
+                       label="naive first/last (measured)" if n == 0 else None, zorder=3)
+            ax.scatter([x], [sel["selected"]["measured"][metric]], marker="o", color="tab:green",
+                       label="selected (measured)" if n == 0 else None, zorder=3)
+        ax.set_xlabel("KV bytes (fraction of all-FP8)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{Path(report['model']['path']).name}: damage against KV-cache size")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _row(name: str, frac: float, m: dict[str, Any]) -> str:
+    return f"| {name} | {frac:.4f} | {m['dnll']:.5f} ± {m['dnll_se']:.5f} | {m['kl']:.5f} |"
+
+
+def markdown(report: dict[str, Any], selections: list[dict[str, Any]]) -> str:
+    """The short human report."""
+    cfg, model, data, st = report["configs"], report["model"], report["data"], report["settings"]
+    nv = cfg["all_nvfp4"]["dnll"]
+    lines = [
+        f"# KV-cache sensitivity: {Path(model['path']).name}",
+        "",
+        f"Generated {report['date']} by vllm-nvfp4 {report['tool']['version']} (`analyze`: "
+        f"{report['seconds']:.0f} s, {st['forwards']} forwards, prefix reuse {'on' if st['prefix_reuse'] else 'off'}).",
+        f"Model: {model['num_layers']} layers, {model['num_kv_heads']} KV heads, head_dim {model['head_dim']}, "
+        f"{model['dtype']}; config sha256 `{model['config_sha256'][:16]}`.",
+        f"Data: {', '.join(Path(f['path']).name for f in data['files'])}; {data['calib_windows']} calibration + "
+        f"{data['eval_windows']} held-out windows of {data['window_tokens']} tokens "
+        f"({cfg['reference']['tokens']} scored tokens). Reference NLL {cfg['reference']['nll']:.4f} nats/token.",
+        "",
+        "Damage against the unquantized reference (delta NLL ± one paired standard error; KL of the",
+        "next-token distributions), in nats/token:",
+        "",
+        "| configuration | KV bytes / FP8 | delta NLL | KL |",
+        "|---|---|---|---|",
+        _row("reference repeat (noise floor)", 2.0, cfg["reference_repeat"]),
+        _row("all-FP8 (calibrated)", 1.0, cfg["all_fp8"]),
+        _row("all-NVFP4 (calibrated)", 0.5625, cfg["all_nvfp4"]),
+    ]
+    for sel in selections:
+        if "measured" not in sel["selected"]:
+            continue
+        lines.append(_row(f"selected, {sel['fp8_slots']} FP8 slots: `{sel['selected']['policy']}`",
+                          sel["fraction_of_fp8"], sel["selected"]["measured"]))
+        lines.append(_row(f"naive first/last, same bytes: `{sel['naive']['policy']}`",
+                          sel["fraction_of_fp8"], sel["naive"]["measured"]))
+    top = sorted(((e[kv]["kl_marginal"], e["index"], kv) for e in report["layers"] for kv in ("k", "v")),
+                 reverse=True)[:8]
+    lines += ["", "Most sensitive slots (marginal KL over all-FP8): "
+              + ", ".join(f"L{i}.{kv.upper()} {d:.4f}" for d, i, kv in top) + ".", ""]
+    for sel in selections:
+        if "measured" not in sel["selected"]:
+            continue
+        s, n = sel["selected"], sel["naive"]
+        ratio = s["measured"]["dnll"] / nv if nv else float("nan")
+        lines += [
+            f"## Selection at {sel['fraction_of_fp8']:.4f}x FP8 bytes ({sel['fp8_slots']} FP8 slots, by {sel['metric']})",
+            "",
+            f"- selected delta NLL = {s['measured']['dnll']:.5f} = {100 * ratio:.1f}% of all-NVFP4's {nv:.5f}; "
+            f"naive = {n['measured']['dnll']:.5f} ({100 * n['measured']['dnll'] / nv if nv else float('nan'):.1f}%).",
+            f"- additivity (measured / predicted): selected KL {s['measured_over_predicted']['kl']}, "
+            f"delta NLL {s['measured_over_predicted']['dnll']}; naive KL {n['measured_over_predicted']['kl']}, "
+            f"delta NLL {n['measured_over_predicted']['dnll']}.",
+            "",
+        ]
+    lines += [f"![sensitivity]({SENSITIVITY_PNG})", "", f"![damage vs bytes]({DAMAGE_PNG})", ""]
+    return "\n".join(lines)
+
+
+def render(report_dir: Path) -> list[Path]:
+    """(Re)write both PNGs and ``REPORT.md`` of a report directory; returns their paths."""
+    from vllm_nvfp4.calibration.sensitivity import REPORT_FILE
+
+    report_dir = Path(report_dir)
+    report = json.loads((report_dir / REPORT_FILE).read_text())
+    selections = load_selections(report_dir)
+    outs = [report_dir / SENSITIVITY_PNG, report_dir / DAMAGE_PNG, report_dir / REPORT_MD]
+    plot_sensitivity(report, outs[0])
+    plot_damage_vs_bytes(report, selections, outs[1])
+    outs[2].write_text(markdown(report, selections), encoding="utf-8")
+    return outs

@@ -1,0 +1,88 @@
+"""Calibration: per-layer (optionally per-head) K/V amax -> FP8 scales and NVFP4 global scales.
+
+Conventions (DESIGN.md section 3, :mod:`vllm_nvfp4.formats`): FP8 ``scale = amax / 448``, NVFP4
+``global_scale = amax / (6 * 448)``. Every layer gets both kinds for K and V, whatever its format,
+so a policy can switch a layer's format later without recalibrating. ``amax`` is the largest
+``|K|`` (post-RoPE) or ``|V|`` seen over the calibration windows - per KV head with ``per_head``,
+else over all heads of the layer. A layer whose amax is 0 keeps the defaults (no scale written).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Optional
+
+import torch
+
+from vllm_nvfp4.calibration.kv_hooks import KVObserver, kv_cache_quantization
+from vllm_nvfp4.calibration.progress import progress
+from vllm_nvfp4.formats import fp8_scale_from_amax, nvfp4_global_scale
+from vllm_nvfp4.policy import KVPolicy, LayerPolicy, Scale
+
+logger = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def observe_amax(model: torch.nn.Module, windows: torch.Tensor, num_layers: int,
+                 desc: str = "calibrate") -> KVObserver:
+    """Run ``windows [n, T]`` one at a time and return the per-layer, per-head K/V amax."""
+    observer = KVObserver(num_layers)
+    with kv_cache_quantization(model, observer=observer):
+        for row in progress(windows, desc=desc, unit="window"):
+            model(row.unsqueeze(0), use_cache=False)
+    missing = observer.missing_layers()
+    if missing:
+        raise RuntimeError(f"layers {missing} never went through the KV hook; unsupported model")
+    return observer
+
+
+def _scales(amax: torch.Tensor, per_head: bool) -> tuple[Optional[Scale], Optional[Scale]]:
+    """``(fp8_scale, nvfp4_global_scale)`` from amax ``[kv_heads]``; ``None`` where amax is 0."""
+    if not per_head:
+        a = float(amax.max())
+        if a <= 0:
+            return None, None
+        return float(fp8_scale_from_amax(a)), float(nvfp4_global_scale(a))
+    if bool((amax <= 0).any()):
+        return None, None
+    return (tuple(float(s) for s in fp8_scale_from_amax(amax)),
+            tuple(float(s) for s in nvfp4_global_scale(amax)))
+
+
+def scaled_policy(formats: KVPolicy, observer: KVObserver, per_head: bool = False,
+                  provenance: Optional[Mapping[str, Any]] = None) -> KVPolicy:
+    """``formats`` (formats only) with calibrated scales from ``observer`` for every layer."""
+    if formats.num_layers != observer.num_layers:
+        raise ValueError(f"formats cover {formats.num_layers} layers, amax {observer.num_layers}")
+    layers = []
+    for i, lp in enumerate(formats.layers):
+        k8, k4 = _scales(observer.k_amax[i], per_head)  # type: ignore[arg-type]
+        v8, v4 = _scales(observer.v_amax[i], per_head)  # type: ignore[arg-type]
+        if None in (k8, v8):
+            logger.warning("layer %d: K or V was all zeros during calibration; keeping default scales", i)
+        layers.append(LayerPolicy(lp.k, lp.v, k_scale=k8, v_scale=v8, k_global_scale=k4, v_global_scale=v4))
+    return KVPolicy(tuple(layers), provenance=dict(provenance or {}), source="calibration")
+
+
+def amax_table(observer: KVObserver) -> list[dict[str, list[float]]]:
+    """Per-layer ``{"k": [amax per head], "v": [...]}`` for reports."""
+    return [{"k": [round(float(a), 6) for a in k], "v": [round(float(a), 6) for a in v]}  # type: ignore[union-attr]
+            for k, v in zip(observer.k_amax, observer.v_amax)]
+
+
+def formats_only(policy: KVPolicy) -> KVPolicy:
+    """The formats of ``policy`` without any scales."""
+    return KVPolicy(tuple(LayerPolicy(lp.k, lp.v) for lp in policy.layers), source=policy.source)
+
+
+def with_formats(scaled: KVPolicy, formats: KVPolicy, provenance: Optional[Mapping[str, Any]] = None,
+                 source: str = "selection") -> KVPolicy:
+    """``formats``' per-layer formats combined with ``scaled``'s calibrated scales."""
+    if scaled.num_layers != formats.num_layers:
+        raise ValueError(f"scales cover {scaled.num_layers} layers, formats {formats.num_layers}")
+    layers = tuple(
+        LayerPolicy(f.k, f.v, k_scale=s.k_scale, v_scale=s.v_scale,
+                    k_global_scale=s.k_global_scale, v_global_scale=s.v_global_scale)
+        for s, f in zip(scaled.layers, formats.layers)
+    )
+    return KVPolicy(layers, provenance=dict(provenance or {}), source=source)

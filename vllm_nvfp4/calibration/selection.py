@@ -1,0 +1,102 @@
+"""Choose per-layer FP8/NVFP4 for K and V under a KV-bytes budget (``vllm-nvfp4 select``).
+
+Model of the damage (additivity): ``D(policy) ~ D(all-FP8) + sum over NVFP4 slots of
+(D(slot alone in NVFP4) - D(all-FP8))``, where a *slot* is one layer's K or V and ``D`` the mean
+KL (default) or delta NLL from the sensitivity report. Every slot costs the same bytes (FP8 1.0,
+NVFP4 0.5625 of an FP8 slot: all layers share head count and head size), so a budget is a number
+``n`` of FP8 slots, and keeping the ``n`` slots with the largest marginal damage in FP8 minimises
+the predicted damage exactly (any other choice swaps a larger marginal for a smaller one).
+
+The naive rule at the same budget keeps whole layers in FP8 from both ends: the first
+``ceil(m/2)`` and last ``floor(m/2)`` layers for ``m = n // 2``, plus the K of the next front
+layer when ``n`` is odd.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+from vllm_nvfp4.policy import KVPolicy, LayerPolicy
+
+NVFP4_SLOT = 0.5625  # bytes of an NVFP4 slot relative to FP8 (D/2 + D/16 vs D)
+METRICS = ("kl", "dnll")
+
+
+def fraction_for_slots(num_layers: int, fp8_slots: int) -> float:
+    """KV bytes relative to all-FP8 when ``fp8_slots`` of the ``2 * num_layers`` slots are FP8."""
+    total = 2 * num_layers
+    return (fp8_slots + NVFP4_SLOT * (total - fp8_slots)) / total
+
+
+def fp8_slots_for_budget(num_layers: int, budget: float) -> int:
+    """The most FP8 slots whose bytes stay within ``budget`` (fraction of all-FP8 bytes)."""
+    if not (isinstance(budget, (int, float)) and math.isfinite(budget)):
+        raise ValueError(f"budget must be a number, got {budget!r}")
+    if budget < NVFP4_SLOT or budget > 1.0:
+        raise ValueError(f"budget must lie between {NVFP4_SLOT} (all NVFP4) and 1.0 (all FP8), got {budget}")
+    total = 2 * num_layers
+    n = int(math.floor((budget - NVFP4_SLOT) * total / (1.0 - NVFP4_SLOT) + 1e-9))
+    n = min(max(n, 0), total)
+    while n > 0 and fraction_for_slots(num_layers, n) > budget + 1e-12:  # guard rounding
+        n -= 1
+    return n
+
+
+def check_slots(num_layers: int, fp8_slots: int) -> int:
+    """Validate an explicit number of FP8 slots."""
+    if not isinstance(fp8_slots, int) or not 0 <= fp8_slots <= 2 * num_layers:
+        raise ValueError(f"--fp8-slots must be an integer in [0, {2 * num_layers}] for {num_layers} layers, got {fp8_slots!r}")
+    return fp8_slots
+
+
+def marginals(report: dict[str, Any], metric: str) -> list[tuple[float, int, str]]:
+    """``(marginal damage, layer, "k"|"v")`` for every slot, largest damage first (ties: K, low layer)."""
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
+    base = report["configs"]["all_fp8"][metric]
+    slots = [(entry[kv][metric] - base, entry["index"], kv) for entry in report["layers"] for kv in ("k", "v")]
+    return sorted(slots, key=lambda s: (-s[0], s[1], s[2]))
+
+
+def _policy_from_fp8(num_layers: int, fp8: Iterable[tuple[int, str]], source: str) -> KVPolicy:
+    keep = set(fp8)
+    layers = tuple(
+        LayerPolicy("fp8" if (i, "k") in keep else "nvfp4", "fp8" if (i, "v") in keep else "nvfp4")
+        for i in range(num_layers)
+    )
+    return KVPolicy(layers, source=source)
+
+
+def select_formats(report: dict[str, Any], fp8_slots: int, metric: str = "kl") -> KVPolicy:
+    """Formats minimising the predicted damage with exactly ``fp8_slots`` FP8 slots."""
+    num_layers = len(report["layers"])
+    check_slots(num_layers, fp8_slots)
+    chosen = [(layer, kv) for _, layer, kv in marginals(report, metric)[:fp8_slots]]
+    return _policy_from_fp8(num_layers, chosen, source=f"selected ({fp8_slots} FP8 slots, {metric})")
+
+
+def naive_formats(num_layers: int, fp8_slots: int) -> KVPolicy:
+    """The first/last-N rule with ``fp8_slots`` FP8 slots (see module docstring)."""
+    check_slots(num_layers, fp8_slots)
+    m = fp8_slots // 2
+    front, back = (m + 1) // 2, m // 2
+    keep = [(i, kv) for i in [*range(front), *range(num_layers - back, num_layers)] for kv in ("k", "v")]
+    if fp8_slots % 2:
+        keep.append((front, "k"))
+    return _policy_from_fp8(num_layers, keep, source=f"naive first/last ({fp8_slots} FP8 slots)")
+
+
+def predict(report: dict[str, Any], formats: KVPolicy, metric: str) -> float:
+    """Additive prediction of ``metric`` for ``formats`` from single-slot measurements."""
+    table = {(layer, kv): d for d, layer, kv in marginals(report, metric)}
+    base = report["configs"]["all_fp8"][metric]
+    return base + sum(table[(i, kv)] for i, lp in enumerate(formats.layers)
+                      for kv in ("k", "v") if lp.format_of(kv) == "nvfp4")
+
+
+def predicted_curve(report: dict[str, Any], metric: str) -> list[tuple[float, float]]:
+    """``(fraction of FP8 bytes, predicted damage)`` of the selected policy for every slot count."""
+    num_layers = len(report["layers"])
+    return [(fraction_for_slots(num_layers, n), predict(report, select_formats(report, n, metric), metric))
+            for n in range(2 * num_layers + 1)]

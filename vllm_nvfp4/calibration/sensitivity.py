@@ -1,0 +1,149 @@
+"""Layer-wise KV sensitivity (``vllm-nvfp4 analyze``).
+
+Starting from all-FP8 with calibrated scales, each layer's K (then V) alone is switched to NVFP4
+and the damage against the unquantized reference is measured on held-out windows (mean next-token
+KL and delta NLL). Also measured: all-FP8, all-NVFP4 and a repeat of the reference (noise floor).
+A layer-slot's *sensitivity* is its damage minus all-FP8's (the marginal cost of that slot).
+
+Writes to the report directory: ``sensitivity.json`` (everything, see :func:`analyze`),
+``scales.json`` (the calibrated all-FP8 policy) and, via :mod:`report`, plots and ``REPORT.md``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+import vllm_nvfp4
+from vllm_nvfp4.calibration.data import load_windows
+from vllm_nvfp4.calibration.evaluator import Evaluator
+from vllm_nvfp4.calibration.metrics import Metrics
+from vllm_nvfp4.calibration.modeling import load_model
+from vllm_nvfp4.calibration.progress import progress
+from vllm_nvfp4.calibration.scales import amax_table, observe_amax, scaled_policy, with_formats
+from vllm_nvfp4.policy import KVPolicy
+
+REPORT_FILE = "sensitivity.json"
+SCALES_FILE = "scales.json"
+REPORT_KIND = "vllm-nvfp4-sensitivity"
+
+
+def utc_now() -> str:
+    """ISO-8601 UTC timestamp (seconds)."""
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def downgrade(policy: KVPolicy, layer: int, kv: str) -> KVPolicy:
+    """``policy`` with ``kv`` ("k" or "v") of ``layer`` in NVFP4 (scales kept)."""
+    return policy.with_layer(layer, **{kv: "nvfp4"})
+
+
+def all_format(scaled: KVPolicy, fmt: str) -> KVPolicy:
+    """Every K and V in ``fmt``, with ``scaled``'s scales."""
+    return with_formats(scaled, KVPolicy.from_compact(f"*:{fmt}", scaled.num_layers))
+
+
+def analyze(
+    model_dir: str | Path,
+    data: Sequence[Path],
+    out_dir: Path,
+    window: int = 2048,
+    windows: int = 2,
+    calib_windows: int = 1,
+    scales: Optional[KVPolicy] = None,
+    per_head: bool = False,
+    dtype: str = "bfloat16",
+    reuse_prefix: bool = True,
+) -> dict[str, Any]:
+    """Run the sensitivity analysis and write ``out_dir/sensitivity.json`` (+ ``scales.json``).
+
+    Args:
+        model_dir: local HF model directory.
+        data: text / JSONL files; the first ``calib_windows`` windows calibrate the scales (skipped
+            when ``scales`` is given), the next ``windows`` windows of ``window`` tokens are scored.
+        scales: a calibrated policy (``vllm-nvfp4 calibrate``) whose scales to use.
+        per_head: calibrate one scale per KV head instead of one per layer.
+    Returns:
+        The report dictionary (also written as JSON).
+    """
+    t_start = time.time()
+    model, tokenizer, info = load_model(model_dir, dtype)
+    n_calib = 0 if scales is not None else calib_windows
+    toks = load_windows(data, tokenizer, window, windows, n_calib, info.max_positions)
+    if scales is None:
+        observer = observe_amax(model, toks.calib, info.num_layers)
+        formats = KVPolicy.from_compact("*:fp8", info.num_layers)
+        scaled = scaled_policy(formats, observer, per_head, {"calibrated_on": toks.describe()})
+        amax = amax_table(observer)
+    else:
+        scales.check_model(info.num_layers, info.num_kv_heads)
+        scaled = all_format(scales, "fp8")
+        amax = None
+
+    ev = Evaluator(model, toks.eval, reuse_prefix=reuse_prefix)
+    n_win = len(toks.eval)
+    total = n_win * (4 + 2 * info.num_layers)
+    results: dict[str, Metrics] = {}
+    layers: list[dict[str, Any]] = []
+    with progress(total=total, desc="analyze", unit="fwd") as bar:
+        bar.set_postfix_str("reference")
+        results["reference"] = ev.reference(bar)
+        bar.set_postfix_str("reference repeat")
+        results["reference_repeat"] = ev.measure(None, bar)
+        bar.set_postfix_str("all-FP8")
+        baseline = all_format(scaled, "fp8")
+        results["all_fp8"] = ev.set_baseline(baseline, bar)
+        bar.set_postfix_str("all-NVFP4")
+        results["all_nvfp4"] = ev.measure(all_format(scaled, "nvfp4"), bar)
+        for i in range(info.num_layers):
+            entry: dict[str, Any] = {"index": i}
+            for kv in ("k", "v"):
+                bar.set_postfix_str(f"layer {i} {kv.upper()}->NVFP4")
+                entry[kv] = ev.measure(downgrade(baseline, i, kv), bar).to_dict()
+            layers.append(entry)
+
+    base = results["all_fp8"]
+    for entry in layers:
+        for kv in ("k", "v"):
+            entry[kv]["kl_marginal"] = round(entry[kv]["kl"] - base.kl, 8)
+            entry[kv]["dnll_marginal"] = round(entry[kv]["dnll"] - base.dnll, 8)
+
+    report = {
+        "kind": REPORT_KIND,
+        "tool": {"name": "vllm-nvfp4", "version": vllm_nvfp4.__version__, "command": "analyze"},
+        "date": utc_now(),
+        "model": info.to_dict(),
+        "data": toks.describe(),
+        "settings": {"window": window, "windows": windows, "calib_windows": n_calib,
+                     "per_head": per_head, "scales_from": "calibration" if scales is None else scales.source,
+                     "prefix_reuse": ev.layers is not None, "forwards": ev.forwards,
+                     "torch_threads": torch.get_num_threads()},
+        "configs": {k: v.to_dict() for k, v in results.items()},
+        "layers": layers,
+        "amax": amax,
+        "seconds": round(time.time() - t_start, 1),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    scaled.save(out_dir / SCALES_FILE, overwrite=True)
+    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return report
+
+
+def load_report(report_dir: Path) -> tuple[dict[str, Any], KVPolicy]:
+    """Read ``sensitivity.json`` and ``scales.json`` from a report directory (clear errors)."""
+    path = Path(report_dir) / REPORT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; run `vllm-nvfp4 analyze MODEL --out {report_dir}` first")
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: malformed JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(report, dict) or report.get("kind") != REPORT_KIND:
+        raise ValueError(f"{path} is not a vllm-nvfp4 sensitivity report")
+    scales = KVPolicy.load(Path(report_dir) / SCALES_FILE)
+    return report, scales

@@ -1,0 +1,220 @@
+"""``vllm-nvfp4``: calibrate KV scales, analyze layer-wise KV sensitivity, select a policy.
+
+    vllm-nvfp4 calibrate MODEL --data FILE... --out POLICY.json [--policy COMPACT] [--per-head]
+    vllm-nvfp4 analyze   MODEL --data FILE... --out REPORT_DIR [--window 2048 --windows 2]
+    vllm-nvfp4 select    REPORT_DIR (--budget 0.62 | --fp8-slots N) [--out POLICY.json]
+                         [--write-to-model DIR] [--force] [--no-measure]
+
+Exit status: 0 success, 2 bad arguments / inputs (message on stderr), 1 unexpected failure.
+Nothing a user wrote is overwritten without ``--force``; output paths are checked before any
+model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from vllm_nvfp4 import __version__
+from vllm_nvfp4.policy import POLICY_FILENAME, KVPolicy, PolicyError
+
+
+class UsageError(Exception):
+    """Bad arguments or inputs: reported as ``vllm-nvfp4 CMD: error: ...``, exit status 2."""
+
+
+def _positive(kind: type) -> "argparse._ActionType":  # type: ignore[name-defined]
+    def parse(text: str):  # noqa: ANN202
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return v
+
+    return parse
+
+
+def _model_args(p: argparse.ArgumentParser, default_windows: int) -> None:
+    p.add_argument("model", type=Path, help="local Hugging Face model directory")
+    p.add_argument("--data", type=Path, nargs="+", required=True, metavar="FILE",
+                   help="text files or JSONL (fields 'text' or 'question'+'answer'), concatenated")
+    p.add_argument("--window", type=_positive(int), default=2048, help="tokens per window (default 2048)")
+    p.add_argument("--windows", type=_positive(int), default=default_windows,
+                   help=f"number of windows (default {default_windows})")
+    p.add_argument("--per-head", action="store_true", help="one scale per KV head instead of per layer")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                   help="model dtype (default bfloat16, the reference for all damages)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="vllm-nvfp4", description="Per-layer FP8/NVFP4 KV-cache policies for vLLM.")
+    ap.add_argument("--version", action="version", version=f"vllm-nvfp4 {__version__}")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("calibrate", help="K/V amax -> FP8 scales and NVFP4 global scales; writes a policy")
+    _model_args(p, default_windows=4)
+    p.add_argument("--out", type=Path, required=True, help="policy JSON to write")
+    p.add_argument("--policy", default=None, metavar="COMPACT",
+                   help="formats, e.g. '0-1:fp8,2-27:nvfp4,28-29:fp8' (default: first/last layer FP8)")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+
+    p = sub.add_parser("analyze", help="layer-wise K/V sensitivity against the unquantized model")
+    _model_args(p, default_windows=2)
+    p.add_argument("--out", type=Path, required=True, help="report directory to create")
+    p.add_argument("--calib-windows", type=_positive(int), default=1,
+                   help="windows before the scored ones used to calibrate scales (default 1)")
+    p.add_argument("--scales", type=Path, default=None,
+                   help="use the scales of this calibrated policy instead of calibrating")
+    p.add_argument("--no-prefix-reuse", action="store_true",
+                   help="run every configuration from layer 0 (slower; same numbers)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing report in --out")
+
+    p = sub.add_parser("select", help="pick FP8/NVFP4 per layer under a KV-bytes budget; writes the policy")
+    p.add_argument("report", type=Path, help="report directory written by analyze")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--budget", type=float, help="KV bytes as a fraction of all-FP8 (0.5625 .. 1.0), e.g. 0.62")
+    g.add_argument("--fp8-slots", type=int, help="number of K/V layer slots kept in FP8")
+    p.add_argument("--metric", choices=("kl", "dnll"), default="kl",
+                   help="single-slot damage to minimise (default kl: non-negative, less noisy)")
+    p.add_argument("--out", type=Path, default=None, help="policy JSON to write")
+    p.add_argument("--write-to-model", type=Path, default=None, metavar="DIR",
+                   help=f"also write DIR/{POLICY_FILENAME}, where `vllm serve DIR` finds it")
+    p.add_argument("--no-measure", action="store_true",
+                   help="skip measuring the chosen and the naive policy (no model run)")
+    p.add_argument("--measure-windows", type=_positive(int), default=None, metavar="N",
+                   help="measure on N windows from the analysis' first held-out window "
+                        "(default: the analysis' windows; more = partly fresh text)")
+    p.add_argument("--force", action="store_true", help="overwrite existing policy files")
+    return ap
+
+
+def _check_writable_file(path: Path, force: bool, what: str) -> None:
+    if path.exists() and path.is_dir():
+        raise UsageError(f"{what} {path} is a directory; give a file name")
+    if path.exists() and not force:
+        raise UsageError(f"{what} {path} exists; refusing to overwrite it (use --force)")
+    if not path.parent.exists():
+        raise UsageError(f"{what} {path}: directory {path.parent} does not exist")
+
+
+def _check_model_dir(path: Path) -> None:
+    if not (path / "config.json").is_file():
+        raise UsageError(f"{path} is not a model directory (no config.json); "
+                         "for SmolLM2 run: python scripts/prepare_assets.py smollm2")
+
+
+def _check_data(paths: Sequence[Path]) -> None:
+    for p in paths:
+        if not p.is_file():
+            raise UsageError(f"data file {p} does not exist")
+
+
+def cmd_calibrate(a: argparse.Namespace) -> int:
+    from vllm_nvfp4.calibration.commands import run_calibrate
+
+    _check_model_dir(a.model)
+    _check_data(a.data)
+    _check_writable_file(a.out, a.force, "--out")
+    policy = run_calibrate(a.model, a.data, a.policy, a.window, a.windows, a.per_head, a.dtype)
+    policy.save(a.out, overwrite=a.force)
+    print(f"wrote {a.out}: {policy.to_compact()} ({policy.fraction_of_fp8():.4f}x FP8 bytes)")
+    return 0
+
+
+def cmd_analyze(a: argparse.Namespace) -> int:
+    from vllm_nvfp4.calibration.report import render
+    from vllm_nvfp4.calibration.sensitivity import REPORT_FILE, analyze
+
+    _check_model_dir(a.model)
+    _check_data(a.data)
+    if a.out.exists() and not a.out.is_dir():
+        raise UsageError(f"--out {a.out} exists and is not a directory")
+    if (a.out / REPORT_FILE).exists() and not a.force:
+        raise UsageError(f"--out {a.out} already holds a report; refusing to overwrite it (use --force)")
+    scales = KVPolicy.load(a.scales) if a.scales is not None else None
+    report = analyze(a.model, a.data, a.out, a.window, a.windows, a.calib_windows, scales,
+                     a.per_head, a.dtype, reuse_prefix=not a.no_prefix_reuse)
+    for stale in a.out.glob("selection-*.json"):  # belong to the previous analysis
+        stale.unlink()
+    paths = render(a.out)
+    c = report["configs"]
+    print(f"analyzed {report['model']['num_layers']} layers in {report['seconds']:.0f} s: "
+          f"delta NLL all-FP8 {c['all_fp8']['dnll']:.5f}, all-NVFP4 {c['all_nvfp4']['dnll']:.5f} nats/token")
+    print("wrote " + ", ".join(str(p) for p in [a.out / REPORT_FILE, *paths]))
+    return 0
+
+
+def cmd_select(a: argparse.Namespace) -> int:
+    from vllm_nvfp4.calibration.commands import run_select
+    from vllm_nvfp4.calibration.report import render
+    from vllm_nvfp4.calibration.selection import check_slots, fp8_slots_for_budget
+    from vllm_nvfp4.calibration.sensitivity import load_report
+
+    if a.out is None and a.write_to_model is None:
+        raise UsageError("say where the policy goes: --out POLICY.json and/or --write-to-model DIR")
+    targets = []
+    if a.out is not None:
+        _check_writable_file(a.out, a.force, "--out")
+        targets.append(a.out)
+    if a.write_to_model is not None:
+        _check_model_dir(a.write_to_model)
+        _check_writable_file(a.write_to_model / POLICY_FILENAME, a.force, "--write-to-model")
+        targets.append(a.write_to_model / POLICY_FILENAME)
+    try:
+        report, _ = load_report(a.report)
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from None
+    num_layers = len(report["layers"])
+    try:
+        slots = (fp8_slots_for_budget(num_layers, a.budget) if a.budget is not None
+                 else check_slots(num_layers, a.fp8_slots))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if a.write_to_model is not None:
+        from vllm_nvfp4.calibration.modeling import config_sha256
+
+        if config_sha256(a.write_to_model) != report["model"]["config_sha256"]:
+            raise UsageError(f"{a.write_to_model} is not the model that was analyzed (config.json differs)")
+    policy, summary = run_select(a.report, slots, a.metric, measure=not a.no_measure, budget=a.budget,
+                                 measure_windows=a.measure_windows)
+    for t in targets:
+        policy.save(t, overwrite=a.force)
+    render(a.report)
+    print(f"selected {policy.to_compact()} ({policy.fraction_of_fp8():.4f}x FP8 bytes, {slots} FP8 slots)")
+    if "measured" in summary["selected"]:
+        s, n, nv = summary["selected"]["measured"], summary["naive"]["measured"], summary["all_nvfp4"]
+        print(f"measured delta NLL: selected {s['dnll']:.5f}, naive {n['dnll']:.5f}, all-NVFP4 {nv['dnll']:.5f} "
+              f"(selected = {100 * s['dnll'] / nv['dnll']:.1f}% of all-NVFP4)" if nv["dnll"] else "")
+    print("wrote " + ", ".join(str(t) for t in targets))
+    return 0
+
+
+COMMANDS = {"calibrate": cmd_calibrate, "analyze": cmd_analyze, "select": cmd_select}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``vllm-nvfp4`` console script; returns the exit status."""
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="vllm-nvfp4: %(levelname)s: %(message)s")
+    from vllm_nvfp4.calibration.progress import set_quiet
+
+    set_quiet(a.quiet)
+    from vllm_nvfp4.calibration.data import DataError
+    from vllm_nvfp4.calibration.modeling import ModelError
+
+    try:
+        return COMMANDS[a.command](a)
+    except (UsageError, PolicyError, DataError, ModelError, FileExistsError) as e:
+        print(f"vllm-nvfp4 {a.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
