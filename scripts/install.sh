@@ -116,7 +116,7 @@ else
       || pip_ install -q --no-deps "$tmp"
     rm -rf "$tmp"
     trap - EXIT
-    log "check: vllm --version -> $("$VENV/bin/vllm" --version 2>/dev/null | tail -n1)"
+    log "check: importlib.metadata.version('vllm') -> $(ver vllm)"
   else
     log "metadata-only vllm $VLLM_VERSION+cpu already installed"
   fi
