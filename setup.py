@@ -11,7 +11,9 @@ setup(
     packages=find_packages(include=["vllm_nvfp4", "vllm_nvfp4.*"]),
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
-        "test": ["pytest", "pytest-timeout"],
+        "test": ["pytest", "pytest-timeout", "transformers>=5", "matplotlib", "tqdm"],
+        # vllm-nvfp4 calibrate/analyze/select; accelerate + gguf only for scripts/prepare_assets.py
+        "calibrate": ["transformers>=5", "matplotlib", "tqdm", "accelerate", "gguf"],
     },
     entry_points={
         "vllm.general_plugins": ["nvfp4_mixed = vllm_nvfp4.plugin:register"],
