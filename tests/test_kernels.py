@@ -1,0 +1,190 @@
+"""Triton kernels vs the torch definition: bit-exact cache bytes, attention vs float64.
+
+Without a GPU the kernels run small under ``TRITON_INTERPRET=1`` (set here before the kernels are
+imported; fp32 math); with CUDA they run full size in fp16/bf16.
+"""
+
+import itertools
+import math
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from paged_cases import make_batch, reference_attention, roundtrip, run_attention  # noqa: E402
+from test_paged_torch import _write_case, check_written_bytes  # noqa: E402
+from vllm_nvfp4 import ops  # noqa: E402
+from vllm_nvfp4.kernels import attention as attn_kernels  # noqa: E402
+from vllm_nvfp4.layout import KVPageLayout, allocate_cache  # noqa: E402
+from vllm_nvfp4.paged_torch import attend_one_sequence  # noqa: E402
+
+if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
+
+DEV = "cuda" if CUDA else "cpu"
+FORMATS = ("fp8", "nvfp4")
+FMT_PAIRS = list(itertools.product(FORMATS, FORMATS))
+#: context lengths: small in the interpreter, long on the GPU
+SCALE = 37 if CUDA else 1
+
+
+def fast_reference(batch, softmax_scale, window=None, cap=None):
+    """Float64 attention on formats-roundtripped K/V (vectorised; checked against the per-token
+    loop reference in test_paged_torch)."""
+    outs = []
+    q = batch.query.cpu().double()
+    row = 0
+    for (l, q_len), k, v in zip(batch.seqs, batch.keys, batch.values):
+        kd = roundtrip(k, batch.layout.k_format, batch.k_scale)
+        vd = roundtrip(v, batch.layout.v_format, batch.v_scale)
+        outs.append(attend_one_sequence(q[row : row + q_len], kd, vd, softmax_scale, window, cap))
+        row += q_len
+    return torch.cat(outs)
+
+
+def assert_close_rel(got, want, tol):
+    got = got.double().cpu()
+    assert torch.isfinite(got).all(), "non-finite output"
+    rel = (got - want).norm() / want.norm()
+    assert rel < tol, f"relative error {rel:.2e} >= {tol:.0e}"
+
+
+# ---------------------------------------------------------------- cache write, bit-exact
+@pytest.mark.parametrize("kf,vf", FMT_PAIRS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("h,d,b", [(2, 64, 16), (3, 128, 32), (1, 256, 16)])
+def test_write_kernel_bit_exact(kf, vf, dtype, h, d, b):
+    lay = KVPageLayout(h, d, b, kf, vf)
+    key, value, slots, cache, ks, vs = _write_case(lay, 13 * SCALE, dtype, seed=d + b, nan=True)
+    before = cache.clone()
+    dev = [t.to(DEV) for t in (key, value, slots, cache, ks, vs)]
+    ops.write_kv_cache(dev[0], dev[1], dev[3], dev[2], lay, dev[4], dev[5], backend="triton")
+    check_written_bytes(lay, before, dev[3].cpu(), key, value, slots, ks, vs)
+
+
+def _e4m3_edge_values() -> torch.Tensor:
+    """Every E4M3 value, the midpoints between neighbours (ties), and values just off them,
+    saturation, underflow, signed zeros, Inf and NaN."""
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    mids = (grid[1:] + grid[:-1]) / 2
+    vals = torch.cat([grid, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9)),
+                      torch.tensor([464.0, 480.0, 1e6, 2.0**-10, 2.0**-11, 1e-30, 1e-45, 0.0])])
+    vals = torch.cat([vals, -vals, torch.tensor([float("inf"), -float("inf"), float("nan"), -0.0])])
+    pad = (-vals.numel()) % 64
+    return torch.cat([vals, torch.full((pad,), 0.75)]).view(-1, 1, 64)
+
+
+def test_write_kernel_e4m3_rounding_edges():
+    """FP8 with scale 1 stores e4m3(x) directly: every tie and boundary of the rounding."""
+    lay = KVPageLayout(1, 64, 16, "fp8", "fp8")
+    x = _e4m3_edge_values()
+    n = x.shape[0]
+    cache = allocate_cache(lay, -(-n // 16), DEV)
+    before = cache.cpu().clone()
+    one = torch.ones(1, device=DEV)
+    slots = torch.arange(n, device=DEV)
+    ops.write_kv_cache(x.to(DEV), x.to(DEV), cache, slots, lay, one, one, backend="triton")
+    check_written_bytes(lay, before, cache.cpu(), x, x, slots.cpu(), one.cpu(), one.cpu())
+
+
+# ---------------------------------------------------------------- attention vs float64
+def _seq_mix(kind: str) -> list:
+    s = SCALE
+    if kind == "decode":
+        return [(37 * s, 1), (5, 1), (70 * s + 3, 1), (1, 1), (19 * s, 1)]
+    return [(23 * s, 23 * s), (41 * s, 9), (16, 16), (33 * s, 1), (50 * s + 1, 17)]
+
+
+@pytest.mark.parametrize("kf,vf", FMT_PAIRS)
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize(
+    "hkv,group,d,b",
+    [(2, 1, 64, 16), (2, 3, 64, 32), (1, 4, 128, 16), (2, 8, 128, 32), (1, 2, 256, 16)],
+)
+def test_attention_matches_float64(kf, vf, kind, hkv, group, d, b):
+    lay = KVPageLayout(hkv, d, b, kf, vf)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    batch = make_batch(lay, _seq_mix(kind), hkv * group, q_dtype=dtype, kv_dtype=dtype,
+                       device=DEV, seed=d + b + group, write_backend="triton")
+    got = run_attention(batch, backend="triton")
+    want = fast_reference(batch, 1.0 / math.sqrt(d))
+    assert_close_rel(got, want, 1e-2 if CUDA else 1e-5)
+    if not CUDA:  # the interpreter also meets the per-token float64 loop reference
+        torch.testing.assert_close(got.double(), reference_attention(batch, 1.0 / math.sqrt(d)),
+                                   atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 8])
+@pytest.mark.parametrize("kf,vf", [("nvfp4", "nvfp4"), ("fp8", "nvfp4")])
+def test_decode_splits_agree(splits, kf, vf):
+    lay = KVPageLayout(2, 128, 16, kf, vf)
+    batch = make_batch(lay, [(100 * SCALE + 7, 1), (3, 1), (64 * SCALE, 1)], 8,
+                       device=DEV, seed=splits, write_backend="triton")
+    out = torch.empty_like(batch.query)
+    attn_kernels.paged_attention(
+        batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+        batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.1, out, num_splits=splits)
+    assert_close_rel(out, fast_reference(batch, 0.1), 2e-3 if CUDA else 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("window,cap", [(7, None), (None, 5.0), (40, 2.0)])
+def test_window_and_soft_cap(kind, window, cap):
+    lay = KVPageLayout(2, 64, 16, "nvfp4", "fp8")
+    batch = make_batch(lay, _seq_mix(kind), 4, device=DEV, seed=17, write_backend="triton")
+    got = run_attention(batch, backend="triton", sliding_window=window, logits_soft_cap=cap,
+                        softmax_scale=0.3)
+    assert_close_rel(got, fast_reference(batch, 0.3, window, cap), 2e-3 if CUDA else 1e-5)
+
+
+@pytest.mark.skipif(not CUDA, reason="half-precision kernel math needs the GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_half_precision_full_size(dtype, kind):
+    lay = KVPageLayout(8, 128, 16, "nvfp4", "nvfp4")
+    seqs = [(4099, 1)] * 5 + [(1000, 1)] if kind == "decode" else [(2048, 2048), (3000, 300)]
+    batch = make_batch(lay, seqs, 32, q_dtype=dtype, kv_dtype=dtype, device=DEV, seed=1,
+                       write_backend="triton")
+    got = run_attention(batch, backend="triton")
+    assert got.dtype == dtype
+    assert_close_rel(got, fast_reference(batch, 1.0 / math.sqrt(128)), 1e-2)
+    torch_path = run_attention(batch, backend="torch")
+    assert_close_rel(got, torch_path.double().cpu(), 1e-2)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need the GPU")
+def test_decode_is_cuda_graph_capturable():
+    lay = KVPageLayout(8, 128, 16, "nvfp4", "fp8")
+    batch = make_batch(lay, [(2000, 1), (517, 1), (1500, 1)], 32, q_dtype=torch.bfloat16,
+                       device=DEV, seed=2, write_backend="triton")
+    out = torch.empty_like(batch.query)
+    args = (batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+            batch.seq_lens, batch.query_start_loc, 1, 2048, 0.088, out)
+    ops.paged_attention(*args)  # warm-up / compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.paged_attention(*args)
+    batch.seq_lens.copy_(torch.tensor([1999, 300, 1500], dtype=torch.int32))  # new contents
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = torch.empty_like(out)
+    ops.paged_attention(*args[:-1], eager)
+    assert torch.equal(out, eager)
+
+
+@pytest.mark.skipif(not CUDA, reason="NaN decoding in the interpreter is not IEEE")
+def test_nonfinite_kv_stays_local():
+    lay = KVPageLayout(1, 64, 16, "nvfp4", "nvfp4")
+    batch = make_batch(lay, [(40, 1), (40, 1)], 2, device=DEV, seed=4, write_backend="triton")
+    bad = torch.randn(1, 1, 64, device=DEV)
+    bad[0, 0, 5] = float("nan")
+    slot = batch.block_table[0, 1].long() * 16 + 3  # token 19 of sequence 0
+    ops.write_kv_cache(bad, bad, batch.cache, slot.view(1), lay, batch.k_scale, batch.v_scale)
+    out = run_attention(batch, backend="triton")
+    assert torch.isnan(out[0]).all() and torch.isfinite(out[1]).all()

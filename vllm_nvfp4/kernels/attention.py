@@ -1,0 +1,385 @@
+"""Triton paged attention over a :class:`~vllm_nvfp4.layout.KVPageLayout` cache, dequantizing inline.
+
+Two kernels share one tile loop (:func:`_attend_tiles`):
+
+* ``_decode_kernel`` - one query token per sequence; grid ``(seqs, kv_heads, splits)``: each
+  program takes the ``G = q_heads / kv_heads`` query heads of one KV head (padded to 16 MMA rows)
+  over one contiguous share of the context (flash-decoding). With ``splits > 1`` it writes a
+  partial ``(o, m, l)`` per split and ``_reduce_kernel`` merges them.
+* ``_prefill_kernel`` - any number of query tokens per sequence (prefill, chunked prefill, prefix
+  hits, mixed batches); rows = ``BLOCK_Q`` query tokens x ``G`` heads; causal (+ window) mask.
+
+Dequantization (no per-element scale folding beyond one fp16 multiply):
+
+* FP8 tile: E4M3 -> fp16 (native conversion on Hopper; exact). Layer scale folded into the
+  softmax scale (K) or the output (V).
+* NVFP4 tile: a nibble ``n`` becomes fp16 by bit placement alone,
+  ``(n & 8) << 12 | (n & 7) << 9`` == e2m1(n) * 2^-14 (subnormal code 1 included); times the block
+  scale in fp16 pre-multiplied by 2^7 this is e2m1 * s * 2^-7 EXACTLY (at most 6 significant bits,
+  magnitude in [2^-17, 21]). The global scale g and the 2^7 go into the softmax scale / output
+  scale. Low and high nibbles are joined (``tl.join``) in registers: that is already the element
+  order, so no interleave shuffle is needed.
+
+All launch parameters derive from host ints (shapes, ``max_query_len``, ``max_seq_len``), never
+from tensor contents, so the decode path is CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_nvfp4.kernels.cache_write import FMT_FP8, format_code
+
+LOG2E = 1.4426950408889634
+NVFP4_TILE_FACTOR = 128.0  # 2^7: the nvfp4 tile holds value / (g * 2^7)
+
+
+@triton.jit
+def _nibble_f16(n):
+    """E2M1 nibble (uint8, low 4 bits) -> fp16 e2m1 * 2^-14, by bit placement."""
+    n16 = n.to(tl.uint16)
+    return (((n16 & 8) << 12) | ((n16 & 7) << 9)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _load_tile(
+    page, off, valid, h,
+    DATA: tl.constexpr, SCALE: tl.constexpr, FMT: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr, F32: tl.constexpr,
+):
+    """Dequantized ``[N, D]`` tile of K or V (fp16, fp32 when ``F32``) of KV head ``h``.
+
+    ``page [N]``: uint8 pointers to each token's cache page; ``off [N]``: token offset in its block;
+    ``valid [N]``: rows to load (others read as 0). FP8 tiles hold ``x / scale``; NVFP4 tiles hold
+    ``x / (g * 2^7)``.
+    """
+    if FMT == FMT_FP8:
+        ptr = page[:, None] + DATA + (h * BLOCK + off[:, None]) * D + tl.arange(0, D)[None, :]
+        raw = tl.load(ptr, mask=valid[:, None], other=0)
+        x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        C: tl.constexpr = D // 16
+        W: tl.constexpr = D // 2
+        ptr = page[:, None] + DATA + (h * BLOCK + off[:, None]) * W + tl.arange(0, W)[None, :]
+        raw = tl.reshape(tl.load(ptr, mask=valid[:, None], other=0), [N, C, 8])
+        sptr = page[:, None] + SCALE + (h * C + tl.arange(0, C)[None, :]) * BLOCK + off[:, None]
+        s = tl.load(sptr, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True)
+        s = (s.to(tl.float16) * 128.0)[:, :, None]  # [N, C, 1]
+        lo = _nibble_f16(raw & 0xF) * s
+        hi = _nibble_f16(raw >> 4) * s
+        x = tl.reshape(tl.join(lo, hi), [N, D])
+    if F32:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _attend_tiles(
+    q, q_pos, acc, m_i, l_i,
+    cache_ptr, stride_blk, bt_row, h, t_begin, t_end,
+    qk_scale, softcap, window,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+    K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
+):
+    """Online-softmax attention of the rows ``q [M, D]`` (positions ``q_pos [M]``) over the keys
+    ``[t_begin, t_end)`` of one sequence (``t_begin`` a multiple of ``TILE_N``). Logits in log2
+    units: ``qk_scale`` includes log2(e) (and the K dequant factor); with soft-cap, ``softcap``
+    is the cap and ``qk_scale`` excludes log2(e)."""
+    for t0 in range(t_begin, t_end, TILE_N):
+        toks = t0 + tl.arange(0, TILE_N)
+        valid = toks < t_end
+        blk = tl.load(bt_row + toks // BLOCK, mask=valid, other=0)
+        page = cache_ptr + blk.to(tl.int64) * stride_blk
+        off = toks % BLOCK
+        k = _load_tile(page, off, valid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N, F32)
+        if F32:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if USE_SOFTCAP:
+            z = s * (qk_scale / softcap)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        mask = valid[None, :]
+        if CAUSAL:
+            mask = mask & (toks[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            mask = mask & (toks[None, :] > q_pos[:, None] - window)
+        s = tl.where(mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = _load_tile(page, off, valid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N, F32)
+        if F32:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _kv_factors(k_scale_ptr, v_scale_ptr, h, K_FMT: tl.constexpr, V_FMT: tl.constexpr):
+    """Per-head dequant factors of the K and V tiles (see :func:`_load_tile`)."""
+    kf = tl.load(k_scale_ptr + h)
+    vf = tl.load(v_scale_ptr + h)
+    if K_FMT != FMT_FP8:
+        kf = kf * 128.0
+    if V_FMT != FMT_FP8:
+        vf = vf * 128.0
+    return kf, vf
+
+
+@triton.jit
+def _decode_kernel(
+    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr,
+    block_table_ptr, seq_lens_ptr, qsl_ptr,
+    part_o_ptr, part_ml_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_bt,
+    softmax_scale, softcap, window,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+    K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
+    HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tok = tl.load(qsl_ptr + seq).to(tl.int64)
+    g = tl.arange(0, BG)
+    d = tl.arange(0, D)
+    row_ok = g < G
+    qh = h * G + g
+    q = tl.load(query_ptr + tok * stride_qt + qh[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    q = q.to(tl.float32) if F32 else q.to(tl.float16)
+    kf, vf = _kv_factors(k_scale_ptr, v_scale_ptr, h, K_FMT, V_FMT)
+    qk_scale = softmax_scale * kf
+    if not USE_SOFTCAP:
+        qk_scale = qk_scale * 1.4426950408889634
+
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(seq_len - window, 0) // TILE_N * TILE_N
+    n_tiles = tl.cdiv(seq_len - lo, TILE_N)
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS) * TILE_N
+    t_begin = lo + split * per_split
+    t_end = tl.minimum(t_begin + per_split, seq_len)
+
+    acc = tl.zeros([BG, D], dtype=tl.float32)
+    m_i = tl.full([BG], float("-inf"), tl.float32)
+    l_i = tl.zeros([BG], dtype=tl.float32)
+    q_pos = tl.zeros([BG], dtype=tl.int32) + seq_len - 1
+    acc, m_i, l_i = _attend_tiles(
+        q, q_pos, acc, m_i, l_i, cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h,
+        t_begin, t_end, qk_scale, softcap, window,
+        K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK, TILE_N,
+        False, USE_WINDOW, USE_SOFTCAP, F32,
+    )
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * vf
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + tok * stride_ot + qh[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        row = (tok * HQ + qh) * NUM_SPLITS + split  # [BG]
+        tl.store(part_o_ptr + row[:, None] * D + d[None, :], o, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _reduce_kernel(
+    out_ptr, part_o_ptr, part_ml_ptr, stride_ot, stride_oh,
+    HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """Merge the split partials of one (query token, head): log-sum-exp weights, then cast."""
+    tok = tl.program_id(0).to(tl.int64)
+    qh = tl.program_id(1)
+    row = (tok * HQ + qh) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    m = tl.load(part_ml_ptr + row * 2)
+    l = tl.load(part_ml_ptr + row * 2 + 1)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(l > 0.0, l * tl.exp2(m - m_max), 0.0)
+    o = tl.load(part_o_ptr + row[:, None] * D + tl.arange(0, D)[None, :])
+    o = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + tok * stride_ot + qh * stride_oh + tl.arange(0, D),
+             o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_kernel(
+    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr,
+    block_table_ptr, seq_lens_ptr, qsl_ptr, num_seqs,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_bt,
+    softmax_scale, softcap, window,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+    K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
+):
+    # program -> (sequence, query block): q block b of sequence s has global index
+    # qsl[s] // BLOCK_Q + s + b, so a binary search over qsl finds s (as vLLM's unified kernel does)
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    lo_s = 0
+    hi_s = num_seqs
+    while lo_s < hi_s:
+        mid = (lo_s + hi_s) // 2
+        if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= pid:
+            lo_s = mid + 1
+        else:
+            hi_s = mid
+    seq = lo_s - 1
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    qb = pid - (q_start // BLOCK_Q + seq)
+    if qb * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    r = tl.arange(0, BLOCK_M)
+    qi = qb * BLOCK_Q + r // G_PAD  # query index inside the sequence
+    g = r % G_PAD
+    row_ok = (qi < q_len) & (g < G)
+    qh = h * G + g
+    tok = (q_start + qi).to(tl.int64)
+    d = tl.arange(0, D)
+    q = tl.load(query_ptr + tok[:, None] * stride_qt + qh[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    q = q.to(tl.float32) if F32 else q.to(tl.float16)
+    kf, vf = _kv_factors(k_scale_ptr, v_scale_ptr, h, K_FMT, V_FMT)
+    qk_scale = softmax_scale * kf
+    if not USE_SOFTCAP:
+        qk_scale = qk_scale * 1.4426950408889634
+
+    q_pos = seq_len - q_len + qi
+    first = seq_len - q_len + qb * BLOCK_Q  # position of the block's first query
+    t_end = tl.minimum(first + BLOCK_Q, seq_len)
+    t_begin = 0
+    if USE_WINDOW:
+        t_begin = tl.maximum(first - window + 1, 0) // TILE_N * TILE_N
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend_tiles(
+        q, q_pos, acc, m_i, l_i, cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h,
+        t_begin, t_end, qk_scale, softcap, window,
+        K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK, TILE_N,
+        True, USE_WINDOW, USE_SOFTCAP, F32,
+    )
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * vf
+    tl.store(out_ptr + tok[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int,
+                  device: torch.device) -> int:
+    """Split count (a power of 2) so the decode grid fills the GPU about twice over, from host
+    ints only; never more splits than tiles."""
+    target = 2 * _num_sms(device)
+    splits = 1
+    max_tiles = max(1, -(-max_seq_len // tile_n))
+    while num_seqs * num_kv_heads * splits < target and splits * 2 <= min(max_tiles, 64):
+        splits *= 2
+    return splits
+
+
+def _common(layout, query, cache, k_scale, v_scale, softcap, window):
+    hq = query.shape[1]
+    g = hq // layout.num_kv_heads
+    f32 = query.device.type != "cuda"  # the interpreter: fp32 math (its fp16/bf16 dots are unreliable)
+    return dict(
+        K_FMT=format_code(layout.k_format), V_FMT=format_code(layout.v_format),
+        K_DATA=layout.k_data_offset, K_SCALE=layout.k_scale_offset,
+        V_DATA=layout.v_data_offset, V_SCALE=layout.v_scale_offset,
+        D=layout.head_dim, BLOCK=layout.block_size,
+        USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None, F32=f32,
+    ), g
+
+
+def paged_attention(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    layout,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    softmax_scale: float,
+    out: torch.Tensor,
+    sliding_window: Optional[int] = None,
+    logits_soft_cap: Optional[float] = None,
+    num_splits: Optional[int] = None,
+    tile_n: Optional[int] = None,
+) -> torch.Tensor:
+    """Launch decode (``max_query_len == 1``) or prefill kernels; arguments as in
+    :func:`vllm_nvfp4.ops.paged_attention` (checked there). ``num_splits``/``tile_n`` override the
+    decode heuristics (benchmarks)."""
+    num_seqs = seq_lens.shape[0]
+    d = layout.head_dim
+    meta, g = _common(layout, query, cache, k_scale, v_scale, logits_soft_cap, sliding_window)
+    softcap = float(logits_soft_cap or 1.0)
+    window = int(sliding_window or 0)
+    g_pad = triton.next_power_of_2(g)
+    common_args = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+                   cache.stride(0), block_table.stride(0), softmax_scale, softcap, window)
+    if max_query_len == 1:
+        tn = tile_n or (32 if d >= 256 else 64)
+        tn = max(tn, layout.block_size)
+        splits = num_splits or decode_splits(num_seqs, layout.num_kv_heads, max_seq_len, tn,
+                                             query.device)
+        num_tokens, hq = query.shape[0], query.shape[1]
+        if splits > 1:
+            part_o = torch.empty(num_tokens * hq * splits, d, dtype=torch.float32,
+                                 device=query.device)
+            part_ml = torch.empty(num_tokens * hq * splits, 2, dtype=torch.float32,
+                                  device=query.device)
+        else:
+            part_o = part_ml = out  # unused
+        _decode_kernel[(num_seqs, layout.num_kv_heads, splits)](
+            query, out, cache, k_scale, v_scale, block_table, seq_lens, query_start_loc,
+            part_o, part_ml, *common_args,
+            HQ=hq, G=g, BG=max(16, g_pad), TILE_N=tn, NUM_SPLITS=splits, **meta,
+            num_warps=4, num_stages=3,
+        )
+        if splits > 1:
+            _reduce_kernel[(num_tokens, hq)](
+                out, part_o, part_ml, out.stride(0), out.stride(1),
+                HQ=hq, D=d, NUM_SPLITS=splits, num_warps=4,
+            )
+        return out
+    block_m = max(64 if query.device.type == "cuda" else 16, g_pad)
+    block_q = block_m // g_pad
+    tn = tile_n or (32 if d >= 256 else 64)
+    tn = max(tn, layout.block_size)
+    grid = (query.shape[0] // block_q + num_seqs, layout.num_kv_heads)
+    _prefill_kernel[grid](
+        query, out, cache, k_scale, v_scale, block_table, seq_lens, query_start_loc, num_seqs,
+        *common_args,
+        G=g, G_PAD=g_pad, BLOCK_Q=block_q, TILE_N=tn, **meta,
+        num_warps=4, num_stages=2,
+    )
+    return out
