@@ -32,6 +32,9 @@ FORMATS = ("fp8", "nvfp4")
 FMT_PAIRS = list(itertools.product(FORMATS, FORMATS))
 #: context lengths: small in the interpreter, long on the GPU
 SCALE = 37 if CUDA else 1
+#: how the attention tests fill the cache: the write kernel on the GPU; in the interpreter the
+#: torch path (same bytes, tested above; the interpreted write kernel is slow)
+WRITE = "triton" if CUDA else "torch"
 
 
 def fast_reference(batch, softmax_scale, window=None, cap=None):
@@ -57,9 +60,11 @@ def assert_close_rel(got, want, tol):
 
 # ---------------------------------------------------------------- cache write, bit-exact
 @pytest.mark.parametrize("kf,vf", FMT_PAIRS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("h,d,b", [(2, 64, 16), (3, 128, 32), (1, 256, 16)])
-def test_write_kernel_bit_exact(kf, vf, dtype, h, d, b):
+@pytest.mark.parametrize(
+    "h,d,b,dtype",
+    [(2, 64, 16, torch.bfloat16), (3, 128, 32, torch.float16), (1, 256, 16, torch.float32)],
+)
+def test_write_kernel_bit_exact(kf, vf, h, d, b, dtype):
     lay = KVPageLayout(h, d, b, kf, vf)
     key, value, slots, cache, ks, vs = _write_case(lay, 13 * SCALE, dtype, seed=d + b, nan=True)
     before = cache.clone()
@@ -111,7 +116,7 @@ def test_attention_matches_float64(kf, vf, kind, hkv, group, d, b):
     lay = KVPageLayout(hkv, d, b, kf, vf)
     dtype = torch.bfloat16 if CUDA else torch.float32
     batch = make_batch(lay, _seq_mix(kind), hkv * group, q_dtype=dtype, kv_dtype=dtype,
-                       device=DEV, seed=d + b + group, write_backend="triton")
+                       device=DEV, seed=d + b + group, write_backend=WRITE)
     got = run_attention(batch, backend="triton")
     want = fast_reference(batch, 1.0 / math.sqrt(d))
     assert_close_rel(got, want, 1e-2 if CUDA else 1e-5)
@@ -125,7 +130,7 @@ def test_attention_matches_float64(kf, vf, kind, hkv, group, d, b):
 def test_decode_splits_agree(splits, kf, vf):
     lay = KVPageLayout(2, 128, 16, kf, vf)
     batch = make_batch(lay, [(100 * SCALE + 7, 1), (3, 1), (64 * SCALE, 1)], 8,
-                       device=DEV, seed=splits, write_backend="triton")
+                       device=DEV, seed=splits, write_backend=WRITE)
     out = torch.empty_like(batch.query)
     attn_kernels.paged_attention(
         batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
@@ -137,7 +142,7 @@ def test_decode_splits_agree(splits, kf, vf):
 @pytest.mark.parametrize("window,cap", [(7, None), (None, 5.0), (40, 2.0)])
 def test_window_and_soft_cap(kind, window, cap):
     lay = KVPageLayout(2, 64, 16, "nvfp4", "fp8")
-    batch = make_batch(lay, _seq_mix(kind), 4, device=DEV, seed=17, write_backend="triton")
+    batch = make_batch(lay, _seq_mix(kind), 4, device=DEV, seed=17, write_backend=WRITE)
     got = run_attention(batch, backend="triton", sliding_window=window, logits_soft_cap=cap,
                         softmax_scale=0.3)
     assert_close_rel(got, fast_reference(batch, 0.3, window, cap), 2e-3 if CUDA else 1e-5)
@@ -150,7 +155,7 @@ def test_half_precision_full_size(dtype, kind):
     lay = KVPageLayout(8, 128, 16, "nvfp4", "nvfp4")
     seqs = [(4099, 1)] * 5 + [(1000, 1)] if kind == "decode" else [(2048, 2048), (3000, 300)]
     batch = make_batch(lay, seqs, 32, q_dtype=dtype, kv_dtype=dtype, device=DEV, seed=1,
-                       write_backend="triton")
+                       write_backend=WRITE)
     got = run_attention(batch, backend="triton")
     assert got.dtype == dtype
     assert_close_rel(got, fast_reference(batch, 1.0 / math.sqrt(128)), 1e-2)
@@ -162,7 +167,7 @@ def test_half_precision_full_size(dtype, kind):
 def test_decode_is_cuda_graph_capturable():
     lay = KVPageLayout(8, 128, 16, "nvfp4", "fp8")
     batch = make_batch(lay, [(2000, 1), (517, 1), (1500, 1)], 32, q_dtype=torch.bfloat16,
-                       device=DEV, seed=2, write_backend="triton")
+                       device=DEV, seed=2, write_backend=WRITE)
     out = torch.empty_like(batch.query)
     args = (batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
             batch.seq_lens, batch.query_start_loc, 1, 2048, 0.088, out)
@@ -181,7 +186,7 @@ def test_decode_is_cuda_graph_capturable():
 @pytest.mark.skipif(not CUDA, reason="NaN decoding in the interpreter is not IEEE")
 def test_nonfinite_kv_stays_local():
     lay = KVPageLayout(1, 64, 16, "nvfp4", "nvfp4")
-    batch = make_batch(lay, [(40, 1), (40, 1)], 2, device=DEV, seed=4, write_backend="triton")
+    batch = make_batch(lay, [(40, 1), (40, 1)], 2, device=DEV, seed=4, write_backend=WRITE)
     bad = torch.randn(1, 1, 64, device=DEV)
     bad[0, 0, 5] = float("nan")
     slot = batch.block_table[0, 1].long() * 16 + 3  # token 19 of sequence 0
