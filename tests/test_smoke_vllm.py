@@ -125,3 +125,54 @@ def test_demo_script_multiprocess(tiny_model_dir):
         env=vllm_subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "DEMO OK" in proc.stdout, proc.stdout[-2000:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_vllm_serve_completion(tiny_model_dir, tmp_path):
+    """`vllm serve` (the CLI the metadata-only `vllm` distribution makes work) answers a completion."""
+    import json
+    import time
+    import urllib.request
+
+    port = _free_port()
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen(
+        [_vllm_cli(), "serve", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port),
+         "--max-model-len", "512", "--max-num-seqs", "4", "--enforce-eager", "--kv-cache-dtype", "auto"],
+        env=vllm_subprocess_env(), stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.time() < deadline, "server not healthy after 300 s"
+            time.sleep(1)
+        body = json.dumps({"model": str(tiny_model_dir), "prompt": PROMPTS[0], "max_tokens": 8,
+                           "temperature": 0.0, "ignore_eos": True}).encode()
+        req = urllib.request.Request(base + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out = json.loads(r.read())
+        assert out["usage"]["completion_tokens"] == 8, out
+        assert out["choices"][0]["text"], out
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
