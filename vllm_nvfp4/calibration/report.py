@@ -49,8 +49,10 @@ def plot_sensitivity(report: dict[str, Any], path: Path) -> None:
     axes[1].axhspan(-se, se, color="grey", alpha=0.25, label="+-1 s.e. (paired vs all-FP8)")
     axes[1].legend(loc="upper right")
     axes[1].set_xlabel("layer")
-    axes[0].set_title(f"{Path(report['model']['path']).name}: one slot in NVFP4, the rest FP8 "
-                      f"(marginal over all-FP8; {report['data']['eval_windows']} x {report['data']['window_tokens']} tokens)")
+    axes[1].set_xticks(idx)
+    axes[0].set_title(f"{Path(report['model']['path']).name}: one K or V slot in NVFP4, the rest FP8\n"
+                      f"(damage minus all-FP8's; {report['data']['eval_windows']} x "
+                      f"{report['data']['window_tokens']} held-out tokens)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -60,16 +62,21 @@ def plot_damage_vs_bytes(report: dict[str, Any], selections: list[dict[str, Any]
     """Measured delta NLL and KL of the candidate policies against their KV bytes."""
     plt = _plt()
     cfg = report["configs"]
+    rank_by = selections[-1]["metric"] if selections else "kl"
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, metric, label in ((axes[0], "dnll", "delta NLL vs reference (nats/token)"),
                               (axes[1], "kl", "KL vs reference (nats/token)")):
-        xs, ys = zip(*predicted_curve(report, metric))
-        ax.plot(xs, ys, color="grey", lw=1, ls="--", label=f"selected, predicted (additive, {metric})")
+        xs, ys = zip(*predicted_curve(report, metric, rank_by))
+        ax.plot(xs, ys, color="grey", lw=1, ls="--", label=f"selected by {rank_by}, predicted (additive)")
         ax.scatter([1.0], [cfg["all_fp8"][metric]], marker="s", color="black", label="all-FP8", zorder=3)
         ax.scatter([0.5625], [cfg["all_nvfp4"][metric]], marker="X", color="tab:red", s=70, label="all-NVFP4", zorder=3)
         for n, sel in enumerate(selections):
             if "measured" not in sel["selected"]:
                 continue
+            if not sel["measured_on"]["same_windows_as_analysis"]:
+                ax.scatter([1.0, 0.5625], [sel["all_fp8"][metric], sel["all_nvfp4"][metric]], marker="D",
+                           facecolors="none", edgecolors="black",
+                           label="all-FP8 / all-NVFP4 on the selection's windows" if n == 0 else None, zorder=3)
             x = sel["fraction_of_fp8"]
             ax.scatter([x], [sel["naive"]["measured"][metric]], marker="v", color="tab:orange",
                        label="naive first/last (measured)" if n == 0 else None, zorder=3)
@@ -89,10 +96,30 @@ def _row(name: str, frac: float, m: dict[str, Any]) -> str:
     return f"| {name} | {frac:.4f} | {m['dnll']:.5f} ± {m['dnll_se']:.5f} | {m['kl']:.5f} |"
 
 
+def commands(report: dict[str, Any], selections: list[dict[str, Any]], report_dir: str = "REPORT_DIR") -> list[str]:
+    """Command lines that reproduce the report (rebuilt from the recorded settings)."""
+    st, model = report["settings"], report["model"]
+    analyze = (f"vllm-nvfp4 analyze {model['path']} --data {' '.join(f['path'] for f in report['data']['files'])} "
+               f"--out {report_dir} --window {st['window']} --windows {st['windows']}")
+    if st["calib_windows"]:
+        analyze += f" --calib-windows {st['calib_windows']}"
+    else:
+        analyze += f" --scales {st['scales_from']}"
+    analyze += " --per-head" * bool(st["per_head"]) + f" --dtype {model['dtype']}"
+    out = [analyze]
+    for sel in selections:
+        size = f"--budget {sel['budget']}" if sel.get("budget") is not None else f"--fp8-slots {sel['fp8_slots']}"
+        cmd = f"vllm-nvfp4 select {report_dir} {size} --metric {sel['metric']}"
+        on = sel.get("measured_on")
+        if on and not on["same_windows_as_analysis"]:
+            cmd += f" --measure-windows {on['windows']}"
+        out.append(cmd + " --out POLICY.json")
+    return out
+
+
 def markdown(report: dict[str, Any], selections: list[dict[str, Any]]) -> str:
     """The short human report."""
     cfg, model, data, st = report["configs"], report["model"], report["data"], report["settings"]
-    nv = cfg["all_nvfp4"]["dnll"]
     lines = [
         f"# KV-cache sensitivity: {Path(model['path']).name}",
         "",
@@ -113,13 +140,6 @@ def markdown(report: dict[str, Any], selections: list[dict[str, Any]]) -> str:
         _row("all-FP8 (calibrated)", 1.0, cfg["all_fp8"]),
         _row("all-NVFP4 (calibrated)", 0.5625, cfg["all_nvfp4"]),
     ]
-    for sel in selections:
-        if "measured" not in sel["selected"]:
-            continue
-        lines.append(_row(f"selected, {sel['fp8_slots']} FP8 slots: `{sel['selected']['policy']}`",
-                          sel["fraction_of_fp8"], sel["selected"]["measured"]))
-        lines.append(_row(f"naive first/last, same bytes: `{sel['naive']['policy']}`",
-                          sel["fraction_of_fp8"], sel["naive"]["measured"]))
     top = sorted(((e[kv]["kl_marginal"], e["index"], kv) for e in report["layers"] for kv in ("k", "v")),
                  reverse=True)[:8]
     lines += ["", "Most sensitive slots (marginal KL over all-FP8): "
@@ -128,18 +148,31 @@ def markdown(report: dict[str, Any], selections: list[dict[str, Any]]) -> str:
         if "measured" not in sel["selected"]:
             continue
         s, n = sel["selected"], sel["naive"]
+        nv = sel["all_nvfp4"]["dnll"]  # on the windows the selection was measured on
+        on = sel.get("measured_on", {})
         ratio = s["measured"]["dnll"] / nv if nv else float("nan")
         lines += [
             f"## Selection at {sel['fraction_of_fp8']:.4f}x FP8 bytes ({sel['fp8_slots']} FP8 slots, by {sel['metric']})",
             "",
+            f"Measured on {on.get('windows', '?')} windows of {on.get('window_tokens', '?')} tokens "
+            f"({'the analysis windows' if on.get('same_windows_as_analysis') else 'starting with the analysis windows; partly fresh text'}).",
+            "",
+            "| policy | KV bytes / FP8 | delta NLL | KL |",
+            "|---|---|---|---|",
+            _row("all-FP8", 1.0, sel["all_fp8"]),
+            _row("all-NVFP4", 0.5625, sel["all_nvfp4"]),
+            _row(f"selected `{s['policy']}`", sel["fraction_of_fp8"], s["measured"]),
+            _row(f"naive `{n['policy']}`", sel["fraction_of_fp8"], n["measured"]),
+            "",
             f"- selected delta NLL = {s['measured']['dnll']:.5f} = {100 * ratio:.1f}% of all-NVFP4's {nv:.5f}; "
             f"naive = {n['measured']['dnll']:.5f} ({100 * n['measured']['dnll'] / nv if nv else float('nan'):.1f}%).",
-            f"- additivity (measured / predicted): selected KL {s['measured_over_predicted']['kl']}, "
+            f"- additivity (measured / predicted from the analysis windows): selected KL {s['measured_over_predicted']['kl']}, "
             f"delta NLL {s['measured_over_predicted']['dnll']}; naive KL {n['measured_over_predicted']['kl']}, "
             f"delta NLL {n['measured_over_predicted']['dnll']}.",
             "",
         ]
-    lines += [f"![sensitivity]({SENSITIVITY_PNG})", "", f"![damage vs bytes]({DAMAGE_PNG})", ""]
+    lines += [f"![sensitivity]({SENSITIVITY_PNG})", "", f"![damage vs bytes]({DAMAGE_PNG})", "",
+              "## Commands", "", "```", *commands(report, selections), "```", ""]
     return "\n".join(lines)
 
 

@@ -95,8 +95,9 @@ def predict(report: dict[str, Any], formats: KVPolicy, metric: str) -> float:
                       for kv in ("k", "v") if lp.format_of(kv) == "nvfp4")
 
 
-def predicted_curve(report: dict[str, Any], metric: str) -> list[tuple[float, float]]:
-    """``(fraction of FP8 bytes, predicted damage)`` of the selected policy for every slot count."""
+def predicted_curve(report: dict[str, Any], metric: str, rank_by: str = "kl") -> list[tuple[float, float]]:
+    """``(fraction of FP8 bytes, predicted metric)`` of the policy selected by ``rank_by``, for
+    every number of FP8 slots."""
     num_layers = len(report["layers"])
-    return [(fraction_for_slots(num_layers, n), predict(report, select_formats(report, n, metric), metric))
+    return [(fraction_for_slots(num_layers, n), predict(report, select_formats(report, n, rank_by), metric))
             for n in range(2 * num_layers + 1)]
