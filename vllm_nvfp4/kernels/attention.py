@@ -40,10 +40,34 @@ NVFP4_TILE_FACTOR = 128.0  # 2^7: the nvfp4 tile holds value / (g * 2^7)
 
 
 @triton.jit
-def _nibble_f16(n):
-    """E2M1 nibble (uint8, low 4 bits) -> fp16 e2m1 * 2^-14, by bit placement."""
-    n16 = n.to(tl.uint16)
-    return (((n16 & 8) << 12) | ((n16 & 7) << 9)).to(tl.float16, bitcast=True)
+def _e2m1_pair(w, K: tl.constexpr):
+    """NVFP4 words -> f16x2 bit patterns (uint32): nibble ``K`` of each 16-bit half, i.e. the
+    word's elements ``K`` (low half) and ``K + 4`` (high half), as fp16 ``e2m1 * 2^-14``.
+
+    Bit placement, both halves at once: code bits -> fp16 bits 9..11, sign -> bit 15."""
+    if K == 3:
+        x = ((w & 0x70007000) >> 3) | (w & 0x80008000)
+    else:
+        x = (w & (0x00070007 << (4 * K))) * (1 << (9 - 4 * K)) + (
+            w & (0x00080008 << (4 * K))
+        ) * (1 << (12 - 4 * K))
+    return x
+
+
+@triton.jit
+def _halves(x, s):
+    """Split f16x2 bits ``x`` (uint32) into two fp16 tensors, each times ``s``."""
+    lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True) * s
+    hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True) * s
+    return lo, hi
+
+
+@triton.jit
+def nvfp4_col_perm(d):
+    """Element held by tile column ``d`` of an NVFP4 tile (the decode's register order): within
+    each 8-element word, column ``o = 4a + 2b + c`` holds element ``2a + b + 4c``."""
+    o = d % 8
+    return d - o + 2 * (o // 4) + (o // 2) % 2 + 4 * (o % 2)
 
 
 @triton.jit
@@ -55,8 +79,9 @@ def _load_tile(
     """Dequantized ``[N, D]`` tile of K or V (fp16, fp32 when ``F32``) of KV head ``h``.
 
     ``page [N]``: uint8 pointers to each token's cache page; ``off [N]``: token offset in its block;
-    ``valid [N]``: rows to load (others read as 0). FP8 tiles hold ``x / scale``; NVFP4 tiles hold
-    ``x / (g * 2^7)``.
+    ``valid [N]``: rows to load (others read as 0). FP8 tiles hold ``x / scale`` in natural
+    column order; NVFP4 tiles hold ``x / (g * 2^7)`` with columns permuted by
+    :func:`nvfp4_col_perm` (the order in which the packed decode leaves them in registers).
     """
     if FMT == FMT_FP8:
         ptr = page[:, None] + DATA + (h * BLOCK + off[:, None]) * D + tl.arange(0, D)[None, :]
@@ -64,18 +89,31 @@ def _load_tile(
         x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     else:
         C: tl.constexpr = D // 16
-        W: tl.constexpr = D // 2
-        ptr = page[:, None] + DATA + (h * BLOCK + off[:, None]) * W + tl.arange(0, W)[None, :]
-        raw = tl.reshape(tl.load(ptr, mask=valid[:, None], other=0), [N, C, 8])
+        row = (page + DATA + (h * BLOCK + off) * (D // 2)).to(tl.pointer_type(tl.uint32))
+        wi = tl.arange(0, C)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+        w = tl.load(row[:, None, None] + wi, mask=valid[:, None, None], other=0)  # [N, C, 2]
         sptr = page[:, None] + SCALE + (h * C + tl.arange(0, C)[None, :]) * BLOCK + off[:, None]
         s = tl.load(sptr, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True)
-        s = (s.to(tl.float16) * 128.0)[:, :, None]  # [N, C, 1]
-        lo = _nibble_f16(raw & 0xF) * s
-        hi = _nibble_f16(raw >> 4) * s
+        s = (s.to(tl.float16) * 128.0)[:, :, None]  # [N, C, 1]: block scale * 2^7
+        lo0, hi0 = _halves(_e2m1_pair(w, 0), s)
+        lo1, hi1 = _halves(_e2m1_pair(w, 1), s)
+        lo2, hi2 = _halves(_e2m1_pair(w, 2), s)
+        lo3, hi3 = _halves(_e2m1_pair(w, 3), s)
+        lo = tl.join(tl.join(lo0, lo2), tl.join(lo1, lo3))
+        hi = tl.join(tl.join(hi0, hi2), tl.join(hi1, hi3))
         x = tl.reshape(tl.join(lo, hi), [N, D])
     if F32:
         x = x.to(tl.float32)
     return x
+
+
+@triton.jit
+def _cols(FMT: tl.constexpr, D: tl.constexpr):
+    """Element index of each tile column for a plane of format ``FMT``."""
+    d = tl.arange(0, D)
+    if FMT != FMT_FP8:
+        d = nvfp4_col_perm(d)
+    return d
 
 
 @triton.jit
@@ -159,10 +197,9 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     tok = tl.load(qsl_ptr + seq).to(tl.int64)
     g = tl.arange(0, BG)
-    d = tl.arange(0, D)
     row_ok = g < G
     qh = h * G + g
-    q = tl.load(query_ptr + tok * stride_qt + qh[:, None] * stride_qh + d[None, :],
+    q = tl.load(query_ptr + tok * stride_qt + qh[:, None] * stride_qh + _cols(K_FMT, D)[None, :],
                 mask=row_ok[:, None], other=0.0)
     q = q.to(tl.float32) if F32 else q.to(tl.float16)
     kf, vf = _kv_factors(k_scale_ptr, v_scale_ptr, h, K_FMT, V_FMT)
@@ -189,6 +226,7 @@ def _decode_kernel(
         False, USE_WINDOW, USE_SOFTCAP, F32,
     )
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * vf
+    d = _cols(V_FMT, D)
     if NUM_SPLITS == 1:
         tl.store(out_ptr + tok * stride_ot + qh[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -257,9 +295,8 @@ def _prefill_kernel(
     row_ok = (qi < q_len) & (g < G)
     qh = h * G + g
     tok = (q_start + qi).to(tl.int64)
-    d = tl.arange(0, D)
-    q = tl.load(query_ptr + tok[:, None] * stride_qt + qh[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q = tl.load(query_ptr + tok[:, None] * stride_qt + qh[:, None] * stride_qh
+                + _cols(K_FMT, D)[None, :], mask=row_ok[:, None], other=0.0)
     q = q.to(tl.float32) if F32 else q.to(tl.float16)
     kf, vf = _kv_factors(k_scale_ptr, v_scale_ptr, h, K_FMT, V_FMT)
     qk_scale = softmax_scale * kf
@@ -282,6 +319,7 @@ def _prefill_kernel(
         True, USE_WINDOW, USE_SOFTCAP, F32,
     )
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * vf
+    d = _cols(V_FMT, D)
     tl.store(out_ptr + tok[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -334,10 +372,15 @@ def paged_attention(
     logits_soft_cap: Optional[float] = None,
     num_splits: Optional[int] = None,
     tile_n: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch decode (``max_query_len == 1``) or prefill kernels; arguments as in
-    :func:`vllm_nvfp4.ops.paged_attention` (checked there). ``num_splits``/``tile_n`` override the
-    decode heuristics (benchmarks)."""
+    :func:`vllm_nvfp4.ops.paged_attention` (checked there). ``num_splits`` (a power of 2),
+    ``tile_n`` (keys per tile), ``num_warps``, ``num_stages`` override the heuristics
+    (benchmarks)."""
+    if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
+        raise ValueError(f"num_splits must be a power of 2, got {num_splits}")
     num_seqs = seq_lens.shape[0]
     d = layout.head_dim
     meta, g = _common(layout, query, cache, k_scale, v_scale, logits_soft_cap, sliding_window)
@@ -363,7 +406,7 @@ def paged_attention(
             query, out, cache, k_scale, v_scale, block_table, seq_lens, query_start_loc,
             part_o, part_ml, *common_args,
             HQ=hq, G=g, BG=max(16, g_pad), TILE_N=tn, NUM_SPLITS=splits, **meta,
-            num_warps=4, num_stages=3,
+            num_warps=num_warps or 4, num_stages=num_stages or 3,
         )
         if splits > 1:
             _reduce_kernel[(num_tokens, hq)](
@@ -380,6 +423,6 @@ def paged_attention(
         query, out, cache, k_scale, v_scale, block_table, seq_lens, query_start_loc, num_seqs,
         *common_args,
         G=g, G_PAD=g_pad, BLOCK_Q=block_q, TILE_N=tn, **meta,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps or 4, num_stages=num_stages or 2,
     )
     return out
