@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-FMT_FP8 = 0
-FMT_NVFP4 = 1
+FMT_FP8 = tl.constexpr(0)
+FMT_NVFP4 = tl.constexpr(1)
 
 
 @triton.jit
@@ -139,7 +139,7 @@ def _write_kv_kernel(
 
 def format_code(fmt: str) -> int:
     """Kernel constexpr of a KV format name."""
-    return FMT_FP8 if fmt == "fp8" else FMT_NVFP4
+    return int(FMT_FP8.value) if fmt == "fp8" else int(FMT_NVFP4.value)
 
 
 def write_kv_cache(
