@@ -1,0 +1,211 @@
+"""Registration, backend selection and start-up validation of the vLLM integration (no engine runs).
+
+Every ``LLM(...)`` here fails in ``create_engine_config``, before an engine core starts, which is
+exactly the point: bad input must be refused at start-up with a message naming the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import get_args
+
+import pytest
+import torch
+
+from conftest import vllm_subprocess_env
+
+from vllm_nvfp4.integration.dtype import CACHE_DTYPE
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    from vllm_nvfp4.plugin import register
+
+    register()
+    register()  # idempotent
+
+
+def _llm(model_dir: Path, **kwargs):
+    from vllm import LLM
+
+    return LLM(model=str(model_dir), kv_cache_dtype=CACHE_DTYPE, enforce_eager=True,
+               max_model_len=256, distributed_executor_backend="uni", **kwargs)
+
+
+def _variant(src: Path, dst: Path, **config_changes) -> Path:
+    """A copy of the tiny model with ``config.json`` edited (weights untouched)."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(config_changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+# ---------------------------------------------------------------------------------- registration
+def test_dtype_is_valid_everywhere_vllm_checks_it():
+    from vllm.config.cache import CacheConfig, CacheDType
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+    assert list(get_args(CacheDType)).count(CACHE_DTYPE) == 1
+    assert CacheConfig(cache_dtype=CACHE_DTYPE).cache_dtype == CACHE_DTYPE
+    with pytest.raises(ValueError, match="nvfp4_mixedX"):
+        CacheConfig(cache_dtype="nvfp4_mixedX")
+    assert STR_DTYPE_TO_TORCH_DTYPE[CACHE_DTYPE] == torch.uint8
+    args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
+        ["--kv-cache-dtype", CACHE_DTYPE])
+    assert args.kv_cache_dtype == CACHE_DTYPE
+
+
+def test_every_hook_is_installed_once():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.attention import selector
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_nvfp4.integration import hooks
+    from vllm_nvfp4.integration.selection import BACKEND_PATH
+
+    for fn in (EngineArgs.create_engine_config, Attention.get_kv_cache_spec,
+               selector._cached_get_attn_backend):
+        assert getattr(fn, hooks._MARK)
+        assert not getattr(fn.__wrapped__, hooks._MARK, False)  # not wrapped twice
+    assert AttentionBackendEnum.CUSTOM.get_path() == BACKEND_PATH
+    assert [h.name for h in hooks.HOOKS] == [
+        "cache_dtype", "custom_backend", "backend_selection", "spec", "startup_check"]
+
+
+def _selector_config(**changes):
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    return AttentionSelectorConfig(head_size=64, dtype=torch.bfloat16, kv_cache_dtype=CACHE_DTYPE,
+                                   block_size=None)._replace(**changes)
+
+
+def test_backend_selection():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_nvfp4.integration.selection import BACKEND_PATH, select_backend
+
+    assert select_backend(None, _selector_config()) == BACKEND_PATH
+    assert select_backend(AttentionBackendEnum.CUSTOM, _selector_config()) == BACKEND_PATH
+    for other in ("auto", "fp8", "nvfp4"):  # vLLM's own dtypes: untouched
+        assert select_backend(None, _selector_config(kv_cache_dtype=other)) is None
+    with pytest.raises(ValueError, match="FLASHINFER cannot serve kv_cache_dtype=nvfp4_mixed"):
+        select_backend(AttentionBackendEnum.FLASHINFER, _selector_config())
+    with pytest.raises(ValueError, match="does not support MLA"):
+        select_backend(None, _selector_config(use_mla=True))
+    with pytest.raises(ValueError, match="head_size not supported"):
+        select_backend(None, _selector_config(head_size=40))
+
+
+def test_rank_scales_split_and_replicate_per_head_lists():
+    from vllm_nvfp4.integration.impl import rank_scales
+
+    assert rank_scales(None, "fp8", 4, 2, 0, 2) == [1.0, 1.0]
+    assert rank_scales(None, "nvfp4", 4, 4, 0, 1) == [pytest.approx(1 / 6)] * 4
+    assert rank_scales(0.5, "fp8", 4, 2, 1, 2) == [0.5, 0.5]
+    assert rank_scales((1.0, 2.0, 3.0, 4.0), "fp8", 4, 2, 1, 2) == [3.0, 4.0]
+    assert rank_scales((1.0, 2.0), "nvfp4", 2, 1, 3, 4) == [2.0]  # 2 KV heads over 4 ranks
+
+
+def test_page_view_refuses_split_or_strided_blocks():
+    from vllm_nvfp4.integration.impl import page_view
+    from vllm_nvfp4.layout import KVPageLayout
+
+    layout = KVPageLayout(2, 32, 16, "fp8", "nvfp4")
+    per_token = layout.bytes_per_token
+    raw = torch.zeros(3, 2 * layout.page_bytes, dtype=torch.uint8)  # layers interleaved
+    view = raw[:, :layout.page_bytes].view(3, 1, 16, per_token)
+    pages = page_view(view, layout)
+    assert pages.shape == (3, layout.page_bytes) and pages.stride() == (2 * layout.page_bytes, 1)
+    assert pages.data_ptr() == raw.data_ptr()
+    with pytest.raises(RuntimeError, match="expected dense pages"):
+        page_view(torch.zeros(6, 1, 8, per_token, dtype=torch.uint8), layout)
+
+
+# ---------------------------------------------------------------------------------- bad input
+def test_policy_for_another_layer_count_fails_at_start(tiny_model_dir, tmp_path, monkeypatch):
+    from vllm_nvfp4.policy import KVPolicy, PolicyError
+
+    path = KVPolicy.from_compact("*:fp8", 6).save(tmp_path / "six.json")
+    monkeypatch.setenv("VLLM_NVFP4_POLICY", str(path))
+    with pytest.raises(PolicyError, match="describes 6 attention layers, but the model has 4"):
+        _llm(tiny_model_dir)
+
+
+def test_unknown_format_fails_at_start(tiny_model_dir, monkeypatch):
+    from vllm_nvfp4.policy import PolicyError
+
+    monkeypatch.setenv("VLLM_NVFP4_POLICY", "0:fp8,*:int4")
+    with pytest.raises(PolicyError, match="unknown KV format 'int4'"):
+        _llm(tiny_model_dir)
+
+
+def test_head_dim_not_multiple_of_16_fails_at_start(tiny_model_dir, tmp_path):
+    model = _variant(tiny_model_dir, tmp_path / "hd40", head_dim=40)
+    with pytest.raises(ValueError, match="head_dim to be a multiple of 16.*head_dim is 40"):
+        _llm(model)
+
+
+def test_sliding_window_model_is_refused(tiny_model_dir, tmp_path):
+    model = _variant(tiny_model_dir, tmp_path / "swa", architectures=["MistralForCausalLM"],
+                     model_type="mistral", sliding_window=64)
+    with pytest.raises(ValueError, match="dense full-attention decoder models only.*sliding-window"):
+        _llm(model)
+
+
+def test_mla_model_is_refused(tiny_model_dir, tmp_path):
+    model = _variant(tiny_model_dir, tmp_path / "mla", architectures=["DeepseekV2ForCausalLM"],
+                     model_type="deepseek_v2", kv_lora_rank=64, q_lora_rank=None,
+                     qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                     n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                     first_k_dense_replace=4)
+    with pytest.raises(ValueError, match="MLA"):
+        _llm(model)
+
+
+def test_explicit_other_backend_and_skip_layers_are_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="CPU_ATTN cannot serve kv_cache_dtype=nvfp4_mixed"):
+        _llm(tiny_model_dir, attention_backend="CPU_ATTN")
+    with pytest.raises(ValueError, match="skip-layers cannot be combined"):
+        _llm(tiny_model_dir, kv_cache_dtype_skip_layers=["0"])
+
+
+def test_other_dtypes_never_run_our_checks(tiny_model_dir, monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("VLLM_NVFP4_POLICY", "not a policy")
+    config = EngineArgs(model=str(tiny_model_dir), kv_cache_dtype="fp8",
+                        max_model_len=256).create_engine_config()
+    assert config.cache_config.cache_dtype == "fp8"
+
+
+def test_vllm_plugins_without_ours_fails_clearly(tiny_model_dir):
+    script = textwrap.dedent(f"""
+        from vllm.engine.arg_utils import EngineArgs
+        def build():
+            try:
+                EngineArgs(model={str(tiny_model_dir)!r}, kv_cache_dtype="nvfp4_mixed",
+                           max_model_len=256).create_engine_config()
+            except Exception as e:
+                print("ERROR:", str(e).replace(chr(10), " ")[:600])
+        if __name__ == "__main__":
+            build()  # plugin not loaded: vLLM itself rejects the name
+            from vllm_nvfp4.plugin import register
+            register()  # imported by hand while VLLM_PLUGINS excludes it
+            build()
+    """)
+    env = vllm_subprocess_env(VLLM_PLUGINS="lora_filesystem_resolver")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, env=env)
+    errors = [line for line in out.stdout.splitlines() if line.startswith("ERROR:")]
+    assert len(errors) == 2, out.stdout + out.stderr[-3000:]
+    assert "nvfp4_mixed" in errors[0] and "cache_dtype" in errors[0]
+    assert "VLLM_PLUGINS='lora_filesystem_resolver' leaves it out" in errors[1]
