@@ -95,13 +95,11 @@ def layer_plan(vllm_config: Any, layer_name: str) -> tuple[int, LayerPolicy, KVP
     return index, row, layout
 
 
-def check_engine_config(vllm_config: Any) -> KVPolicy:
-    """Start-up validation of an ``nvfp4_mixed`` engine config; returns the policy in force.
+def check_plugin_enabled() -> None:
+    """Plugin mode: raise unless ``VLLM_PLUGINS`` lets every vLLM process load our plugin.
 
-    Raises :class:`Nvfp4MixedConfigError` (or :class:`~vllm_nvfp4.policy.PolicyError`) naming
-    the problem: plugin excluded by ``VLLM_PLUGINS``, MLA / sliding-window / hybrid models,
-    head_dim or block size the page layout cannot hold, an explicit other attention backend,
-    ``--kv-cache-dtype-skip-layers``, or a policy that does not fit the model.
+    (Reached when the plugin was registered by hand in a process whose ``VLLM_PLUGINS`` leaves
+    it out; the engine core and workers would then not know ``nvfp4_mixed``.)
     """
     from vllm import envs
 
@@ -112,6 +110,16 @@ def check_engine_config(vllm_config: Any) -> KVPolicy:
             f"process, but VLLM_PLUGINS={','.join(plugins)!r} leaves it out; add {PLUGIN_NAME} "
             "to VLLM_PLUGINS (or unset it)"
         )
+
+
+def check_engine_config(vllm_config: Any) -> KVPolicy:
+    """Start-up validation of an ``nvfp4_mixed`` engine config; returns the policy in force.
+
+    Raises :class:`Nvfp4MixedConfigError` (or :class:`~vllm_nvfp4.policy.PolicyError`) naming
+    the problem: MLA / sliding-window / hybrid models,
+    head_dim or block size the page layout cannot hold, an explicit other attention backend,
+    ``--kv-cache-dtype-skip-layers``, or a policy that does not fit the model.
+    """
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     if mc.use_mla:
         raise Nvfp4MixedConfigError(
