@@ -1,0 +1,249 @@
+"""Pieces of ``scripts/eval_accuracy.py`` (vllm_nvfp4.evaluation): statistics, prompt log-prob
+parsing, passkey prompts, KV configurations, lm-eval command and result parsing, reports.
+
+Fast: no vLLM engine here (see ``test_eval_accuracy_engine.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_nvfp4.evaluation import gsm8k, passkey
+from vllm_nvfp4.evaluation.kv_configs import ConfigError, KVConfig, ModelShape, build_configs, fp8_slots
+from vllm_nvfp4.evaluation.logprobs import WindowScores, compare, ratio_to, scores_from_prompt_logprobs
+from vllm_nvfp4.evaluation.report import check_targets, markdown_table, plot
+from vllm_nvfp4.evaluation.stats import bootstrap_ratio, mean_interval, t975
+from vllm_nvfp4.evaluation.windows import tail_windows
+from vllm_nvfp4.policy import KVPolicy
+
+SHAPE = ModelShape(num_layers=6, num_kv_heads=2, head_dim=64, max_positions=4096, dtype="bfloat16")
+
+
+# ----------------------------------------------------------------------------- stats
+def test_t_interval_matches_hand_computation() -> None:
+    iv = mean_interval([1.0, 2.0, 3.0, 4.0])
+    se = math.sqrt((2.25 + 0.25 + 0.25 + 2.25) / 3 / 4)
+    assert iv.mean == 2.5 and iv.n == 4
+    assert iv.se == pytest.approx(se)
+    assert iv.hi - iv.mean == pytest.approx(3.182 * se)
+    assert mean_interval([0.7]).lo == mean_interval([0.7]).hi == 0.7
+    assert t975(1) == 12.706 and 1.96 < t975(100) < 1.99
+
+
+def test_bootstrap_ratio_brackets_the_point() -> None:
+    num = [0.1, 0.12, 0.09, 0.11, 0.1, 0.13]
+    den = [0.5, 0.55, 0.45, 0.5, 0.52, 0.6]
+    point, lo, hi = bootstrap_ratio(num, den, reps=500)
+    assert point == pytest.approx(sum(num) / sum(den))
+    assert lo <= point <= hi and hi - lo < 0.05
+
+
+# ----------------------------------------------------------------------------- log-probs
+def _lp(logprob: float, rank: int) -> SimpleNamespace:
+    return SimpleNamespace(logprob=logprob, rank=rank)
+
+
+def test_scores_from_prompt_logprobs() -> None:
+    ids = [5, 7, 9]
+    plp = [None, {7: _lp(-0.5, 1)}, {9: _lp(-2.0, 3), 4: _lp(-0.1, 1)}]
+    s = scores_from_prompt_logprobs(ids, plp)
+    assert s.nll == (0.5, 2.0) and s.top1 == (7, 4)
+    with pytest.raises(ValueError, match="no log-prob for the prompt token"):
+        scores_from_prompt_logprobs(ids, [None, {3: _lp(-1, 1)}, {9: _lp(-1, 1)}])
+    with pytest.raises(ValueError, match="entries"):
+        scores_from_prompt_logprobs(ids, plp[:2])
+
+
+def test_compare_paired_delta_nll_and_top1() -> None:
+    ref = [WindowScores((1.0, 2.0), (3, 4)), WindowScores((1.0, 1.0), (5, 6))]
+    oth = [WindowScores((1.5, 2.5), (3, 9)), WindowScores((1.0, 2.0), (5, 6))]
+    c = compare(ref, oth)
+    assert c.window_delta_nll == (0.5, 0.5) and c.delta_nll.mean == 0.5
+    assert c.top1_agreement == 0.75 and c.tokens == 4
+    assert c.nll == pytest.approx(7.0 / 4)
+    same = compare(ref, ref)
+    assert same.delta_nll.mean == 0 and same.top1_agreement == 1
+    r = ratio_to(c, compare(ref, [WindowScores((2.0, 3.0), (3, 4)), WindowScores((2.0, 2.0), (5, 6))]))
+    assert r["ratio"] == pytest.approx(0.5)
+
+
+# ----------------------------------------------------------------------------- passkey
+class _CharTokenizer:
+    """One token per character: lengths are easy to reason about."""
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": [ord(c) % 256 for c in text]}
+
+
+def test_passkey_trials_fit_and_hold_the_key() -> None:
+    trials = passkey.build_trials(_CharTokenizer(), 2000, [0.1, 0.5, 0.9], seed=1)
+    assert len({t.key for t in trials}) == 3
+    for t in trials:
+        assert 1800 < len(t.token_ids) <= 2000
+        text = "".join(chr(i) for i in t.prompt_token_ids)
+        assert f"The pass key is {t.key}." in text and text.endswith("The pass key is")
+        assert "".join(chr(i) for i in t.answer_token_ids) == " " + t.key
+        assert abs(text.index(t.key) / len(text) - t.depth) < 0.15
+    with pytest.raises(ValueError):
+        passkey.build_trials(_CharTokenizer(), 2000, [1.5])
+
+
+def test_passkey_score_is_greedy_equivalent() -> None:
+    t = passkey.PasskeyTrial(key="42", depth=0.5, prompt_token_ids=(1, 2, 3), answer_token_ids=(8, 9))
+    # positions 1..4 predict tokens 2, 3, 8, 9; only the last two (the answer) count
+    hit = WindowScores(nll=(5.0, 5.0, 0.1, 0.2), top1=(0, 0, 8, 9))
+    miss = WindowScores(nll=(0.0, 0.0, 0.1, 2.0), top1=(2, 3, 8, 7))
+    res = passkey.score([t, t], [hit, miss])
+    assert res["correct"] == 1 and res["accuracy"] == 0.5
+    assert res["trials"][0]["answer_logprob"] == pytest.approx(-0.3)
+    assert res["trials"][1]["answer_tokens_top1"] == 1
+    assert res["mean_answer_logprob"] == pytest.approx((-0.3 - 2.1) / 2)
+    with pytest.raises(ValueError, match="positions"):
+        passkey.score([t], [WindowScores(nll=(1.0,), top1=(8,))])
+
+
+# ----------------------------------------------------------------------------- configurations
+def _calibrated(tmp_path: Path) -> Path:
+    pol = KVPolicy.from_compact("0:fp8,1:nvfp4,2:k=fp8,v=nvfp4,3:fp8,4-5:nvfp4", 6)
+    layers = [{"index": i, "k": lp.k, "v": lp.v, "k_scale": 0.01 * (i + 1), "v_scale": 0.02,
+               "k_global_scale": 0.002, "v_global_scale": 0.003 * (i + 1)} for i, lp in enumerate(pol.layers)]
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"format": "vllm-nvfp4-policy", "version": 1, "num_layers": 6, "layers": layers}))
+    return path
+
+
+def test_build_configs_with_policy(tmp_path: Path) -> None:
+    path = _calibrated(tmp_path)
+    cfgs = {c.name: c for c in build_configs(
+        ["auto", "fp8", "ours_fp8", "nvfp4_all", "mixed_calibrated", "mixed_naive"], SHAPE, path)}
+    assert cfgs["auto"].expected_bytes_per_token(SHAPE) == 2 * 6 * 2 * 64 * 2
+    assert cfgs["fp8"].expected_bytes_per_token(SHAPE) == 6 * 2 * 2 * 64
+    assert cfgs["nvfp4_all"].fraction_of_fp8(SHAPE) == pytest.approx(0.5625)
+    assert cfgs["ours_fp8"].fraction_of_fp8(SHAPE) == 1.0
+    mixed, naive = cfgs["mixed_calibrated"].policy, cfgs["mixed_naive"].policy
+    assert fp8_slots(mixed) == fp8_slots(naive) == 5  # same budget
+    assert naive.to_compact() == "0:fp8,1:k=fp8,v=nvfp4,2-4:nvfp4,5:fp8" != mixed.to_compact()
+    assert cfgs["mixed_naive"].expected_bytes_per_token(SHAPE) == cfgs["mixed_calibrated"].expected_bytes_per_token(SHAPE)
+    for c in ("nvfp4_all", "mixed_naive", "ours_fp8"):  # calibrated scales carried over, layer by layer
+        assert [lp.k_scale for lp in cfgs[c].policy.layers] == [lp.k_scale for lp in mixed.layers]
+        assert [lp.v_global_scale for lp in cfgs[c].policy.layers] == [lp.v_global_scale for lp in mixed.layers]
+    written = cfgs["mixed_naive"].write_policy(tmp_path / "pol")
+    assert KVPolicy.load(written).to_compact() == naive.to_compact()
+    assert cfgs["mixed_naive"].env(written) == {"VLLM_NVFP4_POLICY": str(written.resolve())}
+    assert cfgs["auto"].write_policy(tmp_path / "pol") is None and cfgs["auto"].env(None) == {}
+
+
+def test_build_configs_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown configuration"):
+        build_configs(["bf16"], SHAPE)
+    with pytest.raises(ConfigError, match="needs --policy"):
+        build_configs(["mixed_calibrated"], SHAPE)
+    with pytest.raises(ConfigError, match="--budget"):
+        build_configs(["mixed_naive"], SHAPE)
+    naive = build_configs(["mixed_naive"], SHAPE, budget=0.62)[0]
+    assert naive.fraction_of_fp8(SHAPE) <= 0.62 and naive.policy.layers[0].k_scale is None
+    other = ModelShape(num_layers=4, num_kv_heads=2, head_dim=64, max_positions=1, dtype="bfloat16")
+    with pytest.raises(ValueError, match="4"):
+        build_configs(["mixed_calibrated"], other, _calibrated(tmp_path))
+
+
+def test_model_shape_from_config(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 512,
+        "max_position_embeddings": 2048, "torch_dtype": "bfloat16"}))
+    s = ModelShape.from_model_dir(tmp_path)
+    assert (s.num_layers, s.num_kv_heads, s.head_dim, s.max_positions) == (3, 2, 64, 2048)
+    with pytest.raises(ConfigError, match="config.json"):
+        ModelShape.from_model_dir(tmp_path / "missing")
+
+
+# ----------------------------------------------------------------------------- lm-eval glue
+def test_lm_eval_command_is_copyable(tmp_path: Path) -> None:
+    cmd = gsm8k.lm_eval_command("/m", "nvfp4_mixed", tmp_path / "o", 50, data_path=Path("/d/test.jsonl"))
+    i = cmd.index("--model_args")
+    assert cmd[cmd.index("--model") + 1] == "vllm"
+    assert cmd[i + 1].startswith("pretrained=/m,kv_cache_dtype=nvfp4_mixed,")
+    assert cmd[cmd.index("--tasks") + 1] == gsm8k.TASK and cmd[cmd.index("--limit") + 1] == "50"
+    assert (Path(cmd[cmd.index("--include_path") + 1]) / "gsm8k_nvfp4" / "gsm8k_nvfp4.yaml").is_file()
+    line = gsm8k.printable(cmd, {"VLLM_NVFP4_POLICY": "/p q.json"})
+    assert line.startswith("VLLM_NVFP4_POLICY='/p q.json' lm_eval --model vllm ")
+    assert "--limit" not in gsm8k.lm_eval_command("/m", "fp8", tmp_path, None)
+
+
+def test_parse_lm_eval_outputs(tmp_path: Path) -> None:
+    d = tmp_path / "out" / "model_dir"
+    d.mkdir(parents=True)
+    (d / "results_2026-01-01T00-00-00.json").write_text(json.dumps({
+        "results": {gsm8k.TASK: {"exact_match,strict-match": 0.25, "exact_match_stderr,strict-match": 0.1,
+                                 "exact_match,flexible-extract": 0.5, "exact_match_stderr,flexible-extract": 0.12}},
+        "n-samples": {gsm8k.TASK: {"original": 1319, "effective": 4}}}))
+    rows = [{"doc_id": i, "filter": f, "exact_match": v}
+            for f, vals in (("strict-match", [1, 0, 0, 0]), ("flexible-extract", [1, 1, 0, 0])) for i, v in enumerate(vals)]
+    (d / f"samples_{gsm8k.TASK}_2026-01-01T00-00-00.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    res = gsm8k.parse_results(tmp_path / "out")
+    assert res["n"] == 4 and res["strict-match"] == {"acc": 0.25, "stderr": 0.1}
+    per = gsm8k.per_question(tmp_path / "out")
+    assert per["flexible-extract"] == {0: 1.0, 1: 1.0, 2: 0.0, 3: 0.0}
+    pd = gsm8k.paired_difference(per["strict-match"], per["flexible-extract"])
+    assert pd["diff"] == -0.25 and pd["n"] == 4 and pd["questions_differing"] == 1
+
+
+def test_local_task_loader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gsm8k_task_utils", gsm8k.TASKS_DIR / "gsm8k_nvfp4" / "utils.py")
+    utils = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(utils)
+    f = tmp_path / "t.jsonl"
+    f.write_text(json.dumps({"question": "1+1?", "answer": "2\n#### 2"}) + "\n\n")
+    assert utils.read_items(f) == [{"question": "1+1?", "answer": "2\n#### 2"}]
+    monkeypatch.setenv("VLLM_NVFP4_GSM8K", str(f))
+    assert utils.gsm8k_path() == f and utils.gsm8k_path(str(tmp_path)) == tmp_path
+    with pytest.raises(FileNotFoundError, match="prepare_assets"):
+        utils.read_items(tmp_path / "missing.jsonl")
+
+
+# ----------------------------------------------------------------------------- windows, reports
+def test_tail_windows_come_from_the_end(tmp_path: Path) -> None:
+    f = tmp_path / "t.txt"
+    f.write_text("a" * 5000 + "\n" + "b" * 3000)
+    w = tail_windows(f, _CharTokenizer(), 3, 1000)
+    assert [len(x) for x in w] == [1000, 1000, 1000]
+    assert all(t == ord("b") for t in w[-1]) and w[0][0] == ord("b")
+    with pytest.raises(ValueError, match="need"):
+        tail_windows(f, _CharTokenizer(), 10, 1000)
+
+
+def _results(mixed_dnll: float, mixed_pk: int) -> dict:
+    def cfg(frac: float, dnll: float, pk: int, acc: float) -> dict:
+        return {"fraction_of_fp8": frac, "kv_bytes": {"expected": int(frac * 1000), "measured": frac * 1000},
+                "nll": {"delta_nll": {"mean": dnll, "lo": dnll - 0.01, "hi": dnll + 0.01}, "top1_agreement": 0.9},
+                "passkey": {"correct": pk, "trials": [{}] * 5, "mean_answer_logprob": -0.5},
+                "gsm8k": {"n": 10, "strict-match": {"acc": acc, "stderr": 0.05},
+                          "flexible-extract": {"acc": acc, "stderr": 0.05}}}
+    return {"model_name": "m", "configs": {
+        "auto": {**cfg(2.0, 0, 5, 0.4), "nll": {"nll": 2.0}},
+        "fp8": cfg(1.0, 0.001, 5, 0.4), "nvfp4_all": cfg(0.5625, 0.1, 4, 0.3),
+        "mixed_calibrated": cfg(0.6, mixed_dnll, mixed_pk, 0.39)},
+        "dnll_ratio_mixed_over_nvfp4_all": {"ratio": mixed_dnll / 0.1, "lo": 0.0, "hi": 1.0},
+        "noise_floor": {"delta_nll": {"mean": 0.0, "lo": 0.0, "hi": 0.0}, "top1_agreement": 1.0}}
+
+
+def test_targets_and_table(tmp_path: Path) -> None:
+    good = {c["target"]: c["status"] for c in check_targets(_results(0.02, 5))}
+    assert set(good.values()) == {"pass"}
+    bad = {c["target"]: c["status"] for c in check_targets(_results(0.05, 4))}
+    assert bad["ΔNLL <= 30% of all-NVFP4"] == "FAIL" and bad["passkey equal to FP8"] == "FAIL"
+    weak = _results(0.02, 5)
+    for c in weak["configs"].values():
+        c["gsm8k"]["flexible-extract"]["acc"] = c["gsm8k"]["strict-match"]["acc"] = 0.02
+    assert all(c["status"].startswith("n/a") for c in check_targets(weak) if "GSM8K" in c["target"])
+    table = markdown_table(_results(0.02, 5))
+    assert table.count("\n") == 5 and "| mixed_calibrated | 600.0 | 600 | 0.600 | +0.0200" in table
+    pytest.importorskip("matplotlib")
+    assert plot(_results(0.02, 5), tmp_path / "a.png").stat().st_size > 1000

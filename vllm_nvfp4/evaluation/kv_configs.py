@@ -1,0 +1,163 @@
+"""The KV-cache configurations compared by ``scripts/eval_accuracy.py``.
+
+==================  ==================  =========================================================
+name                ``kv_cache_dtype``  what
+==================  ==================  =========================================================
+``auto``            ``auto``            the model dtype (BF16): the reference
+``fp8``             ``fp8``             vLLM's own FP8 (E4M3) cache, its default scales (1.0)
+``ours_fp8``        ``nvfp4_mixed``     our path, every layer FP8, calibrated scales (optional)
+``nvfp4_all``       ``nvfp4_mixed``     every layer NVFP4 (K and V), calibrated scales if given
+``mixed_calibrated`` ``nvfp4_mixed``    the selected policy JSON (``--policy``) as is
+``mixed_naive``     ``nvfp4_mixed``     first/last-N layers FP8 with as many FP8 slots as the
+                                        calibrated policy (or ``--budget``), calibrated scales
+==================  ==================  =========================================================
+
+A ``nvfp4_mixed`` configuration reaches the engine as a policy JSON file named by
+``$VLLM_NVFP4_POLICY``, set in the environment of the process that starts the engine (spawned
+vLLM processes inherit it), so the same file works for ``LLM()``, ``vllm serve`` and lm-eval.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from vllm_nvfp4.calibration.selection import fp8_slots_for_budget, naive_formats
+from vllm_nvfp4.formats import bytes_per_head
+from vllm_nvfp4.policy import POLICY_ENV, KVPolicy, LayerPolicy
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAMES = ("auto", "fp8", "ours_fp8", "nvfp4_all", "mixed_calibrated", "mixed_naive")
+DEFAULT_CONFIGS = ("auto", "fp8", "nvfp4_all", "mixed_calibrated", "mixed_naive")
+OURS = "nvfp4_mixed"
+_MODEL_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be built from the arguments; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What KV bytes depend on, read from the model's ``config.json``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int
+    dtype: str
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path) -> "ModelShape":
+        try:
+            cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{model_dir}: cannot read config.json ({e})") from None
+        cfg = cfg.get("text_config", cfg)
+        heads = int(cfg["num_attention_heads"])
+        return cls(num_layers=int(cfg["num_hidden_layers"]),
+                   num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+                   head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+                   max_positions=int(cfg.get("max_position_embeddings", 2048)),
+                   dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"))
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """One engine configuration: vLLM ``kv_cache_dtype`` plus, for ours, the per-layer policy."""
+
+    name: str
+    kv_cache_dtype: str
+    description: str
+    policy: Optional[KVPolicy] = None
+
+    def expected_bytes_per_token(self, shape: ModelShape) -> int:
+        """KV-cache bytes per token by arithmetic (all layers, K and V, scales included)."""
+        if self.policy is not None:
+            return self.policy.kv_bytes_per_token(shape.num_kv_heads, shape.head_dim)
+        per_elem = 1 if self.kv_cache_dtype.startswith("fp8") else _MODEL_DTYPE_BYTES.get(shape.dtype, 2)
+        return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * per_elem
+
+    def fraction_of_fp8(self, shape: ModelShape) -> float:
+        fp8 = 2 * shape.num_layers * shape.num_kv_heads * bytes_per_head("fp8", shape.head_dim)
+        return self.expected_bytes_per_token(shape) / fp8
+
+    def write_policy(self, directory: Path) -> Optional[Path]:
+        """Write the policy JSON (``None`` for vLLM's own dtypes); returns its path."""
+        if self.policy is None:
+            return None
+        directory.mkdir(parents=True, exist_ok=True)
+        return self.policy.save(directory / f"{self.name}.json", overwrite=True)
+
+    def env(self, policy_path: Optional[Path]) -> dict[str, str]:
+        """Environment the engine process needs for this configuration."""
+        return {POLICY_ENV: str(Path(policy_path).resolve())} if policy_path is not None else {}
+
+    def summary(self, shape: ModelShape) -> dict[str, Any]:
+        return {"name": self.name, "kv_cache_dtype": self.kv_cache_dtype, "description": self.description,
+                "policy": self.policy.to_compact() if self.policy else None,
+                "expected_kv_bytes_per_token": self.expected_bytes_per_token(shape),
+                "fraction_of_fp8": round(self.fraction_of_fp8(shape), 6)}
+
+
+def fp8_slots(policy: KVPolicy) -> int:
+    """Number of FP8 slots (one layer's K or V) in ``policy``."""
+    return sum((lp.k == "fp8") + (lp.v == "fp8") for lp in policy.layers)
+
+
+def with_scales_of(formats: KVPolicy, scales: Optional[KVPolicy], source: str) -> KVPolicy:
+    """``formats``' per-layer formats with every scale of ``scales`` (no scales if ``None``)."""
+    if scales is None:
+        return KVPolicy(tuple(LayerPolicy(lp.k, lp.v) for lp in formats.layers), source=source)
+    layers = tuple(LayerPolicy(f.k, f.v, k_scale=s.k_scale, v_scale=s.v_scale,
+                               k_global_scale=s.k_global_scale, v_global_scale=s.v_global_scale)
+                   for f, s in zip(formats.layers, scales.layers))
+    return KVPolicy(layers, provenance={"scales_from": scales.source}, source=source)
+
+
+def build_configs(names: Sequence[str], shape: ModelShape, policy_path: Optional[Path] = None,
+                  budget: Optional[float] = None) -> list[KVConfig]:
+    """The configurations ``names`` (see the module table), in the order given."""
+    unknown = [n for n in names if n not in CONFIG_NAMES]
+    if unknown:
+        raise ConfigError(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(CONFIG_NAMES)}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"configuration listed twice in {','.join(names)}")
+    calibrated = KVPolicy.load(policy_path) if policy_path is not None else None
+    if calibrated is not None:
+        calibrated.check_model(shape.num_layers, shape.num_kv_heads)
+        frac = calibrated.fraction_of_fp8()
+        if budget is not None and frac > budget + 1e-9:
+            logger.warning("policy %s uses %.4fx FP8 bytes, above --budget %.4f", policy_path, frac, budget)
+    L = shape.num_layers
+    scales_note = "calibrated scales" if calibrated is not None else "default scales (no --policy)"
+    out = []
+    for name in names:
+        if name == "auto":
+            out.append(KVConfig(name, "auto", f"model dtype ({shape.dtype}), the reference"))
+        elif name == "fp8":
+            out.append(KVConfig(name, "fp8", "vLLM FP8 E4M3, vLLM default scales"))
+        elif name == "ours_fp8":
+            pol = with_scales_of(KVPolicy.from_compact("*:fp8", L), calibrated, "eval: all FP8")
+            out.append(KVConfig(name, OURS, f"nvfp4_mixed, every layer FP8, {scales_note}", pol))
+        elif name == "nvfp4_all":
+            pol = with_scales_of(KVPolicy.from_compact("*:nvfp4", L), calibrated, "eval: all NVFP4")
+            out.append(KVConfig(name, OURS, f"nvfp4_mixed, every layer NVFP4, {scales_note}", pol))
+        elif name == "mixed_calibrated":
+            if calibrated is None:
+                raise ConfigError("mixed_calibrated needs --policy POLICY.json (from `vllm-nvfp4 select`)")
+            out.append(KVConfig(name, OURS, f"nvfp4_mixed, selected policy {policy_path}", calibrated))
+        elif name == "mixed_naive":
+            if calibrated is not None:
+                slots = fp8_slots(calibrated)
+            elif budget is not None:
+                slots = fp8_slots_for_budget(L, budget)
+            else:
+                raise ConfigError("mixed_naive needs --policy (its FP8 slot count) or --budget")
+            pol = with_scales_of(naive_formats(L, slots), calibrated, f"eval: naive first/last ({slots} FP8 slots)")
+            out.append(KVConfig(name, OURS, f"nvfp4_mixed, first/last-N FP8 ({slots} FP8 slots), {scales_note}", pol))
+    return out
