@@ -26,7 +26,7 @@ from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def decode_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4):
+def decode_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, prefetch: bool = True):
     sig = {n: "*bf16" for n in ("query_ptr", "out_ptr")}
     sig.update(cache_ptr="*u8", k_scale_ptr="*fp32", v_scale_ptr="*fp32", block_table_ptr="*i32",
                seq_lens_ptr="*i32", qsl_ptr="*i32", part_o_ptr="*fp32", part_ml_ptr="*fp32")
@@ -38,7 +38,7 @@ def decode_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4):
         K_DATA=lay.k_data_offset, K_SCALE=lay.k_scale_offset, V_DATA=lay.v_data_offset,
         V_SCALE=lay.v_scale_offset, HQ=g * lay.num_kv_heads, G=g, BG=16, D=lay.head_dim,
         BLOCK=lay.block_size, TILE_N=tile_n, NUM_SPLITS=splits, USE_WINDOW=False,
-        USE_SOFTCAP=False, F32=False)
+        USE_SOFTCAP=False, F32=False, PREFETCH=prefetch)
     for k, v in const.items():
         sig[k] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
@@ -53,24 +53,26 @@ def main() -> None:
     ap.add_argument("--sass", help="write SASS files into this folder")
     args = ap.parse_args()
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    for fmt in ("fp8", "nvfp4"):
-        for tile in (32, 64, 128):
+    for fmt, tile, pf in [(f, t, p) for f in ("fp8", "nvfp4") for t in (32, 64) for p in (0, 1)]:
+        if True:
             lay = KVPageLayout(8, 128, 16, fmt, fmt)
-            k = triton.compile(decode_src(lay, tile, 1), target=TARGET,
-                               options={"num_warps": 4, "num_stages": 3})
+            k = triton.compile(decode_src(lay, tile, 1, prefetch=bool(pf)), target=TARGET,
+                               options={"num_warps": 4, "num_stages": 3})  # noqa
             md = k.metadata
             with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
                 f.write(k.asm["cubin"])
             sass = subprocess.run([nvdisasm, "-sass", f.name], capture_output=True, text=True).stdout
+            res = subprocess.run([nvdisasm, "-res-usage", f.name], capture_output=True,
+                                 text=True).stdout
+            regs = re.search(r"REG:(\d+)", res)
             ops = collections.Counter(
                 m.group(1).split(".")[0] for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))
             total = sum(ops.values())
             top = ", ".join(f"{o}:{c}" for o, c in ops.most_common(12))
-            print(f"{fmt:6} tile {tile:4}: regs {md.num_regs if hasattr(md, 'num_regs') else '?'} "
-                  f"spills {getattr(md, 'n_spills', '?')} smem {md.shared} sass {total}  {top}")
+            print(f"{fmt:6} tile {tile:4} prefetch {pf}: regs {regs.group(1) if regs else '?'} smem {md.shared} sass {total}  {top}")
             if args.sass:
                 os.makedirs(args.sass, exist_ok=True)
-                with open(os.path.join(args.sass, f"decode_{fmt}_t{tile}.sass"), "w") as out:
+                with open(os.path.join(args.sass, f"decode_{fmt}_t{tile}_p{pf}.sass"), "w") as out:
                     out.write(sass)
 
 

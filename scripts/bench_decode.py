@@ -43,7 +43,7 @@ def timer(fn: Callable[[], object], smoke: bool) -> float:
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e6
-    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median") * 1e3
+    return triton.testing.do_bench(fn, warmup=30, rep=200, return_mode="median") * 1e3
 
 
 def copy_bandwidth(smoke: bool) -> float:
@@ -186,16 +186,18 @@ def bench_shape(batch: int, ctx: int, q_len: int, args, gen) -> list[dict]:
                      "kv_bytes": kv_bytes(b, per)})
         if q_len == 1 and args.sweep:
             best = None
-            for splits in args.splits:
-                for tile in args.tiles:
-                    for warps in args.warps:
+            configs = [(sp, t, w, pf) for sp in args.splits for t in args.tiles
+                       for w in args.warps for pf in args.prefetch]
+            for splits, tile, warps, pf in configs if name in args.sweep_formats else []:
+                if True:
+                    if True:
                         try:
                             us = run_ours(lay, b, cache, out, args.smoke, num_splits=splits,
-                                          tile_n=tile, num_warps=warps)
+                                          tile_n=tile, num_warps=warps, prefetch=bool(pf))
                         except Exception as e:  # noqa: BLE001
-                            print(f"  config {splits}/{tile}/{warps} failed: {e!r}"[:300])
+                            print(f"  config {splits}/{tile}/{warps}/{pf} failed: {e!r}"[:300])
                             continue
-                        cfg = f"splits={splits},tile={tile},warps={warps}"
+                        cfg = f"splits={splits},tile={tile},warps={warps},prefetch={pf}"
                         recs.append({"kernel": "ours_sweep", "kv_dtype": name, "config": cfg,
                                      "us": us, "kv_bytes": kv_bytes(b, per)})
                         if best is None or us < best[0]:
@@ -272,6 +274,8 @@ def main() -> None:
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--tiles", type=int, nargs="+", default=[32, 64, 128])
     ap.add_argument("--warps", type=int, nargs="+", default=[4])
+    ap.add_argument("--prefetch", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--sweep-formats", nargs="+", default=["fp8", "nvfp4"])
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
@@ -281,7 +285,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "versions": versions(),
               "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": BS},
-              "timing": "triton.testing.do_bench median, L2 flushed, warmup 50 ms, rep 300 ms",
+              "timing": "triton.testing.do_bench median, L2 flushed, warmup 30 ms, rep 200 ms",
               "copy_tb_s": copy_bandwidth(args.smoke), "records": []}
     print(f"copy bandwidth {result['copy_tb_s']:.2f} TB/s (read + write)", flush=True)
     for batch in args.batches:

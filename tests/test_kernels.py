@@ -125,16 +125,18 @@ def test_attention_matches_float64(kf, vf, kind, hkv, group, d, b):
                                    atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 8])
-@pytest.mark.parametrize("kf,vf", [("nvfp4", "nvfp4"), ("fp8", "nvfp4")])
-def test_decode_splits_agree(splits, kf, vf):
+@pytest.mark.parametrize("splits,prefetch", [(1, True), (2, False), (8, True)])
+@pytest.mark.parametrize("kf,vf", [("nvfp4", "nvfp4"), ("fp8", "nvfp4"), ("fp8", "fp8")])
+def test_decode_variants_agree(splits, prefetch, kf, vf):
+    """Split counts and register prefetch on/off give the same attention."""
     lay = KVPageLayout(2, 128, 16, kf, vf)
     batch = make_batch(lay, [(100 * SCALE + 7, 1), (3, 1), (64 * SCALE, 1)], 8,
                        device=DEV, seed=splits, write_backend=WRITE)
     out = torch.empty_like(batch.query)
     attn_kernels.paged_attention(
         batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
-        batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.1, out, num_splits=splits)
+        batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.1, out, num_splits=splits,
+        prefetch=prefetch)
     assert_close_rel(out, fast_reference(batch, 0.1), 2e-3 if CUDA else 1e-5)
 
 

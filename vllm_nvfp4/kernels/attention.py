@@ -71,40 +71,57 @@ def nvfp4_col_perm(d):
 
 
 @triton.jit
-def _load_tile(
+def _load_raw(
     page, off, valid, h,
     DATA: tl.constexpr, SCALE: tl.constexpr, FMT: tl.constexpr,
-    D: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr, F32: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr,
 ):
-    """Dequantized ``[N, D]`` tile of K or V (fp16, fp32 when ``F32``) of KV head ``h``.
+    """Raw cache bytes of an ``[N, D]`` tile of K or V of KV head ``h``: FP8 ``(uint8 [N, D], 0)``,
+    NVFP4 ``(uint32 words [N, D/16, 2], e4m3 scale bytes [N, D/16])``.
 
     ``page [N]``: uint8 pointers to each token's cache page; ``off [N]``: token offset in its block;
-    ``valid [N]``: rows to load (others read as 0). FP8 tiles hold ``x / scale`` in natural
-    column order; NVFP4 tiles hold ``x / (g * 2^7)`` with columns permuted by
-    :func:`nvfp4_col_perm` (the order in which the packed decode leaves them in registers).
-    """
+    ``valid [N]``: rows to load (others read as 0)."""
     if FMT == FMT_FP8:
         ptr = page[:, None] + DATA + (h * BLOCK + off[:, None]) * D + tl.arange(0, D)[None, :]
-        raw = tl.load(ptr, mask=valid[:, None], other=0)
-        x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        return tl.load(ptr, mask=valid[:, None], other=0), 0
     else:
         C: tl.constexpr = D // 16
         row = (page + DATA + (h * BLOCK + off) * (D // 2)).to(tl.pointer_type(tl.uint32))
         wi = tl.arange(0, C)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
         w = tl.load(row[:, None, None] + wi, mask=valid[:, None, None], other=0)  # [N, C, 2]
         sptr = page[:, None] + SCALE + (h * C + tl.arange(0, C)[None, :]) * BLOCK + off[:, None]
-        s = tl.load(sptr, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True)
+        return w, tl.load(sptr, mask=valid[:, None], other=0)
+
+
+@triton.jit
+def _dequant(a, b, FMT: tl.constexpr, D: tl.constexpr, N: tl.constexpr, F32: tl.constexpr):
+    """Tile from :func:`_load_raw`'s ``(a, b)``: fp16 ``[N, D]`` (fp32 when ``F32``). FP8 tiles
+    hold ``x / scale`` in natural column order; NVFP4 tiles hold ``x / (g * 2^7)`` with columns
+    permuted by :func:`nvfp4_col_perm` (the order the packed decode leaves them in registers)."""
+    if FMT == FMT_FP8:
+        x = a.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        s = b.to(tl.float8e4nv, bitcast=True)
         s = (s.to(tl.float16) * 128.0)[:, :, None]  # [N, C, 1]: block scale * 2^7
-        lo0, hi0 = _halves(_e2m1_pair(w, 0), s)
-        lo1, hi1 = _halves(_e2m1_pair(w, 1), s)
-        lo2, hi2 = _halves(_e2m1_pair(w, 2), s)
-        lo3, hi3 = _halves(_e2m1_pair(w, 3), s)
+        lo0, hi0 = _halves(_e2m1_pair(a, 0), s)
+        lo1, hi1 = _halves(_e2m1_pair(a, 1), s)
+        lo2, hi2 = _halves(_e2m1_pair(a, 2), s)
+        lo3, hi3 = _halves(_e2m1_pair(a, 3), s)
         lo = tl.join(tl.join(lo0, lo2), tl.join(lo1, lo3))
         hi = tl.join(tl.join(hi0, hi2), tl.join(hi1, hi3))
         x = tl.reshape(tl.join(lo, hi), [N, D])
     if F32:
         x = x.to(tl.float32)
     return x
+
+
+@triton.jit
+def _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK: tl.constexpr, N: tl.constexpr):
+    """Token positions ``t0 + [0, N)``, their validity (< t_end), page pointers and offsets."""
+    toks = t0 + tl.arange(0, N)
+    valid = toks < t_end
+    blk = tl.load(bt_row + toks // BLOCK, mask=valid, other=0)
+    return toks, valid, cache_ptr + blk.to(tl.int64) * stride_blk, toks % BLOCK
 
 
 @triton.jit
@@ -125,18 +142,27 @@ def _attend_tiles(
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Online-softmax attention of the rows ``q [M, D]`` (positions ``q_pos [M]``) over the keys
     ``[t_begin, t_end)`` of one sequence (``t_begin`` a multiple of ``TILE_N``). Logits in log2
     units: ``qk_scale`` includes log2(e) (and the K dequant factor); with soft-cap, ``softcap``
     is the cap and ``qk_scale`` excludes log2(e)."""
+    toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t_begin, t_end, BLOCK, TILE_N)
+    if PREFETCH:  # software pipelining in registers: raw bytes of tile i+1 load during tile i
+        ka, kb = _load_raw(page, off, valid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N)
+        va, vb = _load_raw(page, off, valid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N)
     for t0 in range(t_begin, t_end, TILE_N):
-        toks = t0 + tl.arange(0, TILE_N)
-        valid = toks < t_end
-        blk = tl.load(bt_row + toks // BLOCK, mask=valid, other=0)
-        page = cache_ptr + blk.to(tl.int64) * stride_blk
-        off = toks % BLOCK
-        k = _load_tile(page, off, valid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N, F32)
+        if PREFETCH:
+            ntoks, nvalid, npage, noff = _tile_rows(cache_ptr, stride_blk, bt_row, t0 + TILE_N,
+                                                    t_end, BLOCK, TILE_N)
+            nka, nkb = _load_raw(npage, noff, nvalid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N)
+            nva, nvb = _load_raw(npage, noff, nvalid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N)
+        else:
+            toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK,
+                                                TILE_N)
+            ka, kb = _load_raw(page, off, valid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N)
+        k = _dequant(ka, kb, K_FMT, D, TILE_N, F32)
         if F32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -157,12 +183,17 @@ def _attend_tiles(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_tile(page, off, valid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N, F32)
+        if not PREFETCH:
+            va, vb = _load_raw(page, off, valid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N)
+        v = _dequant(va, vb, V_FMT, D, TILE_N, F32)
         if F32:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
         m_i = m_new
+        if PREFETCH:
+            toks, valid, page, off = ntoks, nvalid, npage, noff
+            ka, kb, va, vb = nka, nkb, nva, nvb
     return acc, m_i, l_i
 
 
@@ -189,7 +220,7 @@ def _decode_kernel(
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     seq = tl.program_id(0)
     h = tl.program_id(1)
@@ -223,7 +254,7 @@ def _decode_kernel(
         q, q_pos, acc, m_i, l_i, cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h,
         t_begin, t_end, qk_scale, softcap, window,
         K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK, TILE_N,
-        False, USE_WINDOW, USE_SOFTCAP, F32,
+        False, USE_WINDOW, USE_SOFTCAP, F32, PREFETCH,
     )
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * vf
     d = _cols(V_FMT, D)
@@ -266,7 +297,7 @@ def _prefill_kernel(
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # program -> (sequence, query block): q block b of sequence s has global index
     # qsl[s] // BLOCK_Q + s + b, so a binary search over qsl finds s (as vLLM's unified kernel does)
@@ -316,7 +347,7 @@ def _prefill_kernel(
         q, q_pos, acc, m_i, l_i, cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h,
         t_begin, t_end, qk_scale, softcap, window,
         K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK, TILE_N,
-        True, USE_WINDOW, USE_SOFTCAP, F32,
+        True, USE_WINDOW, USE_SOFTCAP, F32, PREFETCH,
     )
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * vf
     d = _cols(V_FMT, D)
@@ -374,11 +405,12 @@ def paged_attention(
     tile_n: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
+    prefetch: Optional[bool] = None,
 ) -> torch.Tensor:
     """Launch decode (``max_query_len == 1``) or prefill kernels; arguments as in
     :func:`vllm_nvfp4.ops.paged_attention` (checked there). ``num_splits`` (a power of 2),
-    ``tile_n`` (keys per tile), ``num_warps``, ``num_stages`` override the heuristics
-    (benchmarks)."""
+    ``tile_n`` (keys per tile), ``num_warps``, ``num_stages``, ``prefetch`` (register double
+    buffering of the raw tiles) override the heuristics (benchmarks)."""
     if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
         raise ValueError(f"num_splits must be a power of 2, got {num_splits}")
     num_seqs = seq_lens.shape[0]
@@ -387,6 +419,9 @@ def paged_attention(
     softcap = float(logits_soft_cap or 1.0)
     window = int(sliding_window or 0)
     g_pad = triton.next_power_of_2(g)
+    if prefetch is None:  # NVFP4 tiles feed integer ops, which Triton's pipeliner does not stage
+        prefetch = "nvfp4" in (layout.k_format, layout.v_format)
+    meta["PREFETCH"] = bool(prefetch)
     common_args = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                    cache.stride(0), block_table.stride(0), softmax_scale, softcap, window)
     if max_query_len == 1:
@@ -414,7 +449,9 @@ def paged_attention(
                 HQ=hq, D=d, NUM_SPLITS=splits, num_warps=4,
             )
         return out
-    block_m = max(64 if query.device.type == "cuda" else 16, g_pad)
+    # 16 rows (mma.sync), as vLLM's unified kernel; 64-row wgmma tiles made Triton 3.6 crash in
+    # OptimizeDotOperands on the joined NVFP4 V tile
+    block_m = max(16, g_pad)
     block_q = block_m // g_pad
     tn = tile_n or (32 if d >= 256 else 64)
     tn = max(tn, layout.block_size)
