@@ -34,4 +34,4 @@ def test_lm_eval_runs_a_local_task(tiny_model_dir: Path, tmp_path: Path):
     task = results["results"]["nvfp4_tiny_mc"]
     assert 0.0 <= task["acc,none"] <= 1.0
     assert results["n-samples"]["nvfp4_tiny_mc"]["effective"] == 8
-    assert results["config"]["model_args"].find("kv_cache_dtype=nvfp4_mixed") >= 0
+    assert results["config"]["model_args"]["kv_cache_dtype"] == "nvfp4_mixed"
