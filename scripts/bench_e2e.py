@@ -58,7 +58,9 @@ import traceback
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -187,6 +189,8 @@ def parse_contexts(text: str) -> list[int]:
 
 def parse_dtypes(text: str) -> list[str]:
     """Comma-separated configuration names, validated ('all' = every one, reference first)."""
+    if text.strip() in ("none", ""):
+        return []
     names = list(CONFIGS) if text.strip() == "all" else [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in CONFIGS]
     if bad:
@@ -198,6 +202,17 @@ def deadline_share(now: float, end: float, weights: list[float]) -> float:
     """Deadline of the first of ``weights`` when what is left is shared in proportion to them."""
     left = max(0.0, end - now)
     return now + left * weights[0] / sum(weights)
+
+
+def deadlines(now: float, end: float, weights: list[float], floor_s: float) -> tuple[float, float]:
+    """(hard, soft) deadline of the first of the configurations still to run.
+
+    hard: everything except ``floor_s`` for each later configuration (an engine start plus TTFT),
+    so the first context's stages - the issue's targets - are not cut by a fixed share; soft: the
+    proportional share, for optional work (contexts after the first). soft <= hard.
+    """
+    hard = max(now, end - floor_s * (len(weights) - 1))
+    return hard, min(hard, deadline_share(now, end, weights))
 
 
 def percentile(values: list[float], q: float) -> Optional[float]:
@@ -258,7 +273,7 @@ class Stepper:
     def __init__(self, engine: Any, vocab: int, seed: int) -> None:
         self.engine = engine
         self.vocab = vocab
-        self.rng = random.Random(seed)
+        self.rng = np.random.default_rng(seed)
         self.tokens: dict[str, int] = {}  # request id -> output tokens so far
         self.finished: set[str] = set()
         self.n = 0
@@ -274,7 +289,7 @@ class Stepper:
         for _ in range(count):
             rid = f"r{self.n}"
             self.n += 1
-            prompt = [self.rng.randrange(3, self.vocab) for _ in range(context)]
+            prompt = self.rng.integers(3, self.vocab, size=context).tolist()
             self.engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
             self.tokens[rid] = 0
             ids.append(rid)
@@ -357,7 +372,8 @@ class Worker:
 
     def __init__(self, a: argparse.Namespace, cfg: BenchConfig, rec: Recorder, model_info: dict):
         self.a, self.cfg, self.rec, self.info = a, cfg, rec, model_info
-        self.deadline = a.deadline
+        self.deadline = a.deadline  # hard: the orchestrator kills this process soon after
+        self.soft = min(a.soft_deadline or a.deadline, a.deadline)  # for contexts after the first
         self.llm: Any = None
         self.profiled = False
 
@@ -396,7 +412,7 @@ class Worker:
         bpt = self.info["kv_bytes_per_token"][self.cfg.name]
         cap = blocks * bs
         mb = {str(c): max_batch(cap, c, self.a.headroom, bs, self.a.max_batch)
-              for c in self.a.contexts}
+              for c in dict.fromkeys(self.a.contexts + self.a.ttft_contexts)}
         rec = self.rec.write(
             "engine", engine_start_s=round(start_s, 1), num_gpu_blocks=blocks, block_size=bs,
             capacity_tokens=cap, kv_bytes_per_token=bpt, kv_gib=round(cap * bpt / 2**30, 2),
@@ -409,14 +425,14 @@ class Worker:
         return rec
 
     # -- measurements ------------------------------------------------------------------------
-    def left(self) -> float:
-        return self.deadline - time.time()
+    def left(self, soft: bool = False) -> float:
+        return (self.soft if soft else self.deadline) - time.time()
 
     def ttft(self, st: Stepper) -> dict[int, float]:
         """Median TTFT per context (after one warm-up request per context)."""
         out: dict[int, float] = {}
-        for c in self.a.contexts:
-            if self.left() < 5 + 4 * (out.get(c, 1.0)):
+        for c in dict.fromkeys(self.a.contexts + self.a.ttft_contexts):
+            if self.left() < 10:
                 self.rec.write("skip", what=f"ttft {c}", reason="budget")
                 continue
             samples = [measure_ttft(st, c) for _ in range(1 + self.a.ttft_reps)]
@@ -428,8 +444,12 @@ class Worker:
                 f"{[round(1000 * s, 1) for s in samples[1:]]}, warm-up {1000 * samples[0]:.0f})")
         return out
 
-    def decode_context(self, st: Stepper, context: int, own_max: int, ttft_s: float) -> None:
-        """Growing decode stages at one context over one prefill (see the module doc)."""
+    def decode_context(self, st: Stepper, context: int, own_max: int, ttft_s: float,
+                       soft: bool) -> None:
+        """Growing decode stages at one context over one prefill (see the module doc).
+
+        ``soft``: plan against the soft deadline (contexts after the first are optional work).
+        """
         a = self.a
         ref, ref_src = self.ref_batch(context)
         stages = plan_stages(own_max, ref)
@@ -440,11 +460,11 @@ class Worker:
             for label, batch in stages:
                 new = batch - have
                 est = new * ttft_s * a.prefill_factor + (a.warm_steps + a.steps) * step_s + 5
-                if est > self.left():
+                if est > self.left(soft):
+                    left = self.left(soft)
                     self.rec.write("skip", what=f"decode {context} x {batch} ({label})",
-                                   reason=f"budget: needs ~{est:.0f}s, {self.left():.0f}s left")
-                    log(f"{self.cfg.name}: skip decode {context} x {batch}: ~{est:.0f}s > "
-                        f"{self.left():.0f}s left")
+                                   reason=f"budget: needs ~{est:.0f}s, {left:.0f}s left")
+                    log(f"{self.cfg.name}: skip decode {context} x {batch}: ~{est:.0f}s > {left:.0f}s left")
                     break
                 _, pre_s, pre_steps = prefill_stage(st, new, context, max_tokens, self.deadline)
                 have = batch
@@ -512,14 +532,14 @@ class Worker:
         eng = self.start()
         st = Stepper(self.llm.llm_engine, self.info["vocab"], seed=zlib.crc32(self.cfg.name.encode()))
         ttfts = self.ttft(st)
-        for c in self.a.contexts:
+        for i, c in enumerate(self.a.contexts):
             if c not in ttfts:
                 continue
             own = eng["max_batch"][str(c)]
             if own <= 0:
                 self.rec.write("skip", what=f"decode {c}", reason="not even one sequence fits")
                 continue
-            self.decode_context(st, c, own, ttfts[c])
+            self.decode_context(st, c, own, ttfts[c], soft=i > 0)
 
 
 
@@ -782,9 +802,11 @@ def model_info(a: argparse.Namespace) -> dict:
                 kv_bytes_per_token_of=lambda n: bpt[n])
 
 
-def worker_command(a: argparse.Namespace, name: str, deadline: float, ref: dict) -> list[str]:
+def worker_command(a: argparse.Namespace, name: str, deadline: float, ref: dict,
+                   soft: Optional[float] = None) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name,
-           "--deadline", f"{deadline:.1f}", "--ref-batches", json.dumps(ref)]
+           "--deadline", f"{deadline:.1f}", "--soft-deadline", f"{soft or deadline:.1f}",
+           "--ref-batches", json.dumps(ref)]
     for flag in ("out", "model", "gpu_mem", "max_model_len", "headroom", "steps", "warm_steps",
                  "ttft_reps", "max_batch", "prefill_factor", "profile_steps", "profile_dir",
                  "max_num_seqs", "mixed_policy"):
@@ -792,6 +814,8 @@ def worker_command(a: argparse.Namespace, name: str, deadline: float, ref: dict)
         if v is not None:
             cmd += ["--" + flag.replace("_", "-"), str(v)]
     cmd += ["--contexts", ",".join(map(str, a.contexts))]
+    if a.ttft_contexts:
+        cmd += ["--ttft-contexts", ",".join(map(str, a.ttft_contexts))]
     for flag in ("eager", "cpu", "profile", "default_capture_sizes"):
         if getattr(a, flag):
             cmd.append("--" + flag.replace("_", "-"))
@@ -818,10 +842,11 @@ def wait_gpu_free(limit_mib: int = 2048, timeout: float = 30.0) -> None:
     log(f"warning: {gpu_memory_used_mib()} MiB still used on the GPU")
 
 
-def run_config(a: argparse.Namespace, name: str, deadline: float, ref: dict) -> int:
+def run_config(a: argparse.Namespace, name: str, deadline: float, soft: float, ref: dict) -> int:
     """One worker process, killed (whole group) at ``deadline`` + grace."""
-    cmd = worker_command(a, name, deadline, ref)
-    log(f"{name}: worker with {deadline - time.time():.0f}s")
+    cmd = worker_command(a, name, deadline, ref, soft)
+    log(f"{name}: worker with {deadline - time.time():.0f}s ({soft - time.time():.0f}s for "
+        f"contexts after the first)")
     with open(Path(a.out) / WORKER_LOG, "a") as lf:
         lf.write(f"\n===== {name}: {shlex.join(cmd)}\n")
         lf.flush()
@@ -981,9 +1006,30 @@ def summary_table(records: list[dict], targets: dict) -> str:
     return "\n".join(lines)
 
 
+def prior_records(paths: list[str]) -> list[dict]:
+    """Records of earlier runs (``--prior-records``), tagged with the file they came from.
+    A configuration measured again in this run replaces its earlier records."""
+    out = []
+    for p in paths:
+        for r in read_records(Path(p)):
+            out.append(dict(r, prior=str(p)))
+    return out
+
+
+def merged_records(a: argparse.Namespace) -> list[dict]:
+    """This run's records, plus earlier runs' records of configurations not measured now."""
+    now = read_records(Path(a.out) / RECORDS)
+    fresh = {r.get("config") for r in now if r["kind"] == "engine"} | set(a.dtypes)
+    old = [r for r in prior_records(a.prior_records) if r.get("config") not in fresh
+           or (r["kind"] == "serve" and r.get("config") not in a.serve)]
+    return old + now
+
+
 def write_summary(a: argparse.Namespace, t_start: float, meta: dict) -> dict:
-    records = read_records(Path(a.out) / RECORDS)
-    targets = compute_targets(records, a.contexts)
+    records = merged_records(a)
+    ctxs = sorted({r["context"] for r in records if "context" in r} | set(a.contexts + a.ttft_contexts),
+                  reverse=True)
+    targets = compute_targets(records, ctxs)
     summary = dict(meta, finished_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                    wall_s=round(time.time() - t_start, 1), targets=targets, records=records)
     tmp = Path(a.out) / (SUMMARY + ".tmp")
@@ -1019,14 +1065,18 @@ def run_orchestrator(a: argparse.Namespace) -> int:
     serve_names = a.serve
     offline_end = end - (a.serve_reserve_s if serve_names else 0)
     ref: dict[str, int] = {}
+    e = best(prior_records(a.prior_records), kind="engine", config=REFERENCE)
+    if e and REFERENCE not in a.dtypes:  # fp8's largest batches measured by an earlier run
+        ref = dict(e["max_batch"])
+        log(f"reference batches from {e['prior']}: {ref}")
     for i, name in enumerate(a.dtypes):
         if offline_end - time.time() < a.min_config_s:
             Recorder(out / RECORDS, config=name).write("skip", what="engine", reason="budget")
             log(f"{name}: skipped (budget)")
             continue
         weights = [CONFIGS[n].weight for n in a.dtypes[i:]]
-        deadline = deadline_share(time.time(), offline_end, weights)
-        run_config(a, name, deadline, ref)
+        hard, soft = deadlines(time.time(), offline_end, weights, a.min_config_s)
+        run_config(a, name, hard, soft, ref)
         if name == REFERENCE:
             e = best(read_records(out / RECORDS), kind="engine", config=REFERENCE)
             if e:
@@ -1064,6 +1114,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"configurations in order, or 'all' ({', '.join(CONFIGS)})")
     ap.add_argument("--contexts", type=parse_contexts, default=parse_contexts("32768,8192"),
                     help="prompt lengths in tokens ('32k' ok); the first gets the time first")
+    ap.add_argument("--prior-records", type=lambda s: [p for p in s.split(",") if p], default=[],
+                    help="e2e_records.jsonl files of earlier runs: merged into the summary (targets, "
+                         "table) and the source of fp8's reference batches when fp8 is not run now")
+    ap.add_argument("--ttft-contexts", type=parse_contexts, default=[],
+                    help="extra prompt lengths measured for TTFT only (no decode stages)")
     ap.add_argument("--model", default=None, help="model dir (default: written from --preset)")
     ap.add_argument("--model-dir", default="/tmp/vllm-nvfp4-models/llama8b-random")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="llama8b")
@@ -1071,10 +1126,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=None, help="default: largest context + headroom")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's (1024 on H200)")
     ap.add_argument("--max-batch", type=int, default=512, help="cap of the largest batch (graph sizes)")
-    ap.add_argument("--headroom", type=int, default=512,
+    ap.add_argument("--headroom", type=int, default=1024,
                     help="tokens reserved per sequence beyond the prompt (output growth)")
-    ap.add_argument("--steps", type=int, default=32, help="timed decode steps per stage")
-    ap.add_argument("--warm-steps", type=int, default=4, help="decode steps before the timed ones")
+    ap.add_argument("--steps", type=int, default=64, help="timed decode steps per stage")
+    ap.add_argument("--warm-steps", type=int, default=8, help="decode steps before the timed ones")
     ap.add_argument("--ttft-reps", type=int, default=3)
     ap.add_argument("--prefill-factor", type=float, default=1.1,
                     help="prefill time per request = factor x TTFT, for the budget estimate")
@@ -1092,7 +1147,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--serve-prompt-len", type=int, default=2048)
     ap.add_argument("--serve-output-len", type=int, default=128)
     ap.add_argument("--port", type=int, default=8123)
-    ap.add_argument("--min-config-s", type=float, default=60.0, help="do not start an engine with less left")
+    ap.add_argument("--min-config-s", type=float, default=100.0,
+                    help="time kept for each later configuration (engine start + TTFT); "
+                         "no engine is started with less left")
     ap.add_argument("--grace-s", type=float, default=20.0, help="after a worker's deadline, before the kill")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs; not for numbers)")
     ap.add_argument("--default-capture-sizes", action="store_true", help="vLLM's own CUDA-graph sizes")
@@ -1103,6 +1160,7 @@ def build_parser() -> argparse.ArgumentParser:
     # worker-only
     ap.add_argument("--worker", choices=list(CONFIGS), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--soft-deadline", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--ref-batches", type=json.loads, default={}, help=argparse.SUPPRESS)
     return ap
 
@@ -1127,9 +1185,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     a = build_parser().parse_args(argv)
     if a.cpu_tiny:
         apply_cpu_tiny(a, argv)
+    longest = max(a.contexts + a.ttft_contexts)
     if a.max_model_len is None:
-        a.max_model_len = max(a.contexts) + a.headroom
-    if max(a.contexts) + a.headroom > a.max_model_len:
+        a.max_model_len = longest + a.headroom
+    if longest + a.headroom > a.max_model_len:
         raise SystemExit(f"--max-model-len {a.max_model_len} < largest context + headroom")
     return a
 

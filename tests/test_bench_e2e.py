@@ -64,17 +64,20 @@ def test_parse_args_defaults_and_cpu_tiny():
     assert be.parse_args(["--out", "/x", "--serve", "fp8,nvfp4-mixed"]).serve == ["fp8", "nvfp4-mixed"]
     with pytest.raises(SystemExit):
         be.parse_args(["--out", "/x", "--max-model-len", "1000"])
+    b = be.parse_args(["--out", "/x", "--contexts", "8k", "--ttft-contexts", "32k"])
+    assert b.max_model_len == 32768 + b.headroom  # TTFT-only contexts count too
 
 
 def test_worker_command_round_trips():
     a = be.parse_args(["--out", "/tmp/x", "--contexts", "8k", "--profile", "--steps", "9",
-                       "--mixed-policy", "0-1:fp8,*:nvfp4", "--model", "/m"])
-    cmd = be.worker_command(a, "nvfp4-mixed", 123.0, {"8192": 40})
+                       "--mixed-policy", "0-1:fp8,*:nvfp4", "--model", "/m", "--ttft-contexts", "32k"])
+    cmd = be.worker_command(a, "nvfp4-mixed", 123.0, {"8192": 40}, soft=100.0)
     assert cmd[1].endswith("bench_e2e.py")
     w = be.parse_args(cmd[2:])
     assert w.worker == "nvfp4-mixed" and w.deadline == 123.0 and w.ref_batches == {"8192": 40}
-    for k in ("contexts", "steps", "profile", "mixed_policy", "model", "max_model_len", "headroom",
-              "gpu_mem", "max_batch"):
+    assert w.soft_deadline == 100.0
+    for k in ("contexts", "ttft_contexts", "steps", "profile", "mixed_policy", "model",
+              "max_model_len", "headroom", "gpu_mem", "max_batch"):
         assert getattr(w, k) == getattr(a, k), k
 
 
@@ -137,6 +140,10 @@ def test_capture_sizes_cover_every_stage_batch():
 def test_deadline_share_and_percentile():
     assert be.deadline_share(0.0, 100.0, [1.0, 1.0, 2.0]) == pytest.approx(25.0)
     assert be.deadline_share(50.0, 40.0, [1.0]) == 50.0  # nothing left
+    # hard: all but 100 s per later configuration; soft: the proportional share
+    assert be.deadlines(0.0, 500.0, [1.0, 1.5, 0.7], 100.0) == (300.0, pytest.approx(156.25))
+    assert be.deadlines(0.0, 500.0, [1.0], 100.0) == (500.0, 500.0)
+    assert be.deadlines(0.0, 150.0, [1.0, 1.0, 1.0], 100.0) == (0.0, 0.0)
     assert be.percentile([], 50) is None
     assert be.percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert be.percentile([0.0, 10.0], 99) == pytest.approx(9.9)
