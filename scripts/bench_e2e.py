@@ -482,7 +482,7 @@ class Worker:
                     f"{w['tok_per_s']} tok/s, {w['tpot_ms']} ms/token (prefill of {new} in "
                     f"{pre_s:.1f}s; requests/step {w['min_batch']}-{w['max_batch']})")
                 if "ref" in label and a.profile and not a.cpu and not self.profiled:
-                    self.profile(st, context, batch)
+                    self.profile(st, context, batch, w["tpot_ms"])
         finally:
             st.abort_all()
 
@@ -502,28 +502,37 @@ class Worker:
         b = estimate_batch(kv_bytes, ref_bpt, context, self.a.headroom, cc.block_size, self.a.max_batch)
         return b, "estimated from this engine's KV bytes / fp8 bytes per token"
 
-    def profile(self, st: Stepper, context: int, batch: int) -> None:
-        """Profile ``--profile-steps`` decode steps; GPU kernel time per step by category."""
+    def profile(self, st: Stepper, context: int, batch: int, tpot_ms: float) -> None:
+        """Profile ``--profile-steps`` engine iterations of pure decode at ``batch``.
+
+        GPU kernel time is split by category (:func:`kernel_category`); the split is reported
+        as fractions of the kernel time and as ms per step (fraction x the stage's measured
+        time per output token), which stays right even if the trace holds a step more or less.
+        """
         self.profiled = True
         if self.left() < 30:
             self.rec.write("skip", what="profile", reason="budget")
             return
         pdir = Path(self.a.profile_dir)
         before = set(pdir.rglob("*.json*")) if pdir.exists() else set()
+        n = self.a.profile_steps
         try:
-            self.llm.start_profile()
-            t0 = time.perf_counter()
-            for _ in range(self.a.profile_steps):
+            self.llm.start_profile(max_iterations=n)
+            for _ in range(n + 2):
                 st.step()
-            wall = time.perf_counter() - t0
             self.llm.stop_profile()
             trace = wait_for_trace(pdir, before, timeout=60)
-            cats = kernel_time_by_category(load_trace_events(trace))
-            per_step = {k: round(v / self.a.profile_steps / 1000, 4) for k, v in cats.items()}
-            self.rec.write("profile", context=context, batch=batch, steps=self.a.profile_steps,
-                           wall_ms_per_step=round(1000 * wall / self.a.profile_steps, 3),
-                           gpu_ms_per_step=per_step, trace=str(trace))
-            log(f"{self.cfg.name}: profile ctx {context} batch {batch}: ms/step {per_step}")
+            us = kernel_time_by_category(load_trace_events(trace))
+            total = us["total"] or float("nan")
+            frac = {k: round(v / total, 4) for k, v in us.items() if k != "total"}
+            per_step = {k: round(f * tpot_ms, 3) for k, f in frac.items()}
+            self.rec.write("profile", context=context, batch=batch, iterations=n,
+                           kernel_us_total=us, fraction=frac, tpot_ms=tpot_ms,
+                           ms_per_step=per_step,
+                           kernel_ms_per_iteration=round(us["total"] / n / 1000, 3),
+                           trace=str(trace))
+            log(f"{self.cfg.name}: profile ctx {context} batch {batch}: fractions {frac}; "
+                f"kernel ms/iteration {us['total'] / n / 1000:.2f} vs {tpot_ms:.2f} ms/token")
         except Exception as e:  # profiling is a bonus: never lose the run for it
             self.rec.write("error", what="profile", error=repr(e))
             log(f"{self.cfg.name}: profile failed: {e!r}")
@@ -1102,13 +1111,65 @@ def run_orchestrator(a: argparse.Namespace) -> int:
     return 0
 
 
+def plot_summary(summary_path: Path, plot_dir: Path) -> list[Path]:
+    """PNG plots from a summary: KV capacity per configuration; decode throughput against
+    context (at fp8's largest batch, and at each configuration's own largest batch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = json.loads(Path(summary_path).read_text())["records"]
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    eng = [r for r in recs if r["kind"] == "engine"]
+    if eng:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        names = [r["config"] for r in eng]
+        ax.bar(names, [r["capacity_tokens"] / 1e6 for r in eng], color="tab:blue")
+        for i, r in enumerate(eng):
+            ax.text(i, r["capacity_tokens"] / 1e6, f"{r['capacity_tokens'] / 1e6:.2f}M",
+                    ha="center", va="bottom", fontsize=8)
+        ax.set_ylabel("KV cache capacity (M tokens)")
+        ax.set_title("KV capacity at the same gpu_memory_utilization (H200, Llama-8B shape)", fontsize=9)
+        fig.tight_layout()
+        out.append(plot_dir / "e2e_capacity.png")
+        fig.savefig(out[-1], dpi=120)
+        plt.close(fig)
+    dec = [r for r in recs if r["kind"] == "decode"]
+    if dec:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        for ax, key, title in ((axes[0], "ref", "at fp8's largest batch"),
+                               (axes[1], "max", "at each config's largest batch")):
+            for name in dict.fromkeys(r["config"] for r in dec):
+                pts = sorted((r["context"], r["tok_per_s"], r["batch"]) for r in dec
+                             if r["config"] == name and key in r["label"].split("+"))
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+                    for c, t, b in pts:
+                        ax.annotate(f"b{b}", (c, t), fontsize=7, textcoords="offset points", xytext=(3, 3))
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("prompt tokens")
+            ax.set_ylabel("decode output tokens/s")
+            ax.set_title(f"Decode throughput {title}", fontsize=9)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        out.append(plot_dir / "e2e_decode.png")
+        fig.savefig(out[-1], dpi=120)
+        plt.close(fig)
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # command line
 # --------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="result folder (records, summary, logs)")
+    ap.add_argument("--out", default=None, help="result folder (records, summary, logs); required")
+    ap.add_argument("--plot", default=None, metavar="SUMMARY_JSON",
+                    help="only plot an earlier summary (e2e_h200.json) into --plot-dir, then exit")
+    ap.add_argument("--plot-dir", default=str(REPO / "docs" / "img"))
     ap.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget of the whole run")
     ap.add_argument("--dtypes", type=parse_dtypes, default=parse_dtypes("fp8,nvfp4-mixed,auto"),
                     help=f"configurations in order, or 'all' ({', '.join(CONFIGS)})")
@@ -1182,7 +1243,12 @@ def apply_cpu_tiny(a: argparse.Namespace, argv: list[str]) -> None:
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else argv
-    a = build_parser().parse_args(argv)
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    if a.plot:
+        return a
+    if not a.out:
+        ap.error("--out is required")
     if a.cpu_tiny:
         apply_cpu_tiny(a, argv)
     longest = max(a.contexts + a.ttft_contexts)
@@ -1195,6 +1261,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     a = parse_args(argv)
+    if a.plot:
+        for p in plot_summary(Path(a.plot), Path(a.plot_dir)):
+            print(p)
+        return 0
     if a.worker:
         return run_worker(a)
     return run_orchestrator(a)

@@ -280,3 +280,15 @@ def test_driver_plugin_metadata_is_discovered(tmp_path):
                              cwd=tmp_path, capture_output=True, text=True, check=True)
         assert res.stdout.splitlines()[0] == expect, res.stdout + res.stderr
     assert res.stdout.splitlines()[1] == "vllm_nvfp4.plugin 0.1.0"
+
+
+def test_plot_summary(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"records": _records()}))
+    files = be.plot_summary(path, tmp_path / "img")
+    assert [f.name for f in files] == ["e2e_capacity.png", "e2e_decode.png"]
+    assert all(f.stat().st_size > 1000 for f in files)
+    assert be.parse_args(["--plot", str(path)]).plot == str(path)
+    with pytest.raises(SystemExit):
+        be.parse_args([])  # --out is required without --plot
