@@ -54,6 +54,24 @@ def _e2m1_pair(w, K: tl.constexpr):
     return x
 
 
+# PTX of _e2m1_pair + _halves on one word ($8) and its scale ($9, fp16): four f16x2 products,
+# each split into its halves: $k = element k, $(k+4) = element k+4 (k = 0..3).
+_E2M1_F16X2_ASM = tl.constexpr("""
+{
+.reg .b32 m, sg, x, s2;
+mov.b32 s2, {$9, $9};
+and.b32 m, $8, 0x00070007; and.b32 sg, $8, 0x00080008; shl.b32 m, m, 9; shl.b32 sg, sg, 12;
+or.b32 x, m, sg; mul.rn.f16x2 x, x, s2; mov.b32 {$0, $4}, x;
+and.b32 m, $8, 0x00700070; and.b32 sg, $8, 0x00800080; shl.b32 m, m, 5; shl.b32 sg, sg, 8;
+or.b32 x, m, sg; mul.rn.f16x2 x, x, s2; mov.b32 {$1, $5}, x;
+and.b32 m, $8, 0x07000700; and.b32 sg, $8, 0x08000800; shl.b32 m, m, 1; shl.b32 sg, sg, 4;
+or.b32 x, m, sg; mul.rn.f16x2 x, x, s2; mov.b32 {$2, $6}, x;
+and.b32 m, $8, 0x70007000; and.b32 sg, $8, 0x80008000; shr.b32 m, m, 3;
+or.b32 x, m, sg; mul.rn.f16x2 x, x, s2; mov.b32 {$3, $7}, x;
+}
+""")
+
+
 @triton.jit
 def _halves(x, s):
     """Split f16x2 bits ``x`` (uint32) into two fp16 tensors, each times ``s``."""
@@ -103,10 +121,15 @@ def _dequant(a, b, FMT: tl.constexpr, D: tl.constexpr, N: tl.constexpr, F32: tl.
     else:
         s = b.to(tl.float8e4nv, bitcast=True)
         s = (s.to(tl.float16) * 128.0)[:, :, None]  # [N, C, 1]: block scale * 2^7
-        lo0, hi0 = _halves(_e2m1_pair(a, 0), s)
-        lo1, hi1 = _halves(_e2m1_pair(a, 1), s)
-        lo2, hi2 = _halves(_e2m1_pair(a, 2), s)
-        lo3, hi3 = _halves(_e2m1_pair(a, 3), s)
+        if F32:  # the interpreter has no inline PTX: the same bit placement in Triton ops
+            lo0, hi0 = _halves(_e2m1_pair(a, 0), s)
+            lo1, hi1 = _halves(_e2m1_pair(a, 1), s)
+            lo2, hi2 = _halves(_e2m1_pair(a, 2), s)
+            lo3, hi3 = _halves(_e2m1_pair(a, 3), s)
+        else:
+            lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = tl.inline_asm_elementwise(
+                _E2M1_F16X2_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h",
+                [a, tl.broadcast_to(s, a.shape)], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
         lo = tl.join(tl.join(lo0, lo2), tl.join(lo1, lo3))
         hi = tl.join(tl.join(hi0, hi2), tl.join(hi1, hi3))
         x = tl.reshape(tl.join(lo, hi), [N, D])
@@ -363,12 +386,15 @@ def _num_sms(device: torch.device) -> int:
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int,
                   device: torch.device) -> int:
-    """Split count (a power of 2) so the decode grid fills the GPU about twice over, from host
-    ints only; never more splits than tiles."""
-    target = 2 * _num_sms(device)
-    splits = 1
+    """Split count (a power of 2) from host ints only: enough programs to fill the GPU ~4 times
+    over, and at most ~4096 keys per split; never more splits than tiles (max 64). Tuned on the
+    H200 sweep in benchmarks/README.md."""
+    target = 4 * _num_sms(device)
     max_tiles = max(1, -(-max_seq_len // tile_n))
-    while num_seqs * num_kv_heads * splits < target and splits * 2 <= min(max_tiles, 64):
+    splits = 1
+    while splits * 2 <= min(max_tiles, 64) and (
+        num_seqs * num_kv_heads * splits < target or max_seq_len > 4096 * splits
+    ):
         splits *= 2
     return splits
 
