@@ -416,6 +416,9 @@ class Worker:
         rec = self.rec.write(
             "engine", engine_start_s=round(start_s, 1), num_gpu_blocks=blocks, block_size=bs,
             capacity_tokens=cap, kv_bytes_per_token=bpt, kv_gib=round(cap * bpt / 2**30, 2),
+            # vLLM's "KV cache size" log line: max concurrency x max_model_len (equal to
+            # capacity_tokens when max_model_len is a multiple of the block size); often unset here
+            vllm_kv_cache_size_tokens=getattr(cc, "kv_cache_size_tokens", None),
             max_batch=mb, max_batch_x_context={c: b * int(c) for c, b in mb.items()},
             engine_kwargs={k: v for k, v in kw.items() if k != "profiler_config"},
             policy=self.info["policies"].get(self.cfg.name),
@@ -964,9 +967,13 @@ def compute_targets(records: list[dict], contexts: list[int]) -> dict:
         best_fp8 = max(fp8_ref, key=lambda d: d["tok_per_s"] or 0)
         row: dict[str, Any] = dict(batch=b, best_fp8=best_fp8["config"], best_fp8_tok_per_s=best_fp8["tok_per_s"])
         for name in ("nvfp4-mixed", "nvfp4-all", "auto"):
-            same = [d for d in dec if d["config"] == name and d["context"] == c and d["batch"] == b]
+            # its "ref" stage (the fp8 batch it was given or estimated), else the same batch
+            same = [d for d in dec if d["config"] == name and d["context"] == c
+                    and ("ref" in d["label"] or d["batch"] == b)]
             if same:
                 row[name] = ratio(same[0]["tok_per_s"], best_fp8["tok_per_s"])
+                if same[0]["batch"] != b:
+                    row[f"{name}_batch"] = same[0]["batch"]  # estimate differed from fp8's own
             own = [d for d in dec if d["config"] == name and d["context"] == c and "max" in d["label"]]
             if own:
                 row[f"{name}_at_own_max_batch"] = dict(batch=own[0]["batch"], tok_per_s=own[0]["tok_per_s"],
@@ -1238,7 +1245,6 @@ def apply_cpu_tiny(a: argparse.Namespace, argv: list[str]) -> None:
         if "--" + k.replace("_", "-") not in given:
             setattr(a, k, v)
     a.cpu = a.eager = True
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -1251,6 +1257,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         ap.error("--out is required")
     if a.cpu_tiny:
         apply_cpu_tiny(a, argv)
+    if a.cpu:  # vLLM's CPU worker refuses to start without a KV-cache size (GiB)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if not any(t.startswith("--gpu-mem") for t in argv):
+            a.gpu_mem = 0.3  # on CPU: the fraction of RAM vLLM checks is free (the KV size is above)
     longest = max(a.contexts + a.ttft_contexts)
     if a.max_model_len is None:
         a.max_model_len = longest + a.headroom

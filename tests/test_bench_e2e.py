@@ -292,3 +292,11 @@ def test_plot_summary(tmp_path):
     assert be.parse_args(["--plot", str(path)]).plot == str(path)
     with pytest.raises(SystemExit):
         be.parse_args([])  # --out is required without --plot
+
+
+def test_compute_targets_ref_batch_estimated_differently():
+    recs = [r for r in _records() if not (r.get("config") == "nvfp4-mixed" and r["kind"] == "decode")]
+    recs.append(dict(kind="decode", config="nvfp4-mixed", context=32768, batch=49, label="ref",
+                     tok_per_s=1500.0, tpot_ms=32.0))
+    row = be.compute_targets(recs, [32768])["decode_vs_best_fp8"]["32768"]
+    assert row["nvfp4-mixed"] == 1.5 and row["nvfp4-mixed_batch"] == 49
