@@ -71,11 +71,16 @@ rm -rf "$META"
 write_plugin_meta "$META" >/dev/null || die "could not write the plugin metadata"
 export PYTHONPATH="$REPO:$META${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$PYTHON" - <<'EOF' || die "the vllm.general_plugins entry point is not visible"
-from importlib.metadata import entry_points, version
+from importlib.metadata import PackageNotFoundError, entry_points, version
 eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "nvfp4_mixed"]
 assert eps, "nvfp4_mixed entry point missing"
-eps[0].load()  # imports vllm_nvfp4.plugin from the repository
-print(f"[driver] plugin entry point: {eps[0].value} (vllm-nvfp4 {version('vllm-nvfp4')}, vllm {version('vllm')})")
+fn = eps[0].load()  # imports vllm_nvfp4.plugin from the repository (vllm is not imported)
+try:
+    vv = version("vllm")
+except PackageNotFoundError:
+    vv = "no metadata"
+print(f"[driver] plugin entry point: {eps[0].value} -> {fn.__module__} "
+      f"(vllm-nvfp4 {version('vllm-nvfp4')}, vllm {vv})")
 EOF
 
 # 3) the benchmark, inside what is left of the budget ------------------------------------------------
