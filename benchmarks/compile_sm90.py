@@ -48,32 +48,48 @@ def decode_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, prefetch
                      attrs=attrs)
 
 
+_INSTR = re.compile(r"/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)[^;]*;")
+
+
+def loop_body(sass: str) -> collections.Counter:
+    """Opcode counts of the longest backward-branch loop (the decode's tile loop)."""
+    ins = [(int(m.group(1), 16), m.group(2), m.group(0)) for m in _INSTR.finditer(sass)]
+    loops = []
+    for addr, op, text in ins:
+        target = re.search(r"BRA.*?0x([0-9a-f]+)", text)
+        if op.startswith("BRA") and target and int(target.group(1), 16) < addr:
+            loops.append((int(target.group(1), 16), addr))
+    if not loops:
+        return collections.Counter()
+    lo, hi = max(loops, key=lambda ab: ab[1] - ab[0])
+    return collections.Counter(op for addr, op, _ in ins if lo <= addr <= hi)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sass", help="write SASS files into this folder")
     args = ap.parse_args()
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     for fmt, tile, pf in [(f, t, p) for f in ("fp8", "nvfp4") for t in (32, 64) for p in (0, 1)]:
-        if True:
-            lay = KVPageLayout(8, 128, 16, fmt, fmt)
-            k = triton.compile(decode_src(lay, tile, 1, prefetch=bool(pf)), target=TARGET,
-                               options={"num_warps": 4, "num_stages": 3})  # noqa
-            md = k.metadata
-            with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-                f.write(k.asm["cubin"])
-            sass = subprocess.run([nvdisasm, "-sass", f.name], capture_output=True, text=True).stdout
-            res = subprocess.run([nvdisasm, "-res-usage", f.name], capture_output=True,
-                                 text=True).stdout
-            regs = re.search(r"REG:(\d+)", res)
-            ops = collections.Counter(
-                m.group(1).split(".")[0] for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))
-            total = sum(ops.values())
-            top = ", ".join(f"{o}:{c}" for o, c in ops.most_common(12))
-            print(f"{fmt:6} tile {tile:4} prefetch {pf}: regs {regs.group(1) if regs else '?'} smem {md.shared} sass {total}  {top}")
-            if args.sass:
-                os.makedirs(args.sass, exist_ok=True)
-                with open(os.path.join(args.sass, f"decode_{fmt}_t{tile}_p{pf}.sass"), "w") as out:
-                    out.write(sass)
+        lay = KVPageLayout(8, 128, 16, fmt, fmt)
+        k = triton.compile(decode_src(lay, tile, 1, prefetch=bool(pf)), target=TARGET,
+                           options={"num_warps": 4, "num_stages": 3})
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(k.asm["cubin"])
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+        res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True,
+                             text=True).stdout
+        os.unlink(f.name)
+        regs = re.search(r"REG:(\d+)", res)
+        body = loop_body(sass)
+        top = ", ".join(f"{o}:{c}" for o, c in body.most_common(10))
+        print(f"{fmt:6} tile {tile:3} prefetch {pf}: regs {regs.group(1) if regs else '?'} "
+              f"smem {k.metadata.shared} loop {sum(body.values())} instr/warp "
+              f"({sum(body.values()) * 4 / tile:.1f} per token-head)  {top}")
+        if args.sass:
+            os.makedirs(args.sass, exist_ok=True)
+            with open(os.path.join(args.sass, f"decode_{fmt}_t{tile}_p{pf}.sass"), "w") as out:
+                out.write(sass)
 
 
 if __name__ == "__main__":

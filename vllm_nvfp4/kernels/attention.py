@@ -17,8 +17,16 @@ Dequantization (no per-element scale folding beyond one fp16 multiply):
   ``(n & 8) << 12 | (n & 7) << 9`` == e2m1(n) * 2^-14 (subnormal code 1 included); times the block
   scale in fp16 pre-multiplied by 2^7 this is e2m1 * s * 2^-7 EXACTLY (at most 6 significant bits,
   magnitude in [2^-17, 21]). The global scale g and the 2^7 go into the softmax scale / output
-  scale. Low and high nibbles are joined (``tl.join``) in registers: that is already the element
-  order, so no interleave shuffle is needed.
+  scale. On the GPU one inline-PTX block turns each 32-bit word (8 nibbles) into four f16x2
+  products, pairing nibbles k and k+4 (same shift for both halves); the tile's columns are thus
+  permuted within each 8-element word (:func:`nvfp4_col_perm`), and q is loaded / the output
+  stored with the same permutation, so no shuffle is needed. The interpreter runs the same bit
+  placement in Triton integer ops.
+* Raw NVFP4 tiles are double-buffered in registers (``PREFETCH``): Triton's pipeliner does not
+  stage loads that feed integer ops, so without it every tile waited on DRAM latency.
+
+Measured on the H200 and analysed in ``benchmarks/README.md``: this FP8 path beats vLLM's Triton
+backend; the NVFP4 path is still instruction/latency-bound and slower than our FP8.
 
 All launch parameters derive from host ints (shapes, ``max_query_len``, ``max_seq_len``), never
 from tensor contents, so the decode path is CUDA-graph capturable.
@@ -26,7 +34,6 @@ from tensor contents, so the decode path is CUDA-graph capturable.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -35,8 +42,6 @@ import triton.language as tl
 
 from vllm_nvfp4.kernels.cache_write import FMT_FP8, format_code
 
-LOG2E = 1.4426950408889634
-NVFP4_TILE_FACTOR = 128.0  # 2^7: the nvfp4 tile holds value / (g * 2^7)
 
 
 @triton.jit
@@ -222,7 +227,7 @@ def _attend_tiles(
 
 @triton.jit
 def _kv_factors(k_scale_ptr, v_scale_ptr, h, K_FMT: tl.constexpr, V_FMT: tl.constexpr):
-    """Per-head dequant factors of the K and V tiles (see :func:`_load_tile`)."""
+    """Per-head dequant factors of the K and V tiles (see :func:`_dequant`)."""
     kf = tl.load(k_scale_ptr + h)
     vf = tl.load(v_scale_ptr + h)
     if K_FMT != FMT_FP8:
@@ -399,17 +404,16 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: in
     return splits
 
 
-def _common(layout, query, cache, k_scale, v_scale, softcap, window):
-    hq = query.shape[1]
-    g = hq // layout.num_kv_heads
-    f32 = query.device.type != "cuda"  # the interpreter: fp32 math (its fp16/bf16 dots are unreliable)
+def _layout_constexprs(layout, device: torch.device, softcap, window) -> dict:
+    """Kernel constexprs shared by decode and prefill."""
+    f32 = device.type != "cuda"  # the interpreter: fp32 math (its fp16/bf16 dots are unreliable)
     return dict(
         K_FMT=format_code(layout.k_format), V_FMT=format_code(layout.v_format),
         K_DATA=layout.k_data_offset, K_SCALE=layout.k_scale_offset,
         V_DATA=layout.v_data_offset, V_SCALE=layout.v_scale_offset,
         D=layout.head_dim, BLOCK=layout.block_size,
         USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None, F32=f32,
-    ), g
+    )
 
 
 def paged_attention(
@@ -441,7 +445,8 @@ def paged_attention(
         raise ValueError(f"num_splits must be a power of 2, got {num_splits}")
     num_seqs = seq_lens.shape[0]
     d = layout.head_dim
-    meta, g = _common(layout, query, cache, k_scale, v_scale, logits_soft_cap, sliding_window)
+    meta = _layout_constexprs(layout, query.device, logits_soft_cap, sliding_window)
+    g = query.shape[1] // layout.num_kv_heads
     softcap = float(logits_soft_cap or 1.0)
     window = int(sliding_window or 0)
     g_pad = triton.next_power_of_2(g)
