@@ -16,7 +16,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from vllm_nvfp4 import __version__
 from vllm_nvfp4.policy import POLICY_FILENAME, KVPolicy, PolicyError
@@ -26,12 +26,14 @@ class UsageError(Exception):
     """Bad arguments or inputs: reported as ``vllm-nvfp4 CMD: error: ...``, exit status 2."""
 
 
-def _positive(kind: type) -> "argparse._ActionType":  # type: ignore[name-defined]
-    def parse(text: str):  # noqa: ANN202
+def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse ``type`` accepting only values > 0 of ``kind`` (int or float)."""
+
+    def parse(text: str) -> Any:
         try:
             v = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected a {getattr(kind, '__name__', 'number')}, got {text!r}") from None
         if v <= 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
         return v
@@ -103,10 +105,18 @@ def _check_writable_file(path: Path, force: bool, what: str) -> None:
         raise UsageError(f"{what} {path}: directory {path.parent} does not exist")
 
 
-def _check_model_dir(path: Path) -> None:
+def _check_model_dir(path: Path, window: Optional[int] = None, formats: Optional[str] = None) -> None:
+    """Fail before loading weights: no model, window beyond its positions, bad --policy."""
     if not (path / "config.json").is_file():
         raise UsageError(f"{path} is not a model directory (no config.json); "
                          "for SmolLM2 run: python scripts/prepare_assets.py smollm2")
+    from vllm_nvfp4.calibration.modeling import config_shape
+
+    layers, positions = config_shape(path)
+    if window is not None and positions is not None and window > positions:
+        raise UsageError(f"--window {window} exceeds the model's {positions} positions")
+    if formats is not None and layers is not None:
+        KVPolicy.from_compact(formats, layers, source="--policy")  # raises PolicyError
 
 
 def _check_data(paths: Sequence[Path]) -> None:
@@ -118,7 +128,7 @@ def _check_data(paths: Sequence[Path]) -> None:
 def cmd_calibrate(a: argparse.Namespace) -> int:
     from vllm_nvfp4.calibration.commands import run_calibrate
 
-    _check_model_dir(a.model)
+    _check_model_dir(a.model, a.window, a.policy)
     _check_data(a.data)
     _check_writable_file(a.out, a.force, "--out")
     policy = run_calibrate(a.model, a.data, a.policy, a.window, a.windows, a.per_head, a.dtype)
@@ -131,7 +141,7 @@ def cmd_analyze(a: argparse.Namespace) -> int:
     from vllm_nvfp4.calibration.report import render
     from vllm_nvfp4.calibration.sensitivity import REPORT_FILE, analyze
 
-    _check_model_dir(a.model)
+    _check_model_dir(a.model, a.window)
     _check_data(a.data)
     if a.out.exists() and not a.out.is_dir():
         raise UsageError(f"--out {a.out} exists and is not a directory")
@@ -189,8 +199,8 @@ def cmd_select(a: argparse.Namespace) -> int:
     print(f"selected {policy.to_compact()} ({policy.fraction_of_fp8():.4f}x FP8 bytes, {slots} FP8 slots)")
     if "measured" in summary["selected"]:
         s, n, nv = summary["selected"]["measured"], summary["naive"]["measured"], summary["all_nvfp4"]
-        print(f"measured delta NLL: selected {s['dnll']:.5f}, naive {n['dnll']:.5f}, all-NVFP4 {nv['dnll']:.5f} "
-              f"(selected = {100 * s['dnll'] / nv['dnll']:.1f}% of all-NVFP4)" if nv["dnll"] else "")
+        print(f"measured delta NLL (nats/token): selected {s['dnll']:.5f}, naive first/last {n['dnll']:.5f}, "
+              f"all-NVFP4 {nv['dnll']:.5f}; KL: {s['kl']:.5f}, {n['kl']:.5f}, {nv['kl']:.5f}")
     print("wrote " + ", ".join(str(t) for t in targets))
     return 0
 

@@ -6,7 +6,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -35,13 +35,29 @@ class ModelInfo:
         return asdict(self)
 
 
-def config_sha256(model_dir: Path) -> str:
-    """SHA-256 of ``config.json`` parsed and re-serialised with sorted keys (formatting-proof)."""
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """The parsed ``config.json`` of a model directory (:class:`ModelError` if unreadable)."""
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise ModelError(f"{model_dir}: cannot read config.json ({e})") from None
-    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
+    if not isinstance(cfg, dict):
+        raise ModelError(f"{model_dir}/config.json is not a JSON object")
+    return cfg
+
+
+def config_sha256(model_dir: Path) -> str:
+    """SHA-256 of ``config.json`` parsed and re-serialised with sorted keys (formatting-proof)."""
+    return hashlib.sha256(json.dumps(read_config(model_dir), sort_keys=True).encode()).hexdigest()
+
+
+def config_shape(model_dir: Path) -> tuple[Optional[int], Optional[int]]:
+    """``(num_hidden_layers, max_position_embeddings)`` from ``config.json`` (text config if
+    nested), for checking arguments before loading weights; ``None`` where absent."""
+    cfg = read_config(model_dir)
+    cfg = cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
+    layers, pos = cfg.get("num_hidden_layers"), cfg.get("max_position_embeddings")
+    return (layers if isinstance(layers, int) else None, pos if isinstance(pos, int) else None)
 
 
 def load_model(model_dir: str | Path, dtype: str = "bfloat16") -> tuple[torch.nn.Module, Any, ModelInfo]:

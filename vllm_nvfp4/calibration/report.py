@@ -66,8 +66,9 @@ def plot_damage_vs_bytes(report: dict[str, Any], selections: list[dict[str, Any]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, metric, label in ((axes[0], "dnll", "delta NLL vs reference (nats/token)"),
                               (axes[1], "kl", "KL vs reference (nats/token)")):
-        xs, ys = zip(*predicted_curve(report, metric, rank_by))
-        ax.plot(xs, ys, color="grey", lw=1, ls="--", label=f"selected by {rank_by}, predicted (additive)")
+        if metric == rank_by:  # the additive prediction is only smooth for the ranking metric
+            xs, ys = zip(*predicted_curve(report, metric, rank_by))
+            ax.plot(xs, ys, color="grey", lw=1, ls="--", label="selected, predicted (additive)")
         ax.scatter([1.0], [cfg["all_fp8"][metric]], marker="s", color="black", label="all-FP8", zorder=3)
         ax.scatter([0.5625], [cfg["all_nvfp4"][metric]], marker="X", color="tab:red", s=70, label="all-NVFP4", zorder=3)
         for n, sel in enumerate(selections):
@@ -85,7 +86,8 @@ def plot_damage_vs_bytes(report: dict[str, Any], selections: list[dict[str, Any]
         ax.set_xlabel("KV bytes (fraction of all-FP8)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    for ax in axes:
+        ax.legend(fontsize=7)
     fig.suptitle(f"{Path(report['model']['path']).name}: damage against KV-cache size")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

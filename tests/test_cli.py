@@ -1,0 +1,121 @@
+"""The vllm-nvfp4 command line: clear failures on bad input, never overwriting without --force."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_nvfp4.cli import main
+from vllm_nvfp4.policy import POLICY_FILENAME, KVPolicy
+
+from test_calibration import make_text
+
+WIN = ["--window", "64", "--windows", "1", "--dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_text(tmp_path_factory.mktemp("cli-data") / "text.txt", kb=30)
+
+
+@pytest.fixture(scope="module")
+def report(tiny_model_dir: Path, data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cli-report") / "rep"
+    assert main(["-q", "analyze", str(tiny_model_dir), "--data", str(data), "--out", str(out), *WIN]) == 0
+    return out
+
+
+def _err(capsys: pytest.CaptureFixture) -> str:
+    return capsys.readouterr().err
+
+
+def test_analyze_writes_report_and_refuses_to_overwrite(report: Path, tiny_model_dir: Path, data: Path, capsys):
+    for name in ("sensitivity.json", "scales.json", "sensitivity.png", "damage_vs_bytes.png", "REPORT.md"):
+        assert (report / name).is_file(), name
+    before = (report / "sensitivity.json").read_bytes()
+    rc = main(["-q", "analyze", str(tiny_model_dir), "--data", str(data), "--out", str(report), *WIN])
+    err = _err(capsys)
+    assert rc == 2 and "already holds a report" in err and "--force" in err
+    assert (report / "sensitivity.json").read_bytes() == before
+
+
+def test_calibrate_refuses_to_overwrite_without_force(tmp_path: Path, tiny_model_dir: Path, data: Path, capsys):
+    out = tmp_path / "policy.json"
+    out.write_text("my precious policy")
+    args = ["-q", "calibrate", str(tiny_model_dir), "--data", str(data), "--out", str(out), *WIN]
+    assert main(args) == 2
+    assert "exists; refusing to overwrite" in _err(capsys)
+    assert out.read_text() == "my precious policy"
+    assert main([*args, "--force", "--policy", "0:fp8,*:nvfp4"]) == 0
+    policy = KVPolicy.load(out)
+    assert policy.to_compact() == "0:fp8,1-3:nvfp4" and policy.layers[1].k_global_scale is not None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["calibrate", "/nonexistent/model", "--data", "x.txt", "--out", "p.json"], "not a model directory"),
+    (["select", "/nonexistent/report", "--budget", "0.62", "--out", "{tmp}/p.json"], "run `vllm-nvfp4 analyze"),
+    (["select", "{report}", "--budget", "0.3", "--out", "{tmp}/p.json"], "between 0.5625"),
+    (["select", "{report}", "--fp8-slots", "99", "--out", "{tmp}/p.json"], "--fp8-slots must be"),
+    (["select", "{report}", "--budget", "0.62"], "--out POLICY.json and/or --write-to-model"),
+    (["select", "{report}", "--budget", "0.7", "--out", "{tmp}/nodir/p.json"], "does not exist"),
+    (["calibrate", "{model}", "--data", "{tmp}/missing.txt", "--out", "{tmp}/p.json"], "data file"),
+    (["calibrate", "{model}", "--data", "{data}", "--out", "{tmp}/p.json", "--policy", "0:fp9"], "unknown KV format"),
+    (["calibrate", "{model}", "--data", "{data}", "--out", "{tmp}/p.json", "--window", "8192"], "exceeds"),
+])
+def test_bad_arguments_fail_clearly(args, message, tmp_path, report, tiny_model_dir, data, capsys):
+    fill = dict(tmp=tmp_path, report=report, model=tiny_model_dir, data=data)
+    rc = main(["-q", *[a.format(**fill) for a in args]])
+    assert rc == 2
+    err = _err(capsys)
+    assert message in err and err.startswith(f"vllm-nvfp4 {args[0]}: error:"), err  # before any model load
+
+
+@pytest.mark.parametrize("args", [
+    ["select", "REPORT", "--budget", "0.62", "--fp8-slots", "3", "--out", "p.json"],  # exclusive
+    ["select", "REPORT", "--out", "p.json"],  # budget or slots required
+    ["analyze", "MODEL", "--out", "x"],  # --data required
+    ["analyze", "MODEL", "--data", "d", "--out", "x", "--windows", "0"],
+    ["frobnicate"],
+])
+def test_argparse_errors_exit_2(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_select_writes_policy_and_model_dir_only_with_force(report: Path, tiny_model_dir: Path, tmp_path: Path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    out = tmp_path / "sel.json"
+    base = ["-q", "select", str(report), "--budget", "0.7", "--no-measure"]
+    assert main([*base, "--out", str(out), "--write-to-model", str(model)]) == 0
+    policy = KVPolicy.load(model / POLICY_FILENAME)
+    assert policy.fraction_of_fp8() <= 0.7
+    assert json.loads(out.read_text()) == json.loads((model / POLICY_FILENAME).read_text())
+    (model / POLICY_FILENAME).write_text("user edited")
+    assert main([*base, "--write-to-model", str(model)]) == 2
+    assert "refusing to overwrite" in _err(capsys)
+    assert (model / POLICY_FILENAME).read_text() == "user edited"
+    assert main([*base, "--write-to-model", str(model), "--force"]) == 0
+    assert KVPolicy.load(model / POLICY_FILENAME).to_compact() == policy.to_compact()
+    # a different model is refused
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 9}))
+    assert main([*base, "--write-to-model", str(other)]) == 2
+    assert "not the model that was analyzed" in _err(capsys)
+
+
+def test_console_script_runs():
+    exe = Path(sys.executable).parent / "vllm-nvfp4"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "vllm_nvfp4.cli"]
+    proc = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    for sub in ("calibrate", "analyze", "select"):
+        assert sub in proc.stdout
