@@ -21,7 +21,7 @@ import platform
 import sys
 import time
 import traceback
-from typing import Callable, Optional
+from typing import Callable
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")

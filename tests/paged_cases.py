@@ -13,6 +13,7 @@ import torch
 
 from vllm_nvfp4 import formats, ops
 from vllm_nvfp4.layout import KVPageLayout, allocate_cache
+from vllm_nvfp4.paged_torch import quantize_heads
 
 
 @dataclass
@@ -173,3 +174,41 @@ def run_attention(
         softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d),
         out, sliding_window, logits_soft_cap, backend=backend,
     )
+
+
+def write_case(layout, n_tok, dtype, seed, nan=False):
+    """Non-contiguous K/V views, shuffled slots with some skipped, a strided cache of noise."""
+    gen = torch.Generator().manual_seed(seed)
+    h, d = layout.num_kv_heads, layout.head_dim
+    big = torch.randn(n_tok, h + 2, d, generator=gen) * 3
+    key = big[:, 1 : h + 1].to(dtype)  # view with stride(-1) == 1, non-contiguous
+    value = (torch.randn(n_tok, h, d, generator=gen) * 0.01).to(dtype)
+    if nan:
+        key[1, 0, 3] = float("nan")
+        value[2, h - 1, d - 1] = float("inf")
+    nblocks = -(-n_tok // layout.block_size) + 2
+    slots = torch.randperm(nblocks * layout.block_size, generator=gen)[:n_tok]
+    slots[::5] = -1
+    cache = allocate_cache(layout, nblocks, row_stride=layout.page_bytes + 32)
+    cache.copy_(torch.randint(0, 256, cache.shape, generator=gen, dtype=torch.uint8))
+    k_scale = torch.rand(h, generator=gen) * 0.02 + 0.001
+    v_scale = torch.rand(h, generator=gen) * 0.0002 + 0.00001
+    return key, value, slots, cache, k_scale, v_scale
+
+
+def check_written_bytes(layout, before, after, key, value, slots, k_scale, v_scale):
+    """Every kept token's bytes equal formats.py's; every other byte of ``after`` is unchanged."""
+    keep = slots >= 0
+    blk, off = slots[keep] // layout.block_size, slots[keep] % layout.block_size
+    touched = torch.zeros_like(after.cpu())  # uint8 mask in the cache's own layout
+    for which, x, scale in (("k", key, k_scale), ("v", value, v_scale)):
+        data, scales = quantize_heads(x[keep], layout.format_of(which), scale)
+        got = layout.data_plane(after.cpu(), which)[blk, :, off]
+        assert torch.equal(got, data), f"{which} data bytes differ"
+        layout.data_plane(touched, which)[blk, :, off] = 1
+        if scales is not None:
+            got_s = layout.scale_plane(after.cpu(), which)[blk, :, :, off]
+            assert torch.equal(got_s, scales), f"{which} scale bytes differ"
+            layout.scale_plane(touched, which)[blk, :, :, off] = 1
+    untouched = touched == 0
+    assert torch.equal(after.cpu()[untouched], before.cpu()[untouched])

@@ -17,8 +17,9 @@ if not CUDA:
 
 triton = pytest.importorskip("triton")
 
-from paged_cases import make_batch, reference_attention, roundtrip, run_attention  # noqa: E402
-from test_paged_torch import _write_case, check_written_bytes  # noqa: E402
+from paged_cases import (  # noqa: E402
+    check_written_bytes, make_batch, reference_attention, roundtrip, run_attention, write_case,
+)
 from vllm_nvfp4 import ops  # noqa: E402
 from vllm_nvfp4.kernels import attention as attn_kernels  # noqa: E402
 from vllm_nvfp4.layout import KVPageLayout, allocate_cache  # noqa: E402
@@ -66,7 +67,7 @@ def assert_close_rel(got, want, tol):
 )
 def test_write_kernel_bit_exact(kf, vf, h, d, b, dtype):
     lay = KVPageLayout(h, d, b, kf, vf)
-    key, value, slots, cache, ks, vs = _write_case(lay, 13 * SCALE, dtype, seed=d + b, nan=True)
+    key, value, slots, cache, ks, vs = write_case(lay, 13 * SCALE, dtype, seed=d + b, nan=True)
     before = cache.clone()
     dev = [t.to(DEV) for t in (key, value, slots, cache, ks, vs)]
     ops.write_kv_cache(dev[0], dev[1], dev[3], dev[2], lay, dev[4], dev[5], backend="triton")
@@ -106,12 +107,18 @@ def _seq_mix(kind: str) -> list:
     return [(23 * s, 23 * s), (41 * s, 9), (16, 16), (33 * s, 1), (50 * s + 1, 17)]
 
 
-@pytest.mark.parametrize("kf,vf", FMT_PAIRS)
-@pytest.mark.parametrize("kind", ["decode", "prefill"])
-@pytest.mark.parametrize(
-    "hkv,group,d,b",
-    [(2, 1, 64, 16), (2, 3, 64, 32), (1, 4, 128, 16), (2, 8, 128, 32), (1, 2, 256, 16)],
+ATTN_SHAPES = [(2, 1, 64, 16), (2, 3, 64, 32), (1, 4, 128, 16), (2, 8, 128, 32), (1, 2, 256, 16)]
+#: GPU: every shape x every K/V format pair; interpreter: two format pairs per shape, rotating,
+#: so each shape, each pair and each (shape, kind) still meets both formats for K and for V
+ATTN_CASES = (
+    [(kf, vf, *shape) for shape in ATTN_SHAPES for kf, vf in FMT_PAIRS]
+    if CUDA
+    else [(*FMT_PAIRS[(i + j) % 4], *shape) for i, shape in enumerate(ATTN_SHAPES) for j in (0, 2)]
 )
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("kf,vf,hkv,group,d,b", ATTN_CASES)
 def test_attention_matches_float64(kf, vf, kind, hkv, group, d, b):
     lay = KVPageLayout(hkv, d, b, kf, vf)
     dtype = torch.bfloat16 if CUDA else torch.float32
