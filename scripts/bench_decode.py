@@ -184,6 +184,7 @@ def bench_shape(batch: int, ctx: int, q_len: int, args, gen) -> list[dict]:
         default = run_ours(lay, b, cache, out, args.smoke)
         recs.append({"kernel": "ours", "kv_dtype": name, "config": "default", "us": default,
                      "kv_bytes": kv_bytes(b, per)})
+        ref_out = out.float().clone()  # sweep configs must reproduce the default's output
         if q_len == 1 and args.sweep:
             best = None
             configs = [(sp, t, w, pf) for sp in args.splits for t in args.tiles
@@ -198,8 +199,13 @@ def bench_shape(batch: int, ctx: int, q_len: int, args, gen) -> list[dict]:
                             print(f"  config {splits}/{tile}/{warps}/{pf} failed: {e!r}"[:300])
                             continue
                         cfg = f"splits={splits},tile={tile},warps={warps},prefetch={pf}"
+                        rel = float((out.float() - ref_out).norm() / ref_out.norm())
                         recs.append({"kernel": "ours_sweep", "kv_dtype": name, "config": cfg,
-                                     "us": us, "kv_bytes": kv_bytes(b, per)})
+                                     "us": us, "kv_bytes": kv_bytes(b, per),
+                                     "rel_err_vs_default": rel})
+                        if not rel < 1e-2:
+                            print(f"  config {cfg}: output differs from default (rel {rel:.2e})")
+                            continue
                         if best is None or us < best[0]:
                             best = (us, cfg)
             if best:
