@@ -190,24 +190,21 @@ def bench_shape(batch: int, ctx: int, q_len: int, args, gen) -> list[dict]:
             configs = [(sp, t, w, pf) for sp in args.splits for t in args.tiles
                        for w in args.warps for pf in args.prefetch]
             for splits, tile, warps, pf in configs if name in args.sweep_formats else []:
-                if True:
-                    if True:
-                        try:
-                            us = run_ours(lay, b, cache, out, args.smoke, num_splits=splits,
-                                          tile_n=tile, num_warps=warps, prefetch=bool(pf))
-                        except Exception as e:  # noqa: BLE001
-                            print(f"  config {splits}/{tile}/{warps}/{pf} failed: {e!r}"[:300])
-                            continue
-                        cfg = f"splits={splits},tile={tile},warps={warps},prefetch={pf}"
-                        rel = float((out.float() - ref_out).norm() / ref_out.norm())
-                        recs.append({"kernel": "ours_sweep", "kv_dtype": name, "config": cfg,
-                                     "us": us, "kv_bytes": kv_bytes(b, per),
-                                     "rel_err_vs_default": rel})
-                        if not rel < 1e-2:
-                            print(f"  config {cfg}: output differs from default (rel {rel:.2e})")
-                            continue
-                        if best is None or us < best[0]:
-                            best = (us, cfg)
+                cfg = f"splits={splits},tile={tile},warps={warps},prefetch={pf}"
+                try:
+                    us = run_ours(lay, b, cache, out, args.smoke, num_splits=splits,
+                                  tile_n=tile, num_warps=warps, prefetch=bool(pf))
+                except Exception as e:  # noqa: BLE001
+                    print(f"  config {cfg} failed: {e!r}"[:300])
+                    continue
+                rel = float((out.float() - ref_out).norm() / ref_out.norm())
+                recs.append({"kernel": "ours_sweep", "kv_dtype": name, "config": cfg, "us": us,
+                             "kv_bytes": kv_bytes(b, per), "rel_err_vs_default": rel})
+                if not rel < 1e-2:
+                    print(f"  config {cfg}: output differs from default (rel {rel:.2e})")
+                    continue
+                if best is None or us < best[0]:
+                    best = (us, cfg)
             if best:
                 recs.append({"kernel": "ours_best", "kv_dtype": name, "config": best[1],
                              "us": best[0], "kv_bytes": kv_bytes(b, per)})
