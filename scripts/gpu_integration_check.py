@@ -126,6 +126,9 @@ def main() -> int:
     checks: dict[str, bool] = {}
     t0 = time.time()
 
+    def save() -> None:  # after every phase, so a timeout still leaves the partial results
+        a.out.write_text(json.dumps({**res, "checks": checks}, indent=1))
+
     from vllm_nvfp4.policy import KVPolicy
     from vllm_nvfp4.tiny_model import build_tiny_llama
 
@@ -135,6 +138,7 @@ def main() -> int:
     (model_dir / "nvfp4_policy.json").write_text(json.dumps(policy_dict, indent=1))
     policy = KVPolicy.from_dict(policy_dict)
     res["setup_s"] = round(time.time() - t0, 1)
+    save()
 
     import vllm
     from vllm import LLM, SamplingParams
@@ -190,6 +194,7 @@ def main() -> int:
     t = time.time()
     n_out = sum(len(x) for x in gen(llm, many, 256 // q))
     res[f"decode_{len(many)}x{256 // q}_tok_per_s"] = round(n_out / (time.time() - t), 1)
+    save()
     del llm
     gc.collect()
 
@@ -199,6 +204,7 @@ def main() -> int:
     res["logprobs"] = {"n": len(got), "err_mean": float(err.mean()), "err_median": float(err.median()),
                        "err_max": float(err.max()), "gap_to_unquantized_mean": float(gap.mean())}
     checks["logprobs_match_reference"] = float(err.mean()) < 0.1 * float(gap.mean())
+    save()
 
     t = time.time()
     llm = LLM(model=str(model_dir), kv_cache_dtype="nvfp4_mixed", max_model_len=8192,
@@ -212,10 +218,9 @@ def main() -> int:
     checks["outputs_mostly_agree_with_eager"] = (
         res["graphs_vs_eager_short"]["exact"] >= 0.75 * len(short)
         and res["chunked_vs_unchunked_long"]["exact"] >= 1)
-    res["checks"] = checks
     res["ok"] = all(checks.values())
     res["total_s"] = round(time.time() - t0, 1)
-    a.out.write_text(json.dumps(res, indent=1))
+    save()
     print("RESULT " + json.dumps(res), flush=True)
     return 0 if res["ok"] else 1
 

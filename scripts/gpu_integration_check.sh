@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call on the H200: install the vLLM 0.32.0 bundle and this plugin (no pip, no network),
 # run scripts/gpu_integration_check.py (LLM with CUDA graphs, prefix caching, chunked prefill),
-# then `vllm serve --kv-cache-dtype nvfp4_mixed` + one completion. Logs and JSON go to $OUT.
+# then `vllm serve --kv-cache-dtype nvfp4_mixed --enforce-eager` (graphs are covered by the LLM
+# check; eager keeps the call inside its time limit) + one completion. Logs and JSON go to $OUT.
 #   bash scripts/gpu_integration_check.sh          (needs .gpu-bundle: see ../shared/gpu/README.md)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -22,12 +23,12 @@ export PYTHONPATH="$REPO:$PYTHONPATH"
 python3 -c 'import importlib.metadata as m; print([e.name for e in m.entry_points(group="vllm.general_plugins")])'
 
 cd "$REPO"
-timeout 420 python3 scripts/gpu_integration_check.py --out "$OUT/integration_h200.json" \
+timeout 330 python3 scripts/gpu_integration_check.py --out "$OUT/integration_h200.json" \
   2>&1 | tee "$OUT/llm_check.log" | grep -E "RESULT|Error|Traceback|KV policy|CUDA graph|Using .*backend" | cut -c1-2000
 rc_llm=${PIPESTATUS[0]}
 
-LOG="$OUT/serve.log" HEALTH_TIMEOUT=150 SERVE_ARGS="--kv-cache-dtype nvfp4_mixed" \
-  timeout 200 bash .gpu-bundle/serve_check.sh /tmp/nvfp4-tiny-h128 8123 2>&1 | tee "$OUT/serve_check.txt"
+LOG="$OUT/serve.log" HEALTH_TIMEOUT=120 SERVE_ARGS="--kv-cache-dtype nvfp4_mixed --enforce-eager" \
+  timeout 150 bash .gpu-bundle/serve_check.sh /tmp/nvfp4-tiny-h128 8123 2>&1 | tee "$OUT/serve_check.txt"
 rc_serve=${PIPESTATUS[0]}
 grep -aE "KV policy from|nvfp4_mixed" "$OUT/serve.log" | head -3 | cut -c1-200
 echo "llm_check rc=$rc_llm serve_check rc=$rc_serve"
