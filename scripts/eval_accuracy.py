@@ -167,6 +167,14 @@ def run_engine(cfg: KVConfig, job: EngineJob, out: Path, fresh: bool) -> dict[st
     return result
 
 
+def kv_bytes(expected: int, engine: dict[str, Any], kv_space: int) -> dict[str, Any]:
+    """KV bytes per token from the engine's capacity (space / (blocks x block size)) vs arithmetic."""
+    cap = engine["num_blocks"] * engine["block_size"]
+    return {"expected": expected, "measured": kv_space / cap, "measured_over_expected": round(kv_space / cap / expected, 6),
+            "num_blocks": engine["num_blocks"], "block_size": engine["block_size"], "capacity_tokens": cap,
+            "kv_space_bytes": kv_space}
+
+
 def run_gsm8k(cfg: KVConfig, args: argparse.Namespace, env: dict[str, str], out: Path) -> dict[str, Any]:
     """One lm-eval run (or its cached results) for ``cfg``."""
     n = args.gsm8k_n_nvfp4 if cfg.kv_cache_dtype == OURS else args.gsm8k_n
@@ -235,49 +243,51 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      "passkey_context": args.passkey_context, "passkey_depths": depths, "gsm8k_n": args.gsm8k_n,
                      "gsm8k_n_nvfp4": args.gsm8k_n_nvfp4,
                      "engine_kwargs": engine_kwargs, "kv_cache_space_bytes": kv_space,
-                     "policy": str(args.policy) if args.policy else None, "budget": args.budget},
+                     "policy": str(args.policy) if args.policy else None,
+                     "policy_sha256": hashlib.sha256(args.policy.read_bytes()).hexdigest() if args.policy else None,
+                     "budget": args.budget},
         "configs": {},
     }
     scores: dict[str, list[WindowScores]] = {}
     failures: list[str] = []
-    for cfg in configs:
+    envs: dict[str, dict[str, str]] = {}
+    for cfg in configs:  # phase 1: one engine per configuration (NLL windows, passkey, capacity)
         policy_path = cfg.write_policy(out / "policies")
-        env = {"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"], **cfg.env(policy_path)}
-        r: dict[str, Any] = {**cfg.summary(shape), "policy_file": str(policy_path) if policy_path else None}
+        envs[cfg.name] = {"VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"], **cfg.env(policy_path)}
+        r: dict[str, Any] = {**cfg.summary(shape), "policy_file": str(policy_path) if policy_path else None,
+                             "kv_bytes": {"expected": cfg.expected_bytes_per_token(shape)}}
         results["configs"][cfg.name] = r
-        job = EngineJob(model=str(args.model.resolve()), kv_cache_dtype=cfg.kv_cache_dtype, env=env,
+        if not (windows or trials):
+            continue
+        job = EngineJob(model=str(args.model.resolve()), kv_cache_dtype=cfg.kv_cache_dtype, env=envs[cfg.name],
                         engine_kwargs=engine_kwargs, nll_windows=windows, repeat_nll=cfg.name == "auto",
                         passkey_prompts=[t.token_ids for t in trials])
-        if windows or trials:
-            try:
-                er = run_engine(cfg, job, out, args.fresh)
-            except EngineFailed as e:
-                log(f"{cfg.name}: FAILED: {e}")
-                r["error"] = str(e)
-                failures.append(cfg.name)
-                continue
-            cap = er["num_blocks"] * er["block_size"]
-            r["kv_bytes"] = {"expected": cfg.expected_bytes_per_token(shape), "measured": kv_space / cap,
-                             "num_blocks": er["num_blocks"], "block_size": er["block_size"], "capacity_tokens": cap,
-                             "kv_space_bytes": kv_space}
-            r["kv_bytes"]["measured_over_expected"] = round(r["kv_bytes"]["measured"] / r["kv_bytes"]["expected"], 6)
-            r["engine_seconds"] = {k: er.get(k) for k in ("engine_start_s", "nll_s", "passkey_s")}
-            if "nll" in er:
-                scores[cfg.name] = [WindowScores.from_dict(w) for w in er["nll"]]
-                if "nll_repeat" in er:
-                    scores["auto_repeat"] = [WindowScores.from_dict(w) for w in er["nll_repeat"]]
-            if trials:
-                r["passkey"] = passkey.score(trials, [WindowScores.from_dict(w) for w in er["passkey"]])
-                log(f"{cfg.name}: passkey {r['passkey']['correct']}/{len(trials)}")
-        else:
-            r["kv_bytes"] = {"expected": cfg.expected_bytes_per_token(shape)}
-        if (args.gsm8k_n_nvfp4 if cfg.kv_cache_dtype == OURS else args.gsm8k_n):
-            try:
-                r["gsm8k"] = run_gsm8k(cfg, args, env, out)
-            except (RuntimeError, FileNotFoundError, KeyError) as e:
-                log(f"{cfg.name}: GSM8K FAILED: {e}")
-                r["gsm8k_error"] = str(e)
-                failures.append(f"{cfg.name}/gsm8k")
+        try:
+            er = run_engine(cfg, job, out, args.fresh)
+        except EngineFailed as e:
+            log(f"{cfg.name}: FAILED: {e}")
+            r["error"] = str(e)
+            failures.append(cfg.name)
+            continue
+        r["kv_bytes"] = kv_bytes(cfg.expected_bytes_per_token(shape), er, kv_space)
+        r["engine_seconds"] = {k: er.get(k) for k in ("engine_start_s", "nll_s", "passkey_s")}
+        if "nll" in er:
+            scores[cfg.name] = [WindowScores.from_dict(w) for w in er["nll"]]
+            if "nll_repeat" in er:
+                scores["auto_repeat"] = [WindowScores.from_dict(w) for w in er["nll_repeat"]]
+        if trials:
+            r["passkey"] = passkey.score(trials, [WindowScores.from_dict(w) for w in er["passkey"]])
+            log(f"{cfg.name}: passkey {r['passkey']['correct']}/{len(trials)}")
+    for cfg in configs:  # phase 2: GSM8K through the lm_eval command line
+        if not (args.gsm8k_n_nvfp4 if cfg.kv_cache_dtype == OURS else args.gsm8k_n):
+            continue
+        r = results["configs"][cfg.name]
+        try:
+            r["gsm8k"] = run_gsm8k(cfg, args, envs[cfg.name], out)
+        except (RuntimeError, FileNotFoundError, KeyError) as e:
+            log(f"{cfg.name}: GSM8K FAILED: {e}")
+            r["gsm8k_error"] = str(e)
+            failures.append(f"{cfg.name}/gsm8k")
 
     # ---- paired comparisons
     if "auto" in scores:
