@@ -69,8 +69,8 @@ def plot_damage_vs_bytes(report: dict[str, Any], selections: list[dict[str, Any]
         if metric == rank_by:  # the additive prediction is only smooth for the ranking metric
             xs, ys = zip(*predicted_curve(report, metric, rank_by))
             ax.plot(xs, ys, color="grey", lw=1, ls="--", label="selected, predicted (additive)")
-        ax.scatter([1.0], [cfg["all_fp8"][metric]], marker="s", color="black", label="all-FP8", zorder=3)
-        ax.scatter([0.5625], [cfg["all_nvfp4"][metric]], marker="X", color="tab:red", s=70, label="all-NVFP4", zorder=3)
+        ax.scatter([1.0], [cfg["all_fp8"][metric]], marker="s", color="black", label="all-FP8 (analysis windows)", zorder=3)
+        ax.scatter([0.5625], [cfg["all_nvfp4"][metric]], marker="X", color="tab:red", s=70, label="all-NVFP4 (analysis windows)", zorder=3)
         for n, sel in enumerate(selections):
             if "measured" not in sel["selected"]:
                 continue
