@@ -225,10 +225,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     depths = [PASSKEY_DEPTHS[i] if args.passkey_trials == len(PASSKEY_DEPTHS)
               else round(0.1 + 0.8 * i / max(args.passkey_trials - 1, 1), 3) for i in range(args.passkey_trials)]
     trials = passkey.build_trials(tokenizer, args.passkey_context, depths) if depths else []
-    max_len = max([args.window_tokens if windows else 0, args.passkey_context if trials else 0, 256])
-    if max_len > shape.max_positions:
-        print(f"eval_accuracy: error: {max_len} tokens exceed the model's {shape.max_positions} positions", file=sys.stderr)
+    longest = max([args.window_tokens if windows else 0, args.passkey_context if trials else 0, 240])
+    if longest >= shape.max_positions:  # vLLM needs room for one output token after the prompt
+        print(f"eval_accuracy: error: prompts of {longest} tokens need more than the model's "
+              f"{shape.max_positions} positions (use at most {shape.max_positions - 1})", file=sys.stderr)
         return 2
+    max_len = min(longest + 16, shape.max_positions)
     engine_kwargs = dict(dtype="bfloat16", max_model_len=max_len, enforce_eager=True, enable_prefix_caching=False,
                          seed=0, max_num_seqs=args.max_num_seqs, distributed_executor_backend="uni")
     kv_space = int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) << 30
