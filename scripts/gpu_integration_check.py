@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """End-to-end check of ``kv_cache_dtype="nvfp4_mixed"`` on a CUDA GPU (the H200) with real vLLM.
 
-One tiny random bf16 Llama (8 layers, 8/2 heads, head_dim 128) with a calibrated mixed policy.
+One tiny random fp16 Llama (8 layers, 8/2 heads, head_dim 128, q/k gain 0.5) with a calibrated
+mixed policy. fp16 and the mild q/k gain keep the random model from amplifying rounding noise
+(with bf16 and gain 2 a 0.4% difference flips NVFP4 roundings and whole outputs diverge, which
+would make every comparison below meaningless).
 Engine A runs as users run it: CUDA graphs on (default compilation), prefix caching on, chunked
 prefill (``max_num_batched_tokens=512``), an explicit 2 GiB KV cache. Engine B is the plain
 baseline: eager, no prefix caching, no chunking. Checks:
@@ -10,10 +13,13 @@ baseline: eager, no prefix caching, no chunking. Checks:
 * KV capacity == 2 GiB // (block_size * policy.kv_bytes_per_token) blocks;
 * greedy decoding is deterministic (CUDA-graph replays) and a prefix-cache hit gives the same
   tokens as the cold request;
-* long prompts (chunked in A) and all greedy outputs agree with engine B (exact-match rate and
-  first divergence reported: bf16 GEMMs of different batch shapes may flip a near-tie);
-* prompt log-probs agree with transformers + K/V fake-quantized per layer (same policy) far better
-  than with the unquantized model;
+* prompt log-probs (short prompts and a long one that A prefills in chunks) are nearer to
+  transformers + K/V fake-quantized per layer with the same policy than to the unquantized model
+  or an all-FP8 policy (by ``TOL_RATIO``);
+* the log-probs of the tokens A generated (decode under full CUDA graphs) agree with engine B's
+  eager prefill of the same sequences (teacher-forced, so no divergence cascade);
+* greedy outputs of A vs B are reported (exact-match rate, first divergence), not checked:
+  GEMMs of different batch shapes may flip a near-tie;
 * decode throughput of 64 sequences (informative).
 
 Writes ``--out`` JSON and prints ``RESULT {...}``; exit 0 when every hard check passed.
@@ -37,6 +43,9 @@ import torch
 POLICY = "0:fp8,1:k=fp8,v=nvfp4,2-6:nvfp4,7:fp8"
 KV_BYTES = 2 << 30
 DEVICE = "cuda"
+#: measured on CPU (fp16, this model): error vs the matched reference ~0.5x the distance to the
+#: unquantized one; rounding flips amplified by the random model set that floor, not the kernels
+TOL_RATIO = 0.75
 
 
 def calibrated_policy(model_dir: Path) -> dict:
@@ -48,7 +57,7 @@ def calibrated_policy(model_dir: Path) -> dict:
     from vllm_nvfp4.policy import KVPolicy
 
     policy = KVPolicy.from_compact(POLICY, 8, source="gpu_integration_check")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEVICE).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float16).to(DEVICE).eval()
     observer = KVObserver(8)
     ids = torch.randint(5, 4096, (1, 512), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     with kv_cache_quantization(model, None, observer), torch.no_grad():
@@ -73,7 +82,7 @@ def reference_logprobs(model_dir: Path, prompts: list[list[int]], policy: Any) -
 
     from vllm_nvfp4.calibration.kv_hooks import kv_cache_quantization
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEVICE).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float16).to(DEVICE).eval()
     values = []
     for p in prompts:
         ids = torch.tensor([p], device=DEVICE)
@@ -119,7 +128,7 @@ def main() -> int:
     a = ap.parse_args()
     global DEVICE
     DEVICE = a.device
-    q = 4 if a.quick else 1  # shrink factor
+    q = 2 if a.quick else 1  # shrink factor
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # collective_rpc with functions
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu",
                            "policy": POLICY}
@@ -132,8 +141,8 @@ def main() -> int:
     from vllm_nvfp4.policy import KVPolicy
     from vllm_nvfp4.tiny_model import build_tiny_llama
 
-    model_dir = build_tiny_llama(a.model_dir, num_layers=8, hidden=512, heads=8, kv_heads=2,
-                                 head_dim=128, dtype="bfloat16", max_pos=8192)
+    model_dir = build_tiny_llama(a.model_dir, num_layers=8, hidden=512 // q, heads=8, kv_heads=2,
+                                 head_dim=128 // q, dtype="float16", max_pos=8192, qk_gain=0.5)
     policy_dict = calibrated_policy(model_dir)
     (model_dir / "nvfp4_policy.json").write_text(json.dumps(policy_dict, indent=1))
     policy = KVPolicy.from_dict(policy_dict)
@@ -147,7 +156,7 @@ def main() -> int:
     t = time.time()
     llm = LLM(model=str(model_dir), kv_cache_dtype="nvfp4_mixed", max_model_len=8192,
               enable_prefix_caching=True, max_num_batched_tokens=512, max_num_seqs=64,
-              kv_cache_memory_bytes=KV_BYTES, gpu_memory_utilization=0.5, seed=0)
+              kv_cache_memory_bytes=KV_BYTES, gpu_memory_utilization=0.5, seed=0, dtype="float16")
     res["engine_a_start_s"] = round(time.time() - t, 1)
     cfg = llm.llm_engine.vllm_config
     tok = llm.get_tokenizer()
@@ -167,10 +176,10 @@ def main() -> int:
     checks["our_impl_everywhere"] = report["impls"] == ["Nvfp4MixedImpl"]
     checks["one_kv_group"] = len(report["groups"]) == 1
     block = cfg.cache_config.block_size
-    per_token = policy.kv_bytes_per_token(num_kv_heads=2, head_dim=128)
+    per_token = policy.kv_bytes_per_token(num_kv_heads=2, head_dim=128 // q)
     res["kv"] = {"block_size": block, "num_blocks": cfg.cache_config.num_gpu_blocks,
                  "bytes_per_token": per_token, "expected_blocks": KV_BYTES // (block * per_token),
-                 "fp8_bytes_per_token": 2 * 8 * 2 * 128}
+                 "fp8_bytes_per_token": 2 * 8 * 2 * 128 // q}
     checks["kv_capacity_exact"] = res["kv"]["num_blocks"] == res["kv"]["expected_blocks"]
 
     a_short = gen(llm, short, 64)
@@ -185,11 +194,17 @@ def main() -> int:
                                         and list(warm_out.outputs[0].token_ids) == cold[0])
     llm.reset_prefix_cache()
     a_long = gen(llm, long, 32)
-    lp_prompts = short[:8]
+    lp_prompts = short[:8] + [long[0][:1000 // q]]  # the long one is prefilled in 512-token chunks
     outs = llm.generate([{"prompt_token_ids": p} for p in lp_prompts],
                         SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     got = torch.tensor([o.prompt_logprobs[i][t].logprob for o, p in zip(outs, lp_prompts)
                         for i, t in enumerate(p) if i > 0])
+    decoded = llm.generate([{"prompt_token_ids": p} for p in short[:8]],
+                           SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0),
+                           use_tqdm=False)
+    graph_seqs = [(p, list(o.outputs[0].token_ids)) for p, o in zip(short[:8], decoded)]
+    graph_lps = torch.tensor([lp[t].logprob for o in decoded
+                              for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
     many = [text_ids[50 * i:50 * i + 64] for i in range(64 // q)]
     t = time.time()
     n_out = sum(len(x) for x in gen(llm, many, 256 // q))
@@ -198,26 +213,33 @@ def main() -> int:
     del llm
     gc.collect()
 
-    ref = reference_logprobs(model_dir, lp_prompts, policy)
-    plain = reference_logprobs(model_dir, lp_prompts, None)
-    err, gap = (got - ref).abs(), (got - plain).abs()
+    err = (got - reference_logprobs(model_dir, lp_prompts, policy)).abs()
+    gaps = {name: float((got - reference_logprobs(model_dir, lp_prompts, other)).abs().mean())
+            for name, other in (("unquantized", None), ("all_fp8", KVPolicy.from_compact("*:fp8", 8)))}
     res["logprobs"] = {"n": len(got), "err_mean": float(err.mean()), "err_median": float(err.median()),
-                       "err_max": float(err.max()), "gap_to_unquantized_mean": float(gap.mean())}
-    checks["logprobs_match_reference"] = float(err.mean()) < 0.1 * float(gap.mean())
+                       "err_max": float(err.max()), "gap_mean": gaps}
+    # Identifies the policy in force: clearly nearer its own reference than any other policy's.
+    checks["logprobs_match_reference"] = float(err.mean()) < TOL_RATIO * min(gaps.values())
     save()
 
     t = time.time()
     llm = LLM(model=str(model_dir), kv_cache_dtype="nvfp4_mixed", max_model_len=8192,
               enable_prefix_caching=False, max_num_batched_tokens=8192, max_num_seqs=64,
-              enforce_eager=True, kv_cache_memory_bytes=KV_BYTES, gpu_memory_utilization=0.5, seed=0)
+              enforce_eager=True, kv_cache_memory_bytes=KV_BYTES, gpu_memory_utilization=0.5, seed=0,
+              dtype="float16")
     res["engine_b_start_s"] = round(time.time() - t, 1)
+    rescored = llm.generate([{"prompt_token_ids": p + c} for p, c in graph_seqs],
+                            SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    eager_lps = torch.tensor([o.prompt_logprobs[len(p) + j][t].logprob
+                              for o, (p, c) in zip(rescored, graph_seqs) for j, t in enumerate(c)])
+    diff = (graph_lps - eager_lps).abs()
+    res["graph_decode_vs_eager_prefill"] = {"n": len(diff), "mean": float(diff.mean()),
+                                            "max": float(diff.max())}
+    checks["graph_decode_matches_eager"] = float(diff.mean()) < TOL_RATIO * min(gaps.values())
     res["graphs_vs_eager_short"] = agreement(a_short, gen(llm, short, 64))
     res["chunked_vs_unchunked_long"] = agreement(a_long, gen(llm, long, 32))
     del llm
     gc.collect()
-    checks["outputs_mostly_agree_with_eager"] = (
-        res["graphs_vs_eager_short"]["exact"] >= 0.75 * len(short)
-        and res["chunked_vs_unchunked_long"]["exact"] >= 1)
     res["ok"] = all(checks.values())
     res["total_s"] = round(time.time() - t0, 1)
     save()
