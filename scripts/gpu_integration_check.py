@@ -182,7 +182,11 @@ def main() -> int:
                  "fp8_bytes_per_token": 2 * 8 * 2 * 128 // q}
     checks["kv_capacity_exact"] = res["kv"]["num_blocks"] == res["kv"]["expected_blocks"]
 
+    # Both runs from a cold prefix cache: a run with cache hits prefills fewer tokens, i.e. other
+    # GEMM shapes and fp16 roundings, which this random model amplifies (seen on the H200).
+    llm.reset_prefix_cache()
     a_short = gen(llm, short, 64)
+    llm.reset_prefix_cache()
     checks["deterministic"] = gen(llm, short, 64) == a_short
     llm.reset_prefix_cache()
     cold = gen(llm, [prefix[1]], 32)
