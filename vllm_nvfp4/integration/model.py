@@ -141,11 +141,10 @@ def check_engine_config(vllm_config: Any) -> KVPolicy:
             "choice comes from the policy (see $VLLM_NVFP4_POLICY / nvfp4_policy.json)"
         )
     backend = vllm_config.attention_config.backend
-    if backend is not None and backend.name != "CUSTOM":
-        raise Nvfp4MixedConfigError(
-            f"--attention-backend {backend.name} cannot serve kv_cache_dtype={CACHE_DTYPE}; "
-            "leave the backend unset (the nvfp4_mixed backend is chosen automatically)"
-        )
+    if backend is not None and backend.name != "CUSTOM":  # early here; per layer in selection
+        from vllm_nvfp4.integration.selection import other_backend_error
+
+        raise other_backend_error(backend.name)
     shape = ModelShape.of(vllm_config)
     if shape.head_dim % NVFP4_BLOCK_SIZE:
         raise Nvfp4MixedConfigError(

@@ -25,6 +25,14 @@ def register_custom_backend() -> None:
         register_backend(custom, BACKEND_PATH)
 
 
+def other_backend_error(name: str) -> ValueError:
+    """The error for an explicitly requested attention backend that is not ours."""
+    return ValueError(
+        f"attention backend {name} cannot serve kv_cache_dtype={CACHE_DTYPE}; leave "
+        "--attention-backend unset (the nvfp4_mixed backend is chosen automatically)"
+    )
+
+
 def select_backend(selected_backend: Optional[Any], selector_config: Any) -> Optional[str]:
     """Our backend's class path for an ``nvfp4_mixed`` layer; None for any other dtype.
 
@@ -42,10 +50,7 @@ def select_backend(selected_backend: Optional[Any], selector_config: Any) -> Opt
         name = getattr(selected_backend, "name", str(selected_backend))
         path = selected_backend.get_path() if name == "CUSTOM" else None
         if path != BACKEND_PATH:
-            raise ValueError(
-                f"attention backend {name} cannot serve kv_cache_dtype={CACHE_DTYPE}; "
-                "leave --attention-backend unset (the nvfp4_mixed backend is chosen automatically)"
-            )
+            raise other_backend_error(name)
     from vllm_nvfp4.integration.backend import Nvfp4MixedBackend
 
     reasons = Nvfp4MixedBackend.check_layer(selector_config)
