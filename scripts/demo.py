@@ -6,8 +6,8 @@ usage: python scripts/demo.py [--model DIR] [--kv-cache-dtype nvfp4_mixed] [--ma
 
 Without ``--model`` it builds (once, cached under ~/.cache/vllm-nvfp4) a tiny random-weight Llama
 with a real BPE tokenizer: the text is meaningless, but the whole serving path is real.
-If vLLM does not accept the requested KV-cache dtype yet (the ``nvfp4_mixed`` plugin has not
-registered it), the demo says so and falls back to ``auto``.
+If vLLM does not accept the requested KV-cache dtype (the plugin is not installed, or
+``VLLM_PLUGINS`` leaves it out), the demo stops with exit status 2 and says what to check.
 Prints the completions and a last line ``DEMO OK {json}``.
 """
 
@@ -79,9 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     kv = a.kv_cache_dtype
     ok, why = dtype_accepted(kv)
     if not ok:
-        print(f"[demo] NOTE: vLLM does not accept kv_cache_dtype={kv!r} yet ({why}); "
-              f"falling back to 'auto'", flush=True)
-        kv = "auto"
+        print(f"[demo] ERROR: vLLM does not accept kv_cache_dtype={kv!r} ({why}). For "
+              "nvfp4_mixed, is vllm-nvfp4 installed (pip install -e .) and, if VLLM_PLUGINS is "
+              "set, does it name nvfp4_mixed?", file=sys.stderr, flush=True)
+        return 2
     cuda = _cuda()
     eager = (not cuda) if a.eager is None else a.eager
     t1 = time.time()
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         n_tok += len(o.outputs[0].token_ids)
         print(f"--- prompt: {o.prompt!r}\n+++ output: {o.outputs[0].text!r}", flush=True)
     ok = all(len(o.outputs[0].token_ids) == a.max_tokens for o in outs)
-    summary = dict(model=model, kv_cache_dtype=kv, requested_kv_cache_dtype=a.kv_cache_dtype,
+    summary = dict(model=model, kv_cache_dtype=kv,
                    device="cuda" if cuda else "cpu", enforce_eager=eager,
                    import_s=round(t1 - t0, 1), engine_start_s=round(t_start, 1),
                    generate_s=round(t_gen, 2), output_tokens=n_tok)

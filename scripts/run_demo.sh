@@ -5,8 +5,7 @@
 #                                  --max-tokens N --prompt TEXT ...]
 #
 # Without --model it builds a tiny random-weight Llama (+ BPE tokenizer trained on the Python
-# stdlib) cached under ~/.cache/vllm-nvfp4. The KV-cache dtype defaults to nvfp4_mixed and falls
-# back to auto with a note while vLLM does not accept it.
+# stdlib) cached under ~/.cache/vllm-nvfp4. The KV-cache dtype defaults to nvfp4_mixed.
 # Environment: VENV (default .venv), VLLM_CPU_KVCACHE_SPACE (GiB, default 2), see install.sh.
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
