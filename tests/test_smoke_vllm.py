@@ -114,11 +114,13 @@ def test_vllm_distribution_metadata_matches_the_code():
 
 
 def test_demo_script_multiprocess(tiny_model_dir):
-    """scripts/demo.py in a fresh process with vLLM's default multiprocessing engine."""
+    """scripts/demo.py (the README's main job) in a fresh process with vLLM's default
+    multiprocessing engine and the default kv_cache_dtype, nvfp4_mixed."""
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "demo.py"), "--model", str(tiny_model_dir),
-         "--kv-cache-dtype", "auto", "--max-tokens", "8"],
+         "--max-tokens", "8"],
         env=vllm_subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "DEMO OK" in proc.stdout, proc.stdout[-2000:]
+    assert '"kv_cache_dtype": "nvfp4_mixed"' in proc.stdout, proc.stdout[-2000:]
 
