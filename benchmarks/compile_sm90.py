@@ -1,13 +1,20 @@
 """Compile the attention kernels for sm_90 WITHOUT a GPU (Triton's bundled ptxas) and report
 registers, spills, shared memory and instruction counts of the decode loop; optional SASS dump.
 
-    python3 benchmarks/compile_sm90.py [--sass DIR]
+    python3 benchmarks/compile_sm90.py [--sass DIR] [--configs FMT:TILE:PREFETCH[:VARIANT[:WARPS]]]
+                                       [--module OLD_attention.py]
+
+Use the H200's Triton (3.6) - its layouts differ from newer ones (see benchmarks/README.md):
+    pip download --no-deps triton==3.6.0 -d /tmp/w && python3 -m zipfile -e /tmp/w/triton-*.whl /tmp/t36
+    chmod +x /tmp/t36/triton/backends/nvidia/bin/*
+    PYTHONPATH=/tmp/t36 TRITON_CACHE_DIR=/tmp/tc36 python3 benchmarks/compile_sm90.py ...
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import os
 import re
 import subprocess
@@ -26,7 +33,8 @@ from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def decode_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, prefetch: bool = True):
+def decode_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, prefetch: bool = True,
+               variant: str = "rows"):
     sig = {n: "*bf16" for n in ("query_ptr", "out_ptr")}
     sig.update(cache_ptr="*u8", k_scale_ptr="*fp32", v_scale_ptr="*fp32", block_table_ptr="*i32",
                seq_lens_ptr="*i32", qsl_ptr="*i32", part_o_ptr="*fp32", part_ml_ptr="*fp32")
@@ -36,14 +44,16 @@ def decode_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, prefetch
     const = dict(
         K_FMT=format_code(lay.k_format), V_FMT=format_code(lay.v_format),
         K_DATA=lay.k_data_offset, K_SCALE=lay.k_scale_offset, V_DATA=lay.v_data_offset,
-        V_SCALE=lay.v_scale_offset, HQ=g * lay.num_kv_heads, G=g, BG=16, D=lay.head_dim,
+        V_SCALE=lay.v_scale_offset, HQ=g * lay.num_kv_heads, G=g,
+        BG=16 if variant == "rows" else max(8, g), D=lay.head_dim,
         BLOCK=lay.block_size, TILE_N=tile_n, NUM_SPLITS=splits, USE_WINDOW=False,
         USE_SOFTCAP=False, F32=False, PREFETCH=prefetch)
     for k, v in const.items():
         sig[k] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
              if n.endswith("_ptr") or n in ("stride_qt", "stride_blk")}
-    return ASTSource(fn=A._decode_kernel, signature=sig, constexprs={(list(sig).index(k),): v
+    fn = A._decode_kernel if variant == "rows" else A._decode_keys_kernel
+    return ASTSource(fn=fn, signature=sig, constexprs={(list(sig).index(k),): v
                                                                      for k, v in const.items()},
                      attrs=attrs)
 
@@ -67,13 +77,34 @@ def loop_body(sass: str) -> collections.Counter:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sass", help="write SASS files into this folder")
+    ap.add_argument("--sass", help="write SASS (and TTGIR) files into this folder")
+    ap.add_argument("--module", help="compile this attention.py instead (e.g. an old commit's)")
+    ap.add_argument("--stages", type=int, default=3, help="num_stages")
+    ap.add_argument("--maxnreg", type=int, help="register cap per thread")
+    ap.add_argument("--configs", nargs="*",
+                    help="FMT:TILE:PREFETCH[:VARIANT[:WARPS]] (variant rows|keys; default: the "
+                         "rows kernel, fp8/nvfp4 x tile 32/64 x prefetch 0/1, 4 warps)")
     args = ap.parse_args()
+    global A
+    if args.module:
+        spec = importlib.util.spec_from_file_location("attention_module", args.module)
+        A = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(A)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    for fmt, tile, pf in [(f, t, p) for f in ("fp8", "nvfp4") for t in (32, 64) for p in (0, 1)]:
+    configs = [(f, t, p, "rows", 4) for f in ("fp8", "nvfp4") for t in (32, 64) for p in (0, 1)]
+    if args.configs:
+        configs = []
+        for c in args.configs:
+            parts = c.split(":")
+            configs.append((parts[0], int(parts[1]), int(parts[2]),
+                            parts[3] if len(parts) > 3 else "rows",
+                            int(parts[4]) if len(parts) > 4 else 4))
+    for fmt, tile, pf, variant, warps in configs:
         lay = KVPageLayout(8, 128, 16, fmt, fmt)
-        k = triton.compile(decode_src(lay, tile, 1, prefetch=bool(pf)), target=TARGET,
-                           options={"num_warps": 4, "num_stages": 3})
+        k = triton.compile(decode_src(lay, tile, 1, prefetch=bool(pf), variant=variant),
+                           target=TARGET,
+                           options=dict(num_warps=warps, num_stages=args.stages,
+                                        **({"maxnreg": args.maxnreg} if args.maxnreg else {})))
         with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
             f.write(k.asm["cubin"])
         sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
@@ -82,14 +113,22 @@ def main() -> None:
         os.unlink(f.name)
         regs = re.search(r"REG:(\d+)", res)
         body = loop_body(sass)
-        top = ", ".join(f"{o}:{c}" for o, c in body.most_common(10))
-        print(f"{fmt:6} tile {tile:3} prefetch {pf}: regs {regs.group(1) if regs else '?'} "
-              f"smem {k.metadata.shared} loop {sum(body.values())} instr/warp "
-              f"({sum(body.values()) * 4 / tile:.1f} per token-head)  {top}")
+        top = ", ".join(f"{o}:{c}" for o, c in body.most_common(12))
+        smem_ops = sum(c for o, c in body.items() if o.startswith(("STS", "LDS", "LDSM", "BAR")))
+        spills = sum(c for o, c in body.items() if o.startswith(("STL", "LDL")))
+        print(f"triton {triton.__version__} {fmt:6} {variant:4} tile {tile:3} prefetch {pf} "
+              f"warps {warps} stages {args.stages}: "
+              f"regs {regs.group(1) if regs else '?'} smem {k.metadata.shared} "
+              f"loop {sum(body.values())} instr/warp "
+              f"({sum(body.values()) * warps / tile:.1f} per token-head; STS/LDS/LDSM/BAR "
+              f"{smem_ops}, spill {spills})  {top}")
         if args.sass:
             os.makedirs(args.sass, exist_ok=True)
-            with open(os.path.join(args.sass, f"decode_{fmt}_t{tile}_p{pf}.sass"), "w") as out:
+            name = f"decode_{fmt}_{variant}_t{tile}_p{pf}_w{warps}"
+            with open(os.path.join(args.sass, name + ".sass"), "w") as out:
                 out.write(sass)
+            with open(os.path.join(args.sass, name + ".ttgir"), "w") as out:
+                out.write(k.asm["ttgir"])
 
 
 if __name__ == "__main__":

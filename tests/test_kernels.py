@@ -132,10 +132,18 @@ def test_attention_matches_float64(kf, vf, kind, hkv, group, d, b):
                                    atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("splits,prefetch", [(1, True), (2, False), (8, True)])
-@pytest.mark.parametrize("kf,vf", [("nvfp4", "nvfp4"), ("fp8", "nvfp4"), ("fp8", "fp8")])
-def test_decode_variants_agree(splits, prefetch, kf, vf):
-    """Split counts and register prefetch on/off give the same attention."""
+@pytest.mark.parametrize("splits,prefetch,variant,stages", [
+    (1, True, "rows", None), (2, False, "rows", None), (8, True, "rows", None),
+    (2, False, "rows", 1), (2, True, "keys", None), (1, False, "keys", 1), (8, False, "keys", 3)])
+@pytest.mark.parametrize("kf,vf", [("nvfp4", "nvfp4"), ("fp8", "nvfp4"), ("nvfp4", "fp8"),
+                                   ("fp8", "fp8")])
+def test_decode_variants_agree(splits, prefetch, variant, stages, kf, vf):
+    """Split counts, register prefetch on/off, pipeline stages and the two decode kernels (query
+    heads or keys on the MMA rows; the latter NVFP4 K only) give the same attention."""
+    if variant == "keys" and kf != "nvfp4":
+        pytest.skip("the keys-on-rows decode needs an NVFP4 K plane")
+    if not CUDA and (kf, vf) == ("nvfp4", "fp8") and variant == "rows":
+        pytest.skip("interpreter time: this pair meets the rows kernel in the other tests")
     lay = KVPageLayout(2, 128, 16, kf, vf)
     batch = make_batch(lay, [(100 * SCALE + 7, 1), (3, 1), (64 * SCALE, 1)], 8,
                        device=DEV, seed=splits, write_backend=WRITE)
@@ -143,8 +151,34 @@ def test_decode_variants_agree(splits, prefetch, kf, vf):
     attn_kernels.paged_attention(
         batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
         batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.1, out, num_splits=splits,
-        prefetch=prefetch)
+        prefetch=prefetch, decode_variant=variant, num_stages=stages)
     assert_close_rel(out, fast_reference(batch, 0.1), 2e-3 if CUDA else 1e-5)
+
+
+@pytest.mark.parametrize("group,d,b,window,cap", [(3, 64, 32, 40, 2.0), (1, 256, 16, None, None),
+                                                 (8, 128, 16, 7, None)])
+def test_keys_decode_shapes(group, d, b, window, cap):
+    """The keys-on-rows NVFP4 decode at other GQA groups, head dims, block sizes, window and
+    soft-cap, against float64."""
+    lay = KVPageLayout(2, d, b, "nvfp4", "nvfp4")
+    batch = make_batch(lay, _seq_mix("decode"), 2 * group, device=DEV, seed=group + d,
+                       write_backend=WRITE)
+    out = torch.empty_like(batch.query)
+    attn_kernels.paged_attention(
+        batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+        batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.3, out,
+        sliding_window=window, logits_soft_cap=cap, decode_variant="keys")
+    assert_close_rel(out, fast_reference(batch, 0.3, window, cap), 2e-3 if CUDA else 1e-5)
+
+
+def test_keys_decode_rejects_fp8_k():
+    lay = KVPageLayout(1, 64, 16, "fp8", "nvfp4")
+    batch = make_batch(lay, [(5, 1)], 1, device=DEV, seed=0, write_backend=WRITE)
+    with pytest.raises(ValueError, match="NVFP4 K"):
+        attn_kernels.paged_attention(
+            batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+            batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.1,
+            torch.empty_like(batch.query), decode_variant="keys")
 
 
 @pytest.mark.parametrize("kind", ["decode", "prefill"])

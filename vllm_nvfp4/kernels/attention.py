@@ -25,8 +25,23 @@ Dequantization (no per-element scale folding beyond one fp16 multiply):
 * Raw NVFP4 tiles are double-buffered in registers (``PREFETCH``): Triton's pipeliner does not
   stage loads that feed integer ops, so without it every tile waited on DRAM latency.
 
+* Load order of an NVFP4 tile (``WORD_MAJOR``): scales first, then data words (``[N, D/8]``
+  uint32). Triton 3.6 (the H200's) decodes the tile in the register layout of the LAST of the
+  two loads; the scale plane is token-contiguous, so the other order (data, then scales) runs
+  the whole decode token-major and stores the tile to shared memory with 128 scalar 16-bit
+  stores per warp and tile (``benchmarks/compile_sm90.py`` with Triton 3.6; 3.9 is not
+  affected). Prefill and the keys decode use it; the rows decode keeps the old order, measured
+  faster there for an FP8 K with an NVFP4 V.
+
+``_decode_keys_kernel`` (the default decode when K and V are both NVFP4; opt-in
+``decode_variant="keys"`` for NVFP4 K with FP8 V) puts the keys on the MMA rows:
+``s^T = sum_j K_j q_j^T`` over the 4 nibble planes of K read as 16-bit halves (each plane a unary
+inline asm of the loaded halves times the block scale, so no fp16 K tile goes through shared
+memory; Triton 3.6 still stages the raw halves there), ``BG`` = the GQA group padded to 8
+columns instead of 16 rows, and ``acc^T += V^T p``. Measured 17-20% faster than the rows kernel.
+
 Measured on the H200 and analysed in ``benchmarks/README.md``: this FP8 path beats vLLM's Triton
-backend; the NVFP4 path is still instruction/latency-bound and slower than our FP8.
+backend; the NVFP4 path is still instruction/latency-bound.
 
 All launch parameters derive from host ints (shapes, ``max_query_len``, ``max_seq_len``), never
 from tensor contents, so the decode path is CUDA-graph capturable.
@@ -94,26 +109,52 @@ def nvfp4_col_perm(d):
 
 
 @triton.jit
+def _word_scales(page, off, valid, h, SCALE: tl.constexpr, D: tl.constexpr,
+                 BLOCK: tl.constexpr, N: tl.constexpr):
+    """E4M3 scale byte of each 32-bit word of an NVFP4 tile: ``[N, D/8]`` (word ``w`` lies in the
+    16-chunk ``w // 2``; each scale byte is read for both of its words)."""
+    W: tl.constexpr = D // 8
+    sptr = page[:, None] + SCALE + (h * (D // 16) + tl.arange(0, W)[None, :] // 2) * BLOCK \
+        + off[:, None]
+    return tl.load(sptr, mask=valid[:, None], other=0)
+
+
+@triton.jit
 def _load_raw(
     page, off, valid, h,
     DATA: tl.constexpr, SCALE: tl.constexpr, FMT: tl.constexpr,
-    D: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr, WORD_MAJOR: tl.constexpr = True,
 ):
     """Raw cache bytes of an ``[N, D]`` tile of K or V of KV head ``h``: FP8 ``(uint8 [N, D], 0)``,
-    NVFP4 ``(uint32 words [N, D/16, 2], e4m3 scale bytes [N, D/16])``.
+    NVFP4 ``(uint32 words [N, D/8], e4m3 scale byte of each word's 16-chunk [N, D/8])``, or with
+    ``WORD_MAJOR=False`` the previous form ``(words [N, D/16, 2], scales [N, D/16])`` loaded data
+    first (Triton 3.6 then decodes token-major: slower for NVFP4 K, but measured faster for the
+    rows decode with an FP8 K and NVFP4 V, see benchmarks/README.md).
 
     ``page [N]``: uint8 pointers to each token's cache page; ``off [N]``: token offset in its block;
     ``valid [N]``: rows to load (others read as 0)."""
     if FMT == FMT_FP8:
         ptr = page[:, None] + DATA + (h * BLOCK + off[:, None]) * D + tl.arange(0, D)[None, :]
         return tl.load(ptr, mask=valid[:, None], other=0), 0
-    else:
+    elif not WORD_MAJOR:
         C: tl.constexpr = D // 16
         row = (page + DATA + (h * BLOCK + off) * (D // 2)).to(tl.pointer_type(tl.uint32))
         wi = tl.arange(0, C)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
         w = tl.load(row[:, None, None] + wi, mask=valid[:, None, None], other=0)  # [N, C, 2]
         sptr = page[:, None] + SCALE + (h * C + tl.arange(0, C)[None, :]) * BLOCK + off[:, None]
         return w, tl.load(sptr, mask=valid[:, None], other=0)
+    else:
+        C: tl.constexpr = D // 16
+        W: tl.constexpr = D // 8
+        row = (page + DATA + (h * BLOCK + off) * (D // 2)).to(tl.pointer_type(tl.uint32))
+        wi = tl.arange(0, W)
+        # The scale plane is token-contiguous, the data plane word-contiguous: Triton 3.6 runs
+        # the decode in the layout of the LAST of the two loads, so load the scales first. (The
+        # other way round the whole tile was decoded token-major and stored to shared memory
+        # with 128 scalar STS.U16 per warp and tile; 3.9 picks the word-major layout anyway.)
+        sc = _word_scales(page, off, valid, h, SCALE, D, BLOCK, N)
+        w = tl.load(row[:, None] + wi[None, :], mask=valid[:, None], other=0)  # [N, W]
+        return w, sc
 
 
 @triton.jit
@@ -125,7 +166,9 @@ def _dequant(a, b, FMT: tl.constexpr, D: tl.constexpr, N: tl.constexpr, F32: tl.
         x = a.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     else:
         s = b.to(tl.float8e4nv, bitcast=True)
-        s = (s.to(tl.float16) * 128.0)[:, :, None]  # [N, C, 1]: block scale * 2^7
+        s = s.to(tl.float16) * 128.0  # block scale * 2^7 of each word ([N, D/8] or [N, D/16])
+        if len(a.shape) == 3:  # the [N, D/16, 2] words of WORD_MAJOR=False
+            s = s[:, :, None]
         if F32:  # the interpreter has no inline PTX: the same bit placement in Triton ops
             lo0, hi0 = _halves(_e2m1_pair(a, 0), s)
             lo1, hi1 = _halves(_e2m1_pair(a, 1), s)
@@ -170,7 +213,7 @@ def _attend_tiles(
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, WORD_MAJOR: tl.constexpr = True,
 ):
     """Online-softmax attention of the rows ``q [M, D]`` (positions ``q_pos [M]``) over the keys
     ``[t_begin, t_end)`` of one sequence (``t_begin`` a multiple of ``TILE_N``). Logits in log2
@@ -178,18 +221,23 @@ def _attend_tiles(
     is the cap and ``qk_scale`` excludes log2(e)."""
     toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t_begin, t_end, BLOCK, TILE_N)
     if PREFETCH:  # software pipelining in registers: raw bytes of tile i+1 load during tile i
-        ka, kb = _load_raw(page, off, valid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N)
-        va, vb = _load_raw(page, off, valid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N)
+        ka, kb = _load_raw(page, off, valid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N,
+                            WORD_MAJOR)
+        va, vb = _load_raw(page, off, valid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N,
+                            WORD_MAJOR)
     for t0 in range(t_begin, t_end, TILE_N):
         if PREFETCH:
             ntoks, nvalid, npage, noff = _tile_rows(cache_ptr, stride_blk, bt_row, t0 + TILE_N,
                                                     t_end, BLOCK, TILE_N)
-            nka, nkb = _load_raw(npage, noff, nvalid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N)
-            nva, nvb = _load_raw(npage, noff, nvalid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N)
+            nka, nkb = _load_raw(npage, noff, nvalid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N,
+                            WORD_MAJOR)
+            nva, nvb = _load_raw(npage, noff, nvalid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N,
+                            WORD_MAJOR)
         else:
             toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK,
                                                 TILE_N)
-            ka, kb = _load_raw(page, off, valid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N)
+            ka, kb = _load_raw(page, off, valid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N,
+                            WORD_MAJOR)
         k = _dequant(ka, kb, K_FMT, D, TILE_N, F32)
         if F32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -212,7 +260,8 @@ def _attend_tiles(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if not PREFETCH:
-            va, vb = _load_raw(page, off, valid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N)
+            va, vb = _load_raw(page, off, valid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N,
+                            WORD_MAJOR)
         v = _dequant(va, vb, V_FMT, D, TILE_N, F32)
         if F32:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
@@ -282,7 +331,7 @@ def _decode_kernel(
         q, q_pos, acc, m_i, l_i, cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h,
         t_begin, t_end, qk_scale, softcap, window,
         K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK, TILE_N,
-        False, USE_WINDOW, USE_SOFTCAP, F32, PREFETCH,
+        False, USE_WINDOW, USE_SOFTCAP, F32, PREFETCH, False,
     )
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * vf
     d = _cols(V_FMT, D)
@@ -292,6 +341,190 @@ def _decode_kernel(
     else:
         row = (tok * HQ + qh) * NUM_SPLITS + split  # [BG]
         tl.store(part_o_ptr + row[:, None] * D + d[None, :], o, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _k_halves(page, off, valid, h, K_DATA: tl.constexpr, K_SCALE: tl.constexpr,
+              D: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr):
+    """NVFP4 K tile as ``[N, D/4]`` uint16 (4 elements each) and the e4m3 scale byte of each
+    half's 16-chunk (``[N, D/4]``, each byte read for the 4 halves of its chunk)."""
+    W: tl.constexpr = D // 4
+    row = (page + K_DATA + (h * BLOCK + off) * (D // 2)).to(tl.pointer_type(tl.uint16))
+    i = tl.arange(0, W)
+    # scale load first: Triton 3.6 then keeps the data's (half-major) layout for the decode
+    sptr = page[:, None] + K_SCALE + (h * (D // 16) + i[None, :] // 4) * BLOCK + off[:, None]
+    ks = tl.load(sptr, mask=valid[:, None], other=0)
+    kh = tl.load(row[:, None] + i[None, :], mask=valid[:, None], other=0)
+    return kh, ks
+
+
+# nibble J of each 16-bit half of $1 as fp16 e2m1 * 2^-14 (sign << 15 | code << 9), both halves
+_E2M1_NIB_ASM = (
+    "{ .reg .b32 m, sg; and.b32 m, $1, 0x00070007; and.b32 sg, $1, 0x00080008;"
+    " shl.b32 m, m, 9; shl.b32 sg, sg, 12; or.b32 $0, m, sg; }",
+    "{ .reg .b32 m, sg; and.b32 m, $1, 0x00700070; and.b32 sg, $1, 0x00800080;"
+    " shl.b32 m, m, 5; shl.b32 sg, sg, 8; or.b32 $0, m, sg; }",
+    "{ .reg .b32 m, sg; and.b32 m, $1, 0x07000700; and.b32 sg, $1, 0x08000800;"
+    " shl.b32 m, m, 1; shl.b32 sg, sg, 4; or.b32 $0, m, sg; }",
+    "{ .reg .b32 m, sg; and.b32 m, $1, 0x70007000; and.b32 sg, $1, 0x80008000;"
+    " shr.b32 m, m, 3; or.b32 $0, m, sg; }",
+)
+_NIB_ASM0 = tl.constexpr(_E2M1_NIB_ASM[0])
+_NIB_ASM1 = tl.constexpr(_E2M1_NIB_ASM[1])
+_NIB_ASM2 = tl.constexpr(_E2M1_NIB_ASM[2])
+_NIB_ASM3 = tl.constexpr(_E2M1_NIB_ASM[3])
+
+
+@triton.jit
+def _k_plane(kh, s, J: tl.constexpr, F32: tl.constexpr):
+    """Plane ``J`` of an NVFP4 K tile: ``[N, D/4]`` element ``4i + J`` of each 16-bit half ``i``
+    as ``e2m1 * scale * 2^-7`` (``s`` = block scale * 2^7, fp16). Only a unary pure inline asm
+    and elementwise arithmetic from the loads, so Triton can load straight into the MMA operand
+    layout (no shared-memory round trip)."""
+    if F32:
+        x = kh.to(tl.uint32)
+        if J == 3:
+            x = ((x & 0x7000) >> 3) | (x & 0x8000)
+        else:
+            x = (x & (0x7 << (4 * J))) * (1 << (9 - 4 * J)) + (x & (0x8 << (4 * J))) * (
+                1 << (12 - 4 * J))
+        return x.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * s.to(tl.float32)
+    if J == 0:
+        e = tl.inline_asm_elementwise(_NIB_ASM0, "=r,r", [kh], dtype=tl.float16, is_pure=True,
+                                      pack=2)
+    elif J == 1:
+        e = tl.inline_asm_elementwise(_NIB_ASM1, "=r,r", [kh], dtype=tl.float16, is_pure=True,
+                                      pack=2)
+    elif J == 2:
+        e = tl.inline_asm_elementwise(_NIB_ASM2, "=r,r", [kh], dtype=tl.float16, is_pure=True,
+                                      pack=2)
+    else:
+        e = tl.inline_asm_elementwise(_NIB_ASM3, "=r,r", [kh], dtype=tl.float16, is_pure=True,
+                                      pack=2)
+    return e * s
+
+
+@triton.jit
+def _qt_plane(qb, stride_qh, qh, row_ok, J: tl.constexpr, D: tl.constexpr, F32: tl.constexpr):
+    """``q_J^T [D/4, BG]``: element ``4i + J`` of each query head (the B operand of plane J)."""
+    i = tl.arange(0, D // 4)
+    q = tl.load(qb + qh[None, :] * stride_qh + (4 * i + J)[:, None], mask=row_ok[None, :],
+                other=0.0)
+    return q.to(tl.float32) if F32 else q.to(tl.float16)
+
+
+@triton.jit
+def _dot_f(a, b, acc, F32: tl.constexpr):
+    if F32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _decode_keys_kernel(
+    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr,
+    block_table_ptr, seq_lens_ptr, qsl_ptr,
+    part_o_ptr, part_ml_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_bt,
+    softmax_scale, softcap, window,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+    K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
+    HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """Decode with the KEYS on the MMA M dimension (NVFP4 K only; V any format): scores
+    ``s^T [TILE_N, BG] = sum_j e_j [TILE_N, D/4] . q_j^T [D/4, BG]`` over the 4 nibble planes of
+    the K tile read as 16-bit halves (no join, so the decoded K can stay in registers), output
+    ``acc^T [D, BG] += v^T [D, TILE_N] . p [TILE_N, BG]``; ``BG`` = the GQA group padded (>= 8),
+    not 16 MMA rows. Same grid, splits and partial format as :func:`_decode_kernel`."""
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tok = tl.load(qsl_ptr + seq).to(tl.int64)
+    g = tl.arange(0, BG)
+    row_ok = g < G
+    qh = h * G + g
+    qb = query_ptr + tok * stride_qt
+    q0 = _qt_plane(qb, stride_qh, qh, row_ok, 0, D, F32)
+    q1 = _qt_plane(qb, stride_qh, qh, row_ok, 1, D, F32)
+    q2 = _qt_plane(qb, stride_qh, qh, row_ok, 2, D, F32)
+    q3 = _qt_plane(qb, stride_qh, qh, row_ok, 3, D, F32)
+    kf, vf = _kv_factors(k_scale_ptr, v_scale_ptr, h, K_FMT, V_FMT)
+    qk_scale = softmax_scale * kf
+    if not USE_SOFTCAP:
+        qk_scale = qk_scale * 1.4426950408889634
+
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(seq_len - window, 0) // TILE_N * TILE_N
+    n_tiles = tl.cdiv(seq_len - lo, TILE_N)
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS) * TILE_N
+    t_begin = lo + split * per_split
+    t_end = tl.minimum(t_begin + per_split, seq_len)
+
+    acc = tl.zeros([D, BG], dtype=tl.float32)
+    m_i = tl.full([BG], float("-inf"), tl.float32)
+    l_i = tl.zeros([BG], dtype=tl.float32)
+    bt_row = block_table_ptr + seq * stride_bt
+    toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t_begin, t_end, BLOCK,
+                                        TILE_N)
+    if PREFETCH:
+        kh, ks = _k_halves(page, off, valid, h, K_DATA, K_SCALE, D, BLOCK, TILE_N)
+        va, vb = _load_raw(page, off, valid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N)
+    for t0 in range(t_begin, t_end, TILE_N):
+        if PREFETCH:
+            ntoks, nvalid, npage, noff = _tile_rows(cache_ptr, stride_blk, bt_row, t0 + TILE_N,
+                                                    t_end, BLOCK, TILE_N)
+            nkh, nks = _k_halves(npage, noff, nvalid, h, K_DATA, K_SCALE, D, BLOCK, TILE_N)
+            nva, nvb = _load_raw(npage, noff, nvalid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N)
+        else:
+            toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK,
+                                                TILE_N)
+            kh, ks = _k_halves(page, off, valid, h, K_DATA, K_SCALE, D, BLOCK, TILE_N)
+        ksc = ks.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
+        s = tl.zeros([TILE_N, BG], dtype=tl.float32)
+        s = _dot_f(_k_plane(kh, ksc, 0, F32), q0, s, F32)
+        s = _dot_f(_k_plane(kh, ksc, 1, F32), q1, s, F32)
+        s = _dot_f(_k_plane(kh, ksc, 2, F32), q2, s, F32)
+        s = _dot_f(_k_plane(kh, ksc, 3, F32), q3, s, F32)
+        if USE_SOFTCAP:
+            z = s * (qk_scale / softcap)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        mask = valid[:, None]
+        if USE_WINDOW:
+            mask = mask & (toks[:, None] > seq_len - 1 - window)
+        s = tl.where(mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        if not PREFETCH:
+            va, vb = _load_raw(page, off, valid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N)
+        v = _dequant(va, vb, V_FMT, D, TILE_N, F32)
+        if F32:
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p, input_precision="ieee")
+        else:
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(tl.float16))
+        m_i = m_new
+        if PREFETCH:
+            toks, valid, page, off = ntoks, nvalid, npage, noff
+            kh, ks, va, vb = nkh, nks, nva, nvb
+
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[None, :] * vf  # [D, BG]
+    d = _cols(V_FMT, D)
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + tok * stride_ot + qh[None, :] * stride_oh + d[:, None],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
+    else:
+        row = (tok * HQ + qh) * NUM_SPLITS + split  # [BG]
+        tl.store(part_o_ptr + row[None, :] * D + d[:, None], o, mask=row_ok[None, :])
         tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
 
@@ -436,11 +669,17 @@ def paged_attention(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     prefetch: Optional[bool] = None,
+    decode_variant: Optional[str] = None,
+    maxnreg: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch decode (``max_query_len == 1``) or prefill kernels; arguments as in
     :func:`vllm_nvfp4.ops.paged_attention` (checked there). ``num_splits`` (a power of 2),
     ``tile_n`` (keys per tile), ``num_warps``, ``num_stages``, ``prefetch`` (register double
-    buffering of the raw tiles) override the heuristics (benchmarks)."""
+    buffering of the raw tiles) override the heuristics (benchmarks). ``decode_variant``:
+    ``"rows"`` (query heads on the MMA rows, :func:`_decode_kernel`) or ``"keys"`` (keys on the
+    MMA rows, :func:`_decode_keys_kernel`, NVFP4 K only); default ``"keys"`` when K and V are both
+    NVFP4, else ``"rows"``. ``maxnreg``: register
+    cap per thread for the decode kernel (Triton's ``maxnreg``; benchmarks)."""
     if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
         raise ValueError(f"num_splits must be a power of 2, got {num_splits}")
     num_seqs = seq_lens.shape[0]
@@ -468,11 +707,22 @@ def paged_attention(
                                   device=query.device)
         else:
             part_o = part_ml = out  # unused
-        _decode_kernel[(num_seqs, layout.num_kv_heads, splits)](
+        # keys on the MMA rows for NVFP4 K and V: measured 17-20% faster than the rows kernel at
+        # the issue-3 shapes (benchmarks/README.md); other format pairs keep the rows kernel
+        both_nvfp4 = layout.k_format == "nvfp4" and layout.v_format == "nvfp4"
+        variant = decode_variant or ("keys" if both_nvfp4 else "rows")
+        if variant not in ("rows", "keys"):
+            raise ValueError(f"decode_variant must be 'rows' or 'keys', got {variant!r}")
+        if variant == "keys" and layout.k_format != "nvfp4":
+            raise ValueError("decode_variant 'keys' needs an NVFP4 K plane")
+        kernel, bg = ((_decode_kernel, max(16, g_pad)) if variant == "rows"
+                      else (_decode_keys_kernel, max(8, g_pad)))
+        kernel[(num_seqs, layout.num_kv_heads, splits)](
             query, out, cache, k_scale, v_scale, block_table, seq_lens, query_start_loc,
             part_o, part_ml, *common_args,
-            HQ=hq, G=g, BG=max(16, g_pad), TILE_N=tn, NUM_SPLITS=splits, **meta,
+            HQ=hq, G=g, BG=bg, TILE_N=tn, NUM_SPLITS=splits, **meta,
             num_warps=num_warps or 4, num_stages=num_stages or 3,
+            **({"maxnreg": maxnreg} if maxnreg else {}),
         )
         if splits > 1:
             _reduce_kernel[(num_tokens, hq)](

@@ -1,0 +1,148 @@
+"""Decode kernel variants, ours only: the kernel module BEFORE a change vs the current one.
+
+Times our FP8 / NVFP4 / K-fp8-V-nvfp4 decode at the issue-3 shapes (32 q heads, 8 KV heads,
+head_dim 128, block 16; batch 16/64 x context 4k/32k) with ``triton.testing.do_bench`` (median,
+L2 flushed), the current module's default and a list of NVFP4 variants (decode kernel, prefetch,
+pipeline stages, tile, warps, register cap), each output checked against the BEFORE module's
+default (relative L2 difference). Writes JSON and prints a table last.
+
+    git show <commit>:vllm_nvfp4/kernels/attention.py > /tmp/attention_before.py
+    python3 benchmarks/bench_variants.py --before /tmp/attention_before.py --out $OUT/v.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+import traceback
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
+import bench_decode as bd  # noqa: E402
+from vllm_nvfp4.kernels import attention as new_mod  # noqa: E402
+from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
+
+#: name -> paged_attention overrides (NVFP4 K and V)
+NVFP4_VARIANTS = {
+    "rows": {},
+    "rows_p0_s1": dict(prefetch=False, num_stages=1),
+    "rows_r128": dict(maxnreg=128),
+    "keys": dict(decode_variant="keys"),
+    "keys_r128": dict(decode_variant="keys", maxnreg=128),
+    "keys_p0_s1": dict(decode_variant="keys", prefetch=False, num_stages=1),
+    "keys_p0_s1_r80": dict(decode_variant="keys", prefetch=False, num_stages=1, maxnreg=80),
+    "keys_p0_s1_t128_w8": dict(decode_variant="keys", prefetch=False, num_stages=1, tile_n=128,
+                               num_warps=8),
+}
+FORMATS = {"fp8": ("fp8", "fp8"), "nvfp4": ("nvfp4", "nvfp4"), "k_fp8_v_nvfp4": ("fp8", "nvfp4")}
+
+
+def load_module(path: str):
+    spec = importlib.util.spec_from_file_location("attention_before", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def timed(mod, lay, b, cache, out, smoke=False, **cfg) -> float:
+    ks = torch.full((bd.HKV,), 0.01, device=cache.device)
+    vs = torch.full((bd.HKV,), 0.02, device=cache.device)
+
+    def fn():
+        mod.paged_attention(b.query, cache, lay, ks, vs, b.block_table, b.seq_lens, b.qsl,
+                            b.q_len, b.ctx, bd.SOFTMAX_SCALE, out, **cfg)
+    return bd.timer(fn, smoke)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--before", required=True, help="attention.py of the baseline commit")
+    ap.add_argument("--before-label", default="before")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", nargs="+",
+                    default=["64x32768", "16x32768", "64x4096", "16x4096", "8x4096xP"],
+                    help="BATCHxCONTEXT decode shapes; BATCHxLENxP = prefill of LEN-token prompts")
+    ap.add_argument("--variants", nargs="*", default=list(NVFP4_VARIANTS))
+    ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shape, no timing")
+    args = ap.parse_args()
+    dev = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        args.shapes = ["2x64", "2x32xP"]
+    old_mod = load_module(args.before)
+    gen = torch.Generator().manual_seed(0)
+    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "versions": bd.versions(),
+           "before": args.before_label, "timing": "triton.testing.do_bench median, L2 flushed",
+           "records": []}
+    for shape in args.shapes:
+        prefill = shape.endswith("xP")
+        batch, ctx = map(int, shape.split("x")[:2])
+        b = bd.Batch(batch, ctx, ctx if prefill else 1, dev, gen)
+        for name, (kf, vf) in FORMATS.items():
+            if prefill and name == "k_fp8_v_nvfp4":
+                continue
+            lay = KVPageLayout(bd.HKV, bd.D, bd.BS, kf, vf)
+            cache = bd.our_cache(lay, b, dev, gen)
+            out = torch.empty_like(b.query)
+            nbytes = bd.kv_bytes(b, lay.bytes_per_token // bd.HKV)
+            runs = [("before", old_mod, {}), ("new", new_mod, {})]
+            if name == "nvfp4" and not prefill:
+                runs += [(v, new_mod, NVFP4_VARIANTS[v]) for v in args.variants if v != "rows"]
+            ref = None
+            for label, mod, cfg in runs:
+                rec = {"kv_dtype": name, "batch": batch, "context": ctx, "variant": label,
+                       "q_len": b.q_len,
+                       "config": cfg, "kv_bytes": nbytes}
+                try:
+                    rec["us"] = timed(mod, lay, b, cache, out, args.smoke, **cfg)
+                    rec["tb_s"] = nbytes / rec["us"] / 1e6
+                    o = out.float()
+                    if ref is None:
+                        ref = o.clone()
+                    rec["rel_diff_vs_before"] = float((o - ref).norm() / ref.norm())
+                    rec["finite"] = bool(torch.isfinite(o).all())
+                except Exception:  # noqa: BLE001
+                    rec["error"] = traceback.format_exc()[-600:]
+                res["records"].append(rec)
+                print(json.dumps({k: v for k, v in rec.items() if k != "error"}),
+                      rec.get("error", "")[-300:], flush=True)
+            del cache
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+        del b
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:  # after every shape: a timeout keeps what was measured
+            json.dump(res, f, indent=1)
+    print("\n==== variants (us; rel. diff vs before) ====")
+    print(f"{res['versions']}")
+    print(f"{'kv':<15}{'variant':<22}" + "".join(f"{s:>20}" for s in args.shapes))
+    keys = []
+    for r in res["records"]:
+        if (r["kv_dtype"], r["variant"]) not in keys:
+            keys.append((r["kv_dtype"], r["variant"]))
+    for kv, var in keys:
+        cells = []
+        for s in args.shapes:
+            batch, ctx = map(int, s.split("x")[:2])
+            q_len = ctx if s.endswith("xP") else 1
+            r = next((r for r in res["records"] if r["kv_dtype"] == kv and r["variant"] == var
+                      and r["batch"] == batch and r["context"] == ctx
+                      and r["q_len"] == q_len), None)
+            if r is None or "us" not in r:
+                cells.append(f"{'ERR':>20}")
+            else:
+                cells.append(f"{r['us']:>10.1f} ({r['rel_diff_vs_before']:.0e})")
+        print(f"{kv:<15}{var:<22}" + "".join(cells))
+
+
+if __name__ == "__main__":
+    main()
