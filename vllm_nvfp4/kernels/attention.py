@@ -287,6 +287,20 @@ def _kv_factors(k_scale_ptr, v_scale_ptr, h, K_FMT: tl.constexpr, V_FMT: tl.cons
 
 
 @triton.jit
+def _split_range(seq_len, window, split, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr,
+                 USE_WINDOW: tl.constexpr):
+    """Token range ``[t_begin, t_end)`` of one split-KV program of a decode query at
+    ``seq_len - 1``: whole ``TILE_N`` tiles from the window start, divided over the splits."""
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(seq_len - window, 0) // TILE_N * TILE_N
+    n_tiles = tl.cdiv(seq_len - lo, TILE_N)
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS) * TILE_N
+    t_begin = lo + split * per_split
+    return t_begin, tl.minimum(t_begin + per_split, seq_len)
+
+
+@triton.jit
 def _decode_kernel(
     query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr,
@@ -314,14 +328,7 @@ def _decode_kernel(
     qk_scale = softmax_scale * kf
     if not USE_SOFTCAP:
         qk_scale = qk_scale * 1.4426950408889634
-
-    lo = 0
-    if USE_WINDOW:
-        lo = tl.maximum(seq_len - window, 0) // TILE_N * TILE_N
-    n_tiles = tl.cdiv(seq_len - lo, TILE_N)
-    per_split = tl.cdiv(n_tiles, NUM_SPLITS) * TILE_N
-    t_begin = lo + split * per_split
-    t_end = tl.minimum(t_begin + per_split, seq_len)
+    t_begin, t_end = _split_range(seq_len, window, split, NUM_SPLITS, TILE_N, USE_WINDOW)
 
     acc = tl.zeros([BG, D], dtype=tl.float32)
     m_i = tl.full([BG], float("-inf"), tl.float32)
@@ -457,14 +464,7 @@ def _decode_keys_kernel(
     qk_scale = softmax_scale * kf
     if not USE_SOFTCAP:
         qk_scale = qk_scale * 1.4426950408889634
-
-    lo = 0
-    if USE_WINDOW:
-        lo = tl.maximum(seq_len - window, 0) // TILE_N * TILE_N
-    n_tiles = tl.cdiv(seq_len - lo, TILE_N)
-    per_split = tl.cdiv(n_tiles, NUM_SPLITS) * TILE_N
-    t_begin = lo + split * per_split
-    t_end = tl.minimum(t_begin + per_split, seq_len)
+    t_begin, t_end = _split_range(seq_len, window, split, NUM_SPLITS, TILE_N, USE_WINDOW)
 
     acc = tl.zeros([D, BG], dtype=tl.float32)
     m_i = tl.full([BG], float("-inf"), tl.float32)
