@@ -115,6 +115,28 @@ def test_rank_scales_split_and_replicate_per_head_lists():
     assert rank_scales((1.0, 2.0), "nvfp4", 2, 1, 3, 4) == [2.0]  # 2 KV heads over 4 ranks
 
 
+def test_rebind_after_inference_mode_updates_scales_in_place():
+    """vLLM binds once inside inference mode (CUDA-graph memory sizing), then again outside it."""
+    from types import SimpleNamespace
+
+    from vllm_nvfp4.integration.impl import Nvfp4MixedImpl
+    from vllm_nvfp4.layout import KVPageLayout
+    from vllm_nvfp4.policy import LayerPolicy
+
+    config = SimpleNamespace(model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2),
+                             parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    layout = KVPageLayout(2, 64, 16, "fp8", "nvfp4")
+    impl = Nvfp4MixedImpl(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2)
+    with torch.inference_mode():
+        impl.bind("layers.0", 0, LayerPolicy("fp8", "nvfp4", k_scale=0.5, v_global_scale=0.25),
+                  layout, config, torch.device("cpu"))
+    k_scale = impl.k_scale
+    impl.bind("layers.0", 0, LayerPolicy("fp8", "nvfp4", k_scale=(0.75, 1.5), v_global_scale=0.125),
+              layout, config, torch.device("cpu"))
+    assert impl.k_scale is k_scale  # the same storage that captured CUDA graphs point at
+    assert impl.k_scale.tolist() == [0.75, 1.5] and impl.v_scale.tolist() == [0.125, 0.125]
+
+
 def test_page_view_refuses_split_or_strided_blocks():
     from vllm_nvfp4.integration.impl import page_view
     from vllm_nvfp4.layout import KVPageLayout

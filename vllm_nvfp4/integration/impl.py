@@ -106,14 +106,18 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
                 "%d); using the defaults FP8 scale %.4g and NVFP4 global scale %.4g (|x| <= 448 "
                 "representable). Calibrate the model for accuracy.",
                 index, DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE)
-        for kv, vals in values.items():
-            new = torch.tensor(vals, dtype=torch.float32)
-            attr = f"{kv}_scale"
-            current = getattr(self, attr)
-            if current is None or current.shape != new.shape:
-                setattr(self, attr, new.to(device))
-            else:
-                current.copy_(new)  # in place: CUDA graphs keep pointing at it
+        # vLLM binds twice (once inside inference mode while it sizes CUDA-graph memory, then
+        # outside it for the real cache): keep the scales normal tensors so the in-place update
+        # is legal in both places.
+        with torch.inference_mode(False):
+            for kv, vals in values.items():
+                new = torch.tensor(vals, dtype=torch.float32)
+                attr = f"{kv}_scale"
+                current = getattr(self, attr)
+                if current is None or current.shape != new.shape:
+                    setattr(self, attr, new.to(device))
+                else:
+                    current.copy_(new)  # in place: CUDA graphs keep pointing at it
         self.layer_name, self.layout = layer_name, layout
 
     def _page_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
