@@ -236,3 +236,45 @@ def test_nonfinite_kv_stays_local():
     ops.write_kv_cache(bad, bad, batch.cache, slot.view(1), lay, batch.k_scale, batch.v_scale)
     out = run_attention(batch, backend="triton")
     assert torch.isnan(out[0]).all() and torch.isfinite(out[1]).all()
+
+
+# ---------------------------------------------------------------- dense dequantization (prefill)
+@pytest.mark.parametrize("kf,vf", FMT_PAIRS)
+@pytest.mark.parametrize("h,d,b", [(2, 64, 16), (3, 128, 32), (1, 256, 16)])
+def test_dequantize_kv_bit_exact(kf, vf, h, d, b):
+    """Every sequence's dense K/V equals the torch path's FP32 dequantization bit for bit, rows
+    placed at ``cu_seqlens``; rows outside the sequences stay untouched."""
+    lay = KVPageLayout(h, d, b, kf, vf)
+    batch = make_batch(lay, [(45 * SCALE, 3), (1, 1), (2 * b, 5), (b + 3, 2)], h, device=DEV,
+                       seed=d + b, write_backend=WRITE)
+    lens = batch.seq_lens.cpu()
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = (lens + 7).cumsum(0)  # gaps of 7 rows between sequences
+    rows = int(cu[-1])
+    outs = {}
+    for backend in ("triton", "torch"):
+        k = torch.full((rows, h, d), 1234.5, device=DEV)
+        v = torch.full((rows, h, d), 1234.5, device=DEV)
+        ops.dequantize_kv(batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+                          batch.seq_lens, cu.to(DEV), int(lens.max()), k, v, backend=backend)
+        outs[backend] = (k.cpu(), v.cpu())
+    for got, want in zip(outs["triton"], outs["torch"]):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    filled = torch.zeros(rows, dtype=torch.bool)
+    for s, n in enumerate(lens.tolist()):
+        filled[int(cu[s]) : int(cu[s]) + n] = True
+    assert (outs["triton"][0][~filled] == 1234.5).all() and (outs["triton"][0][filled] != 1234.5).all()
+
+
+@pytest.mark.skipif(not CUDA, reason="the interpreter truncates FP32 -> bf16 instead of rounding")
+def test_dequantize_kv_rounds_once_to_half_precision():
+    lay = KVPageLayout(2, 64, 16, "nvfp4", "fp8")
+    batch = make_batch(lay, [(37, 1), (70, 4)], 2, device=DEV, seed=5, write_backend=WRITE)
+    cu = torch.tensor([0, 37, 107], dtype=torch.int32, device=DEV)
+    k32, v32 = (torch.empty(107, 2, 64, device=DEV) for _ in range(2))
+    ops.dequantize_kv(batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+                      batch.seq_lens, cu, 70, k32, v32, backend="torch")
+    kb, vb = (torch.empty(107, 2, 64, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    ops.dequantize_kv(batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+                      batch.seq_lens, cu, 70, kb, vb, backend="triton")
+    assert torch.equal(kb, k32.bfloat16()) and torch.equal(vb, v32.bfloat16())

@@ -201,3 +201,62 @@ def paged_attention(
     from vllm_nvfp4.kernels import attention
 
     return attention.paged_attention(*args)
+
+
+def dequantize_kv(
+    cache: torch.Tensor,
+    layout: KVPageLayout,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seq_len: int,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense K/V of whole sequences: positions ``[0, seq_lens[s])`` of sequence ``s`` go to rows
+    ``cu_seqlens[s] + pos`` of ``k_out``/``v_out``.
+
+    Args:
+        cache, layout, k_scale, v_scale: as in :func:`write_kv_cache`.
+        block_table: int32 ``[num_seqs, max_blocks]``; seq_lens: int32 ``[num_seqs]``;
+        cu_seqlens: int32 ``[num_seqs + 1]``, the output row where each sequence starts.
+        max_seq_len: host int, ``>= max(seq_lens)``.
+        k_out, v_out: ``[>= cu_seqlens[-1], num_kv_heads, head_dim]`` bf16/fp16/fp32,
+            ``stride(-1) == 1``.
+    Values are the FP32 dequantization (per-head scales applied) rounded once to the output
+    dtype, equal to :func:`vllm_nvfp4.paged_torch.read_kv_from_cache`. Returns ``(k_out, v_out)``.
+    """
+    layout.check_cache(cache)
+    _check_heads("k_out", k_out, layout, ATTN_DTYPES)
+    _check_heads("v_out", v_out, layout, ATTN_DTYPES)
+    num_seqs = seq_lens.shape[0]
+    for name, t, shape in (("block_table", block_table, None), ("seq_lens", seq_lens, (num_seqs,)),
+                           ("cu_seqlens", cu_seqlens, (num_seqs + 1,))):
+        if t.dtype != torch.int32 or (shape is not None and tuple(t.shape) != shape):
+            raise ValueError(f"{name} must be int32 {shape or '[num_seqs, max_blocks]'}, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+        if t.device != cache.device:
+            raise ValueError(f"{name} is on {t.device} but cache is on {cache.device}")
+    if block_table.dim() != 2 or block_table.shape[0] < num_seqs:
+        raise ValueError(f"block_table must be [>= {num_seqs}, max_blocks], got {tuple(block_table.shape)}")
+    if k_out.shape[1] != layout.num_kv_heads or v_out.shape[1] != layout.num_kv_heads:
+        raise ValueError(f"k_out/v_out must have {layout.num_kv_heads} KV heads, got "
+                         f"{tuple(k_out.shape)} / {tuple(v_out.shape)}")
+    _check_scales(layout, cache.device, k_scale=k_scale, v_scale=v_scale)
+    if _backend(cache.device, backend) == "torch":
+        starts, lens = cu_seqlens.tolist(), seq_lens.tolist()
+        for s, (start, n) in enumerate(zip(starts, lens)):
+            ids = block_table[s, : -(-n // layout.block_size)]
+            k, v = paged_torch.read_kv_from_cache(cache, layout, ids, k_scale, v_scale, n)
+            k_out[start:start + n] = k
+            v_out[start:start + n] = v
+        return k_out, v_out
+    _check_triton_head_dim(layout)
+    from vllm_nvfp4.kernels import dequant
+
+    dequant.dequantize_kv(cache, layout, k_scale, v_scale, block_table, seq_lens, cu_seqlens,
+                          int(max_seq_len), k_out, v_out)
+    return k_out, v_out

@@ -1,0 +1,101 @@
+"""Triton kernel: dequantize whole sequences of one layer's paged cache into dense K/V.
+
+Long prefills are compute-bound: re-decoding every NVFP4 key tile for each 16-row query block
+(what the fused prefill kernel does) costs more than the attention itself at 8k-32k context. The
+integration therefore decodes each prefill sequence's context ONCE per layer into dense
+``[total_tokens, num_kv_heads, head_dim]`` tensors and hands them to a tensor-core attention
+kernel (FlashAttention in vLLM). This kernel is that decode: one program per (sequence, tile of
+``TILE_T`` positions, KV head), reading through the block table.
+
+Values equal :func:`vllm_nvfp4.paged_torch.dequantize_blocks` in FP32 bit for bit (same products
+in the same order: E4M3 scale times the per-head scale first, then the E2M1 value), then cast to
+the output dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_nvfp4.kernels.cache_write import FMT_FP8, format_code
+
+
+@triton.jit
+def _e2m1_f32(nib):
+    """E2M1 nibbles (int32 0..15) -> their FP32 values: bit placement into fp16
+    (``sign << 15 | code << 9`` is e2m1 * 2^-14, subnormal included), then times 2^14."""
+    bits = ((nib & 8) << 12) | ((nib & 7) << 9)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _dequant_plane(page, off, valid, h, scale, out_rows,
+                   FMT: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
+                   D: tl.constexpr, BLOCK: tl.constexpr):
+    """Write K or V of head ``h`` for ``TILE_T`` tokens (``page [T]`` uint8 page pointers, ``off
+    [T]`` offsets in block, ``valid [T]``) to ``out_rows [T]`` pointers (row start of head ``h``)."""
+    d = tl.arange(0, D)
+    if FMT == FMT_FP8:
+        raw = tl.load(page[:, None] + DATA + (h * BLOCK + off[:, None]) * D + d[None, :],
+                      mask=valid[:, None], other=0)
+        x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+    else:
+        HALF: tl.constexpr = D // 2
+        j = tl.arange(0, HALF)
+        raw = tl.load(page[:, None] + DATA + (h * BLOCK + off[:, None]) * HALF + j[None, :],
+                      mask=valid[:, None], other=0).to(tl.int32)
+        sc = tl.load(page[:, None] + SCALE + (h * (D // 16) + j[None, :] // 8) * BLOCK
+                     + off[:, None], mask=valid[:, None], other=0)
+        sg = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale  # [T, D/2]
+        lo = _e2m1_f32(raw & 15) * sg  # element 2j
+        hi = _e2m1_f32(raw >> 4) * sg  # element 2j + 1
+        x = tl.reshape(tl.join(lo, hi), [lo.shape[0], D])
+    tl.store(out_rows[:, None] + d[None, :], x.to(out_rows.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _dequant_kv_kernel(
+    cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq_lens_ptr, cu_ptr, k_out, v_out,
+    stride_blk, stride_bt, stride_kt, stride_kh, stride_vt, stride_vh,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+    K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr, TILE_T: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    pos = tl.program_id(1) * TILE_T + tl.arange(0, TILE_T)
+    h = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if tl.program_id(1) * TILE_T >= seq_len:
+        return
+    valid = pos < seq_len
+    blk = tl.load(block_table_ptr + seq * stride_bt + pos // BLOCK, mask=valid, other=0)
+    page = cache_ptr + blk.to(tl.int64) * stride_blk
+    off = pos % BLOCK
+    row = (tl.load(cu_ptr + seq) + pos).to(tl.int64)
+    _dequant_plane(page, off, valid, h, tl.load(k_scale_ptr + h), k_out + row * stride_kt
+                   + h * stride_kh, K_FMT, K_DATA, K_SCALE, D, BLOCK)
+    _dequant_plane(page, off, valid, h, tl.load(v_scale_ptr + h), v_out + row * stride_vt
+                   + h * stride_vh, V_FMT, V_DATA, V_SCALE, D, BLOCK)
+
+
+def dequantize_kv(cache: torch.Tensor, layout, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                  block_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens: torch.Tensor,
+                  max_seq_len: int, k_out: torch.Tensor, v_out: torch.Tensor,
+                  tile_t: int = 32) -> None:
+    """Dequantize positions ``[0, seq_lens[s])`` of each sequence ``s`` into rows
+    ``cu_seqlens[s] + pos`` of ``k_out``/``v_out [rows, H, D]``; arguments checked by
+    :func:`vllm_nvfp4.ops.dequantize_kv`. ``max_seq_len``: host upper bound (launch grid)."""
+    num_seqs = seq_lens.shape[0]
+    if num_seqs == 0 or max_seq_len <= 0:
+        return
+    grid = (num_seqs, triton.cdiv(max_seq_len, tile_t), layout.num_kv_heads)
+    _dequant_kv_kernel[grid](
+        cache, k_scale, v_scale, block_table, seq_lens, cu_seqlens, k_out, v_out,
+        cache.stride(0), block_table.stride(0), k_out.stride(0), k_out.stride(1),
+        v_out.stride(0), v_out.stride(1),
+        K_FMT=format_code(layout.k_format), V_FMT=format_code(layout.v_format),
+        K_DATA=layout.k_data_offset, K_SCALE=layout.k_scale_offset,
+        V_DATA=layout.v_data_offset, V_SCALE=layout.v_scale_offset,
+        D=layout.head_dim, BLOCK=layout.block_size, TILE_T=tile_t, num_warps=4,
+    )
