@@ -21,10 +21,17 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE
 from vllm_nvfp4.layout import PAGE_ALIGN
 
+from vllm_nvfp4.integration.dense_prefill import (
+    PrefillGroup,
+    dense_prefill_enabled,
+    plan_prefill_groups,
+    scratch_rows,
+)
 from vllm_nvfp4.integration.dtype import CACHE_DTYPE
 from vllm_nvfp4.integration.model import layer_plan
 
@@ -96,6 +103,11 @@ class Nvfp4MixedMetadata:
     seq_lens: torch.Tensor  # int32 [num_reqs]: context incl. this step's tokens
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
     slot_mapping: torch.Tensor
+    # dense prefill (CUDA + FlashAttention, see dense_prefill.py): requests [0, num_decodes) are
+    # single-token decodes (vLLM reorders them first); the rest are the groups
+    num_decodes: int = 0
+    num_decode_tokens: int = 0
+    prefill_groups: tuple[PrefillGroup, ...] = ()
 
 
 class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
@@ -105,10 +117,14 @@ class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
     # prefill/decode batches run piecewise, attention eager. Captured launches are sized for
     # max_model_len (see build_for_cudagraph_capture), so replays stay correct for any context.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    # decodes first, so a mixed batch splits into paged decode + dense prefill
+    reorder_batch_threshold: ClassVar[int] = 1
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._dense_prefill = dense_prefill_enabled(device)
+        self._scratch_rows = scratch_rows(vllm_config)
         forward_context = vllm_config.compilation_config.static_forward_context
         for name in layer_names:
             index, row, layout = layer_plan(vllm_config, name)
@@ -117,7 +133,7 @@ class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> Nvfp4MixedMetadata:
         m = common_attn_metadata
-        return Nvfp4MixedMetadata(
+        meta = Nvfp4MixedMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
             max_seq_len=m.max_seq_len,
@@ -126,6 +142,17 @@ class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
             block_table=m.block_table_tensor,
             slot_mapping=m.slot_mapping,
         )
+        if not self._dense_prefill or m.max_query_len <= 1:
+            return meta
+        num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(m, decode_threshold=1)
+        seq_lens_cpu = m.seq_lens_cpu_upper_bound  # exact for prefill rows
+        if seq_lens_cpu is None:
+            seq_lens_cpu = m.seq_lens.cpu()
+        groups = plan_prefill_groups(m.query_start_loc_cpu[: m.num_reqs + 1],
+                                     seq_lens_cpu[: m.num_reqs], num_decodes,
+                                     self._scratch_rows, self.device)
+        return replace(meta, num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
+                       prefill_groups=groups)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
                                     ) -> Nvfp4MixedMetadata:

@@ -11,14 +11,23 @@ import logging
 from typing import Any, Optional
 
 import torch
+from vllm.config.vllm import get_current_vllm_config_or_none
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
 from vllm_nvfp4 import ops
 from vllm_nvfp4.layout import KVPageLayout
 from vllm_nvfp4.policy import DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE, LayerPolicy, Scale
 
-from vllm_nvfp4.integration.dtype import CACHE_DTYPE
 from vllm_nvfp4.integration.backend import Nvfp4MixedMetadata
+from vllm_nvfp4.integration.dense_prefill import (
+    DENSE_DTYPES,
+    dense_prefill,
+    dense_prefill_enabled,
+    flash_varlen,
+    reserve_scratch,
+    scratch_rows,
+)
+from vllm_nvfp4.integration.dtype import CACHE_DTYPE
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
 _warned_default_scales = False
@@ -84,6 +93,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         self.v_scale: Optional[torch.Tensor] = None
         self._pages: Optional[torch.Tensor] = None
         self._pages_of: Optional[torch.Tensor] = None
+        config = get_current_vllm_config_or_none()  # set while vLLM builds the model's layers
+        self._scratch_rows = scratch_rows(config) if config and config.model_config else 0
 
     def bind(self, layer_name: str, index: int, row: LayerPolicy, layout: KVPageLayout,
              vllm_config: Any, device: torch.device) -> None:
@@ -142,13 +153,33 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         """Causal paged attention of ``query [tokens, heads, D]`` into ``output``."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError(f"{CACHE_DTYPE} attention has no fused output quantization")
-        if attn_metadata is None:
-            return output.fill_(0)  # profiling run
-        n = attn_metadata.num_actual_tokens
-        ops.paged_attention(
-            query[:n], self._page_view(kv_cache), self.layout, self.k_scale, self.v_scale,
-            attn_metadata.block_table, attn_metadata.seq_lens, attn_metadata.query_start_loc,
-            attn_metadata.max_query_len, attn_metadata.max_seq_len, self.scale, output[:n],
-            logits_soft_cap=self.logits_soft_cap,
-        )
+        if attn_metadata is None:  # profiling run: count the dense-prefill scratch in the peak
+            if query.dtype in DENSE_DTYPES and dense_prefill_enabled(query.device):
+                reserve_scratch(self._scratch_rows, self.num_kv_heads, self.head_size,
+                                query.dtype, query.device)
+            return output.fill_(0)
+        m = attn_metadata
+        pages = self._page_view(kv_cache)
+        if not m.prefill_groups or query.dtype not in DENSE_DTYPES:
+            n = m.num_actual_tokens
+            self._paged(query[:n], pages, m.block_table, m.seq_lens, m.query_start_loc,
+                        m.max_query_len, m.max_seq_len, output[:n])
+            return output
+        d, nd = m.num_decodes, m.num_decode_tokens
+        if d:
+            self._paged(query[:nd], pages, m.block_table[:d], m.seq_lens[:d],
+                        m.query_start_loc[: d + 1], 1, m.max_seq_len, output[:nd])
+        attention, fa_version = flash_varlen()
+        for group in m.prefill_groups:
+            dense_prefill(query, output, pages, self.layout, self.k_scale, self.v_scale,
+                          m.block_table, m.seq_lens, group, self.scale, self.logits_soft_cap,
+                          attention, fa_version=fa_version)
         return output
+
+    def _paged(self, query: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+               max_seq_len: int, out: torch.Tensor) -> None:
+        """Paged attention kernels (decode, or the fused prefill) for ``query [T, Hq, D]``."""
+        ops.paged_attention(query, pages, self.layout, self.k_scale, self.v_scale, block_table,
+                            seq_lens, query_start_loc, max_query_len, max_seq_len, self.scale,
+                            out, logits_soft_cap=self.logits_soft_cap)

@@ -1,0 +1,65 @@
+"""Dense prefill (dequantize the context once, then a FlashAttention-style varlen kernel): the
+request grouping and the split of a mixed batch, on CPU with a torch varlen attention standing in
+for FlashAttention (the H200 run checks the real FA3 through vLLM)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_cases import make_batch
+from vllm_nvfp4 import ops
+from vllm_nvfp4.integration.dense_prefill import dense_prefill, plan_prefill_groups
+from vllm_nvfp4.layout import KVPageLayout
+from vllm_nvfp4.paged_torch import attend_one_sequence
+
+
+def torch_varlen(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, softmax_scale,
+                 causal, softcap, out):
+    """``flash_attn_varlen_func``'s contract (causal, bottom-right aligned), in torch."""
+    assert causal
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    assert max_seqlen_q == max(b - a for a, b in zip(cq, cq[1:]))
+    assert max_seqlen_k == max(b - a for a, b in zip(ck, ck[1:]))
+    for i in range(len(cq) - 1):
+        out[cq[i]:cq[i + 1]] = attend_one_sequence(
+            q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]], softmax_scale, None,
+            softcap or None)
+
+
+def test_plan_groups_bounds_each_groups_context():
+    qsl = torch.tensor([0, 1, 2, 10, 20, 23, 30])
+    lens = torch.tensor([100, 50, 30, 40, 5, 90])
+    groups = plan_prefill_groups(qsl, lens, 2, 72, torch.device("cpu"))
+    assert [(g.req_begin, g.req_end, g.tok_begin, g.tok_end) for g in groups] == [
+        (2, 4, 2, 20), (4, 5, 20, 23), (5, 6, 23, 30)]  # 70 + 5 > 72; 90 > 72 alone
+    first = groups[0]
+    assert (first.max_query_len, first.max_seq_len, first.total_kv) == (10, 40, 70)
+    assert first.cu_seqlens_q.tolist() == [0, 8, 18] and first.cu_seqlens_k.tolist() == [0, 30, 70]
+    assert first.cu_seqlens_q.dtype == first.cu_seqlens_k.dtype == torch.int32
+    assert plan_prefill_groups(qsl, lens, 6, 72, torch.device("cpu")) == ()
+
+
+@pytest.mark.parametrize("kf,vf", [("nvfp4", "nvfp4"), ("fp8", "nvfp4"), ("nvfp4", "fp8")])
+@pytest.mark.parametrize("cap", [None, 30.0])
+def test_mixed_batch_split_matches_paged_attention(kf, vf, cap):
+    """Decodes through the paged kernel + prefill groups through dense K/V give the same output
+    as paged attention over the whole batch."""
+    lay = KVPageLayout(2, 64, 16, kf, vf)
+    seqs = [(40, 1), (33, 1), (57, 9), (20, 20), (70, 3)]  # two decodes first, as vLLM orders
+    batch = make_batch(lay, seqs, num_q_heads=6, seed=3)
+    scale = 0.125
+    want = torch.empty_like(batch.query)
+    ops.paged_attention(batch.query, batch.cache, lay, batch.k_scale, batch.v_scale,
+                        batch.block_table, batch.seq_lens, batch.query_start_loc,
+                        batch.max_query_len, batch.max_seq_len, scale, want, logits_soft_cap=cap)
+    got = torch.full_like(batch.query, float("nan"))
+    ops.paged_attention(batch.query[:2], batch.cache, lay, batch.k_scale, batch.v_scale,
+                        batch.block_table[:2], batch.seq_lens[:2], batch.query_start_loc[:3], 1,
+                        batch.max_seq_len, scale, got[:2], logits_soft_cap=cap)
+    groups = plan_prefill_groups(batch.query_start_loc, batch.seq_lens, 2, 80, torch.device("cpu"))
+    assert len(groups) == 2  # 57 + 20 fit in 80 rows, 70 does not
+    for group in groups:
+        dense_prefill(batch.query, got, batch.cache, lay, batch.k_scale, batch.v_scale,
+                      batch.block_table, batch.seq_lens, group, scale, cap, torch_varlen)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,142 @@
+"""Prefill attention on CUDA: decode each prefill sequence's context once, then FlashAttention.
+
+A prefill chunk of ``q`` tokens over a context of ``L`` tokens costs ``O(q * L)`` tensor-core work
+but only ``O(L)`` cache bytes. The fused Triton prefill kernel re-decodes every NVFP4 key tile for
+each 16-row query block, so at 8k-32k context it spent more time decoding nibbles than doing
+attention (TTFT 4.7x FP8's at 32k on the H200, ``benchmarks/results/e2e_run2``). Here the layer's
+context is dequantized ONCE per step into dense ``[rows, kv_heads, head_dim]`` tensors of the model
+dtype (:func:`vllm_nvfp4.ops.dequantize_kv`, FP32 values rounded once) and vLLM's own
+FlashAttention varlen kernel (FA3 on Hopper) runs causal attention over them, bottom-right
+aligned, so query ``j`` of a chunk sees positions ``<= L - q + j``: the same masking as decode.
+
+Decode requests of the same batch (reordered to the front by vLLM, ``reorder_batch_threshold=1``)
+keep the paged decode kernel. Prefill requests are processed in groups whose contexts add up to
+at most ``max_rows`` tokens (``max(max_model_len, max_num_batched_tokens)``), so the scratch
+tensors are bounded; the profiling run allocates that bound once so vLLM's memory profile
+accounts for it.
+
+Off (the fused Triton prefill kernel instead): CPU, fp32 models, no vLLM FlashAttention, or
+``VLLM_NVFP4_FUSED_PREFILL=1``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from vllm_nvfp4 import ops
+from vllm_nvfp4.layout import KVPageLayout
+
+logger = logging.getLogger(__name__)
+
+FUSED_PREFILL_ENV = "VLLM_NVFP4_FUSED_PREFILL"
+DENSE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class PrefillGroup:
+    """Prefill requests ``[req_begin, req_end)`` of a batch, query tokens ``[tok_begin, tok_end)``.
+
+    ``cu_seqlens_q``/``cu_seqlens_k``: int32 device ``[n + 1]``, cumulative query / context lengths
+    of the group's ``n`` requests (both from 0); ``total_kv`` = ``cu_seqlens_k[-1]`` (host)."""
+
+    req_begin: int
+    req_end: int
+    tok_begin: int
+    tok_end: int
+    max_query_len: int
+    max_seq_len: int
+    total_kv: int
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+
+
+@functools.lru_cache(maxsize=None)
+def flash_varlen() -> Optional[tuple[Callable[..., Any], int]]:
+    """vLLM's ``flash_attn_varlen_func`` and FA version for this GPU, or None where unavailable."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except ImportError as e:
+        logger.warning("vllm-nvfp4: vLLM FlashAttention unavailable (%s); prefill uses the fused "
+                       "Triton kernel", e)
+        return None
+    version = get_flash_attn_version()
+    return (flash_attn_varlen_func, version) if version is not None else None
+
+
+def dense_prefill_enabled(device: torch.device) -> bool:
+    """Whether prefills on ``device`` go through dequantize + FlashAttention."""
+    if device.type != "cuda" or os.environ.get(FUSED_PREFILL_ENV, "0") in ("1", "true", "True"):
+        return False
+    return flash_varlen() is not None
+
+
+def plan_prefill_groups(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor,
+                        first_prefill: int, max_rows: int, device: torch.device
+                        ) -> tuple[PrefillGroup, ...]:
+    """Group requests ``[first_prefill, num_reqs)`` in order so each group's contexts sum to at
+    most ``max_rows`` tokens (a longer single context gets a group of its own).
+
+    ``query_start_loc_cpu``: int ``[num_reqs + 1]``; ``seq_lens_cpu``: int ``[num_reqs]``
+    (exact for the prefill rows)."""
+    qsl = query_start_loc_cpu.tolist()
+    lens = seq_lens_cpu.tolist()
+    groups: list[PrefillGroup] = []
+    begin = first_prefill
+    while begin < len(lens):
+        end, total = begin + 1, lens[begin]
+        while end < len(lens) and total + lens[end] <= max_rows:
+            total += lens[end]
+            end += 1
+        q_lens = [qsl[r + 1] - qsl[r] for r in range(begin, end)]
+        cu_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        cu_k = torch.tensor([0] + lens[begin:end], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        groups.append(PrefillGroup(
+            begin, end, qsl[begin], qsl[end], max(q_lens), max(lens[begin:end]), total,
+            cu_q.to(device, non_blocking=True), cu_k.to(device, non_blocking=True)))
+        begin = end
+    return tuple(groups)
+
+
+def scratch_rows(vllm_config: Any) -> int:
+    """Most context tokens dequantized at once: one group's bound (see the module doc)."""
+    return max(vllm_config.model_config.max_model_len,
+               vllm_config.scheduler_config.max_num_batched_tokens)
+
+
+def reserve_scratch(max_rows: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    device: torch.device) -> None:
+    """Allocate (and free) the largest dense K/V pair, so vLLM's memory profile counts it."""
+    shape = (max_rows, num_kv_heads, head_dim)
+    k, v = torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
+    del k, v
+
+
+def dense_prefill(query: torch.Tensor, out: torch.Tensor, pages: torch.Tensor,
+                  layout: KVPageLayout, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                  block_table: torch.Tensor, seq_lens: torch.Tensor, group: PrefillGroup,
+                  softmax_scale: float, logits_soft_cap: Optional[float],
+                  attention: Callable[..., Any], **attention_kwargs: Any) -> None:
+    """Causal attention of ``query [tokens, q_heads, D]`` (the whole batch) for one group's
+    tokens into ``out`` (same shape), K/V dequantized from ``pages`` into dense scratch.
+
+    ``attention`` is a FlashAttention-style ``flash_attn_varlen_func``."""
+    rows = slice(group.req_begin, group.req_end)
+    toks = slice(group.tok_begin, group.tok_end)
+    shape = (group.total_kv, layout.num_kv_heads, layout.head_dim)
+    k = torch.empty(shape, dtype=query.dtype, device=query.device)
+    v = torch.empty(shape, dtype=query.dtype, device=query.device)
+    ops.dequantize_kv(pages, layout, k_scale, v_scale, block_table[rows], seq_lens[rows],
+                      group.cu_seqlens_k, group.max_seq_len, k, v)
+    attention(q=query[toks], k=k, v=v, max_seqlen_q=group.max_query_len,
+              cu_seqlens_q=group.cu_seqlens_q, max_seqlen_k=group.max_seq_len,
+              cu_seqlens_k=group.cu_seqlens_k, softmax_scale=softmax_scale, causal=True,
+              softcap=float(logits_soft_cap or 0.0), out=out[toks], **attention_kwargs)
