@@ -69,7 +69,11 @@ def flash_varlen() -> Optional[tuple[Callable[..., Any], int]]:
                        "Triton kernel", e)
         return None
     version = get_flash_attn_version()
-    return (flash_attn_varlen_func, version) if version is not None else None
+    if version is None:
+        return None
+    logger.info("vllm-nvfp4: prefill attention = one dequantization per layer and step + vLLM "
+                "FlashAttention %d (decode: the paged Triton kernels)", version)
+    return flash_attn_varlen_func, version
 
 
 def dense_prefill_enabled(device: torch.device) -> bool:
