@@ -32,7 +32,7 @@ import torch
 from vllm_nvfp4 import ops
 from vllm_nvfp4.layout import KVPageLayout
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
 
 FUSED_PREFILL_ENV = "VLLM_NVFP4_FUSED_PREFILL"
 DENSE_DTYPES = (torch.bfloat16, torch.float16)
