@@ -577,8 +577,8 @@ def load_trace_events(path: Path) -> list[dict]:
     return data.get("traceEvents", []) if isinstance(data, dict) else data
 
 
-ATTENTION_KEYS = ("flash", "fmha", "attn", "attention", "_decode_kernel", "_reduce_kernel",
-                  "_prefill_kernel", "combine")
+ATTENTION_KEYS = ("flash", "fmha", "attn", "attention", "_decode_kernel", "_decode_keys_kernel",
+                  "_reduce_kernel", "_prefill_kernel", "_dequant_kv_kernel", "combine")
 KV_WRITE_KEYS = ("reshape_and_cache", "_write_kv_kernel", "cache_kernel")
 GEMM_KEYS = ("gemm", "xmma", "cutlass", "nvjet", "matmul", "sm90_")
 

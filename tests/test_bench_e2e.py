@@ -216,6 +216,7 @@ def test_kernel_categories(tmp_path):
     names = {
         "flash_fwd_splitkv_kernel": "attention", "_decode_kernel": "attention",
         "kernel_unified_attention_2d": "attention", "_reduce_kernel": "attention",
+        "_decode_keys_kernel": "attention", "_dequant_kv_kernel": "attention",
         "reshape_and_cache_flash_kernel": "kv_write", "_write_kv_kernel": "kv_write",
         "nvjet_tst_128x256_64x4_2x1_v_bz_TNT": "gemm", "sm90_xmma_gemm_bf16bf16": "gemm",
         "triton_red_fused_rms_norm_0": "other", "act_and_mul_kernel": "other",
