@@ -228,7 +228,7 @@ def test_kernel_categories(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": events}))
     cats = be.kernel_time_by_category(be.load_trace_events(path))
-    assert cats == dict(attention=40.0, kv_write=20.0, gemm=20.0, other=20.0, total=100.0)
+    assert cats == dict(attention=60.0, kv_write=20.0, gemm=20.0, other=20.0, total=120.0)
 
 
 # ---------------------------------------------------------------- model directory
