@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--module", help="compile this attention.py instead (e.g. an old commit's)")
     ap.add_argument("--stages", type=int, default=3, help="num_stages")
     ap.add_argument("--maxnreg", type=int, help="register cap per thread")
+    ap.add_argument("--splits", type=int, default=1, help="NUM_SPLITS (> 1: partial outputs)")
     ap.add_argument("--configs", nargs="*",
                     help="FMT:TILE:PREFETCH[:VARIANT[:WARPS]] (variant rows|keys; default: the "
                          "rows kernel, fp8/nvfp4 x tile 32/64 x prefetch 0/1, 4 warps)")
@@ -101,7 +102,7 @@ def main() -> None:
                             int(parts[4]) if len(parts) > 4 else 4))
     for fmt, tile, pf, variant, warps in configs:
         lay = KVPageLayout(8, 128, 16, fmt, fmt)
-        k = triton.compile(decode_src(lay, tile, 1, prefetch=bool(pf), variant=variant),
+        k = triton.compile(decode_src(lay, tile, args.splits, prefetch=bool(pf), variant=variant),
                            target=TARGET,
                            options=dict(num_warps=warps, num_stages=args.stages,
                                         **({"maxnreg": args.maxnreg} if args.maxnreg else {})))
@@ -124,7 +125,7 @@ def main() -> None:
               f"{smem_ops}, spill {spills})  {top}")
         if args.sass:
             os.makedirs(args.sass, exist_ok=True)
-            name = f"decode_{fmt}_{variant}_t{tile}_p{pf}_w{warps}"
+            name = f"decode_{fmt}_{variant}_t{tile}_p{pf}_w{warps}_s{args.splits}"
             with open(os.path.join(args.sass, name + ".sass"), "w") as out:
                 out.write(sass)
             with open(os.path.join(args.sass, name + ".ttgir"), "w") as out:

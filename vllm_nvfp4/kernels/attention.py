@@ -301,6 +301,47 @@ def _split_range(seq_len, window, split, NUM_SPLITS: tl.constexpr, TILE_N: tl.co
 
 
 @triton.jit
+def _decode_program(seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window,
+                    K_FMT: tl.constexpr, V_FMT: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
+                    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr,
+                    USE_SOFTCAP: tl.constexpr):
+    """What one decode program works on: sequence, KV head ``h``, split, context length, the
+    query token's row ``tok``, its ``BG`` (padded) query heads ``qh`` with ``row_ok``, the
+    logit scale (log2 units unless soft-capped), the V dequant factor and the token range."""
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tok = tl.load(qsl_ptr + seq).to(tl.int64)
+    g = tl.arange(0, BG)
+    row_ok = g < G
+    qh = h * G + g
+    kf, vf = _kv_factors(k_scale_ptr, v_scale_ptr, h, K_FMT, V_FMT)
+    qk_scale = softmax_scale * kf
+    if not USE_SOFTCAP:
+        qk_scale = qk_scale * 1.4426950408889634
+    t_begin, t_end = _split_range(seq_len, window, split, NUM_SPLITS, TILE_N, USE_WINDOW)
+    return seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_end
+
+
+@triton.jit
+def _decode_store(o, m_i, l_i, out_ptr, part_o_ptr, part_ml_ptr, tok, split, qh, row_ok,
+                  qh_b, d_b, ok_b, stride_ot, stride_oh,
+                  HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Store a decode program's output ``o`` (any orientation: ``qh_b``, ``d_b``, ``ok_b`` are
+    the head index, column and mask broadcast to its shape): final rows when unsplit, else the
+    FP32 partial ``o`` and its ``(m, l)`` for :func:`_reduce_kernel`."""
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + tok * stride_ot + qh_b * stride_oh + d_b,
+                 o.to(out_ptr.dtype.element_ty), mask=ok_b)
+    else:
+        tl.store(part_o_ptr + ((tok * HQ + qh_b) * NUM_SPLITS + split) * D + d_b, o, mask=ok_b)
+        row = (tok * HQ + qh) * NUM_SPLITS + split  # [BG]
+        tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
 def _decode_kernel(
     query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr,
@@ -313,22 +354,12 @@ def _decode_kernel(
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    h = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    tok = tl.load(qsl_ptr + seq).to(tl.int64)
-    g = tl.arange(0, BG)
-    row_ok = g < G
-    qh = h * G + g
+    seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_end = _decode_program(
+        seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window, K_FMT, V_FMT,
+        G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP)
     q = tl.load(query_ptr + tok * stride_qt + qh[:, None] * stride_qh + _cols(K_FMT, D)[None, :],
                 mask=row_ok[:, None], other=0.0)
     q = q.to(tl.float32) if F32 else q.to(tl.float16)
-    kf, vf = _kv_factors(k_scale_ptr, v_scale_ptr, h, K_FMT, V_FMT)
-    qk_scale = softmax_scale * kf
-    if not USE_SOFTCAP:
-        qk_scale = qk_scale * 1.4426950408889634
-    t_begin, t_end = _split_range(seq_len, window, split, NUM_SPLITS, TILE_N, USE_WINDOW)
 
     acc = tl.zeros([BG, D], dtype=tl.float32)
     m_i = tl.full([BG], float("-inf"), tl.float32)
@@ -341,15 +372,9 @@ def _decode_kernel(
         False, USE_WINDOW, USE_SOFTCAP, F32, PREFETCH, False,
     )
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * vf
-    d = _cols(V_FMT, D)
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + tok * stride_ot + qh[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        row = (tok * HQ + qh) * NUM_SPLITS + split  # [BG]
-        tl.store(part_o_ptr + row[:, None] * D + d[None, :], o, mask=row_ok[:, None])
-        tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
-        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+    _decode_store(o, m_i, l_i, out_ptr, part_o_ptr, part_ml_ptr, tok, split, qh, row_ok,
+                  qh[:, None], _cols(V_FMT, D)[None, :], row_ok[:, None], stride_ot, stride_oh,
+                  HQ, D, NUM_SPLITS)
 
 
 @triton.jit
@@ -447,24 +472,14 @@ def _decode_keys_kernel(
     the K tile read as 16-bit halves (no join, so the decoded K can stay in registers), output
     ``acc^T [D, BG] += v^T [D, TILE_N] . p [TILE_N, BG]``; ``BG`` = the GQA group padded (>= 8),
     not 16 MMA rows. Same grid, splits and partial format as :func:`_decode_kernel`."""
-    seq = tl.program_id(0)
-    h = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    tok = tl.load(qsl_ptr + seq).to(tl.int64)
-    g = tl.arange(0, BG)
-    row_ok = g < G
-    qh = h * G + g
+    seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_end = _decode_program(
+        seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window, K_FMT, V_FMT,
+        G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP)
     qb = query_ptr + tok * stride_qt
     q0 = _qt_plane(qb, stride_qh, qh, row_ok, 0, D, F32)
     q1 = _qt_plane(qb, stride_qh, qh, row_ok, 1, D, F32)
     q2 = _qt_plane(qb, stride_qh, qh, row_ok, 2, D, F32)
     q3 = _qt_plane(qb, stride_qh, qh, row_ok, 3, D, F32)
-    kf, vf = _kv_factors(k_scale_ptr, v_scale_ptr, h, K_FMT, V_FMT)
-    qk_scale = softmax_scale * kf
-    if not USE_SOFTCAP:
-        qk_scale = qk_scale * 1.4426950408889634
-    t_begin, t_end = _split_range(seq_len, window, split, NUM_SPLITS, TILE_N, USE_WINDOW)
 
     acc = tl.zeros([D, BG], dtype=tl.float32)
     m_i = tl.full([BG], float("-inf"), tl.float32)
@@ -518,15 +533,9 @@ def _decode_keys_kernel(
             kh, ks, va, vb = nkh, nks, nva, nvb
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[None, :] * vf  # [D, BG]
-    d = _cols(V_FMT, D)
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + tok * stride_ot + qh[None, :] * stride_oh + d[:, None],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
-    else:
-        row = (tok * HQ + qh) * NUM_SPLITS + split  # [BG]
-        tl.store(part_o_ptr + row[None, :] * D + d[:, None], o, mask=row_ok[None, :])
-        tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
-        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+    _decode_store(o, m_i, l_i, out_ptr, part_o_ptr, part_ml_ptr, tok, split, qh, row_ok,
+                  qh[None, :], _cols(V_FMT, D)[:, None], row_ok[None, :], stride_ot, stride_oh,
+                  HQ, D, NUM_SPLITS)
 
 
 @triton.jit
