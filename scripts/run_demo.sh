@@ -9,11 +9,7 @@
 # Environment: VENV (default .venv), VLLM_CPU_KVCACHE_SPACE (GiB, default 2), see install.sh.
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-VENV=${VENV:-$REPO/.venv}
-case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac  # absolute: the scripts cd later
-export VENV
-export PATH="$VENV/bin:$PATH" VIRTUAL_ENV="$VENV"  # tests call `vllm`, `lm_eval` by name
-bash "$REPO/scripts/install.sh"
+source "$REPO/scripts/venv_env.sh"
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} VLLM_NO_USAGE_STATS=${VLLM_NO_USAGE_STATS:-1}
 cd "$REPO"

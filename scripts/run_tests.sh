@@ -8,12 +8,8 @@
 # GPU-marked tests skip without CUDA. Exit status: pytest's (5 = no tests collected = failure).
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-VENV=${VENV:-$REPO/.venv}
-case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac  # absolute: the scripts cd later
-export VENV
-export PATH="$VENV/bin:$PATH" VIRTUAL_ENV="$VENV"  # tests call `vllm`, `lm_eval` by name
 T0=$SECONDS
-bash "$REPO/scripts/install.sh"
+source "$REPO/scripts/venv_env.sh"
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TRANSFORMERS_OFFLINE=${TRANSFORMERS_OFFLINE:-1}
 export VLLM_NO_USAGE_STATS=${VLLM_NO_USAGE_STATS:-1}
