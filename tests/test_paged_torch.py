@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from paged_cases import check_written_bytes, make_batch, reference_attention, run_attention, write_case
-from vllm_nvfp4 import ops
+from vllm_nvfp4 import formats, ops
 from vllm_nvfp4.layout import KVPageLayout, allocate_cache
-from vllm_nvfp4.paged_torch import read_kv_from_cache
+from vllm_nvfp4.paged_torch import dequantize_tokens, read_kv_from_cache
 
 FORMATS = ("fp8", "nvfp4")
 FMT_PAIRS = list(itertools.product(FORMATS, FORMATS))
@@ -123,3 +123,50 @@ def run_attention_with(batch, **override):
     return ops.paged_attention(batch.query, batch.cache, batch.layout, batch.k_scale,
                                batch.v_scale, args["block_table"], batch.seq_lens,
                                batch.query_start_loc, 2, 20, 1.0, out)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_block_dequantization_is_bit_identical_to_formats(fmt):
+    """Random cache bytes (NaN and zero block scales included) decode exactly as formats.py does."""
+    lay = KVPageLayout(3, 64, 16, fmt, fmt)
+    gen = torch.Generator().manual_seed(7)
+    cache = allocate_cache(lay, 5, row_stride=lay.page_bytes + 16)
+    cache.copy_(torch.randint(0, 256, cache.shape, generator=gen, dtype=torch.uint8))
+    scale = torch.rand(3, generator=gen) + 0.1
+    ids = torch.tensor([4, 1, 1])
+    got = dequantize_tokens(cache, lay, "k", ids.view(1, -1), scale)[0].transpose(0, 1)  # [48, H, D]
+    data = lay.data_plane(cache, "k")[ids].transpose(1, 2).reshape(48, 3, -1)  # [tokens, H, W]
+    if fmt == "fp8":
+        want = formats.fp8_dequantize(data.view(torch.float8_e4m3fn), scale.view(-1, 1))
+    else:
+        sc = lay.scale_plane(cache, "k")[ids].permute(0, 3, 1, 2).reshape(48, 3, -1).view(torch.float8_e4m3fn)
+        want = formats.nvfp4_dequantize(data, sc, scale)
+        assert torch.isnan(want).any() and (want == 0).any()  # the case covers NaN and zero scales
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    cut = dequantize_tokens(cache, lay, "k", ids.view(1, -1), scale, torch.tensor([21]))[0].transpose(0, 1)
+    torch.testing.assert_close(cut[:21], want[:21], rtol=0, atol=0, equal_nan=True)
+    assert (cut[21:] == 0).all()  # past the length: exact zeros, never the stale NaN
+
+
+def test_decode_batch_ignores_stale_bytes_and_keeps_nan_in_its_sequence():
+    """Bytes past each sequence's end (here NaN everywhere) never reach the result; a NaN inside one
+    sequence's context makes only that sequence's output NaN."""
+    lay = KVPageLayout(2, 64, 16, "nvfp4", "fp8")
+    seqs = [(37, 1), (5, 1), (70, 1)]
+    batch = make_batch(lay, seqs, 4, seed=3)
+    clean = run_attention(batch)
+    poisoned = batch.cache.clone()
+    nblk = [-(-l // 16) for l, _ in seqs]
+    in_use = {int(b) for s, n in enumerate(nblk) for b in batch.block_table[s, :n]}
+    spare = [b for b in range(poisoned.shape[0]) if b not in in_use]
+    for s, (l, _) in enumerate(seqs):  # padding entries -> a spare block; stale tail slots -> NaN
+        batch.block_table[s, nblk[s]:] = spare[s % len(spare)]
+        for which in ("k", "v"):
+            lay.data_plane(poisoned, which)[batch.block_table[s, nblk[s] - 1].long(), :, l % 16 or 16:] = 0xFF
+    for which in ("k", "v"):
+        lay.data_plane(poisoned, which)[spare] = 0xFF
+    batch.cache = poisoned
+    torch.testing.assert_close(run_attention(batch), clean, rtol=0, atol=0)
+    lay.data_plane(batch.cache, "v")[batch.block_table[1, 0].long(), 0, 2] = 0x7F  # NaN in seq 1's context
+    got = run_attention(batch)
+    assert torch.isnan(got[1]).any() and not torch.isnan(got[[0, 2]]).any()

@@ -2,22 +2,21 @@
 
 This is what vLLM's CPU path runs end to end, and the reference the Triton kernels are tested
 against. Quantization and dequantization call :mod:`vllm_nvfp4.formats` (the bit-exact definition,
-``nonfinite="propagate"``); attention is FP32 with an FP32 softmax, cast to ``out.dtype`` at the end.
-Inputs are assumed validated (:mod:`vllm_nvfp4.ops` checks them at the API edge).
+``nonfinite="propagate"``); dequantization is bit-identical to it (FP32). Attention is FP32 with an
+FP32 softmax (torch's ``scaled_dot_product_attention``), cast to ``out.dtype`` at the end. Decode
+steps dequantize the blocks of all sequences in one batched gather; only the blocks in use are
+read. Inputs are assumed validated (:mod:`vllm_nvfp4.ops` checks them at the API edge).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
-from vllm_nvfp4.formats import (
-    fp8_dequantize,
-    fp8_quantize,
-    nvfp4_dequantize,
-    nvfp4_quantize,
-)
+from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, e2m1_value, fp8_quantize, nvfp4_quantize
 from vllm_nvfp4.layout import KV, KVPageLayout
 
 
@@ -60,30 +59,53 @@ def write_kv_cache(
             layout.scale_plane(cache, which)[blocks, :, :, offsets] = scales
 
 
-def read_plane(
+@functools.lru_cache(maxsize=None)
+def _e2m1_byte_table(device: torch.device) -> torch.Tensor:
+    """``[256]`` 8-byte entries: the FP32 E2M1 values of each byte's (low, high) nibble (via
+    :func:`e2m1_value`) stored side by side, so one gather of scalars decodes a byte."""
+    byte = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
+    pairs = torch.stack([e2m1_value(byte & 0xF), e2m1_value(byte >> 4)], dim=-1)  # FP32 [256, 2]
+    return pairs.contiguous().view(torch.float64).view(256)
+
+
+def dequantize_tokens(
     cache: torch.Tensor,
     layout: KVPageLayout,
     which: KV,
     block_ids: torch.Tensor,
     scale: torch.Tensor,
-    num_tokens: Optional[int] = None,
+    seq_lens: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Dequantize K or V of the blocks ``block_ids [n]`` in order: FP32 ``[num_tokens, H, D]``.
+    """Dequantize K or V of ``S`` sequences' blocks ``block_ids [S, n]``: FP32 ``[S, H, n * B, D]``.
 
-    ``num_tokens`` (default ``n * block_size``) keeps the first tokens of the concatenated blocks.
+    Token ``t`` of sequence ``s`` is slot ``t % B`` of block ``block_ids[s, t // B]``. Values are
+    bit-identical to :func:`vllm_nvfp4.formats.fp8_dequantize` / :func:`nvfp4_dequantize` with the
+    per-head ``scale [H]`` (same FP32 products in the same order; NVFP4 nibbles are decoded a byte
+    at a time through a table built from :func:`e2m1_value`). With ``seq_lens [S]``, tokens at
+    ``t >= seq_lens[s]`` are exactly 0, whatever stale bytes (NaN included) their slots hold.
     """
-    ids = block_ids.long()
-    n, b = ids.numel(), layout.block_size
-    h = layout.num_kv_heads
-    data = layout.data_plane(cache, which)[ids]  # [n, H, B, W]
-    data = data.permute(0, 2, 1, 3).reshape(n * b, h, -1)
-    if layout.format_of(which) == "fp8":
-        x = fp8_dequantize(data.view(torch.float8_e4m3fn), scale.view(-1, 1))
-    else:
-        sc = layout.scale_plane(cache, which)[ids]  # [n, H, D/16, B]
-        sc = sc.permute(0, 3, 1, 2).reshape(n * b, h, -1).contiguous().view(torch.float8_e4m3fn)
-        x = nvfp4_dequantize(data.contiguous(), sc, scale)
-    return x if num_tokens is None else x[:num_tokens]
+    n_seq, n_blk = block_ids.shape
+    h, b, d = layout.num_kv_heads, layout.block_size, layout.head_dim
+    ids = block_ids.long().flatten()
+    length = n_blk * b
+    data = layout.data_plane(cache, which)[ids]  # uint8 [S * n, H, B, W]
+    data = data.view(n_seq, n_blk, h, b, -1).transpose(1, 2).reshape(n_seq, h, length, -1)
+    sc = None
+    if layout.format_of(which) == "nvfp4":
+        sc = layout.scale_plane(cache, which)[ids]  # uint8 [S * n, H, D/16, B]
+        sc = sc.view(n_seq, n_blk, h, -1, b).permute(0, 2, 1, 4, 3).reshape(n_seq, h, length, -1)
+    if seq_lens is not None:  # zero bytes decode to exactly 0 in both formats
+        stale = torch.arange(length, device=data.device).view(1, 1, -1, 1) >= seq_lens.view(-1, 1, 1, 1)
+        data.masked_fill_(stale, 0)
+        if sc is not None:
+            sc.masked_fill_(stale, 0)
+    per_head = scale.view(1, -1, 1, 1)
+    if sc is None:
+        return data.view(torch.float8_e4m3fn).float() * per_head
+    vals = _e2m1_byte_table(data.device).index_select(0, data.flatten().int()).view(torch.float32)
+    se = sc.view(torch.float8_e4m3fn).float() * per_head  # [S, H, n * B, D/16]
+    x = vals.view(n_seq, h, length, d // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE) * se.unsqueeze(-1)
+    return x.view(n_seq, h, length, d)
 
 
 def read_kv_from_cache(
@@ -94,11 +116,56 @@ def read_kv_from_cache(
     v_scale: torch.Tensor,
     num_tokens: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantized ``(K, V)``, each FP32 ``[num_tokens, H, D]``, of one sequence's blocks."""
-    return (
-        read_plane(cache, layout, "k", block_ids, k_scale, num_tokens),
-        read_plane(cache, layout, "v", block_ids, v_scale, num_tokens),
-    )
+    """Dequantized ``(K, V)``, each FP32 ``[num_tokens, H, D]``, of one sequence's blocks ``[n]``.
+
+    ``num_tokens`` (default ``n * block_size``) keeps the first tokens.
+    """
+    def plane(which: KV, scale: torch.Tensor) -> torch.Tensor:
+        x = dequantize_tokens(cache, layout, which, block_ids.view(1, -1), scale)[0].transpose(0, 1)
+        return x if num_tokens is None else x[:num_tokens]
+
+    return plane("k", k_scale), plane("v", v_scale)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    softmax_scale: float,
+    logits_soft_cap: Optional[float],
+) -> torch.Tensor:
+    """Masked GQA attention: ``q [S, Hq, Q, D]``, ``k``/``v [S, Hkv, L, D]``, ``allowed`` bool
+    ``[S, 1, Q, L]`` (every query row allows at least one key) -> ``[S, Hq, Q, D]``.
+
+    Query head ``h`` reads KV head ``h // (Hq / Hkv)``. Without a soft-cap this is torch's
+    ``scaled_dot_product_attention``; with one (``cap * tanh(s / cap)`` on the scaled logits) the
+    same math written out.
+    """
+    if not logits_soft_cap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=softmax_scale,
+                                              enable_gqa=True)
+    s_, hq, q_len, d = q.shape
+    hkv, seq_len = k.shape[1], k.shape[2]
+    group = hq // hkv
+    logits = torch.matmul(q.reshape(s_, hkv, group * q_len, d), k.transpose(-1, -2)) * softmax_scale
+    logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+    logits = logits.view(s_, hkv, group, q_len, seq_len).masked_fill(~allowed.unsqueeze(1), float("-inf"))
+    p = torch.softmax(logits, dim=-1).view(s_, hkv, group * q_len, seq_len)
+    return torch.matmul(p, v).view(s_, hq, q_len, d)
+
+
+def _allowed(
+    q_pos: torch.Tensor, seq_lens: torch.Tensor, max_len: int, sliding_window: Optional[int]
+) -> torch.Tensor:
+    """Bool ``[S, 1, Q, max_len]``: key position ``p`` is visible to the query at ``q_pos [S, Q]`` iff
+    ``p <= q_pos``, ``p < seq_lens[s]`` and, with a window ``w``, ``p > q_pos - w``."""
+    kpos = torch.arange(max_len, device=q_pos.device).view(1, 1, -1)
+    qp = q_pos.unsqueeze(-1)
+    allowed = (kpos <= qp) & (kpos < seq_lens.view(-1, 1, 1))
+    if sliding_window is not None:
+        allowed = allowed & (kpos > qp - sliding_window)
+    return allowed.unsqueeze(1)
 
 
 def attend_one_sequence(
@@ -116,22 +183,38 @@ def attend_one_sequence(
     ``p <= pos`` and, with a window ``w``, ``p > pos - w``. Soft-cap: ``cap * tanh(s / cap)``
     applied to the scaled logits.
     """
-    q_len, hq, d = q.shape
-    seq_len, hkv = k.shape[0], k.shape[1]
-    group = hq // hkv
-    qg = q.view(q_len, hkv, group, d)
-    s = torch.einsum("qhgd,khd->hgqk", qg, k) * softmax_scale  # [Hkv, G, q_len, L]
-    if logits_soft_cap:
-        s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
-    qpos = torch.arange(seq_len - q_len, seq_len, device=q.device).view(-1, 1)
-    kpos = torch.arange(seq_len, device=q.device).view(1, -1)
-    allowed = kpos <= qpos
-    if sliding_window is not None:
-        allowed = allowed & (kpos > qpos - sliding_window)
-    s = s.masked_fill(~allowed, float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    o = torch.einsum("hgqk,khd->qhgd", p, v)
-    return o.reshape(q_len, hq, d)
+    q_len, seq_len = q.shape[0], k.shape[0]
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).view(1, -1)
+    allowed = _allowed(q_pos, torch.tensor([seq_len], device=q.device), seq_len, sliding_window)
+    o = _attend(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                v.transpose(0, 1).unsqueeze(0), allowed, softmax_scale, logits_soft_cap)
+    return o[0].transpose(0, 1)
+
+
+def _attend_paged(
+    query: torch.Tensor,
+    q_pos: torch.Tensor,
+    cache: torch.Tensor,
+    layout: KVPageLayout,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    block_ids: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    sliding_window: Optional[int],
+    logits_soft_cap: Optional[float],
+) -> torch.Tensor:
+    """``query [S, Q, Hq, D]`` at positions ``q_pos [S, Q]`` of sequences with blocks ``block_ids
+    [S, n]`` (covering ``seq_lens [S]`` tokens) -> FP32 ``[S, Q, Hq, D]``.
+
+    All sequences' blocks are dequantized in one gather, padded to ``n`` blocks; positions at or
+    past a sequence's length are exact zeros and masked.
+    """
+    k = dequantize_tokens(cache, layout, "k", block_ids, k_scale, seq_lens)
+    v = dequantize_tokens(cache, layout, "v", block_ids, v_scale, seq_lens)
+    allowed = _allowed(q_pos, seq_lens, k.shape[2], sliding_window)
+    o = _attend(query.float().transpose(1, 2), k, v, allowed, softmax_scale, logits_soft_cap)
+    return o.transpose(1, 2)
 
 
 def paged_attention(
@@ -152,20 +235,29 @@ def paged_attention(
 ) -> torch.Tensor:
     """Paged causal attention reading K/V from the quantized cache (FP32 math). Writes ``out``.
 
-    Shapes as in :func:`vllm_nvfp4.ops.paged_attention`; one iteration per sequence.
+    Shapes as in :func:`vllm_nvfp4.ops.paged_attention`. Sequences with one query token (decode)
+    run as one batch; each sequence with several (prefill, chunked prefill) runs on its own, so a
+    long prompt never pads the decode batch.
     """
     del max_query_len, max_seq_len  # launch hints for the kernels; the torch path reads the tensors
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    bs = layout.block_size
-    for s, seq_len in enumerate(lens):
-        start, end = qsl[s], qsl[s + 1]
-        if end <= start:
-            continue
-        nblk = -(-seq_len // bs)
-        k, v = read_kv_from_cache(cache, layout, block_table[s, :nblk], k_scale, v_scale, seq_len)
-        o = attend_one_sequence(
-            query[start:end].float(), k, v, softmax_scale, sliding_window, logits_soft_cap
-        )
-        out[start:end] = o.to(out.dtype)
+    n_seq, bs = seq_lens.shape[0], layout.block_size
+    q_lens = query_start_loc[1:n_seq + 1] - query_start_loc[:n_seq]
+    single = torch.nonzero(q_lens == 1).flatten()
+    if single.numel():  # decode: one query token per sequence, all at once
+        rows = query_start_loc[single].long()
+        lens = seq_lens[single].long()
+        n_blk = int((lens.max() + bs - 1) // bs)
+        in_use = torch.arange(n_blk, device=lens.device).view(1, -1) < ((lens + bs - 1) // bs).view(-1, 1)
+        ids = torch.where(in_use, block_table[single, :n_blk].long(), 0)  # padding -> block 0, zeroed
+        o = _attend_paged(query[rows].unsqueeze(1), (lens - 1).view(-1, 1), cache, layout, k_scale,
+                          v_scale, ids, lens, softmax_scale, sliding_window, logits_soft_cap)
+        out[rows] = o.squeeze(1).to(out.dtype)
+    starts, lens_list = query_start_loc.tolist(), seq_lens.tolist()
+    for s in torch.nonzero(q_lens > 1).flatten().tolist():  # prefill / chunked prefill: one by one
+        start, end, seq_len = starts[s], starts[s + 1], lens_list[s]
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device).view(1, -1)
+        o = _attend_paged(query[start:end].unsqueeze(0), q_pos, cache, layout, k_scale, v_scale,
+                          block_table[s:s + 1, :-(-seq_len // bs)], seq_lens[s:s + 1], softmax_scale,
+                          sliding_window, logits_soft_cap)
+        out[start:end] = o[0].to(out.dtype)
     return out
