@@ -264,6 +264,20 @@ def test_dequantize_kv_bit_exact(kf, vf, h, d, b):
     for s, n in enumerate(lens.tolist()):
         filled[int(cu[s]) : int(cu[s]) + n] = True
     assert (outs["triton"][0][~filled] == 1234.5).all() and (outs["triton"][0][filled] != 1234.5).all()
+    # the last two sequences alone (first_seq=2), packed from row 0: the same rows
+    tail = torch.tensor([0, int(lens[2]), int(lens[2] + lens[3])], dtype=torch.int32)
+    k = torch.empty(int(tail[-1]), h, d, device=DEV)
+    v = torch.empty_like(k)
+    ops.dequantize_kv(batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+                      batch.seq_lens, tail.to(DEV), int(lens.max()), k, v, first_seq=2,
+                      backend="triton")
+    for s, start in ((2, 0), (3, int(lens[2]))):
+        n = int(lens[s])
+        assert torch.equal(k.cpu()[start:start + n], outs["torch"][0][int(cu[s]):int(cu[s]) + n])
+        assert torch.equal(v.cpu()[start:start + n], outs["torch"][1][int(cu[s]):int(cu[s]) + n])
+    with pytest.raises(ValueError, match=r"sequences \[3, 5\) are not all in seq_lens"):
+        ops.dequantize_kv(batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+                          batch.seq_lens, tail.to(DEV), int(lens.max()), k, v, first_seq=3)
 
 
 @pytest.mark.skipif(not CUDA, reason="the interpreter truncates FP32 -> bf16 instead of rounding")

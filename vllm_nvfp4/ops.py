@@ -214,16 +214,18 @@ def dequantize_kv(
     max_seq_len: int,
     k_out: torch.Tensor,
     v_out: torch.Tensor,
+    first_seq: int = 0,
     backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense K/V of whole sequences: positions ``[0, seq_lens[s])`` of sequence ``s`` go to rows
-    ``cu_seqlens[s] + pos`` of ``k_out``/``v_out``.
+    """Dense K/V of whole sequences: positions ``[0, seq_lens[s])`` of sequence
+    ``s = first_seq + i`` go to rows ``cu_seqlens[i] + pos`` of ``k_out``/``v_out``.
 
     Args:
         cache, layout, k_scale, v_scale: as in :func:`write_kv_cache`.
-        block_table: int32 ``[num_seqs, max_blocks]``; seq_lens: int32 ``[num_seqs]``;
-        cu_seqlens: int32 ``[num_seqs + 1]``, the output row where each sequence starts.
-        max_seq_len: host int, ``>= max(seq_lens)``.
+        block_table: int32 ``[batch, max_blocks]``; seq_lens: int32 ``[batch]``;
+        cu_seqlens: int32 ``[n + 1]``, the output row where each of the ``n`` sequences
+            ``first_seq .. first_seq + n - 1`` starts.
+        max_seq_len: host int, ``>=`` their lengths.
         k_out, v_out: ``[>= cu_seqlens[-1], num_kv_heads, head_dim]`` bf16/fp16/fp32,
             ``stride(-1) == 1``.
     Values are the FP32 dequantization (per-head scales applied) rounded once to the output
@@ -232,24 +234,24 @@ def dequantize_kv(
     layout.check_cache(cache)
     _check_heads("k_out", k_out, layout, ATTN_DTYPES)
     _check_heads("v_out", v_out, layout, ATTN_DTYPES)
-    num_seqs = seq_lens.shape[0]
-    for name, t, shape in (("block_table", block_table, None), ("seq_lens", seq_lens, (num_seqs,)),
-                           ("cu_seqlens", cu_seqlens, (num_seqs + 1,))):
-        if t.dtype != torch.int32 or (shape is not None and tuple(t.shape) != shape):
-            raise ValueError(f"{name} must be int32 {shape or '[num_seqs, max_blocks]'}, "
-                             f"got {t.dtype} {tuple(t.shape)}")
+    for name, t, nd in (("block_table", block_table, 2), ("seq_lens", seq_lens, 1),
+                        ("cu_seqlens", cu_seqlens, 1)):
+        if t.dtype != torch.int32 or t.dim() != nd:
+            raise ValueError(f"{name} must be a {nd}-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
         if t.device != cache.device:
             raise ValueError(f"{name} is on {t.device} but cache is on {cache.device}")
-    if block_table.dim() != 2 or block_table.shape[0] < num_seqs:
-        raise ValueError(f"block_table must be [>= {num_seqs}, max_blocks], got {tuple(block_table.shape)}")
+    end = first_seq + cu_seqlens.shape[0] - 1
+    if first_seq < 0 or cu_seqlens.shape[0] < 1 or end > min(seq_lens.shape[0], block_table.shape[0]):
+        raise ValueError(f"sequences [{first_seq}, {end}) are not all in seq_lens "
+                         f"{tuple(seq_lens.shape)} and block_table {tuple(block_table.shape)}")
     if k_out.shape[1] != layout.num_kv_heads or v_out.shape[1] != layout.num_kv_heads:
         raise ValueError(f"k_out/v_out must have {layout.num_kv_heads} KV heads, got "
                          f"{tuple(k_out.shape)} / {tuple(v_out.shape)}")
     _check_scales(layout, cache.device, k_scale=k_scale, v_scale=v_scale)
     if _backend(cache.device, backend) == "torch":
-        starts, lens = cu_seqlens.tolist(), seq_lens.tolist()
-        for s, (start, n) in enumerate(zip(starts, lens)):
-            ids = block_table[s, : -(-n // layout.block_size)]
+        starts, lens = cu_seqlens.tolist(), seq_lens[first_seq:end].tolist()
+        for i, (start, n) in enumerate(zip(starts, lens)):
+            ids = block_table[first_seq + i, : -(-n // layout.block_size)]
             k, v = paged_torch.read_kv_from_cache(cache, layout, ids, k_scale, v_scale, n)
             k_out[start:start + n] = k
             v_out[start:start + n] = v
@@ -258,5 +260,5 @@ def dequantize_kv(
     from vllm_nvfp4.kernels import dequant
 
     dequant.dequantize_kv(cache, layout, k_scale, v_scale, block_table, seq_lens, cu_seqlens,
-                          int(max_seq_len), k_out, v_out)
+                          int(max_seq_len), k_out, v_out, int(first_seq))
     return k_out, v_out

@@ -107,6 +107,7 @@ class Nvfp4MixedMetadata:
     # single-token decodes (vLLM reorders them first); the rest are the groups
     num_decodes: int = 0
     num_decode_tokens: int = 0
+    decode_max_seq_len: int = 0  # launch bound of those decodes
     prefill_groups: tuple[PrefillGroup, ...] = ()
 
 
@@ -125,6 +126,7 @@ class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._dense_prefill = dense_prefill_enabled(device)
         self._scratch_rows = scratch_rows(vllm_config)
+        self._max_model_len = vllm_config.model_config.max_model_len
         forward_context = vllm_config.compilation_config.static_forward_context
         for name in layer_names:
             index, row, layout = layer_plan(vllm_config, name)
@@ -133,10 +135,14 @@ class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> Nvfp4MixedMetadata:
         m = common_attn_metadata
+        # On CUDA, decode launches are sized for max_model_len, as the captured graphs are: the
+        # split count (a compile-time constant of the kernel) then never differs between eager
+        # steps and capture, so serving compiles nothing new (vLLM's JIT monitor warned of it).
+        decode_bound = self._max_model_len if self.device.type == "cuda" else m.max_seq_len
         meta = Nvfp4MixedMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
-            max_seq_len=m.max_seq_len,
+            max_seq_len=decode_bound if m.max_query_len <= 1 else m.max_seq_len,
             query_start_loc=m.query_start_loc,
             seq_lens=m.seq_lens,
             block_table=m.block_table_tensor,
@@ -152,11 +158,11 @@ class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
                                      seq_lens_cpu[: m.num_reqs], num_decodes,
                                      self._scratch_rows, self.device)
         return replace(meta, num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
-                       prefill_groups=groups)
+                       decode_max_seq_len=decode_bound, prefill_groups=groups)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
                                     ) -> Nvfp4MixedMetadata:
         # The host ints are launch bounds baked into the graph: size them for the worst case.
         meta = self.build(0, common_attn_metadata)
-        return replace(meta, max_seq_len=self.vllm_config.model_config.max_model_len)
+        return replace(meta, max_seq_len=self._max_model_len)
 

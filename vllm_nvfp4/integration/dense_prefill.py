@@ -133,13 +133,12 @@ def dense_prefill(query: torch.Tensor, out: torch.Tensor, pages: torch.Tensor,
     tokens into ``out`` (same shape), K/V dequantized from ``pages`` into dense scratch.
 
     ``attention`` is a FlashAttention-style ``flash_attn_varlen_func``."""
-    rows = slice(group.req_begin, group.req_end)
     toks = slice(group.tok_begin, group.tok_end)
     shape = (group.total_kv, layout.num_kv_heads, layout.head_dim)
     k = torch.empty(shape, dtype=query.dtype, device=query.device)
     v = torch.empty(shape, dtype=query.dtype, device=query.device)
-    ops.dequantize_kv(pages, layout, k_scale, v_scale, block_table[rows], seq_lens[rows],
-                      group.cu_seqlens_k, group.max_seq_len, k, v)
+    ops.dequantize_kv(pages, layout, k_scale, v_scale, block_table, seq_lens, group.cu_seqlens_k,
+                      group.max_seq_len, k, v, first_seq=group.req_begin)
     attention(q=query[toks], k=k, v=v, max_seqlen_q=group.max_query_len,
               cu_seqlens_q=group.cu_seqlens_q, max_seqlen_k=group.max_seq_len,
               cu_seqlens_k=group.cu_seqlens_k, softmax_scale=softmax_scale, causal=True,

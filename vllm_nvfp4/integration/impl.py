@@ -168,7 +168,7 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         d, nd = m.num_decodes, m.num_decode_tokens
         if d:
             self._paged(query[:nd], pages, m.block_table[:d], m.seq_lens[:d],
-                        m.query_start_loc[: d + 1], 1, m.max_seq_len, output[:nd])
+                        m.query_start_loc[: d + 1], 1, m.decode_max_seq_len, output[:nd])
         attention, fa_version = flash_varlen()
         for group in m.prefill_groups:
             dense_prefill(query, output, pages, self.layout, self.k_scale, self.v_scale,
