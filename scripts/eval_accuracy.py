@@ -91,8 +91,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--gsm8k-n", type=int, default=0, help="GSM8K questions per config via lm_eval (0: skip; -1: all 1319)")
     ap.add_argument("--gsm8k-n-nvfp4", type=int, default=None,
                     help="questions for the nvfp4_mixed configs (default: --gsm8k-n). On a CPU our torch decode "
-                         "path re-reads the whole context every step and is far slower than vLLM's own kernels; "
-                         "paired differences use the questions both runs share")
+                         "path dequantizes the whole context every step and is several times slower than vLLM's "
+                         "own kernels; paired differences use the questions both runs share")
+    ap.add_argument("--gsm8k-configs", default=None,
+                    help="comma-separated subset of --configs that run GSM8K (default: all of them)")
     ap.add_argument("--gsm8k-data", type=Path, default=None, help="GSM8K test JSONL (default: the prepared asset)")
     ap.add_argument("--gsm8k-max-model-len", type=int, default=4096, help="max_model_len of the lm-eval engines")
     ap.add_argument("--max-num-seqs", type=int, default=16, help="engine max_num_seqs (default 16)")
@@ -113,6 +115,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if (args.gsm8k_n or args.gsm8k_n_nvfp4) and (args.gsm8k_data is None or not args.gsm8k_data.is_file()):
         ap.error("no GSM8K data: pass --gsm8k-data FILE or run python scripts/prepare_assets.py gsm8k")
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if args.gsm8k_configs is None:
+        args.gsm8k_configs = list(args.configs)
+    else:
+        args.gsm8k_configs = [c.strip() for c in args.gsm8k_configs.split(",") if c.strip()]
+        unknown = [c for c in args.gsm8k_configs if c not in args.configs]
+        if unknown:
+            ap.error(f"--gsm8k-configs {','.join(unknown)}: not in --configs ({','.join(args.configs)})")
     return args
 
 
@@ -243,7 +252,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "started_utc": started.isoformat(timespec="seconds"), "argv": sys.argv, "versions": versions(),
         "settings": {"nll_windows": len(windows), "window_tokens": args.window_tokens, "text": str(args.text),
                      "passkey_context": args.passkey_context, "passkey_depths": depths, "gsm8k_n": args.gsm8k_n,
-                     "gsm8k_n_nvfp4": args.gsm8k_n_nvfp4,
+                     "gsm8k_n_nvfp4": args.gsm8k_n_nvfp4, "gsm8k_configs": args.gsm8k_configs,
                      "engine_kwargs": engine_kwargs, "kv_cache_space_bytes": kv_space,
                      "policy": str(args.policy) if args.policy else None,
                      "policy_sha256": hashlib.sha256(args.policy.read_bytes()).hexdigest() if args.policy else None,
@@ -281,7 +290,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             r["passkey"] = passkey.score(trials, [WindowScores.from_dict(w) for w in er["passkey"]])
             log(f"{cfg.name}: passkey {r['passkey']['correct']}/{len(trials)}")
     for cfg in configs:  # phase 2: GSM8K through the lm_eval command line
-        if not (args.gsm8k_n_nvfp4 if cfg.kv_cache_dtype == OURS else args.gsm8k_n):
+        if cfg.name not in args.gsm8k_configs or not (args.gsm8k_n_nvfp4 if cfg.kv_cache_dtype == OURS else args.gsm8k_n):
             continue
         r = results["configs"][cfg.name]
         try:
@@ -325,7 +334,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     md = [f"# Accuracy: {results['model_name']}", "",
           f"{results['started_utc']} - {results['finished_utc']}; {len(windows)} x {args.window_tokens}-token windows; "
           f"passkey at {args.passkey_context} tokens x {len(trials)}; GSM8K n={args.gsm8k_n} "
-          f"(nvfp4_mixed configs: {args.gsm8k_n_nvfp4})", "",
+          f"(nvfp4_mixed configs: {args.gsm8k_n_nvfp4}; run for {', '.join(args.gsm8k_configs)})", "",
           markdown_table(results), "", targets_markdown(results["targets"]), ""]
     if results.get("noise_floor"):
         nf = results["noise_floor"]["delta_nll"]
