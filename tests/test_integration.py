@@ -137,6 +137,74 @@ def test_rebind_after_inference_mode_updates_scales_in_place():
     assert impl.k_scale.tolist() == [0.75, 1.5] and impl.v_scale.tolist() == [0.125, 0.125]
 
 
+def _impl_step(row, kf: str, vf: str, query, key, value):
+    """Bind an impl to a one-layer policy row, write ``key``/``value [T, 2, 64]`` as one prefill
+    of a single sequence and return its attention output for ``query [T, 4, 64]`` (CPU path)."""
+    from types import SimpleNamespace
+
+    from vllm_nvfp4.integration.backend import Nvfp4MixedMetadata
+    from vllm_nvfp4.integration.impl import Nvfp4MixedImpl
+    from vllm_nvfp4.layout import KVPageLayout
+
+    config = SimpleNamespace(model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2),
+                             parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    layout = KVPageLayout(2, 64, 16, kf, vf)
+    impl = Nvfp4MixedImpl(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2)
+    impl.bind("layers.0", 0, row, layout, config, torch.device("cpu"))
+    t = key.shape[0]
+    blocks = -(-t // 16) + 1
+    cache = torch.zeros(blocks, layout.page_bytes, dtype=torch.uint8).view(
+        blocks, 1, 16, layout.bytes_per_token)
+    slots = torch.arange(t) + 16  # block 1 onwards
+    impl.do_kv_cache_update(None, key, value, cache, slots)
+    meta = Nvfp4MixedMetadata(
+        num_actual_tokens=t, max_query_len=t, max_seq_len=t,
+        query_start_loc=torch.tensor([0, t], dtype=torch.int32),
+        seq_lens=torch.tensor([t], dtype=torch.int32),
+        block_table=torch.arange(1, blocks, dtype=torch.int32)[None], slot_mapping=slots)
+    return impl.forward(None, query, key, value, cache, meta, torch.empty_like(query))
+
+
+@pytest.mark.parametrize("kf,vf", [("nvfp4", "nvfp4"), ("fp8", "nvfp4")])
+def test_k_smoothing_cancels_in_attention(kf, vf):
+    """K / lam in the cache and q * lam: with power-of-two factors constant over each 16-channel
+    NVFP4 block the stored codes are the same, so the output equals the unsmoothed one; outlier
+    channels that would zero their block neighbours are repaired by real factors."""
+    from vllm_nvfp4.policy import LayerPolicy
+
+    gen = torch.Generator().manual_seed(7)
+    t = 37
+    query = torch.randn(t, 4, 64, generator=gen)
+    key = torch.randn(t, 2, 64, generator=gen)
+    value = torch.randn(t, 2, 64, generator=gen)
+    lam = torch.tensor([2.0 ** (c // 16 % 3) for c in range(64)]).repeat(2, 1)
+    lam[1] *= 0.5
+    plain = _impl_step(LayerPolicy(kf, vf), kf, vf, query, key, value)
+    smooth = _impl_step(LayerPolicy(kf, vf, k_smooth=lam.tolist()), kf, vf, query, key, value)
+    # (FP8 K: values in E4M3's subnormal range round on an absolute grid, so not bit-exact)
+    tol = 1e-6 if kf == "nvfp4" else 2e-3
+    torch.testing.assert_close(smooth, plain, rtol=tol, atol=tol)
+
+    # outlier channels (x20) in every 16-block: smoothing them down cuts the attention error
+    from vllm_nvfp4.paged_torch import attend_one_sequence
+
+    key[:, :, ::16] *= 20.0
+    exact = attend_one_sequence(query.double(), key.double(), value.double(), 0.125)
+    amax = key.abs().amax(dim=0)  # [2, 64]
+    lam = (amax / amax.mean(dim=1, keepdim=True)).clamp(min=1.0)
+    errors = []
+    for k_in, smooth in ((key, None), (key / lam, lam.tolist())):
+        a = k_in.abs().amax().item()
+        row = LayerPolicy(kf, "fp8", k_scale=a / 448, k_global_scale=a / 2688,
+                          v_scale=value.abs().amax().item() / 448, k_smooth=smooth)
+        out = _impl_step(row, kf, "fp8", query, key, value)  # V in FP8: K's error dominates
+        errors.append(((out.double() - exact).norm() / exact.norm()).item())
+    if kf == "nvfp4":
+        assert errors[1] < 0.7 * errors[0], errors
+    else:  # FP8 rounds each element on its own: smoothing neither helps nor hurts much
+        assert errors[1] < 1.5 * errors[0], errors
+
+
 def test_page_view_refuses_split_or_strided_blocks():
     from vllm_nvfp4.integration.impl import page_view
     from vllm_nvfp4.layout import KVPageLayout

@@ -139,6 +139,43 @@ def test_per_head_scales_quantize_each_head_with_its_own_scale():
         fake_quantize(x, "fp8", [0.1, 0.2])
 
 
+def test_k_smoothing_is_q_times_lam_and_k_over_lam_before_quantization():
+    """The hook smooths exactly like the integration: the cache holds quantize(K / lam), the
+    query is multiplied by lam; unquantized (FP8 at a tiny scale is near-lossless) the logits
+    do not move, and the observer's channel amax feeds the factors."""
+    from vllm_nvfp4.calibration.kv_hooks import smooth_keys
+    from vllm_nvfp4.calibration.scales import smoothing_factors
+
+    q = torch.randn(1, 4, 6, 32)
+    k = torch.randn(1, 2, 6, 32)
+    lam = torch.rand(2, 32) * 3 + 1
+    qs, ks = smooth_keys(q, k, lam)
+    torch.testing.assert_close(qs[:, 2:] / lam[1, None, :], q[:, 2:])  # heads 2, 3 use KV head 1
+    torch.testing.assert_close(qs @ ks.repeat_interleave(2, 1).transpose(-1, -2),
+                               q @ k.repeat_interleave(2, 1).transpose(-1, -2), rtol=1e-5, atol=1e-5)
+    amax = torch.tensor([[1.0, 1.0, 1.0, 5.0], [2.0, 2.0, 2.0, 2.0]])
+    torch.testing.assert_close(smoothing_factors(amax, 1.0),
+                               torch.tensor([[1.0, 1.0, 1.0, 2.5], [1.0, 1.0, 1.0, 1.0]]))
+    torch.testing.assert_close(smoothing_factors(amax, 0.5)[0, 3], torch.tensor(2.5 ** 0.5))
+
+    model = tiny_model(num_layers=2)
+    ids = _ids()
+    obs = KVObserver(2)
+    with torch.no_grad(), kv_cache_quantization(model, observer=obs):
+        model(ids, use_cache=False)
+    assert obs.k_channel_amax[0].shape == (2, model.config.head_dim)
+    torch.testing.assert_close(obs.k_channel_amax[0].amax(dim=1), obs.k_amax[0])
+    lam = smoothing_factors(obs.k_channel_amax[0], 1.0) * 4.0  # x4: far from the identity
+    scaled = [(float(obs.k_amax[i].max()) / 448, float(obs.v_amax[i].max()) / 448) for i in range(2)]
+    base = KVPolicy.from_compact("*:fp8", 2)
+    for i, (ks, vs) in enumerate(scaled):
+        base = base.with_layer(i, k_scale=ks, v_scale=vs)
+    smoothed = base.with_layer(0, k_scale=scaled[0][0] / 4.0, k_smooth=lam.tolist())
+    ref = _logits(model, ids)
+    kl_base, kl_smooth = _kl(ref, _logits(model, ids, base)), _kl(ref, _logits(model, ids, smoothed))
+    assert kl_smooth < 2 * kl_base + 1e-5, (kl_smooth, kl_base)  # the factors cancel
+
+
 def test_missing_scales_use_policy_defaults():
     model = tiny_model(num_layers=2)
     ids = _ids()

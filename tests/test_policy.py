@@ -71,6 +71,23 @@ def test_json_round_trip_with_scales_and_provenance(tmp_path):
     p.save(path, overwrite=True)
 
 
+def test_k_smooth_round_trips_and_is_checked(tmp_path):
+    rows = [[1.0, 2.0, 4.0, 1.5], [1.0, 1.0, 3.0, 1.0]]
+    p = KVPolicy.from_compact("*:nvfp4", 2).with_layer(1, k_smooth=rows)
+    q = KVPolicy.load(p.save(tmp_path / "policy.json"))
+    assert q.layers == p.layers and q.layers[1].k_smooth == tuple(map(tuple, rows))
+    assert q.to_dict()["layers"][1]["k_smooth"] == rows and "k_smooth" not in q.to_dict()["layers"][0]
+    assert "K smoothed" in q.describe().splitlines()[2]
+    q.check_model(2, num_kv_heads=2)
+    with pytest.raises(PolicyError, match="layer 1 k_smooth has 2 per-head values"):
+        q.check_model(2, num_kv_heads=4)
+    for bad, match in (([[1.0, 0.0]], "finite numbers > 0"), ([[1.0, 2.0], [1.0]], "differ in length"),
+                       ([1.0, 2.0], "one per KV head"), ([], "one per KV head"),
+                       ([[1.0, float("inf")]], "finite numbers > 0")):
+        with pytest.raises(PolicyError, match=match):
+            LayerPolicy("nvfp4", "nvfp4", k_smooth=bad)
+
+
 def _write(tmp_path, data) -> str:
     path = tmp_path / "p.json"
     path.write_text(data if isinstance(data, str) else json.dumps(data))

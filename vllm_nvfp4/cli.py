@@ -49,6 +49,10 @@ def _model_args(p: argparse.ArgumentParser, default_windows: int) -> None:
     p.add_argument("--windows", type=_positive(int), default=default_windows,
                    help=f"number of windows (default {default_windows})")
     p.add_argument("--per-head", action="store_true", help="one scale per KV head instead of per layer")
+    p.add_argument("--k-smooth", type=_positive(float), default=None, metavar="ALPHA",
+                   help="K smoothing: divide each K channel by max(1, (amax_c / mean amax)^ALPHA) "
+                        "and multiply queries back (try 1.0 for models with outlier K channels, "
+                        "e.g. Qwen2.5)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="model dtype (default bfloat16, the reference for all damages)")
 
@@ -131,7 +135,8 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     _check_model_dir(a.model, a.window, a.policy)
     _check_data(a.data)
     _check_writable_file(a.out, a.force, "--out")
-    policy = run_calibrate(a.model, a.data, a.policy, a.window, a.windows, a.per_head, a.dtype)
+    policy = run_calibrate(a.model, a.data, a.policy, a.window, a.windows, a.per_head, a.dtype,
+                           a.k_smooth)
     policy.save(a.out, overwrite=a.force)
     print(f"wrote {a.out}: {policy.to_compact()} ({policy.fraction_of_fp8():.4f}x FP8 bytes)")
     return 0
@@ -149,7 +154,7 @@ def cmd_analyze(a: argparse.Namespace) -> int:
         raise UsageError(f"--out {a.out} already holds a report; refusing to overwrite it (use --force)")
     scales = KVPolicy.load(a.scales) if a.scales is not None else None
     report = analyze(a.model, a.data, a.out, a.window, a.windows, a.calib_windows, scales,
-                     a.per_head, a.dtype, reuse_prefix=not a.no_prefix_reuse)
+                     a.per_head, a.dtype, reuse_prefix=not a.no_prefix_reuse, k_smooth=a.k_smooth)
     for stale in a.out.glob("selection-*.json"):  # belong to the previous analysis
         stale.unlink()
     paths = render(a.out)

@@ -12,6 +12,10 @@ Two forms, both round-trip:
      "provenance": {...free-form: tool version, model hash, data, metrics...}}
 
   Each scale is optional, a positive finite number or a per-KV-head list of them.
+  Optional ``"k_smooth"``: per KV head, ``head_dim`` positive factors ``lam`` (K smoothing, as in
+  SmoothAttention): the cache stores ``K / lam`` (the K scale calibrated on ``K / lam``) and every
+  query is multiplied by ``lam`` of its KV head, so ``q . k`` is unchanged before quantization
+  while outlier channels no longer set the 16-value NVFP4 block scales of their neighbours.
 
 * Compact string (formats only, no scales): comma-separated ``RANGE:SPEC`` items, e.g.
   ``0-1:fp8,2-27:nvfp4,28-29:fp8``. ``RANGE`` is ``i``, ``i-j`` (inclusive) or ``*`` (every layer
@@ -54,6 +58,7 @@ DEFAULT_NVFP4_GLOBAL_SCALE = 1.0 / 6.0
 SCALE_FIELDS = ("k_scale", "v_scale", "k_global_scale", "v_global_scale")
 
 Scale = Union[float, tuple[float, ...]]
+Smooth = tuple[tuple[float, ...], ...]  # [kv_heads][head_dim]
 
 
 class PolicyError(ValueError):
@@ -76,6 +81,24 @@ def _check_scale(value: Any, where: str) -> Optional[Scale]:
     return tuple(out) if isinstance(value, (list, tuple)) else out[0]
 
 
+def _check_smooth(value: Any, where: str) -> Optional[Smooth]:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not value or not all(
+            isinstance(h, (list, tuple)) and h for h in value):
+        raise PolicyError(f"{where}: k_smooth must be a non-empty list (one per KV head) of "
+                          f"non-empty lists (one factor per channel)")
+    if len({len(h) for h in value}) != 1:
+        raise PolicyError(f"{where}: k_smooth lists differ in length {sorted({len(h) for h in value})}")
+    heads = []
+    for h in value:
+        for v in h:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise PolicyError(f"{where}: k_smooth factors must be finite numbers > 0, got {v!r}")
+        heads.append(tuple(float(v) for v in h))
+    return tuple(heads)
+
+
 @dataclass(frozen=True)
 class LayerPolicy:
     """Formats and (optional) calibrated scales of one attention layer's K and V."""
@@ -86,6 +109,7 @@ class LayerPolicy:
     v_scale: Optional[Scale] = None
     k_global_scale: Optional[Scale] = None
     v_global_scale: Optional[Scale] = None
+    k_smooth: Optional[Smooth] = None
 
     def __post_init__(self) -> None:
         for name in ("k", "v"):
@@ -95,6 +119,7 @@ class LayerPolicy:
                 raise PolicyError(str(e)) from None
         for name in SCALE_FIELDS:
             object.__setattr__(self, name, _check_scale(getattr(self, name), name))
+        object.__setattr__(self, "k_smooth", _check_smooth(self.k_smooth, "k_smooth"))
 
     def format_of(self, kv: str) -> str:
         """Format of ``"k"`` or ``"v"``."""
@@ -190,7 +215,7 @@ class KVPolicy:
                 raise PolicyError(f"{where}: must be an object")
             if entry.get("index", pos) != pos:
                 raise PolicyError(f"{where}: index {entry.get('index')} out of order (expected {pos})")
-            unknown = set(entry) - {"index", "k", "v", *SCALE_FIELDS}
+            unknown = set(entry) - {"index", "k", "v", *SCALE_FIELDS, "k_smooth"}
             if unknown:
                 raise PolicyError(f"{where}: unknown keys {sorted(unknown)}")
             if "k" not in entry or "v" not in entry:
@@ -210,7 +235,7 @@ class KVPolicy:
             entry: dict[str, Any] = {"index": i}
             for key, val in asdict(lp).items():
                 if val is not None:
-                    entry[key] = list(val) if isinstance(val, tuple) else val
+                    entry[key] = _to_json(val)
             layers.append(entry)
         return {
             "format": POLICY_FORMAT,
@@ -253,7 +278,7 @@ class KVPolicy:
         if num_kv_heads is None:
             return
         for i, lp in enumerate(self.layers):
-            for name in SCALE_FIELDS:
+            for name in (*SCALE_FIELDS, "k_smooth"):
                 val = getattr(lp, name)
                 if isinstance(val, tuple) and len(val) != num_kv_heads:
                     raise PolicyError(
@@ -285,8 +310,15 @@ class KVPolicy:
                  f"({self.fraction_of_fp8():.3f}x FP8 bytes)"]
         for i, lp in enumerate(self.layers):
             ks, vs = lp.quant_scale("k"), lp.quant_scale("v")
-            lines.append(f"  layer {i:3d}: K {lp.k:5s} scale {_fmt_scale(ks)}  V {lp.v:5s} scale {_fmt_scale(vs)}")
+            smooth = "  K smoothed" if lp.k_smooth else ""
+            lines.append(f"  layer {i:3d}: K {lp.k:5s} scale {_fmt_scale(ks)}  V {lp.v:5s} "
+                         f"scale {_fmt_scale(vs)}{smooth}")
         return "\n".join(lines)
+
+
+def _to_json(val: Any) -> Any:
+    """Tuples (per-head scales, k_smooth rows) as JSON lists, recursively."""
+    return [_to_json(v) for v in val] if isinstance(val, tuple) else val
 
 
 def default_policy(num_layers: int) -> KVPolicy:

@@ -100,12 +100,14 @@ def fake_quantize(
 
 # ---------------------------------------------------------------------------- observation
 class KVObserver:
-    """Running per-layer, per-KV-head amax of K and V (FP32 tensors ``[kv_heads]``)."""
+    """Running per-layer, per-KV-head amax of K and V (FP32 tensors ``[kv_heads]``), and of
+    every K channel (``k_channel_amax``: ``[kv_heads, head_dim]``, the input of K smoothing)."""
 
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
         self.k_amax: list[Optional[torch.Tensor]] = [None] * num_layers
         self.v_amax: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.k_channel_amax: list[Optional[torch.Tensor]] = [None] * num_layers
         self.tokens: list[int] = [0] * num_layers
 
     def observe(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -117,6 +119,9 @@ class KVObserver:
             amax = t32.abs().amax(dim=(0, 2, 3)).cpu()  # [kv_heads]
             prev = getattr(self, name)[layer]
             getattr(self, name)[layer] = amax if prev is None else torch.maximum(prev, amax)
+        channels = key.detach().float().abs().amax(dim=(0, 2)).cpu()  # [kv_heads, head_dim]
+        prev = self.k_channel_amax[layer]
+        self.k_channel_amax[layer] = channels if prev is None else torch.maximum(prev, channels)
         self.tokens[layer] += key.shape[0] * key.shape[2]
 
     def missing_layers(self) -> list[int]:
@@ -131,6 +136,7 @@ class _LayerQuant:
     v_fmt: str
     k_scale: ScaleArg
     v_scale: ScaleArg
+    k_smooth: Optional[torch.Tensor] = None  # FP32 [kv_heads, head_dim]
 
 
 def _layer_quants(policy: KVPolicy) -> list[_LayerQuant]:
@@ -143,8 +149,20 @@ def _layer_quants(policy: KVPolicy) -> list[_LayerQuant]:
             if s is None:
                 s = DEFAULT_FP8_SCALE if lp.format_of(kv) == "fp8" else DEFAULT_NVFP4_GLOBAL_SCALE
             scales.append(s)
-        out.append(_LayerQuant(lp.k, lp.v, scales[0], scales[1]))
+        smooth = None if lp.k_smooth is None else torch.tensor(lp.k_smooth, dtype=torch.float32)
+        out.append(_LayerQuant(lp.k, lp.v, scales[0], scales[1], smooth))
     return out
+
+
+def smooth_keys(query: torch.Tensor, key: torch.Tensor, lam: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K smoothing: ``(query * lam, key / lam)`` per channel in FP32, cast back to each input's
+    dtype. ``query [b, q_heads, s, d]``, ``key [b, kv_heads, s, d]``, ``lam [kv_heads, d]`` (a
+    query head uses the factors of its KV head)."""
+    lam = lam.to(key.device)
+    group = query.shape[1] // key.shape[1]
+    q = (query.float() * lam.repeat_interleave(group, dim=0)[:, None, :]).to(query.dtype)
+    return q, (key.float() / lam[:, None, :]).to(key.dtype)
 
 
 @dataclass
@@ -174,6 +192,8 @@ def _make_wrapper(base_name: str) -> Callable[..., Any]:
                 state.observer.observe(layer, key, value)
             if state.quants is not None:
                 lq = state.quants[layer]
+                if lq.k_smooth is not None:
+                    query, key = smooth_keys(query, key, lq.k_smooth)
                 key = fake_quantize(key, lq.k_fmt, lq.k_scale, state.nonfinite).to(query.dtype)
                 value = fake_quantize(value, lq.v_fmt, lq.v_scale, state.nonfinite).to(query.dtype)
         if base_name == "eager":  # not in the registry: every model ships its own; Llama's is generic

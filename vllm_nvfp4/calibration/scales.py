@@ -5,11 +5,17 @@ Conventions (DESIGN.md section 3, :mod:`vllm_nvfp4.formats`): FP8 ``scale = amax
 so a policy can switch a layer's format later without recalibrating. ``amax`` is the largest
 ``|K|`` (post-RoPE) or ``|V|`` seen over the calibration windows - per KV head with ``per_head``,
 else over all heads of the layer. A layer whose amax is 0 keeps the defaults (no scale written).
+
+K smoothing (``k_smooth_alpha``): per KV head and channel ``c``, ``lam_c = max(1, (a_c /
+mean(a))^alpha)`` from the channel amax ``a_c`` of K, so channels far above the head's typical
+magnitude are divided down (the query is multiplied back, :mod:`vllm_nvfp4.policy`); the K scales
+are then calibrated on ``K / lam`` (its amax per head is ``max_c a_c / lam_c``).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Mapping, Optional
 
 import torch
@@ -49,18 +55,35 @@ def _scales(amax: torch.Tensor, per_head: bool) -> tuple[Optional[Scale], Option
             tuple(float(s) for s in nvfp4_global_scale(amax)))
 
 
+def smoothing_factors(channel_amax: torch.Tensor, alpha: float) -> torch.Tensor:
+    """K smoothing factors ``[kv_heads, head_dim]`` from the channel amax of K (module doc)."""
+    if alpha <= 0:
+        raise ValueError(f"the K smoothing exponent must be > 0, got {alpha}")
+    mean = channel_amax.mean(dim=1, keepdim=True)
+    ratio = torch.where(mean > 0, channel_amax / mean.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
+    return ratio.pow(alpha).clamp(min=1.0)
+
+
 def scaled_policy(formats: KVPolicy, observer: KVObserver, per_head: bool = False,
-                  provenance: Optional[Mapping[str, Any]] = None) -> KVPolicy:
-    """``formats`` (formats only) with calibrated scales from ``observer`` for every layer."""
+                  provenance: Optional[Mapping[str, Any]] = None,
+                  k_smooth_alpha: Optional[float] = None) -> KVPolicy:
+    """``formats`` (formats only) with calibrated scales from ``observer`` for every layer, and
+    K smoothing factors when ``k_smooth_alpha`` is given."""
     if formats.num_layers != observer.num_layers:
         raise ValueError(f"formats cover {formats.num_layers} layers, amax {observer.num_layers}")
     layers = []
     for i, lp in enumerate(formats.layers):
-        k8, k4 = _scales(observer.k_amax[i], per_head)  # type: ignore[arg-type]
+        k_amax, smooth = observer.k_amax[i], None
+        if k_smooth_alpha is not None:
+            lam = smoothing_factors(observer.k_channel_amax[i], k_smooth_alpha)  # type: ignore[arg-type]
+            k_amax = (observer.k_channel_amax[i] / lam).amax(dim=1)  # type: ignore[operator]
+            smooth = tuple(tuple(float(x) for x in row) for row in lam)
+        k8, k4 = _scales(k_amax, per_head)  # type: ignore[arg-type]
         v8, v4 = _scales(observer.v_amax[i], per_head)  # type: ignore[arg-type]
         if None in (k8, v8):
             logger.warning("layer %d: K or V was all zeros during calibration; keeping default scales", i)
-        layers.append(LayerPolicy(lp.k, lp.v, k_scale=k8, v_scale=v8, k_global_scale=k4, v_global_scale=v4))
+        layers.append(LayerPolicy(lp.k, lp.v, k_scale=k8, v_scale=v8, k_global_scale=k4,
+                                  v_global_scale=v4, k_smooth=smooth))
     return KVPolicy(tuple(layers), provenance=dict(provenance or {}), source="calibration")
 
 
@@ -80,9 +103,5 @@ def with_formats(scaled: KVPolicy, formats: KVPolicy, provenance: Optional[Mappi
     """``formats``' per-layer formats combined with ``scaled``'s calibrated scales."""
     if scaled.num_layers != formats.num_layers:
         raise ValueError(f"scales cover {scaled.num_layers} layers, formats {formats.num_layers}")
-    layers = tuple(
-        LayerPolicy(f.k, f.v, k_scale=s.k_scale, v_scale=s.v_scale,
-                    k_global_scale=s.k_global_scale, v_global_scale=s.v_global_scale)
-        for s, f in zip(scaled.layers, formats.layers)
-    )
+    layers = tuple(replace(s, k=f.k, v=f.v) for s, f in zip(scaled.layers, formats.layers))
     return KVPolicy(layers, provenance=dict(provenance or {}), source=source)

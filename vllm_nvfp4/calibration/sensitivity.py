@@ -59,6 +59,7 @@ def analyze(
     per_head: bool = False,
     dtype: str = "bfloat16",
     reuse_prefix: bool = True,
+    k_smooth: Optional[float] = None,
 ) -> dict[str, Any]:
     """Run the sensitivity analysis and write ``out_dir/sensitivity.json`` (+ ``scales.json``).
 
@@ -68,6 +69,7 @@ def analyze(
             when ``scales`` is given), the next ``windows`` windows of ``window`` tokens are scored.
         scales: a calibrated policy (``vllm-nvfp4 calibrate``) whose scales to use.
         per_head: calibrate one scale per KV head instead of one per layer.
+        k_smooth: with calibration, the K smoothing exponent (None: no smoothing).
     Returns:
         The report dictionary (also written as JSON).
     """
@@ -78,7 +80,8 @@ def analyze(
     if scales is None:
         observer = observe_amax(model, toks.calib, info.num_layers)
         formats = KVPolicy.from_compact("*:fp8", info.num_layers)
-        scaled = scaled_policy(formats, observer, per_head, {"calibrated_on": toks.describe()})
+        scaled = scaled_policy(formats, observer, per_head, {"calibrated_on": toks.describe()},
+                               k_smooth)
         amax = amax_table(observer)
     else:
         scales.check_model(info.num_layers, info.num_kv_heads)

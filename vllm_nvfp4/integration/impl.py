@@ -8,7 +8,7 @@ which runs the Triton kernels on CUDA and the torch reference on CPU.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, TypeVar
 
 import torch
 from vllm.config.vllm import get_current_vllm_config_or_none
@@ -29,8 +29,17 @@ from vllm_nvfp4.integration.dense_prefill import (
 )
 from vllm_nvfp4.integration.dtype import CACHE_DTYPE
 
-logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
+logger = logging.getLogger(f"vllm.{__name__}")
+T = TypeVar("T")  # under "vllm": vLLM's log handlers
 _warned_default_scales = False
+
+
+def rank_heads(per_head: Sequence[T], total_heads: int, num_heads: int, tp_rank: int,
+               tp_size: int) -> list[T]:
+    """This rank's entries of a per-KV-head list (heads split across ranks, or replicated)."""
+    if total_heads >= tp_size:
+        return list(per_head[tp_rank * num_heads:(tp_rank + 1) * num_heads])
+    return [per_head[tp_rank * total_heads // tp_size]] * num_heads
 
 
 def rank_scales(scale: Optional[Scale], fmt: str, total_heads: int, num_heads: int,
@@ -40,9 +49,7 @@ def rank_scales(scale: Optional[Scale], fmt: str, total_heads: int, num_heads: i
         return [DEFAULT_FP8_SCALE if fmt == "fp8" else DEFAULT_NVFP4_GLOBAL_SCALE] * num_heads
     if not isinstance(scale, tuple):
         return [float(scale)] * num_heads
-    if total_heads >= tp_size:  # heads split across ranks
-        return list(scale[tp_rank * num_heads:(tp_rank + 1) * num_heads])
-    return [scale[tp_rank * total_heads // tp_size]] * num_heads  # replicated KV head
+    return rank_heads(scale, total_heads, num_heads, tp_rank, tp_size)
 
 
 def page_view(kv_cache: torch.Tensor, layout: KVPageLayout) -> torch.Tensor:
@@ -91,6 +98,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         self.layout: Optional[KVPageLayout] = None
         self.k_scale: Optional[torch.Tensor] = None  # float32 [num_kv_heads], persistent
         self.v_scale: Optional[torch.Tensor] = None
+        self.k_smooth: Optional[torch.Tensor] = None  # float32 [num_kv_heads, D]: cache holds K / it
+        self.q_smooth: Optional[torch.Tensor] = None  # float32 [num_heads, D]: queries times it
         self._pages: Optional[torch.Tensor] = None
         self._pages_of: Optional[torch.Tensor] = None
         config = get_current_vllm_config_or_none()  # set while vLLM builds the model's layers
@@ -117,13 +126,22 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
                 "%d); using the defaults FP8 scale %.4g and NVFP4 global scale %.4g (|x| <= 448 "
                 "representable). Calibrate the model for accuracy.",
                 index, DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE)
+        tensors = {f"{kv}_scale": vals for kv, vals in values.items()}
+        if row.k_smooth is not None:
+            k_rows = rank_heads(row.k_smooth, total, self.num_kv_heads, tp_rank, tp_size)
+            if len(k_rows[0]) != self.head_size:
+                raise RuntimeError(f"{layer_name}: the policy's k_smooth has {len(k_rows[0])} "
+                                   f"factors per head, the layer's head size is {self.head_size}")
+            group = self.num_heads // self.num_kv_heads
+            tensors.update(k_smooth=k_rows, q_smooth=[r for r in k_rows for _ in range(group)])
+        elif self.k_smooth is not None:
+            raise RuntimeError(f"{layer_name}: rebinding cannot drop K smoothing")
         # vLLM binds twice (once inside inference mode while it sizes CUDA-graph memory, then
-        # outside it for the real cache): keep the scales normal tensors so the in-place update
+        # outside it for the real cache): keep these normal tensors so the in-place update
         # is legal in both places.
         with torch.inference_mode(False):
-            for kv, vals in values.items():
+            for attr, vals in tensors.items():
                 new = torch.tensor(vals, dtype=torch.float32)
-                attr = f"{kv}_scale"
                 current = getattr(self, attr)
                 if current is None or current.shape != new.shape:
                     setattr(self, attr, new.to(device))
@@ -143,7 +161,10 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         if self.layout is None or kv_cache.numel() == 0:
             return  # profiling run before the KV cache exists
         n = min(key.shape[0], slot_mapping.shape[0])
-        ops.write_kv_cache(key[:n], value[:n], self._page_view(kv_cache), slot_mapping[:n],
+        key = key[:n]
+        if self.k_smooth is not None:
+            key = (key.float() / self.k_smooth).to(key.dtype)
+        ops.write_kv_cache(key, value[:n], self._page_view(kv_cache), slot_mapping[:n],
                            self.layout, self.k_scale, self.v_scale)
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -160,6 +181,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
             return output.fill_(0)
         m = attn_metadata
         pages = self._page_view(kv_cache)
+        if self.q_smooth is not None:  # q . (K / lam) with q * lam: the smoothing cancels
+            query = (query.float() * self.q_smooth).to(query.dtype)
         if not m.prefill_groups or query.dtype not in DENSE_DTYPES:
             n = m.num_actual_tokens
             self._paged(query[:n], pages, m.block_table, m.seq_lens, m.query_start_loc,
