@@ -108,6 +108,6 @@ def test_clean_shutdown_on_sigint(server):
 
 def test_serve_help_lists_the_dtype():
     out = subprocess.run(["vllm", "serve", "--help=kv-cache-dtype"], capture_output=True, text=True,
-                         timeout=300, env=vllm_subprocess_env())
+                         timeout=540, env=vllm_subprocess_env())
     assert out.returncode == 0, out.stderr[-3000:]
     assert "nvfp4_mixed" in out.stdout

@@ -119,7 +119,7 @@ def test_demo_script_multiprocess(tiny_model_dir):
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "demo.py"), "--model", str(tiny_model_dir),
          "--max-tokens", "8"],
-        env=vllm_subprocess_env(), capture_output=True, text=True, timeout=300)
+        env=vllm_subprocess_env(), capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "DEMO OK" in proc.stdout, proc.stdout[-2000:]
     assert '"kv_cache_dtype": "nvfp4_mixed"' in proc.stdout, proc.stdout[-2000:]
