@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from vllm_nvfp4.calibration.scales import with_formats
 from vllm_nvfp4.calibration.selection import fp8_slots_for_budget, naive_formats
 from vllm_nvfp4.formats import bytes_per_head
 from vllm_nvfp4.policy import POLICY_ENV, KVPolicy, LayerPolicy
@@ -110,13 +111,11 @@ def fp8_slots(policy: KVPolicy) -> int:
 
 
 def with_scales_of(formats: KVPolicy, scales: Optional[KVPolicy], source: str) -> KVPolicy:
-    """``formats``' per-layer formats with every scale of ``scales`` (no scales if ``None``)."""
+    """``formats``' per-layer formats with every scale (and K smoothing) of ``scales`` (no
+    scales if ``None``)."""
     if scales is None:
         return KVPolicy(tuple(LayerPolicy(lp.k, lp.v) for lp in formats.layers), source=source)
-    layers = tuple(LayerPolicy(f.k, f.v, k_scale=s.k_scale, v_scale=s.v_scale,
-                               k_global_scale=s.k_global_scale, v_global_scale=s.v_global_scale)
-                   for f, s in zip(formats.layers, scales.layers))
-    return KVPolicy(layers, provenance={"scales_from": scales.source}, source=source)
+    return with_formats(scales, formats, provenance={"scales_from": scales.source}, source=source)
 
 
 def build_configs(names: Sequence[str], shape: ModelShape, policy_path: Optional[Path] = None,
