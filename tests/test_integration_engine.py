@@ -40,10 +40,12 @@ KV_BYTES = int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) << 30  # conftest sets 1 Gi
 
 
 def _policy_dict(model_dir: Path) -> dict:
-    """A calibrated, mixed policy: per-head and scalar scales, K and V formats apart."""
+    """A calibrated, mixed policy: per-head and scalar scales, K and V formats apart, and K
+    smoothing on layer 2 (so the log-prob comparison covers it end to end)."""
     from transformers import AutoModelForCausalLM
 
     from vllm_nvfp4.calibration.kv_hooks import KVObserver, kv_cache_quantization
+    from vllm_nvfp4.calibration.scales import smoothing_factors
     from vllm_nvfp4.formats import fp8_scale_from_amax, nvfp4_global_scale
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -55,7 +57,12 @@ def _policy_dict(model_dir: Path) -> dict:
     layers = []
     for i, (kf, vf) in enumerate(formats):
         entry: dict[str, Any] = {"index": i, "k": kf, "v": vf}
-        for kv, fmt, amax in (("k", kf, observer.k_amax[i]), ("v", vf, observer.v_amax[i])):
+        k_amax = observer.k_amax[i]
+        if i == 2:
+            lam = smoothing_factors(observer.k_channel_amax[i], 1.0)
+            entry["k_smooth"] = lam.tolist()
+            k_amax = (observer.k_channel_amax[i] / lam).amax(dim=1)
+        for kv, fmt, amax in (("k", kf, k_amax), ("v", vf, observer.v_amax[i])):
             amax = amax * 1.25  # headroom for unseen prompts
             if fmt == "fp8":
                 entry[f"{kv}_scale"] = float(fp8_scale_from_amax(amax.max()))
