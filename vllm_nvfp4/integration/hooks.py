@@ -22,6 +22,12 @@ backend_selection  v1/attention/selector.py ``_cached_get_attn_backend``  select
 spec               Attention.get_kv_cache_spec (per-layer page size)      spec.kv_cache_spec
 startup_check      EngineArgs.create_engine_config (front-end checks)     model.check_engine_config
 =================  ====================================================  ==========================
+
+vLLM APIs the backend *uses* without patching them (they must keep working across versions):
+``AttentionBackend`` / ``AttentionMetadataBuilder`` / ``AttentionImpl``, ``CommonAttentionMetadata``
+and ``split_decodes_and_prefills`` (v1/attention), the builder's ``reorder_batch_threshold = 1``
+(decodes first), and for prefill on CUDA ``vllm.vllm_flash_attn.flash_attn_varlen_func`` with
+``fa_utils.get_flash_attn_version`` (``dense_prefill.py``).
 """
 
 from __future__ import annotations
