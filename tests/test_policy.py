@@ -81,6 +81,9 @@ def test_k_smooth_round_trips_and_is_checked(tmp_path):
     q.check_model(2, num_kv_heads=2)
     with pytest.raises(PolicyError, match="layer 1 k_smooth has 2 per-head values"):
         q.check_model(2, num_kv_heads=4)
+    with pytest.raises(PolicyError, match="layer 1 k_smooth has 4 factors per head, the model's head_dim is 64"):
+        q.check_model(2, num_kv_heads=2, head_dim=64)
+    q.check_model(2, num_kv_heads=2, head_dim=4)
     for bad, match in (([[1.0, 0.0]], "finite numbers > 0"), ([[1.0, 2.0], [1.0]], "differ in length"),
                        ([1.0, 2.0], "one per KV head"), ([], "one per KV head"),
                        ([[1.0, float("inf")]], "finite numbers > 0")):

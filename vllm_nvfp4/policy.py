@@ -268,8 +268,15 @@ class KVPolicy:
         return p
 
     # ------------------------------------------------------------------ model checks and summary
-    def check_model(self, num_layers: int, num_kv_heads: Optional[int] = None) -> None:
+    def check_model(self, num_layers: int, num_kv_heads: Optional[int] = None,
+                    head_dim: Optional[int] = None) -> None:
         """Raise :class:`PolicyError` unless the policy fits a model of this shape."""
+        if head_dim is not None:
+            for i, lp in enumerate(self.layers):
+                if lp.k_smooth is not None and len(lp.k_smooth[0]) != head_dim:
+                    raise PolicyError(
+                        f"policy {self.source}: layer {i} k_smooth has {len(lp.k_smooth[0])} "
+                        f"factors per head, the model's head_dim is {head_dim}; recalibrate")
         if num_layers != self.num_layers:
             raise PolicyError(
                 f"policy {self.source} describes {self.num_layers} attention layers, but the "

@@ -55,17 +55,18 @@ class ModelShape:
 
 
 @functools.lru_cache(maxsize=8)
-def _resolve(num_layers: int, num_kv_heads: int, model_dir: Optional[str], env_value: str) -> KVPolicy:
+def _resolve(num_layers: int, num_kv_heads: int, head_dim: int, model_dir: Optional[str],
+             env_value: str) -> KVPolicy:
     del env_value  # part of the cache key only: resolve_policy reads the environment itself
     policy = resolve_policy(num_layers, model_dir)
-    policy.check_model(num_layers, num_kv_heads)
+    policy.check_model(num_layers, num_kv_heads, head_dim)
     return policy
 
 
 def model_policy(vllm_config: Any) -> KVPolicy:
     """The policy in force for this engine config (resolved once per process and setting)."""
     shape = ModelShape.of(vllm_config)
-    return _resolve(shape.num_layers, shape.total_num_kv_heads, shape.model_dir,
+    return _resolve(shape.num_layers, shape.total_num_kv_heads, shape.head_dim, shape.model_dir,
                     os.environ.get(POLICY_ENV, ""))
 
 
