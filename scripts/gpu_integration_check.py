@@ -41,6 +41,8 @@ from typing import Any
 import torch
 
 POLICY = "0:fp8,1:k=fp8,v=nvfp4,2-6:nvfp4,7:fp8"
+#: layers whose keys are stored smoothed (K / lam, queries x lam; one NVFP4, one FP8 layer)
+SMOOTHED_LAYERS = (2, 7)
 KV_BYTES = 2 << 30
 DEVICE = "cuda"
 #: measured on CPU (fp16, this model): error vs the matched reference ~0.5x the distance to the
@@ -49,11 +51,13 @@ TOL_RATIO = 0.75
 
 
 def calibrated_policy(model_dir: Path) -> dict:
-    """The POLICY formats with scales from the K/V amax of one random 512-token prompt (x1.25)."""
+    """The POLICY formats with scales from the K/V amax of one random 512-token prompt (x1.25),
+    K smoothing (exponent 0.5) on ``SMOOTHED_LAYERS``."""
     from transformers import AutoModelForCausalLM
 
     from vllm_nvfp4.calibration.kv_hooks import KVObserver, kv_cache_quantization
     from vllm_nvfp4.formats import fp8_scale_from_amax, nvfp4_global_scale
+    from vllm_nvfp4.calibration.scales import smoothing_factors
     from vllm_nvfp4.policy import KVPolicy
 
     policy = KVPolicy.from_compact(POLICY, 8, source="gpu_integration_check")
@@ -63,8 +67,13 @@ def calibrated_policy(model_dir: Path) -> dict:
     with kv_cache_quantization(model, None, observer), torch.no_grad():
         model(ids)
     for i, row in enumerate(policy.layers):
-        changes = {}
-        for kv, amax in (("k", observer.k_amax[i]), ("v", observer.v_amax[i])):
+        changes: dict[str, Any] = {}
+        k_amax = observer.k_amax[i]
+        if i in SMOOTHED_LAYERS:
+            lam = smoothing_factors(observer.k_channel_amax[i], 0.5)
+            k_amax = (observer.k_channel_amax[i] / lam).amax(dim=1)
+            changes["k_smooth"] = tuple(tuple(float(x) for x in row) for row in lam)
+        for kv, amax in (("k", k_amax), ("v", observer.v_amax[i])):
             amax = amax.float().cpu() * 1.25
             if row.format_of(kv) == "fp8":
                 changes[f"{kv}_scale"] = float(fp8_scale_from_amax(amax.max()))

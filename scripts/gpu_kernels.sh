@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used,temp
   --format=csv | tee "$OUT/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 if [[ $what == all || $what == tests ]]; then
-  timeout 240 python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_kernels.py \
+  timeout ${TESTS_TIMEOUT_S:-240} python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_kernels.py \
     tests/test_layout.py tests/test_paged_torch.py 2>&1 | tee "$OUT/tests.log" | tail -25
 fi
 if [[ $what == all || $what == bench ]]; then
