@@ -632,11 +632,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int,
-                  device: torch.device) -> int:
-    """Split count (a power of 2) from host ints only: enough programs to fill the GPU ~4 times
-    over, and at most ~4096 keys per split; never more splits than tiles (max 64). Tuned on the
-    H200 sweep in benchmarks/README.md."""
-    target = 4 * _num_sms(device)
+                  device: torch.device, num_warps: int = 4) -> int:
+    """Split count (a power of 2) from host ints only: enough warps to fill the GPU ~4 times
+    over at 4 warps per program (``16 * SMs / num_warps`` programs), and at most ~4096 keys per
+    split; never more splits than tiles (max 64). Tuned on the H200 sweeps in
+    benchmarks/README.md."""
+    target = 16 * _num_sms(device) // num_warps
     max_tiles = max(1, -(-max_seq_len // tile_n))
     splits = 1
     while splits * 2 <= min(max_tiles, 64) and (
@@ -644,6 +645,21 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: in
     ):
         splits *= 2
     return splits
+
+
+def decode_launch_defaults(layout, variant: str) -> tuple[int, int]:
+    """``(tile_n, num_warps)`` of a decode launch, from the H200 sweep of 2026-11-30
+    (benchmarks/README.md, head_dim 128): FP8 K and V - 1 warp, 32-key tiles (0.73x the time of
+    4 warps x 64 keys at 64 x 32k: no cross-warp barriers or shared-memory reductions per tile);
+    the keys kernel (NVFP4 K and V) - 2 warps, 64 keys (0.85x). Other format pairs and head_dim
+    256 keep 4 warps (not re-measured)."""
+    if layout.head_dim >= 256:
+        return 32, 4
+    if variant == "keys":
+        return 64, 2
+    if layout.k_format == "fp8" and layout.v_format == "fp8":
+        return 32, 1
+    return 64, 4
 
 
 def _layout_constexprs(layout, device: torch.device, softcap, window) -> dict:
@@ -704,18 +720,7 @@ def paged_attention(
     common_args = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                    cache.stride(0), block_table.stride(0), softmax_scale, softcap, window)
     if max_query_len == 1:
-        tn = tile_n or (32 if d >= 256 else 64)
-        tn = max(tn, layout.block_size)
-        splits = num_splits or decode_splits(num_seqs, layout.num_kv_heads, max_seq_len, tn,
-                                             query.device)
         num_tokens, hq = query.shape[0], query.shape[1]
-        if splits > 1:
-            part_o = torch.empty(num_tokens * hq * splits, d, dtype=torch.float32,
-                                 device=query.device)
-            part_ml = torch.empty(num_tokens * hq * splits, 2, dtype=torch.float32,
-                                  device=query.device)
-        else:
-            part_o = part_ml = out  # unused
         # keys on the MMA rows for NVFP4 K and V: measured 17-20% faster than the rows kernel at
         # the issue-3 shapes (benchmarks/README.md); other format pairs keep the rows kernel
         both_nvfp4 = layout.k_format == "nvfp4" and layout.v_format == "nvfp4"
@@ -726,11 +731,23 @@ def paged_attention(
             raise ValueError("decode_variant 'keys' needs an NVFP4 K plane")
         kernel, bg = ((_decode_kernel, max(16, g_pad)) if variant == "rows"
                       else (_decode_keys_kernel, max(8, g_pad)))
+        default_tile, default_warps = decode_launch_defaults(layout, variant)
+        warps = num_warps or default_warps
+        tn = max(tile_n or default_tile, layout.block_size)
+        splits = num_splits or decode_splits(num_seqs, layout.num_kv_heads, max_seq_len, tn,
+                                             query.device, warps)
+        if splits > 1:
+            part_o = torch.empty(num_tokens * hq * splits, d, dtype=torch.float32,
+                                 device=query.device)
+            part_ml = torch.empty(num_tokens * hq * splits, 2, dtype=torch.float32,
+                                  device=query.device)
+        else:
+            part_o = part_ml = out  # unused
         kernel[(num_seqs, layout.num_kv_heads, splits)](
             query, out, cache, k_scale, v_scale, block_table, seq_lens, query_start_loc,
             part_o, part_ml, *common_args,
             HQ=hq, G=g, BG=bg, TILE_N=tn, NUM_SPLITS=splits, **meta,
-            num_warps=num_warps or 4, num_stages=num_stages or 3,
+            num_warps=warps, num_stages=num_stages or 3,
             **({"maxnreg": maxnreg} if maxnreg else {}),
         )
         if splits > 1:
