@@ -1156,6 +1156,7 @@ def plot_summary(summary_path: Path, plot_dir: Path) -> list[Path]:
                     for c, t, b in pts:
                         ax.annotate(f"b{b}", (c, t), fontsize=7, textcoords="offset points", xytext=(3, 3))
             ax.set_xscale("log", base=2)
+            ax.set_ylim(bottom=0)  # a zoomed axis would magnify a 2% gap into a cliff
             ax.set_xlabel("prompt tokens")
             ax.set_ylabel("decode output tokens/s")
             ax.set_title(f"Decode throughput {title}", fontsize=9)

@@ -648,16 +648,17 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: in
 
 
 def decode_launch_defaults(layout, variant: str) -> tuple[int, int]:
-    """``(tile_n, num_warps)`` of a decode launch, from the H200 sweep of 2026-11-30
-    (benchmarks/README.md, head_dim 128): FP8 K and V - 1 warp, 32-key tiles (0.73x the time of
-    4 warps x 64 keys at 64 x 32k: no cross-warp barriers or shared-memory reductions per tile);
-    the keys kernel (NVFP4 K and V) - 2 warps, 64 keys (0.85x). Other format pairs and head_dim
-    256 keep 4 warps (not re-measured)."""
+    """``(tile_n, num_warps)`` of a decode launch, from the H200 sweeps of 2026-11-30
+    (benchmarks/README.md, head_dim 128): the rows kernel (FP8 K and V, or FP8 K with NVFP4 V) -
+    1 warp, 32-key tiles (0.73x / 0.77x the time of 4 warps x 64 keys at 64 x 32k: no cross-warp
+    barriers or shared-memory reductions per tile); the keys kernel (NVFP4 K) - 2 warps, 64 keys
+    (0.85x). Not re-measured, so unchanged: the rows kernel with an NVFP4 K (4 warps x 64 keys)
+    and head_dim 256 (4 warps x 32 keys)."""
     if layout.head_dim >= 256:
         return 32, 4
     if variant == "keys":
         return 64, 2
-    if layout.k_format == "fp8" and layout.v_format == "fp8":
+    if layout.k_format == "fp8":
         return 32, 1
     return 64, 4
 
