@@ -155,6 +155,35 @@ def test_decode_variants_agree(splits, prefetch, variant, stages, kf, vf):
     assert_close_rel(out, fast_reference(batch, 0.1), 2e-3 if CUDA else 1e-5)
 
 
+@pytest.mark.parametrize("tile_n,warps", [(16, 1), (32, 1), (64, 2), (32, 4)])
+@pytest.mark.parametrize("kf,vf", [("nvfp4", "nvfp4"), ("fp8", "fp8"), ("fp8", "nvfp4")])
+def test_decode_launch_shapes_agree(tile_n, warps, kf, vf):
+    """Keys per tile and warps per program (the launch defaults differ per format pair) give the
+    same attention; odd lengths leave partial tiles in every split."""
+    lay = KVPageLayout(2, 128, 16, kf, vf)
+    batch = make_batch(lay, [(37 * SCALE + 5, 1), (1, 1), (20 * SCALE + 3, 1)], 8,
+                       device=DEV, seed=tile_n + warps, write_backend=WRITE)
+    out = torch.empty_like(batch.query)
+    attn_kernels.paged_attention(
+        batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+        batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.1, out, num_splits=2,
+        tile_n=tile_n, num_warps=warps)
+    assert_close_rel(out, fast_reference(batch, 0.1), 2e-3 if CUDA else 1e-5)
+
+
+@pytest.mark.parametrize("seqs,ctx,warps", [(1, 100, 1), (16, 4096, 1), (64, 32768, 2),
+                                            (512, 32768, 4), (3, 70000, 1)])
+def test_decode_split_count_bounds(seqs, ctx, warps):
+    """The split heuristic: a power of 2, at most 64 and at most the tile count; at most ~4096
+    keys per split unless capped; more splits when fewer warps per program."""
+    dev = torch.device("cpu")
+    tiles = -(-ctx // 32)
+    s = attn_kernels.decode_splits(seqs, 8, ctx, 32, dev, warps)
+    assert s & (s - 1) == 0 and 1 <= s <= min(64, tiles)
+    assert ctx <= 4096 * s or s == min(64, 1 << (min(64, tiles).bit_length() - 1))
+    assert s >= attn_kernels.decode_splits(seqs, 8, ctx, 32, dev, 4 * warps)
+
+
 @pytest.mark.parametrize("group,d,b,window,cap", [(3, 64, 32, 40, 2.0), (1, 256, 16, None, None),
                                                  (8, 128, 16, 7, None)])
 def test_keys_decode_shapes(group, d, b, window, cap):
