@@ -17,7 +17,8 @@ Reported per configuration:
     (same engine, windows in reverse batch order) is the noise floor; top-1 agreement with BF16;
   * passkey retrieval at ``--passkey-context`` tokens (5-digit key; teacher-forced: passes when
     greedy decoding would emit the key, see ``vllm_nvfp4.evaluation.passkey``);
-  * GSM8K strict / flexible exact match with lm-eval's stderr, and the paired difference to FP8;
+  * GSM8K strict / flexible exact match with lm-eval's stderr, and the paired difference to each FP8
+    reference run (``fp8``: vLLM's; ``ours_fp8``: ours, calibrated scales);
   * KV bytes per token from vLLM's capacity (KV space / (blocks x block size)) and by arithmetic.
 
 Environment: ``VLLM_CPU_KVCACHE_SPACE`` (GiB, default 1 here) on CPU builds of vLLM.
@@ -54,7 +55,7 @@ from vllm_nvfp4.evaluation.kv_configs import (  # noqa: E402
     build_configs,
 )
 from vllm_nvfp4.evaluation.logprobs import WindowScores, compare, ratio_to  # noqa: E402
-from vllm_nvfp4.evaluation.report import check_targets, markdown_table, plot, targets_markdown  # noqa: E402
+from vllm_nvfp4.evaluation.report import FP8_REFERENCES, check_targets, markdown_table, plot, targets_markdown  # noqa: E402
 from vllm_nvfp4.evaluation.windows import tail_windows  # noqa: E402
 from vllm_nvfp4.policy import PolicyError  # noqa: E402
 
@@ -80,6 +81,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                     help=f"comma-separated configurations (default {','.join(DEFAULT_CONFIGS)}; also: ours_fp8)")
     ap.add_argument("--policy", type=Path, default=None, help="calibrated policy JSON (from `vllm-nvfp4 select`)")
+    ap.add_argument("--fp8-policy", type=Path, default=None,
+                    help="calibrated all-FP8 policy JSON that ours_fp8 uses as is (scales, K smoothing); "
+                         "default: every layer FP8 with --policy's scales")
     ap.add_argument("--budget", type=float, default=0.62,
                     help="KV budget as a fraction of FP8: checked against --policy; sets mixed_naive without it")
     ap.add_argument("--text", type=Path, default=None, help="evaluation text (default: the prepared Brown corpus)")
@@ -106,8 +110,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.gsm8k_n_nvfp4 = args.gsm8k_n
     if args.nll_windows < 0 or args.passkey_trials < 0 or min(args.gsm8k_n, args.gsm8k_n_nvfp4) < -1:
         ap.error("counts must be >= 0 (--gsm8k-n -1 means all)")
-    if args.policy is not None and not args.policy.is_file():
-        ap.error(f"--policy {args.policy}: no such file")
+    for flag, path in (("--policy", args.policy), ("--fp8-policy", args.fp8_policy)):
+        if path is not None and not path.is_file():
+            ap.error(f"{flag} {path}: no such file")
     args.text = args.text or _default_asset("brown/brown.txt")
     if args.nll_windows and (args.text is None or not args.text.is_file()):
         ap.error("no evaluation text: pass --text FILE or run python scripts/prepare_assets.py brown")
@@ -223,7 +228,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.environ.setdefault(k, v)
     try:
         shape = ModelShape.from_model_dir(args.model)
-        configs = build_configs(args.configs, shape, args.policy, args.budget)
+        configs = build_configs(args.configs, shape, args.policy, args.budget, args.fp8_policy)
     except (ConfigError, PolicyError, ValueError) as e:
         print(f"eval_accuracy: error: {e}", file=sys.stderr)
         return 2
@@ -256,6 +261,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      "engine_kwargs": engine_kwargs, "kv_cache_space_bytes": kv_space,
                      "policy": str(args.policy) if args.policy else None,
                      "policy_sha256": hashlib.sha256(args.policy.read_bytes()).hexdigest() if args.policy else None,
+                     "fp8_policy": str(args.fp8_policy) if args.fp8_policy else None,
+                     "fp8_policy_sha256": (hashlib.sha256(args.fp8_policy.read_bytes()).hexdigest()
+                                           if args.fp8_policy else None),
                      "budget": args.budget},
         "configs": {},
     }
@@ -317,11 +325,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 results["dnll_ratio_mixed_over_nvfp4_all"] = results["dnll_ratio_over_nvfp4_all"]["mixed_calibrated"]
     elif windows:
         log("no `auto` configuration: delta NLL needs the BF16 reference; NLL comparisons skipped")
-    fp8_g = (results["configs"].get("fp8") or {}).get("gsm8k")
-    for n, r in results["configs"].items():
-        g = r.get("gsm8k")
-        if g and fp8_g and n != "fp8":
-            g["paired_vs_fp8"] = {f: gsm8k.paired_difference(g["samples"][f], fp8_g["samples"][f]) for f in gsm8k.FILTERS}
+    for ref in FP8_REFERENCES:  # question-by-question differences to each FP8 reference with GSM8K
+        ref_g = (results["configs"].get(ref) or {}).get("gsm8k")
+        for n, r in results["configs"].items():
+            g = r.get("gsm8k")
+            if g and ref_g and n != ref:
+                g.setdefault("paired_vs", {})[ref] = {
+                    f: gsm8k.paired_difference(g["samples"][f], ref_g["samples"][f]) for f in gsm8k.FILTERS}
     for r in results["configs"].values():  # per-question samples stay in lm-eval's files
         if r.get("gsm8k"):
             r["gsm8k"].pop("samples", None)

@@ -138,6 +138,23 @@ def test_build_configs_with_policy(tmp_path: Path) -> None:
     assert cfgs["auto"].write_policy(tmp_path / "pol") is None and cfgs["auto"].env(None) == {}
 
 
+def test_ours_fp8_from_an_all_fp8_policy(tmp_path: Path) -> None:
+    """``--fp8-policy``: ours_fp8 is that policy as is (its own scales and K smoothing), the other
+    configurations keep ``--policy``'s scales; a policy with NVFP4 slots is refused."""
+    smooth = [[1.0] * 63 + [4.0], [2.0] + [1.0] * 63]
+    layers = [{"index": i, "k": "fp8", "v": "fp8", "k_scale": 0.5, "v_scale": 0.25, "k_smooth": smooth}
+              for i in range(6)]
+    fp8 = tmp_path / "fp8.json"
+    fp8.write_text(json.dumps({"format": "vllm-nvfp4-policy", "version": 1, "num_layers": 6, "layers": layers}))
+    cfgs = {c.name: c for c in build_configs(["ours_fp8", "nvfp4_all"], SHAPE, _calibrated(tmp_path), fp8_policy_path=fp8)}
+    ours = cfgs["ours_fp8"].policy
+    assert ours == KVPolicy.load(fp8) and ours.layers[3].k_smooth[0][-1] == 4.0
+    assert cfgs["ours_fp8"].fraction_of_fp8(SHAPE) == 1.0 and "fp8.json" in cfgs["ours_fp8"].description
+    assert cfgs["nvfp4_all"].policy.layers[0].k_scale == 0.01
+    with pytest.raises(ConfigError, match="not every layer is FP8"):
+        build_configs(["ours_fp8"], SHAPE, fp8_policy_path=_calibrated(tmp_path))
+
+
 def test_build_configs_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unknown configuration"):
         build_configs(["bf16"], SHAPE)
@@ -168,6 +185,7 @@ def test_lm_eval_command_is_copyable(tmp_path: Path) -> None:
     i = cmd.index("--model_args")
     assert cmd[cmd.index("--model") + 1] == "vllm"
     assert cmd[i + 1].startswith("pretrained=/m,kv_cache_dtype=nvfp4_mixed,")
+    assert "enable_prefix_caching=True" in cmd[i + 1].split(",")
     assert cmd[cmd.index("--tasks") + 1] == gsm8k.TASK and cmd[cmd.index("--limit") + 1] == "50"
     assert (Path(cmd[cmd.index("--include_path") + 1]) / "gsm8k_nvfp4" / "gsm8k_nvfp4.yaml").is_file()
     line = gsm8k.printable(cmd, {"VLLM_NVFP4_POLICY": "/p q.json"})
@@ -208,6 +226,27 @@ def test_local_task_loader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         utils.read_items(tmp_path / "missing.jsonl")
 
 
+def test_gsm8k_task_has_one_fixed_fewshot_prefix(tmp_path: Path) -> None:
+    """Every question from the 6th on gets the same 5 examples (vLLM's prefix cache shares them);
+    questions 0-4 get the first 6 minus themselves, so no prompt contains its own answer."""
+    from lm_eval.tasks import TaskManager
+
+    f = tmp_path / "t.jsonl"
+    f.write_text("\n".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"})
+                           for i in range(9)))
+    task = TaskManager(include_path=str(gsm8k.TASKS_DIR), metadata={"data_path": str(f)}).load([gsm8k.TASK])[
+        "tasks"][gsm8k.TASK]
+    docs = list(task.test_docs())
+    prompts = [task.fewshot_context(doc, task.config.num_fewshot) for doc in docs]
+    shots = [p.split("\n\n")[:-1] for p in prompts]
+    assert all(len(s) == 5 for s in shots)
+    assert all(s == shots[5] for s in shots[5:]) and shots[5] == [f"Question: What is {i} + 1?\nAnswer: {i} + 1 = "
+                                                                 f"{i + 1}\n#### {i + 1}" for i in range(5)]
+    for i in range(5):
+        assert not any(f"What is {i} + 1?" in s for s in shots[i]) and len(set(shots[i])) == 5
+        assert prompts[i].endswith(f"Question: What is {i} + 1?\nAnswer:")
+
+
 # ----------------------------------------------------------------------------- windows, reports
 def test_tail_windows_come_from_the_end(tmp_path: Path) -> None:
     f = tmp_path / "t.txt"
@@ -238,13 +277,25 @@ def test_targets_and_table(tmp_path: Path) -> None:
     good = {c["target"]: c["status"] for c in check_targets(_results(0.02, 5))}
     assert set(good.values()) == {"pass"}
     bad = {c["target"]: c["status"] for c in check_targets(_results(0.05, 4))}
-    assert bad["ΔNLL <= 30% of all-NVFP4"] == "FAIL" and bad["passkey equal to FP8"] == "FAIL"
+    assert bad["ΔNLL <= 30% of all-NVFP4"] == "FAIL" and bad["passkey equal to FP8 (fp8)"] == "FAIL"
+    both = _results(0.02, 5)
+    both["configs"]["ours_fp8"] = {**both["configs"]["fp8"], "passkey": {"correct": 6, "trials": [{}] * 6}}
+    two = {c["target"]: c["status"] for c in check_targets(both)}
+    assert two["passkey equal to FP8 (fp8)"] == "pass" and two["passkey equal to FP8 (ours_fp8)"] == "FAIL"
+    assert two["GSM8K strict-match within max(1 pt, stderr) of FP8 (ours_fp8)"] == "pass"
+    del both["configs"]["fp8"], both["configs"]["ours_fp8"]
+    none = {c["target"]: c["status"] for c in check_targets(both)}
+    assert none["GSM8K and passkey vs FP8"] == "n/a" and not any(t.endswith("fp8)") for t in none)
     weak = _results(0.02, 5)
     for c in weak["configs"].values():
         c["gsm8k"]["flexible-extract"]["acc"] = c["gsm8k"]["strict-match"]["acc"] = 0.02
     assert all(c["status"].startswith("n/a") for c in check_targets(weak) if "GSM8K" in c["target"])
-    table = markdown_table(_results(0.02, 5))
+    res = _results(0.02, 5)
+    res["configs"]["mixed_calibrated"]["gsm8k"]["paired_vs"] = {
+        "ours_fp8": {"flexible-extract": {"diff": 0.01, "stderr": 0.005}}}
+    table = markdown_table(res)
     assert table.count("\n") == 5 and "| mixed_calibrated | 600.0 | 600 | 0.600 | +0.0200" in table
+    assert table.splitlines()[-1].endswith("| ours_fp8 +1.0 ± 0.5 |")
     pytest.importorskip("matplotlib")
     assert plot(_results(0.02, 5), tmp_path / "a.png").stat().st_size > 1000
 

@@ -5,7 +5,8 @@ name                ``kv_cache_dtype``  what
 ==================  ==================  =========================================================
 ``auto``            ``auto``            the model dtype (BF16): the reference
 ``fp8``             ``fp8``             vLLM's own FP8 (E4M3) cache, its default scales (1.0)
-``ours_fp8``        ``nvfp4_mixed``     our path, every layer FP8, calibrated scales (optional)
+``ours_fp8``        ``nvfp4_mixed``     our path, every layer FP8: the all-FP8 policy JSON
+                                        (``--fp8-policy``) as is, else ``--policy``'s scales
 ``nvfp4_all``       ``nvfp4_mixed``     every layer NVFP4 (K and V), calibrated scales if given
 ``mixed_calibrated`` ``nvfp4_mixed``    the selected policy JSON (``--policy``) as is
 ``mixed_naive``     ``nvfp4_mixed``     first/last-N layers FP8 with as many FP8 slots as the
@@ -118,17 +119,30 @@ def with_scales_of(formats: KVPolicy, scales: Optional[KVPolicy], source: str) -
     return with_formats(scales, formats, provenance={"scales_from": scales.source}, source=source)
 
 
+def _load_checked(path: Path, shape: ModelShape) -> KVPolicy:
+    policy = KVPolicy.load(path)
+    policy.check_model(shape.num_layers, shape.num_kv_heads)
+    return policy
+
+
 def build_configs(names: Sequence[str], shape: ModelShape, policy_path: Optional[Path] = None,
-                  budget: Optional[float] = None) -> list[KVConfig]:
-    """The configurations ``names`` (see the module table), in the order given."""
+                  budget: Optional[float] = None, fp8_policy_path: Optional[Path] = None) -> list[KVConfig]:
+    """The configurations ``names`` (see the module table), in the order given.
+
+    ``fp8_policy_path``: a calibrated all-FP8 policy (e.g. ``vllm-nvfp4 calibrate --policy "*:fp8"
+    --k-smooth 1``) that ``ours_fp8`` uses as is, scales and K smoothing included.
+    """
     unknown = [n for n in names if n not in CONFIG_NAMES]
     if unknown:
         raise ConfigError(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(CONFIG_NAMES)}")
     if len(set(names)) != len(names):
         raise ConfigError(f"configuration listed twice in {','.join(names)}")
-    calibrated = KVPolicy.load(policy_path) if policy_path is not None else None
+    calibrated = _load_checked(policy_path, shape) if policy_path is not None else None
+    fp8_policy = _load_checked(fp8_policy_path, shape) if fp8_policy_path is not None else None
+    if fp8_policy is not None and fp8_slots(fp8_policy) != 2 * shape.num_layers:
+        raise ConfigError(f"--fp8-policy {fp8_policy_path}: not every layer is FP8 ({fp8_policy.to_compact()}); "
+                          "calibrate one with --policy '*:fp8'")
     if calibrated is not None:
-        calibrated.check_model(shape.num_layers, shape.num_kv_heads)
         frac = calibrated.fraction_of_fp8()
         if budget is not None and frac > budget + 1e-9:
             logger.warning("policy %s uses %.4fx FP8 bytes, above --budget %.4f", policy_path, frac, budget)
@@ -140,6 +154,9 @@ def build_configs(names: Sequence[str], shape: ModelShape, policy_path: Optional
             out.append(KVConfig(name, "auto", f"model dtype ({shape.dtype}), the reference"))
         elif name == "fp8":
             out.append(KVConfig(name, "fp8", "vLLM FP8 E4M3, vLLM default scales"))
+        elif name == "ours_fp8" and fp8_policy is not None:
+            out.append(KVConfig(name, OURS, f"nvfp4_mixed, every layer FP8, calibrated policy {fp8_policy_path}",
+                                fp8_policy))
         elif name == "ours_fp8":
             pol = with_scales_of(KVPolicy.from_compact("*:fp8", L), calibrated, "eval: all FP8")
             out.append(KVConfig(name, OURS, f"nvfp4_mixed, every layer FP8, {scales_note}", pol))
