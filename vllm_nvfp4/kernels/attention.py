@@ -652,13 +652,13 @@ def decode_launch_defaults(layout, variant: str) -> tuple[int, int]:
     (benchmarks/README.md, head_dim 128): the rows kernel (FP8 K and V, or FP8 K with NVFP4 V) -
     1 warp, 32-key tiles (0.73x / 0.77x the time of 4 warps x 64 keys at 64 x 32k: no cross-warp
     barriers or shared-memory reductions per tile); the keys kernel (NVFP4 K) - 2 warps, 64 keys
-    (0.85x). Not re-measured, so unchanged: the rows kernel with an NVFP4 K (4 warps x 64 keys)
-    and head_dim 256 (4 warps x 32 keys)."""
+    (0.85x). Unchanged where not run on the GPU at the new shape: head_dim 256 (4 warps x 32
+    keys), an NVFP4 K on the rows kernel and FP8 K / NVFP4 V at head_dim 64 (4 warps x 64 keys)."""
     if layout.head_dim >= 256:
         return 32, 4
     if variant == "keys":
         return 64, 2
-    if layout.k_format == "fp8":
+    if layout.k_format == "fp8" and (layout.v_format == "fp8" or layout.head_dim == 128):
         return 32, 1
     return 64, 4
 
