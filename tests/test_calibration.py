@@ -237,3 +237,18 @@ def test_data_formats_and_errors(tmp_path: Path, tiny_model_dir: Path):
     w = load_windows([make_text(tmp_path / "t.txt", kb=20)], tok, 64, count=2, calib=1)
     assert w.calib.shape == (1, 64) and w.eval.shape == (2, 64)
     assert w.describe()["files"][0]["sha256"]
+
+
+@pytest.mark.parametrize("k_smooth", [None, 0.5])
+def test_report_commands_repeat_k_smoothing(k_smooth):
+    """The analyze command rebuilt from a report repeats --k-smooth exactly when it was used
+    (reports written before the flag existed have no such setting)."""
+    from vllm_nvfp4.calibration.report import commands
+
+    settings = {"window": 256, "windows": 2, "calib_windows": 1, "per_head": False}
+    if k_smooth is not None:
+        settings["k_smooth"] = k_smooth
+    report = {"settings": settings, "model": {"path": "M", "dtype": "bfloat16"},
+              "data": {"files": [{"path": "d.txt"}]}}
+    analyze = commands(report, [])[0]
+    assert ("--k-smooth 0.5" in analyze) == (k_smooth is not None)
