@@ -29,8 +29,8 @@ from vllm_nvfp4.integration.dense_prefill import (
 )
 from vllm_nvfp4.integration.dtype import CACHE_DTYPE
 
-logger = logging.getLogger(f"vllm.{__name__}")
-T = TypeVar("T")  # under "vllm": vLLM's log handlers
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
+T = TypeVar("T")
 _warned_default_scales = False
 
 
