@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=3, help="num_stages")
     ap.add_argument("--maxnreg", type=int, help="register cap per thread")
     ap.add_argument("--splits", type=int, default=1, help="NUM_SPLITS (> 1: partial outputs)")
+    ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--configs", nargs="*",
                     help="FMT:TILE:PREFETCH[:VARIANT[:WARPS]] (variant rows|keys; default: the "
                          "rows kernel, fp8/nvfp4 x tile 32/64 x prefetch 0/1, 4 warps)")
@@ -101,7 +102,7 @@ def main() -> None:
                             parts[3] if len(parts) > 3 else "rows",
                             int(parts[4]) if len(parts) > 4 else 4))
     for fmt, tile, pf, variant, warps in configs:
-        lay = KVPageLayout(8, 128, 16, fmt, fmt)
+        lay = KVPageLayout(8, args.head_dim, 16, fmt, fmt)
         k = triton.compile(decode_src(lay, tile, args.splits, prefetch=bool(pf), variant=variant),
                            target=TARGET,
                            options=dict(num_warps=warps, num_stages=args.stages,
@@ -117,7 +118,8 @@ def main() -> None:
         top = ", ".join(f"{o}:{c}" for o, c in body.most_common(12))
         smem_ops = sum(c for o, c in body.items() if o.startswith(("STS", "LDS", "LDSM", "BAR")))
         spills = sum(c for o, c in body.items() if o.startswith(("STL", "LDL")))
-        print(f"triton {triton.__version__} {fmt:6} {variant:4} tile {tile:3} prefetch {pf} "
+        print(f"triton {triton.__version__} D {args.head_dim} {fmt:6} {variant:4} tile {tile:3} "
+              f"prefetch {pf} "
               f"warps {warps} stages {args.stages}: "
               f"regs {regs.group(1) if regs else '?'} smem {k.metadata.shared} "
               f"loop {sum(body.values())} instr/warp "
@@ -125,7 +127,7 @@ def main() -> None:
               f"{smem_ops}, spill {spills})  {top}")
         if args.sass:
             os.makedirs(args.sass, exist_ok=True)
-            name = f"decode_{fmt}_{variant}_t{tile}_p{pf}_w{warps}_s{args.splits}"
+            name = f"decode_d{args.head_dim}_{fmt}_{variant}_t{tile}_p{pf}_w{warps}_s{args.splits}"
             with open(os.path.join(args.sass, name + ".sass"), "w") as out:
                 out.write(sass)
             with open(os.path.join(args.sass, name + ".ttgir"), "w") as out:

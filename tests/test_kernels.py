@@ -139,9 +139,9 @@ def test_attention_matches_float64(kf, vf, kind, hkv, group, d, b):
                                    ("fp8", "fp8")])
 def test_decode_variants_agree(splits, prefetch, variant, stages, kf, vf):
     """Split counts, register prefetch on/off, pipeline stages and the two decode kernels (query
-    heads or keys on the MMA rows; the latter NVFP4 K only) give the same attention."""
-    if variant == "keys" and kf != "nvfp4":
-        pytest.skip("the keys-on-rows decode needs an NVFP4 K plane")
+    heads or keys on the MMA rows; the latter NVFP4 K and V only) give the same attention."""
+    if variant == "keys" and (kf, vf) != ("nvfp4", "nvfp4"):
+        pytest.skip("the keys-on-rows decode needs NVFP4 K and V planes")
     if not CUDA and (kf, vf) == ("nvfp4", "fp8") and variant == "rows":
         pytest.skip("interpreter time: this pair meets the rows kernel in the other tests")
     lay = KVPageLayout(2, 128, 16, kf, vf)
@@ -200,10 +200,11 @@ def test_keys_decode_shapes(group, d, b, window, cap):
     assert_close_rel(out, fast_reference(batch, 0.3, window, cap), 2e-3 if CUDA else 1e-5)
 
 
-def test_keys_decode_rejects_fp8_k():
-    lay = KVPageLayout(1, 64, 16, "fp8", "nvfp4")
+@pytest.mark.parametrize("kf,vf", [("fp8", "nvfp4"), ("nvfp4", "fp8")])
+def test_keys_decode_rejects_fp8_planes(kf, vf):
+    lay = KVPageLayout(1, 64, 16, kf, vf)
     batch = make_batch(lay, [(5, 1)], 1, device=DEV, seed=0, write_backend=WRITE)
-    with pytest.raises(ValueError, match="NVFP4 K"):
+    with pytest.raises(ValueError, match="needs NVFP4 K and V"):
         attn_kernels.paged_attention(
             batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
             batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.1,

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from vllm_nvfp4.formats import bytes_per_head
-from vllm_nvfp4.layout import KVPageLayout, allocate_cache
+from vllm_nvfp4.layout import (
+    KVPageLayout,
+    allocate_cache,
+    nvfp4_element_order,
+    nvfp4_packed_from_rows,
+    nvfp4_rows_from_packed,
+)
 
 FORMATS = ("fp8", "nvfp4")
 
@@ -72,3 +78,21 @@ def test_check_cache_rejects_bad_caches():
         lay.check_cache(torch.zeros(4, lay.page_bytes + 1, dtype=torch.uint8))
     with pytest.raises(ValueError, match="stride"):
         lay.check_cache(torch.zeros(lay.page_bytes, 4, dtype=torch.uint8).t())
+
+
+def test_nvfp4_chunk_planar_nibble_order():
+    """Hand-checked positions: in a full 64-group nibble j of 16-bit word i holds element
+    16 j + i; a 32-element tail group interleaves its 2 chunks; the row helpers invert."""
+    order = nvfp4_element_order(96)
+    assert order[:8].tolist() == [0, 16, 32, 48, 1, 17, 33, 49]
+    assert order[60:64].tolist() == [15, 31, 47, 63]
+    assert order[64:70].tolist() == [64, 80, 65, 81, 66, 82]
+    assert sorted(order.tolist()) == list(range(96))
+    packed = torch.randint(0, 256, (5, 3, 48), dtype=torch.uint8)
+    rows = nvfp4_rows_from_packed(packed)
+    assert torch.equal(nvfp4_packed_from_rows(rows), packed)
+    # element 16 (chunk 1, position 0) is the high nibble of byte 0 of the row
+    elem16 = (packed[..., 8] & 0xF)
+    assert torch.equal(rows[..., 0] >> 4, elem16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        nvfp4_element_order(40)

@@ -8,7 +8,7 @@ import torch
 
 from paged_cases import check_written_bytes, make_batch, reference_attention, run_attention, write_case
 from vllm_nvfp4 import formats, ops
-from vllm_nvfp4.layout import KVPageLayout, allocate_cache
+from vllm_nvfp4.layout import KVPageLayout, allocate_cache, nvfp4_packed_from_rows
 from vllm_nvfp4.paged_torch import dequantize_tokens, read_kv_from_cache
 
 FORMATS = ("fp8", "nvfp4")
@@ -140,7 +140,7 @@ def test_block_dequantization_is_bit_identical_to_formats(fmt):
         want = formats.fp8_dequantize(data.view(torch.float8_e4m3fn), scale.view(-1, 1))
     else:
         sc = lay.scale_plane(cache, "k")[ids].permute(0, 3, 1, 2).reshape(48, 3, -1).view(torch.float8_e4m3fn)
-        want = formats.nvfp4_dequantize(data, sc, scale)
+        want = formats.nvfp4_dequantize(nvfp4_packed_from_rows(data), sc, scale)
         assert torch.isnan(want).any() and (want == 0).any()  # the case covers NaN and zero scales
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     cut = dequantize_tokens(cache, lay, "k", ids.view(1, -1), scale, torch.tensor([21]))[0].transpose(0, 1)

@@ -6,8 +6,8 @@ of several layers inside one block). Inside a page, with ``H`` KV heads, block s
 dim ``D``, the planes follow each other with no padding::
 
     page ──► ┌──────────────────────────────┐ k_data_offset (= 0)
-             │ K data   [H, B, Wk] uint8    │ fp8: Wk = D (E4M3), nvfp4: Wk = D/2 (E2M1 pairs,
-             │                              │      low nibble = even element)
+             │ K data   [H, B, Wk] uint8    │ fp8: Wk = D (E4M3), nvfp4: Wk = D/2 (E2M1 codes in
+             │                              │      chunk-planar nibble order, see below)
              ├──────────────────────────────┤ k_scale_offset
              │ K scales [H, D/16, B] e4m3   │ nvfp4 only (0 bytes for fp8); TRANSPOSED: for one
              │                              │ head and one 16-chunk, the B tokens are contiguous
@@ -25,7 +25,19 @@ Why this arrangement (for the decode kernel, which walks one KV head through a b
   8 and ``B`` of 16), unlike vLLM's inline ``[D/2 | D/16]`` rows of 72 bytes that are only 8-byte
   aligned and measured slower on the H200.
 * Transposed scales: the kernel applies block scales per 16-element chunk to a whole vector of
-  ``B`` tokens (one partial dot product per chunk), so the B scales of one chunk are one load.
+  ``B`` tokens (one partial dot product per chunk), so the B scales of one chunk are one
+  contiguous 16-byte load (and one asynchronous copy per tile).
+
+Chunk-planar nibble order of an NVFP4 data row (``D/2`` bytes of one token and head): the head
+vector is cut into groups of 64 elements (4 chunks of 16; a last group of ``D % 64`` elements has
+fewer chunks), and inside a group of ``nc`` chunks nibble position ``nc * i + j`` holds element
+``16 * j + i``; positions pack two per byte, the even one in the low nibble. For a full group this
+reads: nibble ``j`` of the little-endian 16-bit word ``i`` holds element ``16 j + i``, so ONE
+16-element block is one nibble plane of 16 consecutive words. The decode kernel turns a plane into
+an fp16 MMA operand with a few bit operations per word and applies the block scale to the
+partial dot product of that chunk, instead of multiplying every element
+(:func:`nvfp4_element_order` gives the permutation; the bytes are otherwise exactly
+:mod:`vllm_nvfp4.formats`' packing of the permuted codes).
 
 ``page_bytes == B * H * (bytes_per_head(k_format, D) + bytes_per_head(v_format, D))`` exactly;
 with ``B % 16 == 0`` every plane offset is a multiple of 16.
@@ -33,6 +45,7 @@ with ``B % 16 == 0`` every plane offset is a multiple of 16.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -42,6 +55,51 @@ from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, bytes_per_head, check_kv_format
 
 KV = Literal["k", "v"]
 PAGE_ALIGN = 16
+NIBBLE_GROUP = 64  # elements per group of the chunk-planar nibble order
+
+
+@functools.lru_cache(maxsize=None)
+def _element_order(head_dim: int) -> tuple[int, ...]:
+    order: list[int] = []
+    for start in range(0, head_dim, NIBBLE_GROUP):
+        chunks = min(NIBBLE_GROUP, head_dim - start) // NVFP4_BLOCK_SIZE
+        order += [start + NVFP4_BLOCK_SIZE * j + i
+                  for i in range(NVFP4_BLOCK_SIZE) for j in range(chunks)]
+    return tuple(order)
+
+
+def nvfp4_element_order(head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """int64 ``[head_dim]``: the element of the head vector at each nibble position of an NVFP4
+    data row (chunk-planar order, module doc). Position ``p`` is the low nibble of byte ``p // 2``
+    when ``p`` is even. ``head_dim`` must be a multiple of 16."""
+    if head_dim <= 0 or head_dim % NVFP4_BLOCK_SIZE:
+        raise ValueError(f"head_dim must be a positive multiple of 16, got {head_dim}")
+    return torch.tensor(_element_order(head_dim), dtype=torch.int64, device=device)
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., W]`` -> its nibbles ``[..., 2W]`` (low nibble first)."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+def _pack_nibbles(nib: torch.Tensor) -> torch.Tensor:
+    pairs = nib.unflatten(-1, (-1, 2))
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def nvfp4_rows_from_packed(packed: torch.Tensor) -> torch.Tensor:
+    """:func:`vllm_nvfp4.formats.nvfp4_quantize`'s ``packed [..., D/2]`` (element order) -> the
+    data-plane rows ``[..., D/2]`` in chunk-planar nibble order."""
+    order = nvfp4_element_order(packed.shape[-1] * 2, packed.device)
+    return _pack_nibbles(_nibbles(packed).index_select(-1, order))
+
+
+def nvfp4_packed_from_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`nvfp4_rows_from_packed`: data-plane rows -> element-order ``packed``."""
+    order = nvfp4_element_order(rows.shape[-1] * 2, rows.device)
+    nib = torch.empty_like(_nibbles(rows))
+    nib[..., order] = _nibbles(rows)
+    return _pack_nibbles(nib)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, e2m1_value, fp8_quantize, nvfp4_quantize
-from vllm_nvfp4.layout import KV, KVPageLayout
+from vllm_nvfp4.layout import KV, KVPageLayout, nvfp4_element_order, nvfp4_rows_from_packed
 
 
 def quantize_heads(
@@ -26,13 +26,14 @@ def quantize_heads(
     """Quantize ``x [T, H, D]`` with per-head ``scale [H]`` (FP8 scale or NVFP4 global scale).
 
     Returns ``(data uint8 [T, H, W], block_scales uint8 [T, H, D/16] or None)`` with W = D (fp8) or
-    D/2 (nvfp4); bytes exactly as :mod:`vllm_nvfp4.formats` with ``nonfinite="propagate"``.
+    D/2 (nvfp4); bytes exactly as :mod:`vllm_nvfp4.formats` with ``nonfinite="propagate"``, NVFP4
+    nibbles in the layout's chunk-planar order (:func:`~vllm_nvfp4.layout.nvfp4_rows_from_packed`).
     """
     if fmt == "fp8":
         q = fp8_quantize(x, scale.view(-1, 1), nonfinite="propagate")
         return q.view(torch.uint8), None
     packed, scales = nvfp4_quantize(x, scale, nonfinite="propagate")
-    return packed, scales.view(torch.uint8)
+    return nvfp4_rows_from_packed(packed), scales.view(torch.uint8)
 
 
 def write_kv_cache(
@@ -66,6 +67,12 @@ def _e2m1_byte_table(device: torch.device) -> torch.Tensor:
     byte = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
     pairs = torch.stack([e2m1_value(byte & 0xF), e2m1_value(byte >> 4)], dim=-1)  # FP32 [256, 2]
     return pairs.contiguous().view(torch.float64).view(256)
+
+
+@functools.lru_cache(maxsize=None)
+def _nibble_position(head_dim: int, device: torch.device) -> torch.Tensor:
+    """int64 ``[head_dim]``: nibble position of each element in a data row (inverse order)."""
+    return torch.argsort(nvfp4_element_order(head_dim, device))
 
 
 def dequantize_tokens(
@@ -103,6 +110,7 @@ def dequantize_tokens(
     if sc is None:
         return data.view(torch.float8_e4m3fn).float() * per_head
     vals = _e2m1_byte_table(data.device).index_select(0, data.flatten().int()).view(torch.float32)
+    vals = vals.view(n_seq, h, length, d)[..., _nibble_position(d, data.device)]  # element order
     se = sc.view(torch.float8_e4m3fn).float() * per_head  # [S, H, n * B, D/16]
     x = vals.view(n_seq, h, length, d // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE) * se.unsqueeze(-1)
     return x.view(n_seq, h, length, d)

@@ -9,36 +9,26 @@ Two kernels share one tile loop (:func:`_attend_tiles`):
 * ``_prefill_kernel`` - any number of query tokens per sequence (prefill, chunked prefill, prefix
   hits, mixed batches); rows = ``BLOCK_Q`` query tokens x ``G`` heads; causal (+ window) mask.
 
-Dequantization (no per-element scale folding beyond one fp16 multiply):
+Dequantization. FP8 tile: E4M3 -> fp16 (native conversion on Hopper; exact); the layer scale is
+folded into the softmax scale (K) or the output (V). NVFP4: a nibble ``n`` becomes fp16 by bit
+placement alone, ``(n & 8) << 12 | (n & 7) << 9`` == e2m1(n) * 2^-14 (subnormal code 1
+included); the global scale g (and 2^14 or 2^7) go into the softmax scale / output scale.
 
-* FP8 tile: E4M3 -> fp16 (native conversion on Hopper; exact). Layer scale folded into the
-  softmax scale (K) or the output (V).
-* NVFP4 tile: a nibble ``n`` becomes fp16 by bit placement alone,
-  ``(n & 8) << 12 | (n & 7) << 9`` == e2m1(n) * 2^-14 (subnormal code 1 included); times the block
-  scale in fp16 pre-multiplied by 2^7 this is e2m1 * s * 2^-7 EXACTLY (at most 6 significant bits,
-  magnitude in [2^-17, 21]). The global scale g and the 2^7 go into the softmax scale / output
-  scale. On the GPU one inline-PTX block turns each 32-bit word (8 nibbles) into four f16x2
-  products, pairing nibbles k and k+4 (same shift for both halves); the tile's columns are thus
-  permuted within each 8-element word (:func:`nvfp4_col_perm`), and q is loaded / the output
-  stored with the same permutation, so no shuffle is needed. The interpreter runs the same bit
-  placement in Triton integer ops.
-* Raw NVFP4 tiles are double-buffered in registers (``PREFETCH``): Triton's pipeliner does not
-  stage loads that feed integer ops, so without it every tile waited on DRAM latency.
-
-* Load order of an NVFP4 tile (``WORD_MAJOR``): scales first, then data words (``[N, D/8]``
-  uint32). Triton 3.6 (the H200's) decodes the tile in the register layout of the LAST of the
-  two loads; the scale plane is token-contiguous, so the other order (data, then scales) runs
-  the whole decode token-major and stores the tile to shared memory with 128 scalar 16-bit
-  stores per warp and tile (``benchmarks/compile_sm90.py`` with Triton 3.6; 3.9 is not
-  affected). Prefill and the keys decode use it; the rows decode keeps the old order, measured
-  faster there for an FP8 K with an NVFP4 V.
-
-``_decode_keys_kernel`` (the default decode when K and V are both NVFP4; opt-in
-``decode_variant="keys"`` for NVFP4 K with FP8 V) puts the keys on the MMA rows:
-``s^T = sum_j K_j q_j^T`` over the 4 nibble planes of K read as 16-bit halves (each plane a unary
-inline asm of the loaded halves times the block scale, so no fp16 K tile goes through shared
-memory; Triton 3.6 still stages the raw halves there), ``BG`` = the GQA group padded to 8
-columns instead of 16 rows, and ``acc^T += V^T p``. Measured 17-20% faster than the rows kernel.
+* ``_decode_keys_kernel`` (decode when K and V are both NVFP4) never multiplies an element by its
+  block scale: the cache's chunk-planar nibble order (:mod:`vllm_nvfp4.layout`) makes each
+  16-element chunk one nibble plane of 16 consecutive 16-bit words, so one k=16 MMA per chunk
+  gives that chunk's partial scores, scaled per token by the chunk's block scale (and V's scale
+  goes into P per chunk). The decode of a plane is then a unary inline asm of the raw words,
+  which lets Triton copy the raw K/V words and the scale rows asynchronously into shared memory
+  and decode them in the MMA operand registers. Keys sit on the MMA M dimension, the GQA group
+  (padded to 8) on N.
+* The rows decode (``_decode_kernel``: FP8 K, or an FP8/NVFP4 mix) and the prefill decode whole
+  tiles: one inline-PTX block turns each 32-bit word (its 4 nibble planes x 2 words) into four
+  f16x2 products with the block scales of its four chunks (pre-multiplied by 2^7: e2m1 * s *
+  2^-7 is exact in fp16); the tile's columns are thus permuted (:func:`nvfp4_col_perm`), and q
+  is loaded / the output stored with the same permutation. Raw NVFP4 tiles are double-buffered
+  in registers (``PREFETCH``): Triton's pipeliner does not stage loads that feed integer ops.
+  The interpreter runs the same bit placement in Triton integer ops.
 
 Measured on the H200 and analysed in ``benchmarks/README.md``: this FP8 path beats vLLM's Triton
 backend; the NVFP4 path is still instruction/latency-bound.
@@ -74,20 +64,20 @@ def _e2m1_pair(w, K: tl.constexpr):
     return x
 
 
-# PTX of _e2m1_pair + _halves on one word ($8) and its scale ($9, fp16): four f16x2 products,
-# each split into its halves: $k = element k, $(k+4) = element k+4 (k = 0..3).
+# PTX of _e2m1_pair + _halves on one word ($8) and the block scales of its four nibble planes
+# ($9..$12, fp16): four f16x2 products, each split into its halves: $j = nibble j of the low
+# 16-bit half, $(j+4) = nibble j of the high half (both in chunk j of the word's 64-group).
 _E2M1_F16X2_ASM = tl.constexpr("""
 {
 .reg .b32 m, sg, x, s2;
-mov.b32 s2, {$9, $9};
 and.b32 m, $8, 0x00070007; and.b32 sg, $8, 0x00080008; shl.b32 m, m, 9; shl.b32 sg, sg, 12;
-or.b32 x, m, sg; mul.rn.f16x2 x, x, s2; mov.b32 {$0, $4}, x;
+or.b32 x, m, sg; mov.b32 s2, {$9, $9}; mul.rn.f16x2 x, x, s2; mov.b32 {$0, $4}, x;
 and.b32 m, $8, 0x00700070; and.b32 sg, $8, 0x00800080; shl.b32 m, m, 5; shl.b32 sg, sg, 8;
-or.b32 x, m, sg; mul.rn.f16x2 x, x, s2; mov.b32 {$1, $5}, x;
+or.b32 x, m, sg; mov.b32 s2, {$10, $10}; mul.rn.f16x2 x, x, s2; mov.b32 {$1, $5}, x;
 and.b32 m, $8, 0x07000700; and.b32 sg, $8, 0x08000800; shl.b32 m, m, 1; shl.b32 sg, sg, 4;
-or.b32 x, m, sg; mul.rn.f16x2 x, x, s2; mov.b32 {$2, $6}, x;
+or.b32 x, m, sg; mov.b32 s2, {$11, $11}; mul.rn.f16x2 x, x, s2; mov.b32 {$2, $6}, x;
 and.b32 m, $8, 0x70007000; and.b32 sg, $8, 0x80008000; shr.b32 m, m, 3;
-or.b32 x, m, sg; mul.rn.f16x2 x, x, s2; mov.b32 {$3, $7}, x;
+or.b32 x, m, sg; mov.b32 s2, {$12, $12}; mul.rn.f16x2 x, x, s2; mov.b32 {$3, $7}, x;
 }
 """)
 
@@ -102,58 +92,51 @@ def _halves(x, s):
 
 @triton.jit
 def nvfp4_col_perm(d):
-    """Element held by tile column ``d`` of an NVFP4 tile (the decode's register order): within
-    each 8-element word, column ``o = 4a + 2b + c`` holds element ``2a + b + 4c``."""
+    """Element held by tile column ``d`` of a word-decoded NVFP4 tile (:func:`_dequant`'s
+    register order): column ``8 w + 4 a + 2 b + c`` is nibble ``j = 2 a + b`` of 16-bit half
+    ``c`` of word ``w``, i.e. element ``64 (w // 8) + 16 j + 2 (w % 8) + c`` of the chunk-planar
+    row (:mod:`vllm_nvfp4.layout`)."""
     o = d % 8
-    return d - o + 2 * (o // 4) + (o // 2) % 2 + 4 * (o % 2)
+    w = d // 8
+    return 64 * (w // 8) + 16 * (2 * (o // 4) + (o // 2) % 2) + 2 * (w % 8) + o % 2
 
 
 @triton.jit
 def _word_scales(page, off, valid, h, SCALE: tl.constexpr, D: tl.constexpr,
                  BLOCK: tl.constexpr, N: tl.constexpr):
-    """E4M3 scale byte of each 32-bit word of an NVFP4 tile: ``[N, D/8]`` (word ``w`` lies in the
-    16-chunk ``w // 2``; each scale byte is read for both of its words)."""
+    """E4M3 scale bytes of the four nibble planes of each 32-bit word of an NVFP4 tile: a tuple
+    of 4 ``[N, D/8]`` (word ``w``'s plane ``j`` lies in chunk ``4 (w // 8) + j``)."""
     W: tl.constexpr = D // 8
-    sptr = page[:, None] + SCALE + (h * (D // 16) + tl.arange(0, W)[None, :] // 2) * BLOCK \
+    sptr = page[:, None] + SCALE + (h * (D // 16) + tl.arange(0, W)[None, :] // 8 * 4) * BLOCK \
         + off[:, None]
-    return tl.load(sptr, mask=valid[:, None], other=0)
+    return (tl.load(sptr, mask=valid[:, None], other=0),
+            tl.load(sptr + BLOCK, mask=valid[:, None], other=0),
+            tl.load(sptr + 2 * BLOCK, mask=valid[:, None], other=0),
+            tl.load(sptr + 3 * BLOCK, mask=valid[:, None], other=0))
 
 
 @triton.jit
 def _load_raw(
     page, off, valid, h,
     DATA: tl.constexpr, SCALE: tl.constexpr, FMT: tl.constexpr,
-    D: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr, WORD_MAJOR: tl.constexpr = True,
+    D: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr,
 ):
     """Raw cache bytes of an ``[N, D]`` tile of K or V of KV head ``h``: FP8 ``(uint8 [N, D], 0)``,
-    NVFP4 ``(uint32 words [N, D/8], e4m3 scale byte of each word's 16-chunk [N, D/8])``, or with
-    ``WORD_MAJOR=False`` the previous form ``(words [N, D/16, 2], scales [N, D/16])`` loaded data
-    first (Triton 3.6 then decodes token-major: slower for NVFP4 K, but measured faster for the
-    rows decode with an FP8 K and NVFP4 V, see benchmarks/README.md).
+    NVFP4 ``(uint32 words [N, D/8], 4-tuple of e4m3 scale bytes [N, D/8])`` (:func:`_word_scales`).
 
     ``page [N]``: uint8 pointers to each token's cache page; ``off [N]``: token offset in its block;
     ``valid [N]``: rows to load (others read as 0)."""
     if FMT == FMT_FP8:
         ptr = page[:, None] + DATA + (h * BLOCK + off[:, None]) * D + tl.arange(0, D)[None, :]
         return tl.load(ptr, mask=valid[:, None], other=0), 0
-    elif not WORD_MAJOR:
-        C: tl.constexpr = D // 16
-        row = (page + DATA + (h * BLOCK + off) * (D // 2)).to(tl.pointer_type(tl.uint32))
-        wi = tl.arange(0, C)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
-        w = tl.load(row[:, None, None] + wi, mask=valid[:, None, None], other=0)  # [N, C, 2]
-        sptr = page[:, None] + SCALE + (h * C + tl.arange(0, C)[None, :]) * BLOCK + off[:, None]
-        return w, tl.load(sptr, mask=valid[:, None], other=0)
     else:
-        C: tl.constexpr = D // 16
-        W: tl.constexpr = D // 8
         row = (page + DATA + (h * BLOCK + off) * (D // 2)).to(tl.pointer_type(tl.uint32))
-        wi = tl.arange(0, W)
         # The scale plane is token-contiguous, the data plane word-contiguous: Triton 3.6 runs
-        # the decode in the layout of the LAST of the two loads, so load the scales first. (The
+        # the decode in the layout of the LAST of the loads, so load the scales first. (The
         # other way round the whole tile was decoded token-major and stored to shared memory
         # with 128 scalar STS.U16 per warp and tile; 3.9 picks the word-major layout anyway.)
         sc = _word_scales(page, off, valid, h, SCALE, D, BLOCK, N)
-        w = tl.load(row[:, None] + wi[None, :], mask=valid[:, None], other=0)  # [N, W]
+        w = tl.load(row[:, None] + tl.arange(0, D // 8)[None, :], mask=valid[:, None], other=0)
         return w, sc
 
 
@@ -165,19 +148,20 @@ def _dequant(a, b, FMT: tl.constexpr, D: tl.constexpr, N: tl.constexpr, F32: tl.
     if FMT == FMT_FP8:
         x = a.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     else:
-        s = b.to(tl.float8e4nv, bitcast=True)
-        s = s.to(tl.float16) * 128.0  # block scale * 2^7 of each word ([N, D/8] or [N, D/16])
-        if len(a.shape) == 3:  # the [N, D/16, 2] words of WORD_MAJOR=False
-            s = s[:, :, None]
+        # block scale * 2^7 of each word's four planes
+        s0 = b[0].to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
+        s1 = b[1].to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
+        s2 = b[2].to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
+        s3 = b[3].to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
         if F32:  # the interpreter has no inline PTX: the same bit placement in Triton ops
-            lo0, hi0 = _halves(_e2m1_pair(a, 0), s)
-            lo1, hi1 = _halves(_e2m1_pair(a, 1), s)
-            lo2, hi2 = _halves(_e2m1_pair(a, 2), s)
-            lo3, hi3 = _halves(_e2m1_pair(a, 3), s)
+            lo0, hi0 = _halves(_e2m1_pair(a, 0), s0)
+            lo1, hi1 = _halves(_e2m1_pair(a, 1), s1)
+            lo2, hi2 = _halves(_e2m1_pair(a, 2), s2)
+            lo3, hi3 = _halves(_e2m1_pair(a, 3), s3)
         else:
             lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = tl.inline_asm_elementwise(
-                _E2M1_F16X2_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h",
-                [a, tl.broadcast_to(s, a.shape)], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+                _E2M1_F16X2_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h,h,h",
+                [a, s0, s1, s2, s3], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
         lo = tl.join(tl.join(lo0, lo2), tl.join(lo1, lo3))
         hi = tl.join(tl.join(hi0, hi2), tl.join(hi1, hi3))
         x = tl.reshape(tl.join(lo, hi), [N, D])
@@ -213,7 +197,7 @@ def _attend_tiles(
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
-    PREFETCH: tl.constexpr, WORD_MAJOR: tl.constexpr = True,
+    PREFETCH: tl.constexpr,
 ):
     """Online-softmax attention of the rows ``q [M, D]`` (positions ``q_pos [M]``) over the keys
     ``[t_begin, t_end)`` of one sequence (``t_begin`` a multiple of ``TILE_N``). Logits in log2
@@ -221,23 +205,18 @@ def _attend_tiles(
     is the cap and ``qk_scale`` excludes log2(e)."""
     toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t_begin, t_end, BLOCK, TILE_N)
     if PREFETCH:  # software pipelining in registers: raw bytes of tile i+1 load during tile i
-        ka, kb = _load_raw(page, off, valid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N,
-                            WORD_MAJOR)
-        va, vb = _load_raw(page, off, valid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N,
-                            WORD_MAJOR)
+        ka, kb = _load_raw(page, off, valid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N)
+        va, vb = _load_raw(page, off, valid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N)
     for t0 in range(t_begin, t_end, TILE_N):
         if PREFETCH:
             ntoks, nvalid, npage, noff = _tile_rows(cache_ptr, stride_blk, bt_row, t0 + TILE_N,
                                                     t_end, BLOCK, TILE_N)
-            nka, nkb = _load_raw(npage, noff, nvalid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N,
-                            WORD_MAJOR)
-            nva, nvb = _load_raw(npage, noff, nvalid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N,
-                            WORD_MAJOR)
+            nka, nkb = _load_raw(npage, noff, nvalid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N)
+            nva, nvb = _load_raw(npage, noff, nvalid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N)
         else:
             toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK,
                                                 TILE_N)
-            ka, kb = _load_raw(page, off, valid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N,
-                            WORD_MAJOR)
+            ka, kb = _load_raw(page, off, valid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N)
         k = _dequant(ka, kb, K_FMT, D, TILE_N, F32)
         if F32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -260,8 +239,7 @@ def _attend_tiles(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if not PREFETCH:
-            va, vb = _load_raw(page, off, valid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N,
-                            WORD_MAJOR)
+            va, vb = _load_raw(page, off, valid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N)
         v = _dequant(va, vb, V_FMT, D, TILE_N, F32)
         if F32:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
@@ -327,18 +305,20 @@ def _decode_program(seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_sca
 @triton.jit
 def _decode_store(o, m_i, l_i, out_ptr, part_o_ptr, part_ml_ptr, tok, split, qh, row_ok,
                   qh_b, d_b, ok_b, stride_ot, stride_oh,
-                  HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                  HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  WITH_ML: tl.constexpr = True):
     """Store a decode program's output ``o`` (any orientation: ``qh_b``, ``d_b``, ``ok_b`` are
     the head index, column and mask broadcast to its shape): final rows when unsplit, else the
-    FP32 partial ``o`` and its ``(m, l)`` for :func:`_reduce_kernel`."""
+    FP32 partial ``o`` and (``WITH_ML``) its ``(m, l)`` for :func:`_reduce_kernel`."""
     if NUM_SPLITS == 1:
         tl.store(out_ptr + tok * stride_ot + qh_b * stride_oh + d_b,
                  o.to(out_ptr.dtype.element_ty), mask=ok_b)
     else:
         tl.store(part_o_ptr + ((tok * HQ + qh_b) * NUM_SPLITS + split) * D + d_b, o, mask=ok_b)
-        row = (tok * HQ + qh) * NUM_SPLITS + split  # [BG]
-        tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
-        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+        if WITH_ML:
+            row = (tok * HQ + qh) * NUM_SPLITS + split  # [BG]
+            tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
 
 
 @triton.jit
@@ -369,27 +349,12 @@ def _decode_kernel(
         q, q_pos, acc, m_i, l_i, cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h,
         t_begin, t_end, qk_scale, softcap, window,
         K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK, TILE_N,
-        False, USE_WINDOW, USE_SOFTCAP, F32, PREFETCH, False,
+        False, USE_WINDOW, USE_SOFTCAP, F32, PREFETCH,
     )
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * vf
     _decode_store(o, m_i, l_i, out_ptr, part_o_ptr, part_ml_ptr, tok, split, qh, row_ok,
                   qh[:, None], _cols(V_FMT, D)[None, :], row_ok[:, None], stride_ot, stride_oh,
                   HQ, D, NUM_SPLITS)
-
-
-@triton.jit
-def _k_halves(page, off, valid, h, K_DATA: tl.constexpr, K_SCALE: tl.constexpr,
-              D: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr):
-    """NVFP4 K tile as ``[N, D/4]`` uint16 (4 elements each) and the e4m3 scale byte of each
-    half's 16-chunk (``[N, D/4]``, each byte read for the 4 halves of its chunk)."""
-    W: tl.constexpr = D // 4
-    row = (page + K_DATA + (h * BLOCK + off) * (D // 2)).to(tl.pointer_type(tl.uint16))
-    i = tl.arange(0, W)
-    # scale load first: Triton 3.6 then keeps the data's (half-major) layout for the decode
-    sptr = page[:, None] + K_SCALE + (h * (D // 16) + i[None, :] // 4) * BLOCK + off[:, None]
-    ks = tl.load(sptr, mask=valid[:, None], other=0)
-    kh = tl.load(row[:, None] + i[None, :], mask=valid[:, None], other=0)
-    return kh, ks
 
 
 # nibble J of each 16-bit half of $1 as fp16 e2m1 * 2^-14 (sign << 15 | code << 9), both halves
@@ -410,41 +375,80 @@ _NIB_ASM3 = tl.constexpr(_E2M1_NIB_ASM[3])
 
 
 @triton.jit
-def _k_plane(kh, s, J: tl.constexpr, F32: tl.constexpr):
-    """Plane ``J`` of an NVFP4 K tile: ``[N, D/4]`` element ``4i + J`` of each 16-bit half ``i``
-    as ``e2m1 * scale * 2^-7`` (``s`` = block scale * 2^7, fp16). Only a unary pure inline asm
-    and elementwise arithmetic from the loads, so Triton can load straight into the MMA operand
-    layout (no shared-memory round trip)."""
+def _plane(x, J: tl.constexpr, F32: tl.constexpr):
+    """Nibble plane ``J`` of uint16 words ``x`` (any shape): ``e2m1 * 2^-14`` as fp16 (fp32 when
+    ``F32``). A unary pure inline asm on the loaded words, so Triton loads the raw words straight
+    into the MMA operand layout (asynchronous copy, no decoded tile in shared memory)."""
     if F32:
-        x = kh.to(tl.uint32)
+        u = x.to(tl.uint32)
         if J == 3:
-            x = ((x & 0x7000) >> 3) | (x & 0x8000)
+            u = ((u & 0x7000) >> 3) | (u & 0x8000)
         else:
-            x = (x & (0x7 << (4 * J))) * (1 << (9 - 4 * J)) + (x & (0x8 << (4 * J))) * (
+            u = (u & (0x7 << (4 * J))) * (1 << (9 - 4 * J)) + (u & (0x8 << (4 * J))) * (
                 1 << (12 - 4 * J))
-        return x.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * s.to(tl.float32)
+        return u.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     if J == 0:
-        e = tl.inline_asm_elementwise(_NIB_ASM0, "=r,r", [kh], dtype=tl.float16, is_pure=True,
-                                      pack=2)
+        return tl.inline_asm_elementwise(_NIB_ASM0, "=r,r", [x], dtype=tl.float16, is_pure=True,
+                                         pack=2)
     elif J == 1:
-        e = tl.inline_asm_elementwise(_NIB_ASM1, "=r,r", [kh], dtype=tl.float16, is_pure=True,
-                                      pack=2)
+        return tl.inline_asm_elementwise(_NIB_ASM1, "=r,r", [x], dtype=tl.float16, is_pure=True,
+                                         pack=2)
     elif J == 2:
-        e = tl.inline_asm_elementwise(_NIB_ASM2, "=r,r", [kh], dtype=tl.float16, is_pure=True,
-                                      pack=2)
+        return tl.inline_asm_elementwise(_NIB_ASM2, "=r,r", [x], dtype=tl.float16, is_pure=True,
+                                         pack=2)
     else:
-        e = tl.inline_asm_elementwise(_NIB_ASM3, "=r,r", [kh], dtype=tl.float16, is_pure=True,
-                                      pack=2)
-    return e * s
+        return tl.inline_asm_elementwise(_NIB_ASM3, "=r,r", [x], dtype=tl.float16, is_pure=True,
+                                         pack=2)
 
 
 @triton.jit
-def _qt_plane(qb, stride_qh, qh, row_ok, J: tl.constexpr, D: tl.constexpr, F32: tl.constexpr):
-    """``q_J^T [D/4, BG]``: element ``4i + J`` of each query head (the B operand of plane J)."""
-    i = tl.arange(0, D // 4)
-    q = tl.load(qb + qh[None, :] * stride_qh + (4 * i + J)[:, None], mask=row_ok[None, :],
-                other=0.0)
-    return q.to(tl.float32) if F32 else q.to(tl.float16)
+def _group_words(page, off, valid, h, DATA: tl.constexpr, GI: tl.constexpr, D: tl.constexpr,
+                 BLOCK: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The 16 uint16 words of 64-group ``GI`` of an NVFP4 tile: ``[N, 16]``, or ``[16, N]`` when
+    ``TRANSPOSED`` (loaded straight in that orientation: the V operand ``V^T``)."""
+    row = (page + DATA + (h * BLOCK + off) * (D // 2)).to(tl.pointer_type(tl.uint16))
+    i = GI * 16 + tl.arange(0, 16)
+    if TRANSPOSED:
+        w = tl.load(row[None, :] + i[:, None], mask=valid[None, :], other=0)
+    else:
+        w = tl.load(row[:, None] + i[None, :], mask=valid[:, None], other=0)
+    return w
+
+
+@triton.jit
+def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexpr,
+                 C: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr):
+    """FP32 block scales times 2^7 of the ``N`` tokens from ``t0``: a tuple of ``C`` vectors
+    ``[N]`` (chunk order), 0 for tokens at or past ``t_end`` (times 2^7, as :func:`_dequant`'s,
+    so that :func:`_kv_factors` applies; exact, and in fp16 range up to 448 * 2^7). One load of whole 16-byte rows of the transposed
+    scale plane per block (so the pipeliner copies it asynchronously), columns in bit-reversed
+    chunk order so that the halving splits below leave the chunks in natural order."""
+    NB: tl.constexpr = N // BLOCK
+    nb = tl.arange(0, NB)
+    blk = tl.load(bt_row + t0 // BLOCK + nb, mask=t0 + nb * BLOCK < t_end, other=0)
+    k = tl.arange(0, C)
+    rev = k * 0
+    for b in tl.static_range(4):
+        if (C >> b) > 1:
+            rev = rev * 2 + (k >> b) % 2
+    j = tl.arange(0, BLOCK)
+    ptr = (cache_ptr + blk.to(tl.int64) * stride_blk)[:, None, None] + SCALE \
+        + (h * C + rev)[None, :, None] * BLOCK + j[None, None, :]
+    ok = (t0 + nb[:, None, None] * BLOCK + j[None, None, :]) < t_end
+    sc = tl.load(ptr, mask=ok, other=0)  # [NB, C, BLOCK]
+    sc = tl.reshape(tl.permute(sc, (0, 2, 1)), [N, C]).to(tl.float8e4nv, bitcast=True)
+    parts = (sc.to(tl.float32) * 128.0,)
+    for lvl in tl.static_range(4):
+        if (C >> lvl) > 1:
+            halves = ()
+            for p in tl.static_range(1 << lvl):
+                a, b = tl.split(tl.reshape(parts[p], [N, (C >> lvl) // 2, 2]))
+                halves = halves + (a, b)
+            parts = halves
+    out = ()
+    for c in tl.static_range(C):
+        out = out + (tl.reshape(parts[c], [N]),)
+    return out
 
 
 @triton.jit
@@ -467,45 +471,44 @@ def _decode_keys_kernel(
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """Decode with the KEYS on the MMA M dimension (NVFP4 K only; V any format): scores
-    ``s^T [TILE_N, BG] = sum_j e_j [TILE_N, D/4] . q_j^T [D/4, BG]`` over the 4 nibble planes of
-    the K tile read as 16-bit halves (no join, so the decoded K can stay in registers), output
-    ``acc^T [D, BG] += v^T [D, TILE_N] . p [TILE_N, BG]``; ``BG`` = the GQA group padded (>= 8),
-    not 16 MMA rows. Same grid, splits and partial format as :func:`_decode_kernel`."""
+    """Decode with the KEYS on the MMA M dimension and the block scales applied per 16-element
+    chunk (NVFP4 K and V, ``D`` a multiple of 64). Each chunk ``c`` of K is one nibble plane of
+    16 words (:mod:`vllm_nvfp4.layout`'s chunk-planar order), so the scores are
+    ``s^T [TILE_N, BG] = sum_c sk_c * (K_c [TILE_N, 16] . q_c^T [16, BG])`` with ``sk_c [TILE_N]``
+    the tokens' block scales of chunk ``c``, and the output chunk by chunk
+    ``acc_c^T [16, BG] += V_c^T [16, TILE_N] . (sv_c * p) [TILE_N, BG]``. The raw words of K and
+    V and the scale rows are copied asynchronously (``tl.range`` stages) and decoded by one unary
+    inline asm per plane in the MMA operand registers: no element is multiplied by a scale.
+    ``BG`` = the GQA group padded (>= 8). Same grid, splits and partial format as
+    :func:`_decode_kernel`; ``PREFETCH`` is unused (the pipeliner stages every load)."""
     seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_end = _decode_program(
         seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window, K_FMT, V_FMT,
         G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP)
+    C: tl.constexpr = D // 16
     qb = query_ptr + tok * stride_qt
-    q0 = _qt_plane(qb, stride_qh, qh, row_ok, 0, D, F32)
-    q1 = _qt_plane(qb, stride_qh, qh, row_ok, 1, D, F32)
-    q2 = _qt_plane(qb, stride_qh, qh, row_ok, 2, D, F32)
-    q3 = _qt_plane(qb, stride_qh, qh, row_ok, 3, D, F32)
-
-    acc = tl.zeros([D, BG], dtype=tl.float32)
+    d16 = tl.arange(0, 16)
+    qs = ()  # q_c^T [16, BG] per chunk
+    accs = ()  # acc_c^T [16, BG] per chunk
+    for c in tl.static_range(C):
+        q = tl.load(qb + qh[None, :] * stride_qh + (16 * c + d16)[:, None], mask=row_ok[None, :],
+                    other=0.0)
+        qs = qs + ((q.to(tl.float32) if F32 else q.to(tl.float16)),)
+        accs = accs + (tl.zeros([16, BG], dtype=tl.float32),)
     m_i = tl.full([BG], float("-inf"), tl.float32)
     l_i = tl.zeros([BG], dtype=tl.float32)
     bt_row = block_table_ptr + seq * stride_bt
-    toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t_begin, t_end, BLOCK,
-                                        TILE_N)
-    if PREFETCH:
-        kh, ks = _k_halves(page, off, valid, h, K_DATA, K_SCALE, D, BLOCK, TILE_N)
-        va, vb = _load_raw(page, off, valid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N)
-    for t0 in range(t_begin, t_end, TILE_N):
-        if PREFETCH:
-            ntoks, nvalid, npage, noff = _tile_rows(cache_ptr, stride_blk, bt_row, t0 + TILE_N,
-                                                    t_end, BLOCK, TILE_N)
-            nkh, nks = _k_halves(npage, noff, nvalid, h, K_DATA, K_SCALE, D, BLOCK, TILE_N)
-            nva, nvb = _load_raw(npage, noff, nvalid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N)
-        else:
-            toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK,
-                                                TILE_N)
-            kh, ks = _k_halves(page, off, valid, h, K_DATA, K_SCALE, D, BLOCK, TILE_N)
-        ksc = ks.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
+    for t0 in tl.range(t_begin, t_end, TILE_N, num_stages=3):
+        toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK,
+                                            TILE_N)
+        kss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, K_SCALE, C, BLOCK, TILE_N)
+        vss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, V_SCALE, C, BLOCK, TILE_N)
         s = tl.zeros([TILE_N, BG], dtype=tl.float32)
-        s = _dot_f(_k_plane(kh, ksc, 0, F32), q0, s, F32)
-        s = _dot_f(_k_plane(kh, ksc, 1, F32), q1, s, F32)
-        s = _dot_f(_k_plane(kh, ksc, 2, F32), q2, s, F32)
-        s = _dot_f(_k_plane(kh, ksc, 3, F32), q3, s, F32)
+        for gi in tl.static_range(D // 64):
+            kw = _group_words(page, off, valid, h, K_DATA, gi, D, BLOCK, False)
+            for j in tl.static_range(4):
+                part = _dot_f(_plane(kw, j, F32), qs[4 * gi + j],
+                              tl.zeros([TILE_N, BG], dtype=tl.float32), F32)
+                s += part * kss[4 * gi + j][:, None]
         if USE_SOFTCAP:
             z = s * (qk_scale / softcap)
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * 1.4426950408889634
@@ -520,22 +523,23 @@ def _decode_keys_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[None, :])
         l_i = l_i * alpha + tl.sum(p, axis=0)
-        if not PREFETCH:
-            va, vb = _load_raw(page, off, valid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N)
-        v = _dequant(va, vb, V_FMT, D, TILE_N, F32)
-        if F32:
-            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p, input_precision="ieee")
-        else:
-            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(tl.float16))
+        ph = p if F32 else p.to(tl.float16)
+        new_accs = ()
+        for gi in tl.static_range(D // 64):
+            vw = _group_words(page, off, valid, h, V_DATA, gi, D, BLOCK, True)
+            for j in tl.static_range(4):
+                sv = vss[4 * gi + j]
+                pv = ph * (sv if F32 else sv.to(tl.float16))[:, None]
+                acc = accs[4 * gi + j] * alpha[None, :]
+                new_accs = new_accs + (_dot_f(_plane(vw, j, F32), pv, acc, F32),)
+        accs = new_accs
         m_i = m_new
-        if PREFETCH:
-            toks, valid, page, off = ntoks, nvalid, npage, noff
-            kh, ks, va, vb = nkh, nks, nva, nvb
 
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[None, :] * vf  # [D, BG]
-    _decode_store(o, m_i, l_i, out_ptr, part_o_ptr, part_ml_ptr, tok, split, qh, row_ok,
-                  qh[None, :], _cols(V_FMT, D)[:, None], row_ok[None, :], stride_ot, stride_oh,
-                  HQ, D, NUM_SPLITS)
+    inv = vf / tl.where(l_i == 0.0, 1.0, l_i)  # [BG]
+    for c in tl.static_range(C):
+        _decode_store(accs[c] * inv[None, :], m_i, l_i, out_ptr, part_o_ptr, part_ml_ptr, tok,
+                      split, qh, row_ok, qh[None, :], (16 * c + d16)[:, None], row_ok[None, :],
+                      stride_ot, stride_oh, HQ, D, NUM_SPLITS, c == 0)
 
 
 @triton.jit
@@ -649,15 +653,17 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: in
 
 def decode_launch_defaults(layout, variant: str) -> tuple[int, int]:
     """``(tile_n, num_warps)`` of a decode launch, from the H200 sweeps of 2026-11-30
-    (benchmarks/README.md, head_dim 128): the rows kernel (FP8 K and V, or FP8 K with NVFP4 V) -
-    1 warp, 32-key tiles (0.73x / 0.77x the time of 4 warps x 64 keys at 64 x 32k: no cross-warp
-    barriers or shared-memory reductions per tile); the keys kernel (NVFP4 K) - 2 warps, 64 keys
-    (0.85x). Unchanged where not run on the GPU at the new shape: head_dim 256 (4 warps x 32
-    keys), an NVFP4 K on the rows kernel and FP8 K / NVFP4 V at head_dim 64 (4 warps x 64 keys)."""
+    (benchmarks/README.md, head_dim 128): the keys kernel (NVFP4 K and V, per-chunk scales) -
+    1 warp x 64 keys (32 keys at head_dim 256, where 64 exceed the register file); the rows
+    kernel (FP8 K and V, or FP8 K with NVFP4 V) - 1 warp x 32 keys (0.73x / 0.77x the time of
+    4 warps x 64 keys at 64 x 32k: no cross-warp barriers or shared-memory reductions per tile).
+    Unchanged where not run on the GPU at the new shape: the rows kernel at head_dim 256
+    (4 warps x 32 keys), an NVFP4 K on the rows kernel and FP8 K / NVFP4 V at head_dim 64
+    (4 warps x 64 keys)."""
+    if variant == "keys":
+        return (32 if layout.head_dim >= 256 else 64), 1
     if layout.head_dim >= 256:
         return 32, 4
-    if variant == "keys":
-        return 64, 2
     if layout.k_format == "fp8" and (layout.v_format == "fp8" or layout.head_dim == 128):
         return 32, 1
     return 64, 4
@@ -722,14 +728,15 @@ def paged_attention(
                    cache.stride(0), block_table.stride(0), softmax_scale, softcap, window)
     if max_query_len == 1:
         num_tokens, hq = query.shape[0], query.shape[1]
-        # keys on the MMA rows for NVFP4 K and V: measured 17-20% faster than the rows kernel at
-        # the issue-3 shapes (benchmarks/README.md); other format pairs keep the rows kernel
+        # keys on the MMA rows with per-chunk scales for NVFP4 K and V (benchmarks/README.md);
+        # other format pairs run the rows kernel
         both_nvfp4 = layout.k_format == "nvfp4" and layout.v_format == "nvfp4"
         variant = decode_variant or ("keys" if both_nvfp4 else "rows")
         if variant not in ("rows", "keys"):
             raise ValueError(f"decode_variant must be 'rows' or 'keys', got {variant!r}")
-        if variant == "keys" and layout.k_format != "nvfp4":
-            raise ValueError("decode_variant 'keys' needs an NVFP4 K plane")
+        if variant == "keys" and not both_nvfp4:
+            raise ValueError("decode_variant 'keys' needs NVFP4 K and V planes (got K "
+                             f"{layout.k_format}, V {layout.v_format}); use 'rows'")
         kernel, bg = ((_decode_kernel, max(16, g_pad)) if variant == "rows"
                       else (_decode_keys_kernel, max(8, g_pad)))
         default_tile, default_warps = decode_launch_defaults(layout, variant)

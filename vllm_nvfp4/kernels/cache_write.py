@@ -78,33 +78,41 @@ def _e2m1_code(q):
 
 
 @triton.jit
-def _store_nvfp4_row(x_ptr, data_ptr, scale_ptr, g, BLOCK: tl.constexpr, D: tl.constexpr):
-    """NVFP4 of one head vector: ``data[0:D/2]`` packed codes, ``scale_ptr[c * BLOCK]`` the block
-    scale of 16-chunk ``c`` (the scale plane is transposed: chunk-major, ``BLOCK`` tokens apart)."""
-    C: tl.constexpr = D // 16
-    cc = tl.arange(0, C)[:, None]
-    jj = tl.arange(0, 8)[None, :]
-    even = tl.load(x_ptr + cc * 16 + 2 * jj).to(tl.float32)  # [C, 8]: elements 16c + 2j
-    odd = tl.load(x_ptr + cc * 16 + 2 * jj + 1).to(tl.float32)
+def _nvfp4_chunks(x, g, C2: tl.constexpr):
+    """NVFP4 of ``C2`` 16-element chunks ``x [C2, 16]`` (FP32) with global scale ``g``: E2M1 codes
+    ``[C2, 16]`` (uint8) and E4M3 block-scale bytes ``[C2]``."""
     inf = float("inf")
-    bad_e = (even != even) | (tl.abs(even) == inf)
-    bad_o = (odd != odd) | (tl.abs(odd) == inf)
-    bad = tl.max((bad_e | bad_o).to(tl.int32), axis=1) > 0  # [C]
-    amax = tl.maximum(
-        tl.max(tl.where(bad_e, 0.0, tl.abs(even)), axis=1),
-        tl.max(tl.where(bad_o, 0.0, tl.abs(odd)), axis=1),
-    )
-    g6 = tl.full([C], 6.0, tl.float32) * g
+    bad_x = (x != x) | (tl.abs(x) == inf)
+    bad = tl.max(bad_x.to(tl.int32), axis=1) > 0  # [C2]
+    amax = tl.max(tl.where(bad_x, 0.0, tl.abs(x)), axis=1)
+    g6 = tl.full([C2], 6.0, tl.float32) * g
     s_q = tl.minimum(tl.div_rn(amax, g6), 448.0)
     s_byte = _e4m3_byte(s_q, s_q)
-    se = _e4m3_value(s_byte) * g  # [C]
+    se = _e4m3_value(s_byte) * g  # [C2]
     ok = (se != 0.0) & (tl.abs(se) != inf) & ~bad
-    s_byte = tl.where(bad, tl.full([C], 0x7F, tl.uint8), s_byte)  # NaN scale: block decodes to NaN
-    se_safe = tl.where(ok, se, 1.0)[:, None]
-    c_even = tl.where(ok[:, None], _e2m1_code(tl.div_rn(even, se_safe)), 0)
-    c_odd = tl.where(ok[:, None], _e2m1_code(tl.div_rn(odd, se_safe)), 0)
-    tl.store(data_ptr + cc * 8 + jj, (c_even | (c_odd << 4)).to(tl.uint8))
-    tl.store(scale_ptr + tl.arange(0, C) * BLOCK, s_byte)
+    s_byte = tl.where(bad, tl.full([C2], 0x7F, tl.uint8), s_byte)  # NaN scale: block decodes to NaN
+    codes = tl.where(ok[:, None], _e2m1_code(tl.div_rn(x, tl.where(ok, se, 1.0)[:, None])), 0)
+    return codes, s_byte
+
+
+@triton.jit
+def _store_nvfp4_row(x_ptr, data_ptr, scale_ptr, g, BLOCK: tl.constexpr, D: tl.constexpr):
+    """NVFP4 of one head vector (``D`` a multiple of 64): ``data[0:D/2]`` the codes in the layout's
+    chunk-planar nibble order - byte ``32 u + 2 i + b`` of 64-element group ``u`` holds element
+    ``64 u + 32 b + i`` (low nibble) and ``+ 16`` (high nibble) - and ``scale_ptr[c * BLOCK]``
+    the block scale of 16-chunk ``c`` (the scale plane is transposed: chunk-major, ``BLOCK``
+    tokens apart)."""
+    C2: tl.constexpr = D // 32  # chunk pairs (2q, 2q + 1) share bytes
+    q = tl.arange(0, C2)
+    i = tl.arange(0, 16)
+    lo_x = tl.load(x_ptr + (32 * q[:, None] + i[None, :])).to(tl.float32)  # chunk 2q
+    hi_x = tl.load(x_ptr + (32 * q[:, None] + 16 + i[None, :])).to(tl.float32)  # chunk 2q + 1
+    lo, lo_s = _nvfp4_chunks(lo_x, g, C2)
+    hi, hi_s = _nvfp4_chunks(hi_x, g, C2)
+    byte = 32 * (q[:, None] // 2) + 2 * i[None, :] + q[:, None] % 2
+    tl.store(data_ptr + byte, (lo | (hi << 4)).to(tl.uint8))
+    tl.store(scale_ptr + 2 * q * BLOCK, lo_s)
+    tl.store(scale_ptr + (2 * q + 1) * BLOCK, hi_s)
 
 
 @triton.jit

@@ -35,23 +35,29 @@ def _dequant_plane(page, off, valid, h, scale, out_rows,
                    D: tl.constexpr, BLOCK: tl.constexpr):
     """Write K or V of head ``h`` for ``TILE_T`` tokens (``page [T]`` uint8 page pointers, ``off
     [T]`` offsets in block, ``valid [T]``) to ``out_rows [T]`` pointers (row start of head ``h``)."""
-    d = tl.arange(0, D)
     if FMT == FMT_FP8:
+        d = tl.arange(0, D)
         raw = tl.load(page[:, None] + DATA + (h * BLOCK + off[:, None]) * D + d[None, :],
                       mask=valid[:, None], other=0)
         x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+        tl.store(out_rows[:, None] + d[None, :], x.to(out_rows.dtype.element_ty),
+                 mask=valid[:, None])
     else:
-        HALF: tl.constexpr = D // 2
-        j = tl.arange(0, HALF)
-        raw = tl.load(page[:, None] + DATA + (h * BLOCK + off[:, None]) * HALF + j[None, :],
+        # k enumerates the low-nibble elements e = 64 u + 32 b + i (u = k // 32, b = k // 16 % 2,
+        # i = k % 16) in order; byte 32 u + 2 i + b holds e (low) and e + 16 (high)
+        k = tl.arange(0, D // 2)
+        e = 2 * k - k % 16
+        byte = (k // 32) * 32 + 2 * (k % 16) + (k // 16) % 2
+        raw = tl.load(page[:, None] + DATA + (h * BLOCK + off[:, None]) * (D // 2) + byte[None, :],
                       mask=valid[:, None], other=0).to(tl.int32)
-        sc = tl.load(page[:, None] + SCALE + (h * (D // 16) + j[None, :] // 8) * BLOCK
-                     + off[:, None], mask=valid[:, None], other=0)
-        sg = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale  # [T, D/2]
-        lo = _e2m1_f32(raw & 15) * sg  # element 2j
-        hi = _e2m1_f32(raw >> 4) * sg  # element 2j + 1
-        x = tl.reshape(tl.join(lo, hi), [lo.shape[0], D])
-    tl.store(out_rows[:, None] + d[None, :], x.to(out_rows.dtype.element_ty), mask=valid[:, None])
+        sptr = page[:, None] + SCALE + (h * (D // 16) + e[None, :] // 16) * BLOCK + off[:, None]
+        s_lo = tl.load(sptr, mask=valid[:, None], other=0)
+        s_hi = tl.load(sptr + BLOCK, mask=valid[:, None], other=0)  # chunk e // 16 + 1
+        lo = _e2m1_f32(raw & 15) * (s_lo.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale)
+        hi = _e2m1_f32(raw >> 4) * (s_hi.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale)
+        ty = out_rows.dtype.element_ty
+        tl.store(out_rows[:, None] + e[None, :], lo.to(ty), mask=valid[:, None])
+        tl.store(out_rows[:, None] + 16 + e[None, :], hi.to(ty), mask=valid[:, None])
 
 
 @triton.jit(do_not_specialize=["first_seq"])
