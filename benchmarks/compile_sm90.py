@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--splits", type=int, default=1, help="NUM_SPLITS (> 1: partial outputs)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--configs", nargs="*",
-                    help="FMT:TILE:PREFETCH[:VARIANT[:WARPS]] (variant rows|keys; default: the "
+                    help="FMT:TILE:PREFETCH[:VARIANT[:WARPS]] (FMT fp8|nvfp4|K+V; variant rows|keys; default: the "
                          "rows kernel, fp8/nvfp4 x tile 32/64 x prefetch 0/1, 4 warps)")
     args = ap.parse_args()
     global A
@@ -102,7 +102,8 @@ def main() -> None:
                             parts[3] if len(parts) > 3 else "rows",
                             int(parts[4]) if len(parts) > 4 else 4))
     for fmt, tile, pf, variant, warps in configs:
-        lay = KVPageLayout(8, args.head_dim, 16, fmt, fmt)
+        kf, _, vf = fmt.partition("+")  # "fp8" or K+V, e.g. "fp8+nvfp4"
+        lay = KVPageLayout(8, args.head_dim, 16, kf, vf or kf)
         k = triton.compile(decode_src(lay, tile, args.splits, prefetch=bool(pf), variant=variant),
                            target=TARGET,
                            options=dict(num_warps=warps, num_stages=args.stages,

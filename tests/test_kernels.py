@@ -139,9 +139,9 @@ def test_attention_matches_float64(kf, vf, kind, hkv, group, d, b):
                                    ("fp8", "fp8")])
 def test_decode_variants_agree(splits, prefetch, variant, stages, kf, vf):
     """Split counts, register prefetch on/off, pipeline stages and the two decode kernels (query
-    heads or keys on the MMA rows; the latter NVFP4 K and V only) give the same attention."""
-    if variant == "keys" and (kf, vf) != ("nvfp4", "nvfp4"):
-        pytest.skip("the keys-on-rows decode needs NVFP4 K and V planes")
+    heads or keys on the MMA rows; the latter NVFP4 V only) give the same attention."""
+    if variant == "keys" and vf != "nvfp4":
+        pytest.skip("the keys-on-rows decode needs an NVFP4 V plane")
     if not CUDA and (kf, vf) == ("nvfp4", "fp8") and variant == "rows":
         pytest.skip("interpreter time: this pair meets the rows kernel in the other tests")
     lay = KVPageLayout(2, 128, 16, kf, vf)
@@ -186,10 +186,11 @@ def test_decode_split_count_bounds(seqs, ctx, warps):
 
 @pytest.mark.parametrize("group,d,b,window,cap", [(3, 64, 32, 40, 2.0), (1, 256, 16, None, None),
                                                  (8, 128, 16, 7, None)])
-def test_keys_decode_shapes(group, d, b, window, cap):
-    """The keys-on-rows NVFP4 decode at other GQA groups, head dims, block sizes, window and
-    soft-cap, against float64."""
-    lay = KVPageLayout(2, d, b, "nvfp4", "nvfp4")
+@pytest.mark.parametrize("kf", ["nvfp4", "fp8"])
+def test_keys_decode_shapes(group, d, b, window, cap, kf):
+    """The keys-on-rows decode (NVFP4 V, NVFP4 or FP8 K) at other GQA groups, head dims, block
+    sizes, window and soft-cap, against float64."""
+    lay = KVPageLayout(2, d, b, kf, "nvfp4")
     batch = make_batch(lay, _seq_mix("decode"), 2 * group, device=DEV, seed=group + d,
                        write_backend=WRITE)
     out = torch.empty_like(batch.query)
@@ -200,11 +201,41 @@ def test_keys_decode_shapes(group, d, b, window, cap):
     assert_close_rel(out, fast_reference(batch, 0.3, window, cap), 2e-3 if CUDA else 1e-5)
 
 
-@pytest.mark.parametrize("kf,vf", [("fp8", "nvfp4"), ("nvfp4", "fp8")])
-def test_keys_decode_rejects_fp8_planes(kf, vf):
+@pytest.mark.parametrize("kf,vf", [("nvfp4", "nvfp4"), ("fp8", "nvfp4"), ("fp8", "fp8")])
+def test_decode_ignores_stale_slots(kf, vf):
+    """Slots past each sequence's end (data AND block scales, NaN bytes here) and the blocks that
+    padding block-table entries point to never reach the decode output (the keys kernel loads
+    whole scale rows unmasked); a NaN scale inside a context reaches only that sequence."""
+    lay = KVPageLayout(2, 64, 16, kf, vf)
+    seqs = [(37 * SCALE + 5, 1), (5, 1), (20 * SCALE + 3, 1)]
+    batch = make_batch(lay, seqs, 4, device=DEV, seed=11, write_backend=WRITE)
+    clean = run_attention(batch, backend="triton")
+    nblk = [-(-length // 16) for length, _ in seqs]
+    in_use = {int(b) for i, n in enumerate(nblk) for b in batch.block_table[i, :n]}
+    spare = [b for b in range(batch.cache.shape[0]) if b not in in_use]
+    for i, (length, _) in enumerate(seqs):
+        batch.block_table[i, nblk[i]:] = spare[i % len(spare)]
+        last = int(batch.block_table[i, nblk[i] - 1])
+        for which in ("k", "v"):
+            lay.data_plane(batch.cache, which)[last, :, length % 16 or 16:] = 0xFF
+            if lay.has_scales(which):
+                lay.scale_plane(batch.cache, which)[last, :, :, length % 16 or 16:] = 0x7F
+    for which in ("k", "v"):
+        lay.data_plane(batch.cache, which)[spare] = 0xFF
+        if lay.has_scales(which):
+            lay.scale_plane(batch.cache, which)[spare] = 0x7F
+    torch.testing.assert_close(run_attention(batch, backend="triton"), clean, rtol=0, atol=0)
+    if lay.has_scales("v") and CUDA:  # the interpreter decodes e4m3 0x7F as 480, not NaN
+        lay.scale_plane(batch.cache, "v")[int(batch.block_table[1, 0]), 0, 1, 2] = 0x7F
+        got = run_attention(batch, backend="triton")
+        assert torch.isnan(got[1]).any() and not torch.isnan(got[[0, 2]]).any()
+
+
+@pytest.mark.parametrize("kf,vf", [("fp8", "fp8"), ("nvfp4", "fp8")])
+def test_keys_decode_rejects_fp8_v(kf, vf):
     lay = KVPageLayout(1, 64, 16, kf, vf)
     batch = make_batch(lay, [(5, 1)], 1, device=DEV, seed=0, write_backend=WRITE)
-    with pytest.raises(ValueError, match="needs NVFP4 K and V"):
+    with pytest.raises(ValueError, match="needs an NVFP4 V"):
         attn_kernels.paged_attention(
             batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
             batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.1,

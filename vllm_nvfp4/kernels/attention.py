@@ -417,15 +417,15 @@ def _group_words(page, off, valid, h, DATA: tl.constexpr, GI: tl.constexpr, D: t
 
 @triton.jit
 def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexpr,
-                 C: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr):
-    """FP32 block scales times 2^7 of the ``N`` tokens from ``t0``: a tuple of ``C`` vectors
-    ``[N]`` (chunk order), 0 for tokens at or past ``t_end`` (times 2^7, as :func:`_dequant`'s,
-    so that :func:`_kv_factors` applies; exact, and in fp16 range up to 448 * 2^7). One load of whole 16-byte rows of the transposed
-    scale plane per block (so the pipeliner copies it asynchronously), columns in bit-reversed
-    chunk order so that the halving splits below leave the chunks in natural order."""
+                 C: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr, ZERO_PAST_END: tl.constexpr):
+    """FP32 block scales of the ``N`` tokens from ``t0``: a tuple of ``C`` vectors ``[N]`` (chunk
+    order); with ``ZERO_PAST_END`` 0 for tokens at or past ``t_end`` (their slots may hold any
+    stale byte, and a NaN scale would turn p = 0 into NaN). One load of whole 16-byte rows of the
+    transposed scale plane per block (so the pipeliner copies it asynchronously), columns in
+    bit-reversed chunk order so that the halving splits below leave the chunks in natural order."""
     NB: tl.constexpr = N // BLOCK
     nb = tl.arange(0, NB)
-    blk = tl.load(bt_row + t0 // BLOCK + nb, mask=t0 + nb * BLOCK < t_end, other=0)
+    blk = tl.load(bt_row + t0 // BLOCK + nb, mask=t0 + nb * BLOCK < t_end, other=0)  # 0: a real block
     k = tl.arange(0, C)
     rev = k * 0
     for b in tl.static_range(4):
@@ -434,10 +434,13 @@ def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexp
     j = tl.arange(0, BLOCK)
     ptr = (cache_ptr + blk.to(tl.int64) * stride_blk)[:, None, None] + SCALE \
         + (h * C + rev)[None, :, None] * BLOCK + j[None, None, :]
-    ok = (t0 + nb[:, None, None] * BLOCK + j[None, None, :]) < t_end
-    sc = tl.load(ptr, mask=ok, other=0)  # [NB, C, BLOCK]
+    # unmasked: a mask along the contiguous tokens would stop the 16-byte asynchronous copies
+    sc = tl.load(ptr)  # [NB, C, BLOCK]
     sc = tl.reshape(tl.permute(sc, (0, 2, 1)), [N, C]).to(tl.float8e4nv, bitcast=True)
-    parts = (sc.to(tl.float32) * 128.0,)
+    sc = sc.to(tl.float32)
+    if ZERO_PAST_END:
+        sc = tl.where(((t0 + tl.arange(0, N)) < t_end)[:, None], sc, 0.0)
+    parts = (sc,)
     for lvl in tl.static_range(4):
         if (C >> lvl) > 1:
             halves = ()
@@ -472,8 +475,8 @@ def _decode_keys_kernel(
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Decode with the KEYS on the MMA M dimension and the block scales applied per 16-element
-    chunk (NVFP4 K and V, ``D`` a multiple of 64). Each chunk ``c`` of K is one nibble plane of
-    16 words (:mod:`vllm_nvfp4.layout`'s chunk-planar order), so the scores are
+    chunk (NVFP4 V; K NVFP4, or FP8 with one dot per tile; ``D`` a multiple of 64). Each NVFP4
+    chunk ``c`` is one nibble plane of 16 words (:mod:`vllm_nvfp4.layout`'s chunk-planar order), so the scores are
     ``s^T [TILE_N, BG] = sum_c sk_c * (K_c [TILE_N, 16] . q_c^T [16, BG])`` with ``sk_c [TILE_N]``
     the tokens' block scales of chunk ``c``, and the output chunk by chunk
     ``acc_c^T [16, BG] += V_c^T [16, TILE_N] . (sv_c * p) [TILE_N, BG]``. The raw words of K and
@@ -487,12 +490,20 @@ def _decode_keys_kernel(
     C: tl.constexpr = D // 16
     qb = query_ptr + tok * stride_qt
     d16 = tl.arange(0, 16)
-    qs = ()  # q_c^T [16, BG] per chunk
+    if K_FMT == FMT_FP8:  # q^T [D, BG] for one dot per tile
+        qs = tl.load(qb + qh[None, :] * stride_qh + tl.arange(0, D)[:, None], mask=row_ok[None, :],
+                     other=0.0)
+        qs = qs.to(tl.float32) if F32 else qs.to(tl.float16)
+    else:  # q_c^T [16, BG] per chunk; planes are e2m1 * 2^-14 (_kv_factors assumed 2^-7)
+        qk_scale = qk_scale * 128.0
+        qs = ()
+        for c in tl.static_range(C):
+            q = tl.load(qb + qh[None, :] * stride_qh + (16 * c + d16)[:, None],
+                        mask=row_ok[None, :], other=0.0)
+            qs = qs + ((q.to(tl.float32) if F32 else q.to(tl.float16)),)
+    vf = vf * 128.0
     accs = ()  # acc_c^T [16, BG] per chunk
     for c in tl.static_range(C):
-        q = tl.load(qb + qh[None, :] * stride_qh + (16 * c + d16)[:, None], mask=row_ok[None, :],
-                    other=0.0)
-        qs = qs + ((q.to(tl.float32) if F32 else q.to(tl.float16)),)
         accs = accs + (tl.zeros([16, BG], dtype=tl.float32),)
     m_i = tl.full([BG], float("-inf"), tl.float32)
     l_i = tl.zeros([BG], dtype=tl.float32)
@@ -500,15 +511,21 @@ def _decode_keys_kernel(
     for t0 in tl.range(t_begin, t_end, TILE_N, num_stages=3):
         toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK,
                                             TILE_N)
-        kss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, K_SCALE, C, BLOCK, TILE_N)
-        vss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, V_SCALE, C, BLOCK, TILE_N)
+        vss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, V_SCALE, C, BLOCK, TILE_N,
+                           True)
         s = tl.zeros([TILE_N, BG], dtype=tl.float32)
-        for gi in tl.static_range(D // 64):
-            kw = _group_words(page, off, valid, h, K_DATA, gi, D, BLOCK, False)
-            for j in tl.static_range(4):
-                part = _dot_f(_plane(kw, j, F32), qs[4 * gi + j],
-                              tl.zeros([TILE_N, BG], dtype=tl.float32), F32)
-                s += part * kss[4 * gi + j][:, None]
+        if K_FMT == FMT_FP8:
+            k, _ = _load_raw(page, off, valid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N)
+            s = _dot_f(_dequant(k, 0, K_FMT, D, TILE_N, F32), qs, s, F32)
+        else:  # stale K scales past t_end only reach masked scores
+            kss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, K_SCALE, C, BLOCK,
+                               TILE_N, False)
+            for gi in tl.static_range(D // 64):
+                kw = _group_words(page, off, valid, h, K_DATA, gi, D, BLOCK, False)
+                for j in tl.static_range(4):
+                    part = _dot_f(_plane(kw, j, F32), qs[4 * gi + j],
+                                  tl.zeros([TILE_N, BG], dtype=tl.float32), F32)
+                    s += part * kss[4 * gi + j][:, None]
         if USE_SOFTCAP:
             z = s * (qk_scale / softcap)
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * 1.4426950408889634
@@ -728,14 +745,14 @@ def paged_attention(
                    cache.stride(0), block_table.stride(0), softmax_scale, softcap, window)
     if max_query_len == 1:
         num_tokens, hq = query.shape[0], query.shape[1]
-        # keys on the MMA rows with per-chunk scales for NVFP4 K and V (benchmarks/README.md);
-        # other format pairs run the rows kernel
-        both_nvfp4 = layout.k_format == "nvfp4" and layout.v_format == "nvfp4"
-        variant = decode_variant or ("keys" if both_nvfp4 else "rows")
+        # keys on the MMA rows with per-chunk scales whenever V is NVFP4 (benchmarks/README.md);
+        # an FP8 V runs the rows kernel
+        nvfp4_v = layout.v_format == "nvfp4"
+        variant = decode_variant or ("keys" if nvfp4_v else "rows")
         if variant not in ("rows", "keys"):
             raise ValueError(f"decode_variant must be 'rows' or 'keys', got {variant!r}")
-        if variant == "keys" and not both_nvfp4:
-            raise ValueError("decode_variant 'keys' needs NVFP4 K and V planes (got K "
+        if variant == "keys" and not nvfp4_v:
+            raise ValueError("decode_variant 'keys' needs an NVFP4 V plane (got K "
                              f"{layout.k_format}, V {layout.v_format}); use 'rows'")
         kernel, bg = ((_decode_kernel, max(16, g_pad)) if variant == "rows"
                       else (_decode_keys_kernel, max(8, g_pad)))
