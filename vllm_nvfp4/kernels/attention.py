@@ -30,8 +30,9 @@ included); the global scale g (and 2^14 or 2^7) go into the softmax scale / outp
   in registers (``PREFETCH``): Triton's pipeliner does not stage loads that feed integer ops.
   The interpreter runs the same bit placement in Triton integer ops.
 
-Measured on the H200 and analysed in ``benchmarks/README.md``: this FP8 path beats vLLM's Triton
-backend; the NVFP4 path is still instruction/latency-bound.
+Measured on the H200 and analysed in ``benchmarks/README.md``: the NVFP4 decode is faster than
+this FP8 decode and than FlashAttention-3's FP8 decode at 32k context; both beat vLLM's Triton
+backend.
 
 All launch parameters derive from host ints (shapes, ``max_query_len``, ``max_seq_len``), never
 from tensor contents, so the decode path is CUDA-graph capturable.
@@ -726,9 +727,10 @@ def paged_attention(
     ``tile_n`` (keys per tile), ``num_warps``, ``num_stages``, ``prefetch`` (register double
     buffering of the raw tiles) override the heuristics (benchmarks). ``decode_variant``:
     ``"rows"`` (query heads on the MMA rows, :func:`_decode_kernel`) or ``"keys"`` (keys on the
-    MMA rows, :func:`_decode_keys_kernel`, NVFP4 K only); default ``"keys"`` when K and V are both
-    NVFP4, else ``"rows"``. ``maxnreg``: register
-    cap per thread for the decode kernel (Triton's ``maxnreg``; benchmarks)."""
+    MMA rows with per-chunk block scales, :func:`_decode_keys_kernel`, NVFP4 V only; its tile loop
+    always has 3 pipeline stages, ``num_stages`` and ``prefetch`` do not apply); default
+    ``"keys"`` when V is NVFP4, else ``"rows"``. ``maxnreg``: register cap per thread for the
+    decode kernel (Triton's ``maxnreg``; benchmarks)."""
     if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
         raise ValueError(f"num_splits must be a power of 2, got {num_splits}")
     num_seqs = seq_lens.shape[0]
