@@ -17,10 +17,12 @@ from vllm_nvfp4.calibration.evaluator import Evaluator
 from vllm_nvfp4.calibration.modeling import load_model
 from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy
 from vllm_nvfp4.calibration.selection import (
+    count_fp8_slots,
     fp8_slots_for_budget,
     fraction_for_slots,
     naive_formats,
     predict,
+    predicted_curve,
     select_formats,
 )
 from vllm_nvfp4.calibration.sensitivity import all_format, analyze, downgrade, load_report
@@ -177,6 +179,23 @@ def test_selector_is_exact_against_brute_force():
         assert chosen.fraction_of_fp8() == pytest.approx(fraction_for_slots(num_layers, n))
         best = min(sum(damages[s] for s in slots if s not in keep) for keep in itertools.combinations(slots, n))
         assert predict(report, chosen, "kl") - 0.01 == pytest.approx(best)
+
+
+def test_selector_never_spends_budget_on_slots_where_fp8_is_worse():
+    """Slots whose NVFP4 measured better than FP8 (negative marginal damage) stay NVFP4 even
+    when the budget allows more FP8: fewer FP8 slots, lower predicted damage, smaller cache."""
+    damages = {(0, "k"): 0.3, (0, "v"): -0.02, (1, "k"): 0.0, (1, "v"): 0.1, (2, "k"): -0.1,
+               (2, "v"): 0.05}
+    report = _synthetic_report(damages)
+    chosen = select_formats(report, 5, "kl")
+    assert chosen.to_compact() == "0:k=fp8,v=nvfp4,1-2:k=nvfp4,v=fp8"
+    assert count_fp8_slots(chosen) == 3
+    slots = list(damages)
+    best = min(sum(damages[s] for s in slots if s not in keep)
+               for n in range(6) for keep in itertools.combinations(slots, n))
+    assert predict(report, chosen, "kl") - 0.01 == pytest.approx(best)
+    curve = predicted_curve(report, "kl")
+    assert len(curve) == 4 and curve[-1][0] == pytest.approx(fraction_for_slots(3, 3))
 
 
 def test_naive_rule_keeps_first_and_last_layers():

@@ -201,7 +201,11 @@ def cmd_select(a: argparse.Namespace) -> int:
     for t in targets:
         policy.save(t, overwrite=a.force)
     render(a.report)
-    print(f"selected {policy.to_compact()} ({policy.fraction_of_fp8():.4f}x FP8 bytes, {slots} FP8 slots)")
+    used = summary["fp8_slots"]
+    unspent = (f"; {slots - used} of the {slots} allowed slots measured no worse in NVFP4 than in "
+               f"FP8 ({a.metric}) and stay NVFP4" if used < slots else "")
+    print(f"selected {policy.to_compact()} ({policy.fraction_of_fp8():.4f}x FP8 bytes, {used} FP8 "
+          f"slots{unspent})")
     if "measured" in summary["selected"]:
         s, n, nv = summary["selected"]["measured"], summary["naive"]["measured"], summary["all_nvfp4"]
         print(f"measured delta NLL (nats/token): selected {s['dnll']:.5f}, naive first/last {n['dnll']:.5f}, "

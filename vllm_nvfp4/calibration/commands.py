@@ -15,6 +15,7 @@ from vllm_nvfp4.calibration.modeling import config_sha256, load_model
 from vllm_nvfp4.calibration.progress import progress
 from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy, with_formats
 from vllm_nvfp4.calibration.selection import (
+    count_fp8_slots,
     fraction_for_slots,
     naive_formats,
     predict,
@@ -62,8 +63,9 @@ def _check_same_inputs(report: dict[str, Any]) -> None:
 def run_select(report_dir: Path, fp8_slots: int, metric: str = "kl", measure: bool = True,
                budget: Optional[float] = None, measure_windows: Optional[int] = None,
                ) -> tuple[KVPolicy, dict[str, Any]]:
-    """Select formats for ``fp8_slots`` FP8 slots; measure them and the naive rule (unless
-    ``measure=False``); write ``selection-<slots>.json`` into ``report_dir``.
+    """Select formats for at most ``fp8_slots`` FP8 slots (:func:`select_formats`); measure them
+    and the naive rule with as many FP8 slots (unless ``measure=False``); write
+    ``selection-<fp8_slots>.json`` into ``report_dir``.
 
     Measurement uses the analysis' held-out windows, or the first ``measure_windows`` windows from
     the same starting point (more than the analysis used = partly fresh text; all-FP8 and
@@ -73,10 +75,11 @@ def run_select(report_dir: Path, fp8_slots: int, metric: str = "kl", measure: bo
     report, scales = load_report(report_dir)
     num_layers = len(report["layers"])
     chosen = select_formats(report, fp8_slots, metric)
-    naive = naive_formats(num_layers, fp8_slots)
+    used = count_fp8_slots(chosen)  # < fp8_slots when fewer slots lose anything in NVFP4
+    naive = naive_formats(num_layers, used)
     summary: dict[str, Any] = {
-        "fp8_slots": fp8_slots, "budget": budget, "metric": metric,
-        "fraction_of_fp8": round(fraction_for_slots(num_layers, fp8_slots), 6),
+        "fp8_slots": used, "fp8_slots_allowed": fp8_slots, "budget": budget, "metric": metric,
+        "fraction_of_fp8": round(fraction_for_slots(num_layers, used), 6),
         "selected": {"policy": chosen.to_compact(),
                      "predicted": {m: round(predict(report, chosen, m), 8) for m in ("kl", "dnll")}},
         "naive": {"policy": naive.to_compact(),

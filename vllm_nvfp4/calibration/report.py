@@ -17,6 +17,14 @@ DAMAGE_PNG = "damage_vs_bytes.png"
 REPORT_MD = "REPORT.md"
 
 
+
+def _unspent(sel: dict) -> str:
+    """Note for a selection that left FP8 slots of its budget unused (NVFP4 measured no worse)."""
+    allowed = sel.get("fp8_slots_allowed", sel["fp8_slots"])
+    if allowed == sel["fp8_slots"]:
+        return ""
+    return f" of {allowed} allowed: the others measured no worse in NVFP4"
+
 def _plt() -> Any:
     import matplotlib
 
@@ -112,7 +120,8 @@ def commands(report: dict[str, Any], selections: list[dict[str, Any]], report_di
     analyze += " --per-head" * bool(st["per_head"]) + f" --dtype {model['dtype']}"
     out = [analyze]
     for sel in selections:
-        size = f"--budget {sel['budget']}" if sel.get("budget") is not None else f"--fp8-slots {sel['fp8_slots']}"
+        allowed = sel.get("fp8_slots_allowed", sel["fp8_slots"])  # absent before "at most"
+        size = f"--budget {sel['budget']}" if sel.get("budget") is not None else f"--fp8-slots {allowed}"
         cmd = f"vllm-nvfp4 select {report_dir} {size} --metric {sel['metric']}"
         on = sel.get("measured_on")
         if on and not on["same_windows_as_analysis"]:
@@ -156,7 +165,8 @@ def markdown(report: dict[str, Any], selections: list[dict[str, Any]]) -> str:
         on = sel.get("measured_on", {})
         ratio = s["measured"]["dnll"] / nv if nv else float("nan")
         lines += [
-            f"## Selection at {sel['fraction_of_fp8']:.4f}x FP8 bytes ({sel['fp8_slots']} FP8 slots, by {sel['metric']})",
+            f"## Selection at {sel['fraction_of_fp8']:.4f}x FP8 bytes ({sel['fp8_slots']} FP8 slots"
+            f"{_unspent(sel)}, by {sel['metric']})",
             "",
             f"Measured on {on.get('windows', '?')} windows of {on.get('window_tokens', '?')} tokens "
             f"({'the analysis windows' if on.get('same_windows_as_analysis') else 'starting with the analysis windows; partly fresh text'}).",

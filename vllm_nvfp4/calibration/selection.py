@@ -4,8 +4,11 @@ Model of the damage (additivity): ``D(policy) ~ D(all-FP8) + sum over NVFP4 slot
 (D(slot alone in NVFP4) - D(all-FP8))``, where a *slot* is one layer's K or V and ``D`` the mean
 KL (default) or delta NLL from the sensitivity report. Every slot costs the same bytes (FP8 1.0,
 NVFP4 0.5625 of an FP8 slot: all layers share head count and head size), so a budget is a number
-``n`` of FP8 slots, and keeping the ``n`` slots with the largest marginal damage in FP8 minimises
-the predicted damage exactly (any other choice swaps a larger marginal for a smaller one).
+``n`` of FP8 slots, and keeping in FP8 the at most ``n`` slots with the largest POSITIVE marginal
+damage minimises the predicted damage exactly (any other choice swaps a larger marginal for a
+smaller one; a slot whose NVFP4 measured no worse than FP8 - e.g. with K smoothing on an
+outlier-heavy model, where per-16 block scales beat one FP8 scale - stays NVFP4 and the budget is
+left unspent rather than spent on damage).
 
 The naive rule at the same budget keeps whole layers in FP8 from both ends: the first
 ``ceil(m/2)`` and last ``floor(m/2)`` layers for ``m = n // 2``, plus the K of the next front
@@ -69,11 +72,18 @@ def _policy_from_fp8(num_layers: int, fp8: Iterable[tuple[int, str]], source: st
 
 
 def select_formats(report: dict[str, Any], fp8_slots: int, metric: str = "kl") -> KVPolicy:
-    """Formats minimising the predicted damage with exactly ``fp8_slots`` FP8 slots."""
+    """Formats minimising the predicted damage with at most ``fp8_slots`` FP8 slots: the slots of
+    largest positive marginal damage (fewer when fewer slots lose anything in NVFP4)."""
     num_layers = len(report["layers"])
     check_slots(num_layers, fp8_slots)
-    chosen = [(layer, kv) for _, layer, kv in marginals(report, metric)[:fp8_slots]]
-    return _policy_from_fp8(num_layers, chosen, source=f"selected ({fp8_slots} FP8 slots, {metric})")
+    chosen = [(layer, kv) for d, layer, kv in marginals(report, metric)[:fp8_slots] if d > 0]
+    return _policy_from_fp8(num_layers, chosen,
+                            source=f"selected ({len(chosen)} of {fp8_slots} FP8 slots, {metric})")
+
+
+def count_fp8_slots(formats: KVPolicy) -> int:
+    """Number of FP8 slots (a layer's K or V) in ``formats``."""
+    return sum(lp.format_of(kv) == "fp8" for lp in formats.layers for kv in ("k", "v"))
 
 
 def naive_formats(num_layers: int, fp8_slots: int) -> KVPolicy:
@@ -97,7 +107,12 @@ def predict(report: dict[str, Any], formats: KVPolicy, metric: str) -> float:
 
 def predicted_curve(report: dict[str, Any], metric: str, rank_by: str = "kl") -> list[tuple[float, float]]:
     """``(fraction of FP8 bytes, predicted metric)`` of the policy selected by ``rank_by``, for
-    every number of FP8 slots."""
+    every FP8 slot budget (the curve stops where more FP8 slots would add damage)."""
     num_layers = len(report["layers"])
-    return [(fraction_for_slots(num_layers, n), predict(report, select_formats(report, n, rank_by), metric))
-            for n in range(2 * num_layers + 1)]
+    points = []
+    for n in range(2 * num_layers + 1):
+        chosen = select_formats(report, n, rank_by)
+        if count_fp8_slots(chosen) < n:
+            break
+        points.append((fraction_for_slots(num_layers, n), predict(report, chosen, metric)))
+    return points
