@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from paged_cases import check_written_bytes, make_batch, reference_attention, run_attention, write_case
-from vllm_nvfp4 import formats, ops
+from vllm_nvfp4 import formats, ops, paged_torch
 from vllm_nvfp4.layout import KVPageLayout, allocate_cache, nvfp4_packed_from_rows
 from vllm_nvfp4.paged_torch import dequantize_tokens, read_kv_from_cache
 
@@ -63,6 +63,21 @@ def test_attention_matches_float64(kf, vf, seqs, hkv, group, d, b):
     got = run_attention(batch)
     want = reference_attention(batch, 1.0 / math.sqrt(d))
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window,cap", [(None, None), (5, None), (None, 3.0)])
+def test_prefill_query_chunks_change_nothing(monkeypatch, window, cap):
+    """Prefill attends its query rows a chunk at a time (bounded FP32 logits); a chunk of 7 rows,
+    smaller than every prompt here and not dividing them, gives the unchunked result and the
+    float64 reference (chunked prefill with a cached context included)."""
+    lay = KVPageLayout(2, 64, 16, "nvfp4", "fp8")
+    batch = make_batch(lay, [(45, 45), (30, 12), (9, 1), (23, 23)], 4, seed=5)
+    whole = run_attention(batch, sliding_window=window, logits_soft_cap=cap)
+    monkeypatch.setattr(paged_torch, "PREFILL_QUERY_CHUNK", 7)
+    chunked = run_attention(batch, sliding_window=window, logits_soft_cap=cap)
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-4)  # FP32 summation order
+    want = reference_attention(batch, 1.0 / math.sqrt(64), window, cap)
+    torch.testing.assert_close(chunked.double(), want, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("window,cap", [(7, None), (None, 5.0), (16, 2.0)])

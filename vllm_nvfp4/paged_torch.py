@@ -60,6 +60,9 @@ def write_kv_cache(
             layout.scale_plane(cache, which)[blocks, :, :, offsets] = scales
 
 
+PREFILL_QUERY_CHUNK = 1024  # query rows per attention call of a prefill
+
+
 @functools.lru_cache(maxsize=None)
 def _e2m1_byte_table(device: torch.device) -> torch.Tensor:
     """``[256]`` 8-byte entries: the FP32 E2M1 values of each byte's (low, high) nibble (via
@@ -211,18 +214,29 @@ def _attend_paged(
     softmax_scale: float,
     sliding_window: Optional[int],
     logits_soft_cap: Optional[float],
+    query_chunk: Optional[int] = None,
 ) -> torch.Tensor:
     """``query [S, Q, Hq, D]`` at positions ``q_pos [S, Q]`` of sequences with blocks ``block_ids
     [S, n]`` (covering ``seq_lens [S]`` tokens) -> FP32 ``[S, Q, Hq, D]``.
 
     All sequences' blocks are dequantized in one gather, padded to ``n`` blocks; positions at or
-    past a sequence's length are exact zeros and masked.
+    past a sequence's length are exact zeros and masked. With ``query_chunk`` the query rows are
+    attended ``query_chunk`` at a time, each chunk against the keys up to its last position
+    (``q_pos`` increasing along Q), so the FP32 logits never exceed ``[S, Hq, query_chunk, L]``;
+    every row's result is the same.
     """
     k = dequantize_tokens(cache, layout, "k", block_ids, k_scale, seq_lens)
     v = dequantize_tokens(cache, layout, "v", block_ids, v_scale, seq_lens)
-    allowed = _allowed(q_pos, seq_lens, k.shape[2], sliding_window)
-    o = _attend(query.float().transpose(1, 2), k, v, allowed, softmax_scale, logits_soft_cap)
-    return o.transpose(1, 2)
+    q = query.float().transpose(1, 2)  # [S, Hq, Q, D]
+    step = query_chunk or q.shape[2]
+    parts = []
+    for c0 in range(0, q.shape[2], step):
+        pos = q_pos[:, c0:c0 + step]
+        keys = min(k.shape[2], int(pos.max()) + 1)
+        allowed = _allowed(pos, seq_lens, keys, sliding_window)
+        parts.append(_attend(q[:, :, c0:c0 + step], k[:, :, :keys], v[:, :, :keys], allowed,
+                             softmax_scale, logits_soft_cap))
+    return torch.cat(parts, dim=2).transpose(1, 2)
 
 
 def paged_attention(
@@ -245,7 +259,9 @@ def paged_attention(
 
     Shapes as in :func:`vllm_nvfp4.ops.paged_attention`. Sequences with one query token (decode)
     run as one batch; each sequence with several (prefill, chunked prefill) runs on its own, so a
-    long prompt never pads the decode batch.
+    long prompt never pads the decode batch, in chunks of :data:`PREFILL_QUERY_CHUNK` query rows
+    (an 8192-token NVFP4 prompt, 12 query / 2 KV heads, on 2 CPU cores: 3.3 s and 0.49 GB peak
+    RSS against 4.8 s and 0.72 GB in one call).
     """
     del max_query_len, max_seq_len  # launch hints for the kernels; the torch path reads the tensors
     n_seq, bs = seq_lens.shape[0], layout.block_size
@@ -266,6 +282,6 @@ def paged_attention(
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device).view(1, -1)
         o = _attend_paged(query[start:end].unsqueeze(0), q_pos, cache, layout, k_scale, v_scale,
                           block_table[s:s + 1, :-(-seq_len // bs)], seq_lens[s:s + 1], softmax_scale,
-                          sliding_window, logits_soft_cap)
+                          sliding_window, logits_soft_cap, PREFILL_QUERY_CHUNK)
         out[start:end] = o[0].to(out.dtype)
     return out
