@@ -30,11 +30,11 @@ from typing import Iterator, Optional
 
 import torch
 
-from vllm_nvfp4.calibration.data import load_windows
+from vllm_nvfp4.calibration.data import DataError, load_windows
 from vllm_nvfp4.calibration.kv_hooks import attention_modules, kv_cache_quantization
-from vllm_nvfp4.calibration.modeling import load_model
+from vllm_nvfp4.calibration.modeling import ModelError, load_model
 from vllm_nvfp4.calibration.progress import progress
-from vllm_nvfp4.policy import KVPolicy
+from vllm_nvfp4.policy import KVPolicy, PolicyError
 
 @contextlib.contextmanager
 def kv_projections_in_fp32(model: torch.nn.Module, seed: Optional[int], rel: float
@@ -107,15 +107,20 @@ def main() -> None:
                     help="a policy JSON (formats and scales) to measure; repeatable")
     a = ap.parse_args()
     configs: list[tuple[str, Optional[KVPolicy]]] = [("unquantized (bf16)", None)]
-    for spec in a.policy:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            ap.error(f"--policy takes NAME=PATH, got {spec!r}")
-        configs.append((name, KVPolicy.load(Path(path))))
+    try:
+        for spec in a.policy:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                ap.error(f"--policy takes NAME=PATH, got {spec!r}")
+            configs.append((name, KVPolicy.load(Path(path))))
+        model, tokenizer, info = load_model(a.model)
+        for name, policy in configs[1:]:
+            policy.check_model(info.num_layers, info.num_kv_heads, info.head_dim)
+        toks = load_windows(a.data, tokenizer, a.window, a.windows, 0, info.max_positions)
+    except (PolicyError, ModelError, DataError) as e:
+        ap.error(str(e))
     a.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    model, tokenizer, info = load_model(a.model)
-    toks = load_windows(a.data, tokenizer, a.window, a.windows, 0, info.max_positions)
     rows = []
     for name, policy in progress(configs, desc="configurations", unit="config"):
         parts = []

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_nvfp4.evaluation import gsm8k, passkey
-from vllm_nvfp4.evaluation.kv_configs import ConfigError, KVConfig, ModelShape, build_configs, fp8_slots
+from vllm_nvfp4.calibration.selection import count_fp8_slots
+from vllm_nvfp4.evaluation.kv_configs import ConfigError, KVConfig, ModelShape, build_configs
 from vllm_nvfp4.evaluation.logprobs import WindowScores, compare, ratio_to, scores_from_prompt_logprobs
 from vllm_nvfp4.evaluation.report import check_targets, markdown_table, plot
 from vllm_nvfp4.evaluation.stats import bootstrap_ratio, mean_interval, t975
@@ -126,7 +127,7 @@ def test_build_configs_with_policy(tmp_path: Path) -> None:
     assert cfgs["nvfp4_all"].fraction_of_fp8(SHAPE) == pytest.approx(0.5625)
     assert cfgs["ours_fp8"].fraction_of_fp8(SHAPE) == 1.0
     mixed, naive = cfgs["mixed_calibrated"].policy, cfgs["mixed_naive"].policy
-    assert fp8_slots(mixed) == fp8_slots(naive) == 5  # same budget
+    assert count_fp8_slots(mixed) == count_fp8_slots(naive) == 5  # same budget
     assert naive.to_compact() == "0:fp8,1:k=fp8,v=nvfp4,2-4:nvfp4,5:fp8" != mixed.to_compact()
     assert cfgs["mixed_naive"].expected_bytes_per_token(SHAPE) == cfgs["mixed_calibrated"].expected_bytes_per_token(SHAPE)
     for c in ("nvfp4_all", "mixed_naive", "ours_fp8"):  # calibrated scales carried over, layer by layer

@@ -17,13 +17,13 @@ DAMAGE_PNG = "damage_vs_bytes.png"
 REPORT_MD = "REPORT.md"
 
 
-
 def _unspent(sel: dict) -> str:
     """Note for a selection that left FP8 slots of its budget unused (NVFP4 measured no worse)."""
     allowed = sel.get("fp8_slots_allowed", sel["fp8_slots"])
     if allowed == sel["fp8_slots"]:
         return ""
     return f" of {allowed} allowed: the others measured no worse in NVFP4"
+
 
 def _plt() -> Any:
     import matplotlib

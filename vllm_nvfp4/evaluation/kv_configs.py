@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from vllm_nvfp4.calibration.scales import with_formats
-from vllm_nvfp4.calibration.selection import fp8_slots_for_budget, naive_formats
+from vllm_nvfp4.calibration.selection import count_fp8_slots, fp8_slots_for_budget, naive_formats
 from vllm_nvfp4.formats import bytes_per_head
 from vllm_nvfp4.policy import POLICY_ENV, KVPolicy, LayerPolicy
 
@@ -106,11 +106,6 @@ class KVConfig:
                 "fraction_of_fp8": round(self.fraction_of_fp8(shape), 6)}
 
 
-def fp8_slots(policy: KVPolicy) -> int:
-    """Number of FP8 slots (one layer's K or V) in ``policy``."""
-    return sum((lp.k == "fp8") + (lp.v == "fp8") for lp in policy.layers)
-
-
 def with_scales_of(formats: KVPolicy, scales: Optional[KVPolicy], source: str) -> KVPolicy:
     """``formats``' per-layer formats with every scale (and K smoothing) of ``scales`` (no
     scales if ``None``)."""
@@ -139,7 +134,7 @@ def build_configs(names: Sequence[str], shape: ModelShape, policy_path: Optional
         raise ConfigError(f"configuration listed twice in {','.join(names)}")
     calibrated = _load_checked(policy_path, shape) if policy_path is not None else None
     fp8_policy = _load_checked(fp8_policy_path, shape) if fp8_policy_path is not None else None
-    if fp8_policy is not None and fp8_slots(fp8_policy) != 2 * shape.num_layers:
+    if fp8_policy is not None and count_fp8_slots(fp8_policy) != 2 * shape.num_layers:
         raise ConfigError(f"--fp8-policy {fp8_policy_path}: not every layer is FP8 ({fp8_policy.to_compact()}); "
                           "calibrate one with --policy '*:fp8'")
     if calibrated is not None:
@@ -169,7 +164,7 @@ def build_configs(names: Sequence[str], shape: ModelShape, policy_path: Optional
             out.append(KVConfig(name, OURS, f"nvfp4_mixed, selected policy {policy_path}", calibrated))
         elif name == "mixed_naive":
             if calibrated is not None:
-                slots = fp8_slots(calibrated)
+                slots = count_fp8_slots(calibrated)
             elif budget is not None:
                 slots = fp8_slots_for_budget(L, budget)
             else:

@@ -22,7 +22,7 @@ included); the global scale g (and 2^14 or 2^7) go into the softmax scale / outp
   which lets Triton copy the raw K/V words and the scale rows asynchronously into shared memory
   and decode them in the MMA operand registers. Keys sit on the MMA M dimension, the GQA group
   (padded to 8) on N.
-* The rows decode (``_decode_kernel``: FP8 K, or an FP8/NVFP4 mix) and the prefill decode whole
+* The rows decode (``_decode_kernel``: FP8 V, with FP8 or NVFP4 K) and the prefill decode whole
   tiles: one inline-PTX block turns each 32-bit word (its 4 nibble planes x 2 words) into four
   f16x2 products with the block scales of its four chunks (pre-multiplied by 2^7: e2m1 * s *
   2^-7 is exact in fp16); the tile's columns are thus permuted (:func:`nvfp4_col_perm`), and q
@@ -380,13 +380,8 @@ def _plane(x, J: tl.constexpr, F32: tl.constexpr):
     """Nibble plane ``J`` of uint16 words ``x`` (any shape): ``e2m1 * 2^-14`` as fp16 (fp32 when
     ``F32``). A unary pure inline asm on the loaded words, so Triton loads the raw words straight
     into the MMA operand layout (asynchronous copy, no decoded tile in shared memory)."""
-    if F32:
-        u = x.to(tl.uint32)
-        if J == 3:
-            u = ((u & 0x7000) >> 3) | (u & 0x8000)
-        else:
-            u = (u & (0x7 << (4 * J))) * (1 << (9 - 4 * J)) + (u & (0x8 << (4 * J))) * (
-                1 << (12 - 4 * J))
+    if F32:  # the interpreter: the same bit placement in Triton ops (low 16 bits of the pair)
+        u = _e2m1_pair(x.to(tl.uint32), J)
         return u.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     if J == 0:
         return tl.inline_asm_elementwise(_NIB_ASM0, "=r,r", [x], dtype=tl.float16, is_pure=True,
@@ -418,7 +413,8 @@ def _group_words(page, off, valid, h, DATA: tl.constexpr, GI: tl.constexpr, D: t
 
 @triton.jit
 def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexpr,
-                 C: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr, ZERO_PAST_END: tl.constexpr):
+                 C: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr,
+                 ZERO_PAST_END: tl.constexpr):
     """FP32 block scales of the ``N`` tokens from ``t0``: a tuple of ``C`` vectors ``[N]`` (chunk
     order); with ``ZERO_PAST_END`` 0 for tokens at or past ``t_end`` (their slots may hold any
     stale byte, and a NaN scale would turn p = 0 into NaN). One load of whole 16-byte rows of the
@@ -426,7 +422,8 @@ def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexp
     bit-reversed chunk order so that the halving splits below leave the chunks in natural order."""
     NB: tl.constexpr = N // BLOCK
     nb = tl.arange(0, NB)
-    blk = tl.load(bt_row + t0 // BLOCK + nb, mask=t0 + nb * BLOCK < t_end, other=0)  # 0: a real block
+    # past the sequence: block 0 (a real block, so the unmasked scale load below stays in bounds)
+    blk = tl.load(bt_row + t0 // BLOCK + nb, mask=t0 + nb * BLOCK < t_end, other=0)
     k = tl.arange(0, C)
     rev = k * 0
     for b in tl.static_range(4):
@@ -477,7 +474,8 @@ def _decode_keys_kernel(
 ):
     """Decode with the KEYS on the MMA M dimension and the block scales applied per 16-element
     chunk (NVFP4 V; K NVFP4, or FP8 with one dot per tile; ``D`` a multiple of 64). Each NVFP4
-    chunk ``c`` is one nibble plane of 16 words (:mod:`vllm_nvfp4.layout`'s chunk-planar order), so the scores are
+    chunk ``c`` is one nibble plane of 16 words (:mod:`vllm_nvfp4.layout`'s chunk-planar order),
+    so the scores are
     ``s^T [TILE_N, BG] = sum_c sk_c * (K_c [TILE_N, 16] . q_c^T [16, BG])`` with ``sk_c [TILE_N]``
     the tokens' block scales of chunk ``c``, and the output chunk by chunk
     ``acc_c^T [16, BG] += V_c^T [16, TILE_N] . (sv_c * p) [TILE_N, BG]``. The raw words of K and
@@ -671,13 +669,13 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: in
 
 def decode_launch_defaults(layout, variant: str) -> tuple[int, int]:
     """``(tile_n, num_warps)`` of a decode launch, from the H200 sweeps of 2026-11-30
-    (benchmarks/README.md, head_dim 128): the keys kernel (NVFP4 K and V, per-chunk scales) -
+    (benchmarks/README.md, head_dim 128): the keys kernel (NVFP4 V, per-chunk scales) -
     1 warp x 64 keys (32 keys at head_dim 256, where 64 exceed the register file); the rows
-    kernel (FP8 K and V, or FP8 K with NVFP4 V) - 1 warp x 32 keys (0.73x / 0.77x the time of
-    4 warps x 64 keys at 64 x 32k: no cross-warp barriers or shared-memory reductions per tile).
-    Unchanged where not run on the GPU at the new shape: the rows kernel at head_dim 256
-    (4 warps x 32 keys), an NVFP4 K on the rows kernel and FP8 K / NVFP4 V at head_dim 64
-    (4 warps x 64 keys)."""
+    kernel with FP8 K (FP8 V, or NVFP4 V when ``"rows"`` is asked for) - 1 warp x 32 keys (0.73x
+    / 0.77x the time of 4 warps x 64 keys at 64 x 32k: no cross-warp barriers or shared-memory
+    reductions per tile). Unchanged where not run on the GPU at the new shape: the rows kernel at
+    head_dim 256 (4 warps x 32 keys), an NVFP4 K on the rows kernel and FP8 K / NVFP4 V on it at
+    head_dim 64 (4 warps x 64 keys)."""
     if variant == "keys":
         return (32 if layout.head_dim >= 256 else 64), 1
     if layout.head_dim >= 256:
