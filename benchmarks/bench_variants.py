@@ -1,10 +1,11 @@
 """Decode kernel variants, ours only: the kernel module BEFORE a change vs the current one.
 
-Times our FP8 / NVFP4 / K-fp8-V-nvfp4 decode at the issue-3 shapes (32 q heads, 8 KV heads,
-head_dim 128, block 16; batch 16/64 x context 4k/32k) with ``triton.testing.do_bench`` (median,
-L2 flushed), the current module's default and a list of NVFP4 variants (decode kernel, prefetch,
-pipeline stages, tile, warps, register cap), each output checked against the BEFORE module's
-default (relative L2 difference). Writes JSON and prints a table last.
+Times our decode and prefill for every K/V format pair at the issue-3 shapes (32 q heads, 8 KV
+heads, head_dim 128, block 16; decode batch 16/64 x context 4k/32k, prefill 8 x 4k) with
+``triton.testing.do_bench`` (median, L2 flushed): the BEFORE module's default, the current
+default and the current module's variants (kernel family, tile, warps, prefill rows), each
+output checked against BEFORE's default (relative L2 difference). Writes JSON and prints a
+table last.
 
     git show <commit>:vllm_nvfp4/kernels/attention.py > /tmp/attention_before.py
     python3 benchmarks/bench_variants.py --before /tmp/attention_before.py --out $OUT/v.json
@@ -32,19 +33,26 @@ import bench_decode as bd  # noqa: E402
 from vllm_nvfp4.kernels import attention as new_mod  # noqa: E402
 from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
 
-#: name -> paged_attention overrides (NVFP4 K and V)
-NVFP4_VARIANTS = {
-    "rows": {},
-    "rows_p0_s1": dict(prefetch=False, num_stages=1),
-    "rows_r128": dict(maxnreg=128),
-    "keys": dict(decode_variant="keys"),
-    "keys_r128": dict(decode_variant="keys", maxnreg=128),
-    "keys_p0_s1": dict(decode_variant="keys", prefetch=False, num_stages=1),
-    "keys_p0_s1_r80": dict(decode_variant="keys", prefetch=False, num_stages=1, maxnreg=80),
-    "keys_p0_s1_t128_w8": dict(decode_variant="keys", prefetch=False, num_stages=1, tile_n=128,
-                               num_warps=8),
+#: name -> paged_attention overrides, per launch kind; each runs for every format pair
+VARIANTS = {
+    "decode": {
+        "rows": dict(variant="rows"),
+        "keys": dict(variant="keys"),
+        "keys_t32": dict(variant="keys", tile_n=32),
+        "keys_t64_w2": dict(variant="keys", tile_n=64, num_warps=2),
+        "keys_t128_w2": dict(variant="keys", tile_n=128, num_warps=2),
+    },
+    "prefill": {
+        "rows": dict(variant="rows"),
+        "keys": dict(variant="keys"),
+        "keys_w2": dict(variant="keys", num_warps=2),
+        "keys_w4": dict(variant="keys", num_warps=4),
+        "keys_q32_w4": dict(variant="keys", query_rows=32, num_warps=4),
+        "keys_t32_w2": dict(variant="keys", tile_n=32, num_warps=2),
+    },
 }
-FORMATS = {"fp8": ("fp8", "fp8"), "nvfp4": ("nvfp4", "nvfp4"), "k_fp8_v_nvfp4": ("fp8", "nvfp4")}
+FORMATS = {"fp8": ("fp8", "fp8"), "nvfp4": ("nvfp4", "nvfp4"), "k_fp8_v_nvfp4": ("fp8", "nvfp4"),
+           "k_nvfp4_v_fp8": ("nvfp4", "fp8")}
 
 
 def load_module(path: str):
@@ -72,7 +80,9 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+",
                     default=["64x32768", "16x32768", "64x4096", "16x4096", "8x4096xP"],
                     help="BATCHxCONTEXT decode shapes; BATCHxLENxP = prefill of LEN-token prompts")
-    ap.add_argument("--variants", nargs="*", default=list(NVFP4_VARIANTS))
+    ap.add_argument("--variants", nargs="*",
+                    default=sorted({v for kind in VARIANTS.values() for v in kind}),
+                    help="names from VARIANTS (each runs where its launch kind has it)")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shape, no timing")
     args = ap.parse_args()
     dev = "cpu" if args.smoke else "cuda"
@@ -88,15 +98,13 @@ def main() -> None:
         batch, ctx = map(int, shape.split("x")[:2])
         b = bd.Batch(batch, ctx, ctx if prefill else 1, dev, gen)
         for name, (kf, vf) in FORMATS.items():
-            if prefill and name == "k_fp8_v_nvfp4":
-                continue
             lay = KVPageLayout(bd.HKV, bd.D, bd.BS, kf, vf)
             cache = bd.our_cache(lay, b, dev, gen)
             out = torch.empty_like(b.query)
             nbytes = bd.kv_bytes(b, lay.bytes_per_token // bd.HKV)
             runs = [("before", old_mod, {}), ("new", new_mod, {})]
-            if name == "nvfp4" and not prefill:
-                runs += [(v, new_mod, NVFP4_VARIANTS[v]) for v in args.variants if v != "rows"]
+            kind = VARIANTS["prefill" if prefill else "decode"]
+            runs += [(v, new_mod, kind[v]) for v in args.variants if v in kind]
             ref = None
             for label, mod, cfg in runs:
                 rec = {"kv_dtype": name, "batch": batch, "context": ctx, "variant": label,
@@ -137,7 +145,9 @@ def main() -> None:
             r = next((r for r in res["records"] if r["kv_dtype"] == kv and r["variant"] == var
                       and r["batch"] == batch and r["context"] == ctx
                       and r["q_len"] == q_len), None)
-            if r is None or "us" not in r:
+            if r is None:  # the variant does not apply to this launch kind
+                cells.append(f"{'-':>20}")
+            elif "us" not in r:
                 cells.append(f"{'ERR':>20}")
             else:
                 cells.append(f"{r['us']:>10.1f} ({r['rel_diff_vs_before']:.0e})")

@@ -1,5 +1,6 @@
 """Compile the attention kernels for sm_90 WITHOUT a GPU (Triton's bundled ptxas) and report
-registers, spills, shared memory and instruction counts of the decode loop; optional SASS dump.
+registers, spills, shared memory and instruction counts of the decode (or prefill) tile loop;
+optional SASS dump.
 
     python3 benchmarks/compile_sm90.py [--sass DIR] [--configs FMT:TILE:PREFETCH[:VARIANT[:WARPS]]]
                                        [--module OLD_attention.py]
@@ -33,26 +34,36 @@ from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def decode_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, prefetch: bool = True,
+def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, prefetch: bool = True,
                variant: str = "rows"):
+    """The decode kernel of ``variant`` (rows|keys), or the prefill kernel (prefill-rows|
+    prefill-keys, 16 rows per program), as Triton source for ``triton.compile``."""
+    prefill = variant.startswith("prefill-")
     sig = {n: "*bf16" for n in ("query_ptr", "out_ptr")}
     sig.update(cache_ptr="*u8", k_scale_ptr="*fp32", v_scale_ptr="*fp32", block_table_ptr="*i32",
-               seq_lens_ptr="*i32", qsl_ptr="*i32", part_o_ptr="*fp32", part_ml_ptr="*fp32")
+               seq_lens_ptr="*i32", qsl_ptr="*i32")
+    sig.update(num_seqs="i32") if prefill else sig.update(part_o_ptr="*fp32", part_ml_ptr="*fp32")
     for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_blk", "stride_bt"):
         sig[n] = "i32"
     sig.update(softmax_scale="fp32", softcap="fp32", window="i32")
     const = dict(
         K_FMT=format_code(lay.k_format), V_FMT=format_code(lay.v_format),
         K_DATA=lay.k_data_offset, K_SCALE=lay.k_scale_offset, V_DATA=lay.v_data_offset,
-        V_SCALE=lay.v_scale_offset, HQ=g * lay.num_kv_heads, G=g,
-        BG=16 if variant == "rows" else max(8, g), D=lay.head_dim,
-        BLOCK=lay.block_size, TILE_N=tile_n, NUM_SPLITS=splits, USE_WINDOW=False,
-        USE_SOFTCAP=False, F32=False, PREFETCH=prefetch)
+        V_SCALE=lay.v_scale_offset)
+    if prefill:
+        const.update(G=g, G_PAD=g, BLOCK_Q=16 // g)
+    else:
+        const.update(HQ=g * lay.num_kv_heads, G=g, BG=16 if variant == "rows" else max(8, g))
+    const.update(D=lay.head_dim, BLOCK=lay.block_size, TILE_N=tile_n)
+    if not prefill:
+        const.update(NUM_SPLITS=splits)
+    const.update(USE_WINDOW=False, USE_SOFTCAP=False, F32=False, PREFETCH=prefetch)
     for k, v in const.items():
         sig[k] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
              if n.endswith("_ptr") or n in ("stride_qt", "stride_blk")}
-    fn = A._decode_kernel if variant == "rows" else A._decode_keys_kernel
+    fn = {"rows": A._decode_kernel, "keys": A._decode_keys_kernel,
+          "prefill-rows": A._prefill_kernel, "prefill-keys": A._prefill_keys_kernel}[variant]
     return ASTSource(fn=fn, signature=sig, constexprs={(list(sig).index(k),): v
                                                                      for k, v in const.items()},
                      attrs=attrs)
@@ -84,7 +95,8 @@ def main() -> None:
     ap.add_argument("--splits", type=int, default=1, help="NUM_SPLITS (> 1: partial outputs)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--configs", nargs="*",
-                    help="FMT:TILE:PREFETCH[:VARIANT[:WARPS]] (FMT fp8|nvfp4|K+V; variant rows|keys; default: the "
+                    help="FMT:TILE:PREFETCH[:VARIANT[:WARPS]] (FMT fp8|nvfp4|K+V; variant rows|keys|"
+                         "prefill-rows|prefill-keys; default: the "
                          "rows kernel, fp8/nvfp4 x tile 32/64 x prefetch 0/1, 4 warps)")
     args = ap.parse_args()
     global A
@@ -104,7 +116,7 @@ def main() -> None:
     for fmt, tile, pf, variant, warps in configs:
         kf, _, vf = fmt.partition("+")  # "fp8" or K+V, e.g. "fp8+nvfp4"
         lay = KVPageLayout(8, args.head_dim, 16, kf, vf or kf)
-        k = triton.compile(decode_src(lay, tile, args.splits, prefetch=bool(pf), variant=variant),
+        k = triton.compile(kernel_src(lay, tile, args.splits, prefetch=bool(pf), variant=variant),
                            target=TARGET,
                            options=dict(num_warps=warps, num_stages=args.stages,
                                         **({"maxnreg": args.maxnreg} if args.maxnreg else {})))

@@ -139,9 +139,7 @@ def test_attention_matches_float64(kf, vf, kind, hkv, group, d, b):
                                    ("fp8", "fp8")])
 def test_decode_variants_agree(splits, prefetch, variant, stages, kf, vf):
     """Split counts, register prefetch on/off, pipeline stages and the two decode kernels (query
-    heads or keys on the MMA rows; the latter NVFP4 V only) give the same attention."""
-    if variant == "keys" and vf != "nvfp4":
-        pytest.skip("the keys-on-rows decode needs an NVFP4 V plane")
+    heads or keys on the MMA rows) give the same attention, for every K/V format pair."""
     if not CUDA and (kf, vf) == ("nvfp4", "fp8") and variant == "rows":
         pytest.skip("interpreter time: this pair meets the rows kernel in the other tests")
     lay = KVPageLayout(2, 128, 16, kf, vf)
@@ -151,7 +149,7 @@ def test_decode_variants_agree(splits, prefetch, variant, stages, kf, vf):
     attn_kernels.paged_attention(
         batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
         batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.1, out, num_splits=splits,
-        prefetch=prefetch, decode_variant=variant, num_stages=stages)
+        prefetch=prefetch, variant=variant, num_stages=stages)
     assert_close_rel(out, fast_reference(batch, 0.1), 2e-3 if CUDA else 1e-5)
 
 
@@ -186,18 +184,18 @@ def test_decode_split_count_bounds(seqs, ctx, warps):
 
 @pytest.mark.parametrize("group,d,b,window,cap", [(3, 64, 32, 40, 2.0), (1, 256, 16, None, None),
                                                  (8, 128, 16, 7, None)])
-@pytest.mark.parametrize("kf", ["nvfp4", "fp8"])
-def test_keys_decode_shapes(group, d, b, window, cap, kf):
-    """The keys-on-rows decode (NVFP4 V, NVFP4 or FP8 K) at other GQA groups, head dims, block
-    sizes, window and soft-cap, against float64."""
-    lay = KVPageLayout(2, d, b, kf, "nvfp4")
+@pytest.mark.parametrize("kf,vf", [("nvfp4", "nvfp4"), ("fp8", "nvfp4"), ("nvfp4", "fp8")])
+def test_keys_decode_shapes(group, d, b, window, cap, kf, vf):
+    """The keys-on-rows decode at other GQA groups, head dims, block sizes, window and
+    soft-cap, against float64."""
+    lay = KVPageLayout(2, d, b, kf, vf)
     batch = make_batch(lay, _seq_mix("decode"), 2 * group, device=DEV, seed=group + d,
                        write_backend=WRITE)
     out = torch.empty_like(batch.query)
     attn_kernels.paged_attention(
         batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
         batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.3, out,
-        sliding_window=window, logits_soft_cap=cap, decode_variant="keys")
+        sliding_window=window, logits_soft_cap=cap, variant="keys")
     assert_close_rel(out, fast_reference(batch, 0.3, window, cap), 2e-3 if CUDA else 1e-5)
 
 
@@ -231,21 +229,44 @@ def test_decode_ignores_stale_slots(kf, vf):
         assert torch.isnan(got[1]).any() and not torch.isnan(got[[0, 2]]).any()
 
 
-@pytest.mark.parametrize("kf,vf", [("fp8", "fp8"), ("nvfp4", "fp8")])
-def test_keys_decode_rejects_fp8_v(kf, vf):
-    lay = KVPageLayout(1, 64, 16, kf, vf)
-    batch = make_batch(lay, [(5, 1)], 1, device=DEV, seed=0, write_backend=WRITE)
-    with pytest.raises(ValueError, match="needs an NVFP4 V"):
+@pytest.mark.parametrize("variant,rows,tile_n,warps", [
+    ("rows", 16, None, None), ("keys", 16, None, None), ("keys", 32, 32, 4), ("rows", 32, 16, 2)])
+@pytest.mark.parametrize("kf,vf", [("nvfp4", "nvfp4"), ("fp8", "nvfp4"), ("nvfp4", "fp8"),
+                                   ("fp8", "fp8")])
+def test_prefill_variants_agree(variant, rows, tile_n, warps, kf, vf):
+    """Both prefill kernels (query rows or keys on the MMA M dimension), rows per program and
+    launch shapes, on chunked prefills with cached prefixes, odd lengths and a GQA group of 3,
+    against float64."""
+    if not CUDA and (kf, vf) == ("nvfp4", "fp8") and variant == "rows":
+        pytest.skip("interpreter time: this pair meets the rows kernel in the other tests")
+    lay = KVPageLayout(2, 64, 16, kf, vf)
+    seqs = [(29 * SCALE + 4, 21), (7, 7), (40 * SCALE, 1), (18 * SCALE + 1, 18 * SCALE + 1)]
+    batch = make_batch(lay, seqs, 6, device=DEV, seed=rows + len(kf + vf), write_backend=WRITE)
+    out = torch.empty_like(batch.query)
+    attn_kernels.paged_attention(
+        batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+        batch.seq_lens, batch.query_start_loc, batch.max_query_len, batch.max_seq_len, 0.2, out,
+        variant=variant, query_rows=rows, tile_n=tile_n, num_warps=warps)
+    assert_close_rel(out, fast_reference(batch, 0.2), 2e-3 if CUDA else 1e-5)
+
+
+@pytest.mark.parametrize("bad", [dict(variant="cols"), dict(query_rows=24)])
+def test_launch_rejects_unknown_variant_and_rows(bad):
+    lay = KVPageLayout(1, 64, 16, "nvfp4", "nvfp4")
+    batch = make_batch(lay, [(5, 5)], 1, device=DEV, seed=0, write_backend=WRITE)
+    with pytest.raises(ValueError, match="variant must be|query_rows must be"):
         attn_kernels.paged_attention(
             batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
-            batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.1,
-            torch.empty_like(batch.query), decode_variant="keys")
+            batch.seq_lens, batch.query_start_loc, 5, batch.max_seq_len, 0.1,
+            torch.empty_like(batch.query), **bad)
 
 
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 @pytest.mark.parametrize("window,cap", [(7, None), (None, 5.0), (40, 2.0)])
-def test_window_and_soft_cap(kind, window, cap):
-    lay = KVPageLayout(2, 64, 16, "nvfp4", "fp8")
+@pytest.mark.parametrize("kf,vf", [("nvfp4", "fp8"), ("fp8", "nvfp4")])
+def test_window_and_soft_cap(kind, window, cap, kf, vf):
+    """Sliding window and logits soft-cap in both kernel families (FP8 V: rows; NVFP4 V: keys)."""
+    lay = KVPageLayout(2, 64, 16, kf, vf)
     batch = make_batch(lay, _seq_mix(kind), 4, device=DEV, seed=17, write_backend=WRITE)
     got = run_attention(batch, backend="triton", sliding_window=window, logits_soft_cap=cap,
                         softmax_scale=0.3)

@@ -1,38 +1,38 @@
 """Triton paged attention over a :class:`~vllm_nvfp4.layout.KVPageLayout` cache, dequantizing inline.
 
-Two kernels share one tile loop (:func:`_attend_tiles`):
+Two kernel families, each with a decode and a prefill kernel:
 
-* ``_decode_kernel`` - one query token per sequence; grid ``(seqs, kv_heads, splits)``: each
-  program takes the ``G = q_heads / kv_heads`` query heads of one KV head (padded to 16 MMA rows)
-  over one contiguous share of the context (flash-decoding). With ``splits > 1`` it writes a
-  partial ``(o, m, l)`` per split and ``_reduce_kernel`` merges them.
-* ``_prefill_kernel`` - any number of query tokens per sequence (prefill, chunked prefill, prefix
-  hits, mixed batches); rows = ``BLOCK_Q`` query tokens x ``G`` heads; causal (+ window) mask.
+* **keys** (:func:`_attend_keys`; ``_decode_keys_kernel``, ``_prefill_keys_kernel``): the keys
+  sit on the MMA M dimension and the query columns (a decode token's GQA group padded to 8, or a
+  prefill program's query tokens x heads) on N. NVFP4 elements are never multiplied by their
+  block scale: the cache's chunk-planar nibble order (:mod:`vllm_nvfp4.layout`) makes each
+  16-element chunk one nibble plane of 16 consecutive 16-bit words, so one k=16 MMA per chunk
+  gives that chunk's partial scores, scaled per token by the chunk's block scale (and V's scale
+  goes into P per chunk). The decode of a plane is a unary inline asm of the raw words, which
+  lets Triton copy the raw K/V words and the scale rows asynchronously into shared memory and
+  decode them in the MMA operand registers. FP8 K or V: one dot per tile.
+* **rows** (:func:`_attend_tiles`; ``_decode_kernel``, ``_prefill_kernel``): the query rows on M
+  (padded to 16), whole tiles decoded: one inline-PTX block turns each 32-bit NVFP4 word (its 4
+  nibble planes x 2 words) into four f16x2 products with the block scales of its four chunks
+  (pre-multiplied by 2^7: e2m1 * s * 2^-7 is exact in fp16); the tile's columns are thus
+  permuted (:func:`nvfp4_col_perm`), and q is loaded / the output stored with the same
+  permutation. Raw NVFP4 tiles are double-buffered in registers (``PREFETCH``): Triton's
+  pipeliner does not stage loads that feed integer ops.
+
+Decode grid ``(seqs, kv_heads, splits)``: one program takes the query heads of one KV head over
+one contiguous share of the context (flash-decoding); with ``splits > 1`` it writes a partial
+``(o, m, l)`` per split and ``_reduce_kernel`` merges them. Prefill programs take ``BLOCK_Q``
+query tokens x the GQA group of one KV head (prefill, chunked prefill, prefix hits, mixed
+batches), causal (+ window).
 
 Dequantization. FP8 tile: E4M3 -> fp16 (native conversion on Hopper; exact); the layer scale is
 folded into the softmax scale (K) or the output (V). NVFP4: a nibble ``n`` becomes fp16 by bit
 placement alone, ``(n & 8) << 12 | (n & 7) << 9`` == e2m1(n) * 2^-14 (subnormal code 1
-included); the global scale g (and 2^14 or 2^7) go into the softmax scale / output scale.
+included); the global scale g (and 2^14 or 2^7) go into the softmax scale / output scale. The
+interpreter runs the same bit placement in Triton integer ops.
 
-* ``_decode_keys_kernel`` (decode when K and V are both NVFP4) never multiplies an element by its
-  block scale: the cache's chunk-planar nibble order (:mod:`vllm_nvfp4.layout`) makes each
-  16-element chunk one nibble plane of 16 consecutive 16-bit words, so one k=16 MMA per chunk
-  gives that chunk's partial scores, scaled per token by the chunk's block scale (and V's scale
-  goes into P per chunk). The decode of a plane is then a unary inline asm of the raw words,
-  which lets Triton copy the raw K/V words and the scale rows asynchronously into shared memory
-  and decode them in the MMA operand registers. Keys sit on the MMA M dimension, the GQA group
-  (padded to 8) on N.
-* The rows decode (``_decode_kernel``: FP8 V, with FP8 or NVFP4 K) and the prefill decode whole
-  tiles: one inline-PTX block turns each 32-bit word (its 4 nibble planes x 2 words) into four
-  f16x2 products with the block scales of its four chunks (pre-multiplied by 2^7: e2m1 * s *
-  2^-7 is exact in fp16); the tile's columns are thus permuted (:func:`nvfp4_col_perm`), and q
-  is loaded / the output stored with the same permutation. Raw NVFP4 tiles are double-buffered
-  in registers (``PREFETCH``): Triton's pipeliner does not stage loads that feed integer ops.
-  The interpreter runs the same bit placement in Triton integer ops.
-
-Measured on the H200 and analysed in ``benchmarks/README.md``: the NVFP4 decode is faster than
-this FP8 decode and than FlashAttention-3's FP8 decode at 32k context; both beat vLLM's Triton
-backend.
+Which family runs by default, and the measurements behind it: :func:`default_variant`,
+``benchmarks/README.md``.
 
 All launch parameters derive from host ints (shapes, ``max_query_len``, ``max_seq_len``), never
 from tensor contents, so the decode path is CUDA-graph capturable.
@@ -254,15 +254,30 @@ def _attend_tiles(
 
 
 @triton.jit
-def _kv_factors(k_scale_ptr, v_scale_ptr, h, K_FMT: tl.constexpr, V_FMT: tl.constexpr):
-    """Per-head dequant factors of the K and V tiles (see :func:`_dequant`)."""
+def _kv_factors(k_scale_ptr, v_scale_ptr, h, K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+                PLANES: tl.constexpr):
+    """Per-head dequant factors of the K and V operands: the layer scale, times 2^7 for NVFP4
+    tiles of :func:`_dequant` (``x / (g * 2^7)``) or 2^14 for the nibble planes of the keys
+    kernels (``PLANES``: ``e2m1 * 2^-14``, block scales applied apart)."""
     kf = tl.load(k_scale_ptr + h)
     vf = tl.load(v_scale_ptr + h)
     if K_FMT != FMT_FP8:
-        kf = kf * 128.0
+        kf = kf * (16384.0 if PLANES else 128.0)
     if V_FMT != FMT_FP8:
-        vf = vf * 128.0
+        vf = vf * (16384.0 if PLANES else 128.0)
     return kf, vf
+
+
+@triton.jit
+def _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT: tl.constexpr,
+                             V_FMT: tl.constexpr, USE_SOFTCAP: tl.constexpr, PLANES: tl.constexpr):
+    """``(qk_scale, vf)`` of KV head ``h``: the logit scale (with log2(e) unless soft-capped)
+    and the output factor, both including the dequant factors (:func:`_kv_factors`)."""
+    kf, vf = _kv_factors(k_scale_ptr, v_scale_ptr, h, K_FMT, V_FMT, PLANES)
+    qk_scale = softmax_scale * kf
+    if not USE_SOFTCAP:
+        qk_scale = qk_scale * 1.4426950408889634
+    return qk_scale, vf
 
 
 @triton.jit
@@ -283,7 +298,7 @@ def _split_range(seq_len, window, split, NUM_SPLITS: tl.constexpr, TILE_N: tl.co
 def _decode_program(seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window,
                     K_FMT: tl.constexpr, V_FMT: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
                     TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr,
-                    USE_SOFTCAP: tl.constexpr):
+                    USE_SOFTCAP: tl.constexpr, PLANES: tl.constexpr):
     """What one decode program works on: sequence, KV head ``h``, split, context length, the
     query token's row ``tok``, its ``BG`` (padded) query heads ``qh`` with ``row_ok``, the
     logit scale (log2 units unless soft-capped), the V dequant factor and the token range."""
@@ -295,31 +310,25 @@ def _decode_program(seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_sca
     g = tl.arange(0, BG)
     row_ok = g < G
     qh = h * G + g
-    kf, vf = _kv_factors(k_scale_ptr, v_scale_ptr, h, K_FMT, V_FMT)
-    qk_scale = softmax_scale * kf
-    if not USE_SOFTCAP:
-        qk_scale = qk_scale * 1.4426950408889634
+    qk_scale, vf = _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT,
+                                            V_FMT, USE_SOFTCAP, PLANES)
     t_begin, t_end = _split_range(seq_len, window, split, NUM_SPLITS, TILE_N, USE_WINDOW)
     return seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_end
 
 
 @triton.jit
-def _decode_store(o, m_i, l_i, out_ptr, part_o_ptr, part_ml_ptr, tok, split, qh, row_ok,
-                  qh_b, d_b, ok_b, stride_ot, stride_oh,
-                  HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  WITH_ML: tl.constexpr = True):
-    """Store a decode program's output ``o`` (any orientation: ``qh_b``, ``d_b``, ``ok_b`` are
-    the head index, column and mask broadcast to its shape): final rows when unsplit, else the
-    FP32 partial ``o`` and (``WITH_ML``) its ``(m, l)`` for :func:`_reduce_kernel`."""
+def _decode_out_rows(out_ptr, part_o_ptr, part_ml_ptr, m_i, l_i, tok, split, qh, row_ok,
+                     stride_ot, stride_oh, HQ: tl.constexpr, D: tl.constexpr,
+                     NUM_SPLITS: tl.constexpr):
+    """Where a decode program's output rows go, one pointer per query head ``qh [BG]``: the
+    final output when unsplit, else the FP32 partials of :func:`_reduce_kernel` (this stores
+    their ``(m, l)``)."""
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + tok * stride_ot + qh_b * stride_oh + d_b,
-                 o.to(out_ptr.dtype.element_ty), mask=ok_b)
-    else:
-        tl.store(part_o_ptr + ((tok * HQ + qh_b) * NUM_SPLITS + split) * D + d_b, o, mask=ok_b)
-        if WITH_ML:
-            row = (tok * HQ + qh) * NUM_SPLITS + split  # [BG]
-            tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
-            tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+        return out_ptr + tok * stride_ot + qh * stride_oh
+    row = (tok * HQ + qh) * NUM_SPLITS + split
+    tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
+    tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+    return part_o_ptr + row * D
 
 
 @triton.jit
@@ -337,7 +346,7 @@ def _decode_kernel(
 ):
     seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_end = _decode_program(
         seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window, K_FMT, V_FMT,
-        G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP)
+        G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP, False)
     q = tl.load(query_ptr + tok * stride_qt + qh[:, None] * stride_qh + _cols(K_FMT, D)[None, :],
                 mask=row_ok[:, None], other=0.0)
     q = q.to(tl.float32) if F32 else q.to(tl.float16)
@@ -353,9 +362,10 @@ def _decode_kernel(
         False, USE_WINDOW, USE_SOFTCAP, F32, PREFETCH,
     )
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * vf
-    _decode_store(o, m_i, l_i, out_ptr, part_o_ptr, part_ml_ptr, tok, split, qh, row_ok,
-                  qh[:, None], _cols(V_FMT, D)[None, :], row_ok[:, None], stride_ot, stride_oh,
-                  HQ, D, NUM_SPLITS)
+    o_rows = _decode_out_rows(out_ptr, part_o_ptr, part_ml_ptr, m_i, l_i, tok, split, qh, row_ok,
+                              stride_ot, stride_oh, HQ, D, NUM_SPLITS)
+    tl.store(o_rows[:, None] + _cols(V_FMT, D)[None, :], o.to(o_rows.dtype.element_ty),
+             mask=row_ok[:, None])
 
 
 # nibble J of each 16-bit half of $1 as fp16 e2m1 * 2^-14 (sign << 15 | code << 9), both halves
@@ -460,6 +470,123 @@ def _dot_f(a, b, acc, F32: tl.constexpr):
 
 
 @triton.jit
+def _keys_queries(q_cols, col_ok, K_FMT: tl.constexpr, D: tl.constexpr, F32: tl.constexpr):
+    """The query operand of the keys kernels, from one pointer per column ``q_cols [M]`` (a
+    query token's head, ``col_ok`` masks padding): a tuple of the transposed chunks
+    ``q_c^T [16, M]`` for an NVFP4 K, or ``(q^T [D, M],)`` for FP8."""
+    if K_FMT == FMT_FP8:
+        q = tl.load(q_cols[None, :] + tl.arange(0, D)[:, None], mask=col_ok[None, :], other=0.0)
+        return (q.to(tl.float32) if F32 else q.to(tl.float16),)
+    else:
+        qs = ()
+        for c in tl.static_range(D // 16):
+            q = tl.load(q_cols[None, :] + (16 * c + tl.arange(0, 16))[:, None],
+                        mask=col_ok[None, :], other=0.0)
+            qs = qs + ((q.to(tl.float32) if F32 else q.to(tl.float16)),)
+        return qs
+
+
+@triton.jit
+def _keys_accumulators(V_FMT: tl.constexpr, D: tl.constexpr, M: tl.constexpr):
+    """Zero output accumulators of the keys kernels: per NVFP4 chunk ``acc_c^T [16, M]``, or
+    ``(acc^T [D, M],)`` for an FP8 V."""
+    if V_FMT == FMT_FP8:
+        return (tl.zeros([D, M], dtype=tl.float32),)
+    else:
+        accs = ()
+        for c in tl.static_range(D // 16):
+            accs = accs + (tl.zeros([16, M], dtype=tl.float32),)
+        return accs
+
+
+@triton.jit
+def _attend_keys(
+    qs, q_pos, accs, m_i, l_i,
+    cache_ptr, stride_blk, bt_row, h, t_begin, t_end,
+    qk_scale, softcap, window,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+    K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, M: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
+):
+    """Online-softmax attention with the KEYS on the MMA M dimension and the ``M`` query columns
+    (``qs`` from :func:`_keys_queries`, positions ``q_pos [M]``) on N, over the keys
+    ``[t_begin, t_end)`` of one sequence. NVFP4 block scales are applied per 16-element chunk,
+    never per element: each chunk ``c`` is one nibble plane of 16 words (the cache's
+    chunk-planar order, :mod:`vllm_nvfp4.layout`), so
+    ``s^T [TILE_N, M] = sum_c sk_c * (K_c [TILE_N, 16] . q_c^T [16, M])`` with ``sk_c [TILE_N]``
+    the tokens' block scales, and ``acc_c^T [16, M] += V_c^T [16, TILE_N] . (sv_c * p)``. An FP8
+    K or V is one dot per tile (``K . q^T``, ``V^T . p``). The raw K/V words and whole scale
+    rows are copied asynchronously (``tl.range`` stages) and each plane is decoded by one unary
+    inline asm in the MMA operand registers. Logits in log2 units as in :func:`_attend_tiles`."""
+    C: tl.constexpr = D // 16
+    for t0 in tl.range(t_begin, t_end, TILE_N, num_stages=3):
+        toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK,
+                                            TILE_N)
+        if V_FMT != FMT_FP8:
+            vss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, V_SCALE, C, BLOCK,
+                               TILE_N, True)
+        s = tl.zeros([TILE_N, M], dtype=tl.float32)
+        if K_FMT == FMT_FP8:
+            k, _ = _load_raw(page, off, valid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N)
+            s = _dot_f(_dequant(k, 0, K_FMT, D, TILE_N, F32), qs[0], s, F32)
+        else:  # stale K scales past t_end only reach masked scores
+            kss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, K_SCALE, C, BLOCK,
+                               TILE_N, False)
+            for gi in tl.static_range(D // 64):
+                kw = _group_words(page, off, valid, h, K_DATA, gi, D, BLOCK, False)
+                for j in tl.static_range(4):
+                    part = _dot_f(_plane(kw, j, F32), qs[4 * gi + j],
+                                  tl.zeros([TILE_N, M], dtype=tl.float32), F32)
+                    s += part * kss[4 * gi + j][:, None]
+        if USE_SOFTCAP:
+            z = s * (qk_scale / softcap)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        mask = valid[:, None]
+        if CAUSAL:
+            mask = mask & (toks[:, None] <= q_pos[None, :])
+        if USE_WINDOW:
+            mask = mask & (toks[:, None] > q_pos[None, :] - window)
+        s = tl.where(mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        ph = p if F32 else p.to(tl.float16)
+        if V_FMT == FMT_FP8:  # V^T [D, TILE_N], loaded in that orientation
+            vt = tl.load(page[None, :] + V_DATA + (h * BLOCK + off[None, :]) * D
+                         + tl.arange(0, D)[:, None], mask=valid[None, :], other=0)
+            vt = _dequant(vt, 0, V_FMT, D, TILE_N, F32)
+            accs = (_dot_f(vt, ph, accs[0] * alpha[None, :], F32),)
+        else:
+            new_accs = ()
+            for gi in tl.static_range(D // 64):
+                vw = _group_words(page, off, valid, h, V_DATA, gi, D, BLOCK, True)
+                for j in tl.static_range(4):
+                    sv = vss[4 * gi + j]
+                    pv = ph * (sv if F32 else sv.to(tl.float16))[:, None]
+                    acc = accs[4 * gi + j] * alpha[None, :]
+                    new_accs = new_accs + (_dot_f(_plane(vw, j, F32), pv, acc, F32),)
+            accs = new_accs
+        m_i = m_new
+    return accs, m_i, l_i
+
+
+@triton.jit
+def _store_keys(accs, scale, o_cols, col_ok, V_FMT: tl.constexpr, D: tl.constexpr):
+    """Store the keys kernels' transposed accumulators (:func:`_keys_accumulators`) times
+    ``scale [M]`` to one output row pointer per column ``o_cols [M]`` (cast to its type)."""
+    W: tl.constexpr = D if V_FMT == FMT_FP8 else 16
+    for c in tl.static_range(D // W):
+        o = accs[c] * scale[None, :]
+        tl.store(o_cols[None, :] + (W * c + tl.arange(0, W))[:, None],
+                 o.to(o_cols.dtype.element_ty), mask=col_ok[None, :])
+
+
+@triton.jit
 def _decode_keys_kernel(
     query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr,
@@ -472,90 +599,22 @@ def _decode_keys_kernel(
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """Decode with the KEYS on the MMA M dimension and the block scales applied per 16-element
-    chunk (NVFP4 V; K NVFP4, or FP8 with one dot per tile; ``D`` a multiple of 64). Each NVFP4
-    chunk ``c`` is one nibble plane of 16 words (:mod:`vllm_nvfp4.layout`'s chunk-planar order),
-    so the scores are
-    ``s^T [TILE_N, BG] = sum_c sk_c * (K_c [TILE_N, 16] . q_c^T [16, BG])`` with ``sk_c [TILE_N]``
-    the tokens' block scales of chunk ``c``, and the output chunk by chunk
-    ``acc_c^T [16, BG] += V_c^T [16, TILE_N] . (sv_c * p) [TILE_N, BG]``. The raw words of K and
-    V and the scale rows are copied asynchronously (``tl.range`` stages) and decoded by one unary
-    inline asm per plane in the MMA operand registers: no element is multiplied by a scale.
-    ``BG`` = the GQA group padded (>= 8). Same grid, splits and partial format as
-    :func:`_decode_kernel`; ``PREFETCH`` is unused (the pipeliner stages every load)."""
+    """Decode through :func:`_attend_keys`: the ``BG`` query columns are the GQA group of one
+    KV head (padded, >= 8). Same grid, splits and partial format as :func:`_decode_kernel`;
+    ``PREFETCH`` is unused (the pipeliner stages every load)."""
     seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_end = _decode_program(
         seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window, K_FMT, V_FMT,
-        G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP)
-    C: tl.constexpr = D // 16
-    qb = query_ptr + tok * stride_qt
-    d16 = tl.arange(0, 16)
-    if K_FMT == FMT_FP8:  # q^T [D, BG] for one dot per tile
-        qs = tl.load(qb + qh[None, :] * stride_qh + tl.arange(0, D)[:, None], mask=row_ok[None, :],
-                     other=0.0)
-        qs = qs.to(tl.float32) if F32 else qs.to(tl.float16)
-    else:  # q_c^T [16, BG] per chunk; planes are e2m1 * 2^-14 (_kv_factors assumed 2^-7)
-        qk_scale = qk_scale * 128.0
-        qs = ()
-        for c in tl.static_range(C):
-            q = tl.load(qb + qh[None, :] * stride_qh + (16 * c + d16)[:, None],
-                        mask=row_ok[None, :], other=0.0)
-            qs = qs + ((q.to(tl.float32) if F32 else q.to(tl.float16)),)
-    vf = vf * 128.0
-    accs = ()  # acc_c^T [16, BG] per chunk
-    for c in tl.static_range(C):
-        accs = accs + (tl.zeros([16, BG], dtype=tl.float32),)
-    m_i = tl.full([BG], float("-inf"), tl.float32)
-    l_i = tl.zeros([BG], dtype=tl.float32)
-    bt_row = block_table_ptr + seq * stride_bt
-    for t0 in tl.range(t_begin, t_end, TILE_N, num_stages=3):
-        toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK,
-                                            TILE_N)
-        vss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, V_SCALE, C, BLOCK, TILE_N,
-                           True)
-        s = tl.zeros([TILE_N, BG], dtype=tl.float32)
-        if K_FMT == FMT_FP8:
-            k, _ = _load_raw(page, off, valid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N)
-            s = _dot_f(_dequant(k, 0, K_FMT, D, TILE_N, F32), qs, s, F32)
-        else:  # stale K scales past t_end only reach masked scores
-            kss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, K_SCALE, C, BLOCK,
-                               TILE_N, False)
-            for gi in tl.static_range(D // 64):
-                kw = _group_words(page, off, valid, h, K_DATA, gi, D, BLOCK, False)
-                for j in tl.static_range(4):
-                    part = _dot_f(_plane(kw, j, F32), qs[4 * gi + j],
-                                  tl.zeros([TILE_N, BG], dtype=tl.float32), F32)
-                    s += part * kss[4 * gi + j][:, None]
-        if USE_SOFTCAP:
-            z = s * (qk_scale / softcap)
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * 1.4426950408889634
-        else:
-            s = s * qk_scale
-        mask = valid[:, None]
-        if USE_WINDOW:
-            mask = mask & (toks[:, None] > seq_len - 1 - window)
-        s = tl.where(mask, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[None, :])
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        ph = p if F32 else p.to(tl.float16)
-        new_accs = ()
-        for gi in tl.static_range(D // 64):
-            vw = _group_words(page, off, valid, h, V_DATA, gi, D, BLOCK, True)
-            for j in tl.static_range(4):
-                sv = vss[4 * gi + j]
-                pv = ph * (sv if F32 else sv.to(tl.float16))[:, None]
-                acc = accs[4 * gi + j] * alpha[None, :]
-                new_accs = new_accs + (_dot_f(_plane(vw, j, F32), pv, acc, F32),)
-        accs = new_accs
-        m_i = m_new
-
-    inv = vf / tl.where(l_i == 0.0, 1.0, l_i)  # [BG]
-    for c in tl.static_range(C):
-        _decode_store(accs[c] * inv[None, :], m_i, l_i, out_ptr, part_o_ptr, part_ml_ptr, tok,
-                      split, qh, row_ok, qh[None, :], (16 * c + d16)[:, None], row_ok[None, :],
-                      stride_ot, stride_oh, HQ, D, NUM_SPLITS, c == 0)
+        G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP, True)
+    qs = _keys_queries(query_ptr + tok * stride_qt + qh * stride_qh, row_ok, K_FMT, D, F32)
+    accs, m_i, l_i = _attend_keys(
+        qs, tl.zeros([BG], dtype=tl.int32) + seq_len - 1, _keys_accumulators(V_FMT, D, BG),
+        tl.full([BG], float("-inf"), tl.float32), tl.zeros([BG], dtype=tl.float32),
+        cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_end,
+        qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
+        TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32)
+    o_cols = _decode_out_rows(out_ptr, part_o_ptr, part_ml_ptr, m_i, l_i, tok, split, qh, row_ok,
+                              stride_ot, stride_oh, HQ, D, NUM_SPLITS)
+    _store_keys(accs, vf / tl.where(l_i == 0.0, 1.0, l_i), o_cols, row_ok, V_FMT, D)
 
 
 @triton.jit
@@ -578,17 +637,13 @@ def _reduce_kernel(
 
 
 @triton.jit
-def _prefill_kernel(
-    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr,
-    block_table_ptr, seq_lens_ptr, qsl_ptr, num_seqs,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_bt,
-    softmax_scale, softcap, window,
-    K_FMT: tl.constexpr, V_FMT: tl.constexpr,
-    K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
-    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr, PREFETCH: tl.constexpr,
-):
+def _prefill_program(seq_lens_ptr, qsl_ptr, num_seqs, window, G: tl.constexpr,
+                     G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+                     USE_WINDOW: tl.constexpr):
+    """What one prefill program works on: ``BLOCK_Q`` query tokens x ``G_PAD`` heads of KV head
+    ``h`` = program_id(1), as ``BLOCK_Q * G_PAD`` rows: sequence, ``active`` (False for the
+    spare programs of the grid), the rows' token index, query head, validity and position, and
+    the key range ``[t_begin, t_end)`` (causal, window)."""
     # program -> (sequence, query block): q block b of sequence s has global index
     # qsl[s] // BLOCK_Q + s + b, so a binary search over qsl finds s (as vLLM's unified kernel does)
     pid = tl.program_id(0)
@@ -605,31 +660,44 @@ def _prefill_kernel(
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     qb = pid - (q_start // BLOCK_Q + seq)
-    if qb * BLOCK_Q >= q_len:
-        return
     seq_len = tl.load(seq_lens_ptr + seq)
-
-    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
-    r = tl.arange(0, BLOCK_M)
+    r = tl.arange(0, BLOCK_Q * G_PAD)
     qi = qb * BLOCK_Q + r // G_PAD  # query index inside the sequence
     g = r % G_PAD
     row_ok = (qi < q_len) & (g < G)
-    qh = h * G + g
     tok = (q_start + qi).to(tl.int64)
-    q = tl.load(query_ptr + tok[:, None] * stride_qt + qh[:, None] * stride_qh
-                + _cols(K_FMT, D)[None, :], mask=row_ok[:, None], other=0.0)
-    q = q.to(tl.float32) if F32 else q.to(tl.float16)
-    kf, vf = _kv_factors(k_scale_ptr, v_scale_ptr, h, K_FMT, V_FMT)
-    qk_scale = softmax_scale * kf
-    if not USE_SOFTCAP:
-        qk_scale = qk_scale * 1.4426950408889634
-
-    q_pos = seq_len - q_len + qi
     first = seq_len - q_len + qb * BLOCK_Q  # position of the block's first query
-    t_end = tl.minimum(first + BLOCK_Q, seq_len)
     t_begin = 0
     if USE_WINDOW:
         t_begin = tl.maximum(first - window + 1, 0) // TILE_N * TILE_N
+    t_end = tl.minimum(first + BLOCK_Q, seq_len)
+    return (seq, h, qb * BLOCK_Q < q_len, tok, h * G + g, row_ok, seq_len - q_len + qi,
+            t_begin, t_end)
+
+
+@triton.jit
+def _prefill_kernel(
+    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr,
+    block_table_ptr, seq_lens_ptr, qsl_ptr, num_seqs,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_bt,
+    softmax_scale, softcap, window,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+    K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """Prefill with the query rows on the MMA M dimension (:func:`_attend_tiles`)."""
+    seq, h, active, tok, qh, row_ok, q_pos, t_begin, t_end = _prefill_program(
+        seq_lens_ptr, qsl_ptr, num_seqs, window, G, G_PAD, BLOCK_Q, TILE_N, USE_WINDOW)
+    if not active:
+        return
+    q = tl.load(query_ptr + tok[:, None] * stride_qt + qh[:, None] * stride_qh
+                + _cols(K_FMT, D)[None, :], mask=row_ok[:, None], other=0.0)
+    q = q.to(tl.float32) if F32 else q.to(tl.float16)
+    qk_scale, vf = _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT,
+                                            V_FMT, USE_SOFTCAP, False)
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -643,6 +711,39 @@ def _prefill_kernel(
     d = _cols(V_FMT, D)
     tl.store(out_ptr + tok[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _prefill_keys_kernel(
+    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr,
+    block_table_ptr, seq_lens_ptr, qsl_ptr, num_seqs,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_bt,
+    softmax_scale, softcap, window,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+    K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """Prefill through :func:`_attend_keys` (keys on the MMA M dimension, the program's
+    ``BLOCK_Q * G_PAD`` query rows as columns, causal); grid as :func:`_prefill_kernel`;
+    ``PREFETCH`` is unused."""
+    seq, h, active, tok, qh, row_ok, q_pos, t_begin, t_end = _prefill_program(
+        seq_lens_ptr, qsl_ptr, num_seqs, window, G, G_PAD, BLOCK_Q, TILE_N, USE_WINDOW)
+    if not active:
+        return
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    qk_scale, vf = _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT,
+                                            V_FMT, USE_SOFTCAP, True)
+    qs = _keys_queries(query_ptr + tok * stride_qt + qh * stride_qh, row_ok, K_FMT, D, F32)
+    accs, m_i, l_i = _attend_keys(
+        qs, q_pos, _keys_accumulators(V_FMT, D, BLOCK_M),
+        tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
+        cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_end,
+        qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
+        TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32)
+    _store_keys(accs, vf / tl.where(l_i == 0.0, 1.0, l_i), out_ptr + tok * stride_ot
+                + qh * stride_oh, row_ok, V_FMT, D)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -667,20 +768,29 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: in
     return splits
 
 
-def decode_launch_defaults(layout, variant: str) -> tuple[int, int]:
-    """``(tile_n, num_warps)`` of a decode launch, from the H200 sweeps of 2026-11-30
-    (benchmarks/README.md, head_dim 128): the keys kernel (NVFP4 V, per-chunk scales) -
-    1 warp x 64 keys (32 keys at head_dim 256, where 64 exceed the register file); the rows
-    kernel with FP8 K (FP8 V, or NVFP4 V when ``"rows"`` is asked for) - 1 warp x 32 keys (0.73x
-    / 0.77x the time of 4 warps x 64 keys at 64 x 32k: no cross-warp barriers or shared-memory
-    reductions per tile). Unchanged where not run on the GPU at the new shape: the rows kernel at
-    head_dim 256 (4 warps x 32 keys), an NVFP4 K on the rows kernel and FP8 K / NVFP4 V on it at
-    head_dim 64 (4 warps x 64 keys)."""
+def default_variant(layout) -> str:
+    """The kernel family a launch uses unless told: ``"keys"`` (:func:`_attend_keys`) whenever V
+    is NVFP4, else ``"rows"`` (:func:`_attend_tiles`); from the H200 measurements in
+    benchmarks/README.md."""
+    return "keys" if layout.v_format == "nvfp4" else "rows"
+
+
+def launch_defaults(layout, variant: str, decode: bool) -> tuple[int, int]:
+    """``(tile_n, num_warps)`` of a launch, from the H200 sweeps of 2026-11-30
+    (benchmarks/README.md, head_dim 128). Keys kernels: 1 warp x 64 keys with an NVFP4 V (32
+    keys at head_dim 256, where 64 exceed the register file); 1 warp x 32 keys with an FP8 V
+    (64 spill: the sm_90 compile check in benchmarks/README.md). Rows decode with FP8 K (FP8 V, or NVFP4 V when
+    ``"rows"`` is asked for): 1 warp x 32 keys (0.73x / 0.77x the time of 4 warps x 64 keys at
+    64 x 32k: no cross-warp barriers or shared-memory reductions per tile). Unchanged where not
+    run on the GPU at the new shape: the rows decode at head_dim 256 (4 warps x 32 keys), an
+    NVFP4 K on it and FP8 K / NVFP4 V at head_dim 64 (4 warps x 64 keys); the rows prefill
+    (4 warps x 64 keys, 32 at head_dim 256)."""
     if variant == "keys":
-        return (32 if layout.head_dim >= 256 else 64), 1
+        return (64 if layout.head_dim < 256 and layout.v_format == "nvfp4" else 32), 1
     if layout.head_dim >= 256:
         return 32, 4
-    if layout.k_format == "fp8" and (layout.v_format == "fp8" or layout.head_dim == 128):
+    if decode and layout.k_format == "fp8" and (layout.v_format == "fp8"
+                                                or layout.head_dim == 128):
         return 32, 1
     return 64, 4
 
@@ -717,20 +827,26 @@ def paged_attention(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     prefetch: Optional[bool] = None,
-    decode_variant: Optional[str] = None,
+    variant: Optional[str] = None,
     maxnreg: Optional[int] = None,
+    query_rows: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch decode (``max_query_len == 1``) or prefill kernels; arguments as in
     :func:`vllm_nvfp4.ops.paged_attention` (checked there). ``num_splits`` (a power of 2),
     ``tile_n`` (keys per tile), ``num_warps``, ``num_stages``, ``prefetch`` (register double
-    buffering of the raw tiles) override the heuristics (benchmarks). ``decode_variant``:
-    ``"rows"`` (query heads on the MMA rows, :func:`_decode_kernel`) or ``"keys"`` (keys on the
-    MMA rows with per-chunk block scales, :func:`_decode_keys_kernel`, NVFP4 V only; its tile loop
-    always has 3 pipeline stages, ``num_stages`` and ``prefetch`` do not apply); default
-    ``"keys"`` when V is NVFP4, else ``"rows"``. ``maxnreg``: register cap per thread for the
-    decode kernel (Triton's ``maxnreg``; benchmarks)."""
+    buffering of the raw tiles) override the heuristics (benchmarks). ``variant``: ``"rows"``
+    (query rows on the MMA M dimension, :func:`_attend_tiles`) or ``"keys"`` (keys on M,
+    per-chunk block scales, :func:`_attend_keys`; its tile loop always has 3 pipeline stages,
+    ``num_stages`` and ``prefetch`` do not apply); default :func:`default_variant`.
+    ``maxnreg``: register cap per thread of the decode kernel (Triton's ``maxnreg``);
+    ``query_rows``: prefill rows (query tokens x padded GQA group) per program, a power of 2
+    (default 16; benchmarks)."""
     if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
         raise ValueError(f"num_splits must be a power of 2, got {num_splits}")
+    decode = max_query_len == 1
+    variant = variant or default_variant(layout)
+    if variant not in ("rows", "keys"):
+        raise ValueError(f"variant must be 'rows' or 'keys', got {variant!r}")
     num_seqs = seq_lens.shape[0]
     d = layout.head_dim
     meta = _layout_constexprs(layout, query.device, logits_soft_cap, sliding_window)
@@ -743,22 +859,13 @@ def paged_attention(
     meta["PREFETCH"] = bool(prefetch)
     common_args = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                    cache.stride(0), block_table.stride(0), softmax_scale, softcap, window)
-    if max_query_len == 1:
+    default_tile, default_warps = launch_defaults(layout, variant, decode)
+    tn = max(tile_n or default_tile, layout.block_size)
+    warps = num_warps or default_warps
+    if decode:
         num_tokens, hq = query.shape[0], query.shape[1]
-        # keys on the MMA rows with per-chunk scales whenever V is NVFP4 (benchmarks/README.md);
-        # an FP8 V runs the rows kernel
-        nvfp4_v = layout.v_format == "nvfp4"
-        variant = decode_variant or ("keys" if nvfp4_v else "rows")
-        if variant not in ("rows", "keys"):
-            raise ValueError(f"decode_variant must be 'rows' or 'keys', got {variant!r}")
-        if variant == "keys" and not nvfp4_v:
-            raise ValueError("decode_variant 'keys' needs an NVFP4 V plane (got K "
-                             f"{layout.k_format}, V {layout.v_format}); use 'rows'")
         kernel, bg = ((_decode_kernel, max(16, g_pad)) if variant == "rows"
                       else (_decode_keys_kernel, max(8, g_pad)))
-        default_tile, default_warps = decode_launch_defaults(layout, variant)
-        warps = num_warps or default_warps
-        tn = max(tile_n or default_tile, layout.block_size)
         splits = num_splits or decode_splits(num_seqs, layout.num_kv_heads, max_seq_len, tn,
                                              query.device, warps)
         if splits > 1:
@@ -781,17 +888,18 @@ def paged_attention(
                 HQ=hq, D=d, NUM_SPLITS=splits, num_warps=4,
             )
         return out
-    # 16 rows (mma.sync), as vLLM's unified kernel; 64-row wgmma tiles made Triton 3.6 crash in
-    # OptimizeDotOperands on the joined NVFP4 V tile
-    block_m = max(16, g_pad)
+    # 16 rows by default (mma.sync), as vLLM's unified kernel; 64-row wgmma tiles made Triton
+    # 3.6 crash in OptimizeDotOperands on the joined NVFP4 V tile of the rows kernel
+    block_m = max(query_rows or 16, g_pad)
+    if block_m & (block_m - 1):
+        raise ValueError(f"query_rows must be a power of 2, got {query_rows}")
     block_q = block_m // g_pad
-    tn = tile_n or (32 if d >= 256 else 64)
-    tn = max(tn, layout.block_size)
     grid = (query.shape[0] // block_q + num_seqs, layout.num_kv_heads)
-    _prefill_kernel[grid](
+    kernel = _prefill_kernel if variant == "rows" else _prefill_keys_kernel
+    kernel[grid](
         query, out, cache, k_scale, v_scale, block_table, seq_lens, query_start_loc, num_seqs,
         *common_args,
         G=g, G_PAD=g_pad, BLOCK_Q=block_q, TILE_N=tn, **meta,
-        num_warps=num_warps or 4, num_stages=num_stages or 2,
+        num_warps=warps, num_stages=num_stages or 2,
     )
     return out
