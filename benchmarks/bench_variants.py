@@ -40,6 +40,8 @@ VARIANTS = {
         "keys": dict(variant="keys"),
         "keys_t32": dict(variant="keys", tile_n=32),
         "keys_t64_w2": dict(variant="keys", tile_n=64, num_warps=2),
+        "keys_s4": dict(variant="keys", num_splits=4),
+        "keys_s8": dict(variant="keys", num_splits=8),
         "keys_t128_w2": dict(variant="keys", tile_n=128, num_warps=2),
     },
     "prefill": {

@@ -3,7 +3,8 @@
 #   bash scripts/gpu_kernels.sh [all|tests|bench] [bench_decode.py args...]
 #   bash scripts/gpu_kernels.sh variants [bench_variants.py args...]   # ours only, no peers:
 #     BEFORE=<old attention.py> (default benchmarks/_before_attention.py, e.g. from
-#     `git show <commit>:vllm_nvfp4/kernels/attention.py`), timed first, then the kernel tests
+#     `git show <commit>:vllm_nvfp4/kernels/attention.py`), timed first, then the kernel tests;
+#     time limits VARIANTS_TIMEOUT_S (230) and TESTS_TIMEOUT_S (140 for variants, 240 for tests)
 # Needs .gpu-bundle (bash ../shared/gpu/build_vllm_bundle.sh .gpu-bundle) for the vLLM peers.
 # Logs and the JSON go to $OUT (default /tmp/out).
 set -uo pipefail
@@ -26,11 +27,11 @@ if [[ $what == all || $what == bench ]]; then
   python3 scripts/bench_decode.py --out "$OUT/decode_h200.json" "$@" 2>&1 | tee "$OUT/bench.log"
 fi
 if [[ $what == variants ]]; then
-  timeout 230 python3 benchmarks/bench_variants.py --before "${BEFORE:-benchmarks/_before_attention.py}" \
+  timeout ${VARIANTS_TIMEOUT_S:-230} python3 benchmarks/bench_variants.py --before "${BEFORE:-benchmarks/_before_attention.py}" \
     --before-label "${BEFORE_LABEL:-before}" --out "$OUT/decode_variants_h200.json" "$@" \
     > "$OUT/variants.log" 2>&1
   echo "bench rc $?"; grep -v '^{' "$OUT/variants.log" | grep -v '^\s*$' | head -40 | cut -c1-300
-  timeout 140 python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_kernels.py 2>&1 \
+  timeout ${TESTS_TIMEOUT_S:-140} python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_kernels.py 2>&1 \
     | tee "$OUT/tests.log" | tail -8
   sed -n '/==== variants/,$p' "$OUT/variants.log"
 fi
