@@ -170,16 +170,20 @@ def test_decode_launch_shapes_agree(tile_n, warps, kf, vf):
 
 
 @pytest.mark.parametrize("seqs,ctx,warps", [(1, 100, 1), (16, 4096, 1), (64, 32768, 2),
-                                            (512, 32768, 4), (3, 70000, 1)])
-def test_decode_split_count_bounds(seqs, ctx, warps):
+                                            (512, 32768, 4), (3, 70000, 1), (1, 131072, 1)])
+@pytest.mark.parametrize("variant", ["rows", "keys"])
+def test_decode_split_count_bounds(seqs, ctx, warps, variant):
     """The split heuristic: a power of 2, at most 64 and at most the tile count; at most ~4096
-    keys per split unless capped; more splits when fewer warps per program."""
+    keys per split unless capped; more splits when fewer warps per program; the keys kernel
+    splits at most 8 ways to fill the GPU, more only for the 4096-key bound."""
     dev = torch.device("cpu")
     tiles = -(-ctx // 32)
-    s = attn_kernels.decode_splits(seqs, 8, ctx, 32, dev, warps)
+    s = attn_kernels.decode_splits(seqs, 8, ctx, 32, dev, warps, variant)
     assert s & (s - 1) == 0 and 1 <= s <= min(64, tiles)
     assert ctx <= 4096 * s or s == min(64, 1 << (min(64, tiles).bit_length() - 1))
-    assert s >= attn_kernels.decode_splits(seqs, 8, ctx, 32, dev, 4 * warps)
+    assert s >= attn_kernels.decode_splits(seqs, 8, ctx, 32, dev, 4 * warps, variant)
+    if variant == "keys":
+        assert s <= max(8, 1 << (-(-ctx // 4096) - 1).bit_length())
 
 
 @pytest.mark.parametrize("group,d,b,window,cap", [(3, 64, 32, 40, 2.0), (1, 256, 16, None, None),

@@ -40,6 +40,7 @@ from tensor contents, so the decode path is CUDA-graph capturable.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -753,46 +754,67 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int,
-                  device: torch.device, num_warps: int = 4) -> int:
-    """Split count (a power of 2) from host ints only: enough warps to fill the GPU ~4 times
-    over at 4 warps per program (``16 * SMs / num_warps`` programs), and at most ~4096 keys per
-    split; never more splits than tiles (max 64). Tuned on the H200 sweeps in
-    benchmarks/README.md."""
-    target = 16 * _num_sms(device) // num_warps
-    max_tiles = max(1, -(-max_seq_len // tile_n))
+                  device: torch.device, num_warps: int = 4, variant: str = "rows") -> int:
+    """Split count (a power of 2) from host ints only: the larger of (a) enough programs to fill
+    the GPU - ``16 * SMs / num_warps`` for the rows kernel; ``8 * SMs / num_warps`` and at most 8
+    splits for the keys kernel, whose partial writes and reduce cost more than the extra
+    occupancy gains (H200, 2026-11-30: 8 splits at 16 x 4k took 0.46x the time of 16) - and (b)
+    at most ~4096 keys per split; never more splits than tiles, at most 64. Tuned on the H200
+    sweeps in benchmarks/README.md."""
+    per_sm, fill_cap = (8, 8) if variant == "keys" else (16, 64)
+    target = per_sm * _num_sms(device) // num_warps
+    max_splits = min(max(1, -(-max_seq_len // tile_n)), 64)
     splits = 1
-    while splits * 2 <= min(max_tiles, 64) and (
-        num_seqs * num_kv_heads * splits < target or max_seq_len > 4096 * splits
+    while splits * 2 <= max_splits and (
+        (num_seqs * num_kv_heads * splits < target and splits * 2 <= fill_cap)
+        or max_seq_len > 4096 * splits
     ):
         splits *= 2
     return splits
 
 
-def default_variant(layout) -> str:
-    """The kernel family a launch uses unless told: ``"keys"`` (:func:`_attend_keys`) whenever V
-    is NVFP4, else ``"rows"`` (:func:`_attend_tiles`); from the H200 measurements in
-    benchmarks/README.md."""
-    return "keys" if layout.v_format == "nvfp4" else "rows"
+@dataclasses.dataclass(frozen=True)
+class LaunchShape:
+    """Default launch shape: keys per tile, warps per program, prefill rows per program."""
+
+    tile_n: int
+    num_warps: int
+    query_rows: int = 16
 
 
-def launch_defaults(layout, variant: str, decode: bool) -> tuple[int, int]:
-    """``(tile_n, num_warps)`` of a launch, from the H200 sweeps of 2026-11-30
-    (benchmarks/README.md, head_dim 128). Keys kernels: 1 warp x 64 keys with an NVFP4 V (32
-    keys at head_dim 256, where 64 exceed the register file); 1 warp x 32 keys with an FP8 V
-    (64 spill: the sm_90 compile check in benchmarks/README.md). Rows decode with FP8 K (FP8 V, or NVFP4 V when
-    ``"rows"`` is asked for): 1 warp x 32 keys (0.73x / 0.77x the time of 4 warps x 64 keys at
-    64 x 32k: no cross-warp barriers or shared-memory reductions per tile). Unchanged where not
-    run on the GPU at the new shape: the rows decode at head_dim 256 (4 warps x 32 keys), an
-    NVFP4 K on it and FP8 K / NVFP4 V at head_dim 64 (4 warps x 64 keys); the rows prefill
-    (4 warps x 64 keys, 32 at head_dim 256)."""
+def default_variant(layout, decode: bool) -> str:
+    """The kernel family a launch uses unless told: ``"keys"`` (:func:`_attend_keys`) for every
+    prefill and every decode with an NVFP4 plane; ``"rows"`` (:func:`_attend_tiles`) for the
+    FP8 / FP8 decode (H200, 2026-11-30, batch 64 x 32k: 1309 us vs 1382 for keys; the FP8
+    prefill of 8 x 4k: keys 9135 us vs rows 12046; benchmarks/README.md)."""
+    both_fp8 = layout.k_format == "fp8" and layout.v_format == "fp8"
+    return "rows" if both_fp8 and decode else "keys"
+
+
+def launch_defaults(layout, variant: str, decode: bool) -> LaunchShape:
+    """Launch shape from the H200 sweeps of 2026-11-30 (benchmarks/README.md, head_dim 128).
+
+    Keys decode: 1 warp x 64 keys with an NVFP4 V; 2 warps x 64 keys for NVFP4 K / FP8 V (0.94x
+    the time of 1 x 32 at 64 x 32k); 1 warp x 32 keys for FP8 / FP8 (64 keys spill); 32 keys at
+    head_dim 256 (64 exceed the register file). Keys prefill: 1 warp x 64 keys x 16 query rows;
+    FP8 / FP8 4 warps x 64 keys x 32 rows (0.73x the time of 1 warp x 16 rows at 8 x 4k). Rows
+    decode with FP8 K: 1 warp x 32 keys (0.73x / 0.77x the time of 4 warps x 64 keys at 64 x
+    32k). Not re-timed at other shapes: the rows kernel at head_dim 256 (4 warps x 32 keys) and
+    otherwise (4 warps x 64 keys)."""
+    both_fp8 = layout.k_format == "fp8" and layout.v_format == "fp8"
+    wide = layout.head_dim >= 256
+    if variant == "keys" and not decode:
+        return LaunchShape(32 if wide else 64, 4 if both_fp8 else 1, 32 if both_fp8 else 16)
     if variant == "keys":
-        return (64 if layout.head_dim < 256 and layout.v_format == "nvfp4" else 32), 1
-    if layout.head_dim >= 256:
-        return 32, 4
+        if wide or both_fp8:
+            return LaunchShape(32, 1)
+        return LaunchShape(64, 1 if layout.v_format == "nvfp4" else 2)
+    if wide:
+        return LaunchShape(32, 4)
     if decode and layout.k_format == "fp8" and (layout.v_format == "fp8"
                                                 or layout.head_dim == 128):
-        return 32, 1
-    return 64, 4
+        return LaunchShape(32, 1)
+    return LaunchShape(64, 4)
 
 
 def _layout_constexprs(layout, device: torch.device, softcap, window) -> dict:
@@ -840,11 +862,11 @@ def paged_attention(
     ``num_stages`` and ``prefetch`` do not apply); default :func:`default_variant`.
     ``maxnreg``: register cap per thread of the decode kernel (Triton's ``maxnreg``);
     ``query_rows``: prefill rows (query tokens x padded GQA group) per program, a power of 2
-    (default 16; benchmarks)."""
+    (default :func:`launch_defaults`)."""
     if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
         raise ValueError(f"num_splits must be a power of 2, got {num_splits}")
     decode = max_query_len == 1
-    variant = variant or default_variant(layout)
+    variant = variant or default_variant(layout, decode)
     if variant not in ("rows", "keys"):
         raise ValueError(f"variant must be 'rows' or 'keys', got {variant!r}")
     num_seqs = seq_lens.shape[0]
@@ -859,15 +881,15 @@ def paged_attention(
     meta["PREFETCH"] = bool(prefetch)
     common_args = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                    cache.stride(0), block_table.stride(0), softmax_scale, softcap, window)
-    default_tile, default_warps = launch_defaults(layout, variant, decode)
-    tn = max(tile_n or default_tile, layout.block_size)
-    warps = num_warps or default_warps
+    shape = launch_defaults(layout, variant, decode)
+    tn = max(tile_n or shape.tile_n, layout.block_size)
+    warps = num_warps or shape.num_warps
     if decode:
         num_tokens, hq = query.shape[0], query.shape[1]
         kernel, bg = ((_decode_kernel, max(16, g_pad)) if variant == "rows"
                       else (_decode_keys_kernel, max(8, g_pad)))
         splits = num_splits or decode_splits(num_seqs, layout.num_kv_heads, max_seq_len, tn,
-                                             query.device, warps)
+                                             query.device, warps, variant)
         if splits > 1:
             part_o = torch.empty(num_tokens * hq * splits, d, dtype=torch.float32,
                                  device=query.device)
@@ -888,9 +910,9 @@ def paged_attention(
                 HQ=hq, D=d, NUM_SPLITS=splits, num_warps=4,
             )
         return out
-    # 16 rows by default (mma.sync), as vLLM's unified kernel; 64-row wgmma tiles made Triton
-    # 3.6 crash in OptimizeDotOperands on the joined NVFP4 V tile of the rows kernel
-    block_m = max(query_rows or 16, g_pad)
+    # rows kernel: 16 rows (mma.sync), as vLLM's unified kernel; 64-row wgmma tiles made
+    # Triton 3.6 crash in OptimizeDotOperands on its joined NVFP4 V tile
+    block_m = max(query_rows or shape.query_rows, g_pad)
     if block_m & (block_m - 1):
         raise ValueError(f"query_rows must be a power of 2, got {query_rows}")
     block_q = block_m // g_pad
