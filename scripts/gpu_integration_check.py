@@ -2,7 +2,7 @@
 """End-to-end check of ``kv_cache_dtype="nvfp4_mixed"`` on a CUDA GPU (the H200) with real vLLM.
 
 One tiny random fp16 Llama (8 layers, 8/2 heads, head_dim 128, q/k gain 0.5) with a calibrated
-mixed policy. fp16 and the mild q/k gain keep the random model from amplifying rounding noise
+mixed policy that has all four K/V format pairs. fp16 and the mild q/k gain keep the random model from amplifying rounding noise
 (with bf16 and gain 2 a 0.4% difference flips NVFP4 roundings and whole outputs diverge, which
 would make every comparison below meaningless).
 Engine A runs as users run it: CUDA graphs on (default compilation), prefix caching on, chunked
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-POLICY = "0:fp8,1:k=fp8,v=nvfp4,2-6:nvfp4,7:fp8"
+POLICY = "0:fp8,1:k=fp8,v=nvfp4,2:k=nvfp4,v=fp8,3-6:nvfp4,7:fp8"
 #: layers whose keys are stored smoothed (K / lam, queries x lam; one NVFP4, one FP8 layer)
 SMOOTHED_LAYERS = (2, 7)
 KV_BYTES = 2 << 30
