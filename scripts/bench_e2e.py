@@ -935,9 +935,10 @@ def versions() -> dict:
     return out
 
 
-def best(records: list[dict], **match: Any) -> Optional[dict]:
-    """The first record whose fields equal ``match``."""
-    for r in records:
+def latest(records: list[dict], **match: Any) -> Optional[dict]:
+    """The last record whose fields equal ``match`` (records are in measurement order, prior
+    runs first, so this is the newest measurement)."""
+    for r in reversed(records):
         if all(r.get(k) == v for k, v in match.items()):
             return r
     return None
@@ -1001,7 +1002,7 @@ def summary_table(records: list[dict], targets: dict) -> str:
         e = eng.get(name)
         ctxs = sorted({r["context"] for r in records if r.get("config") == name and "context" in r}) or [None]
         for i, c in enumerate(ctxs):
-            tt = best(records, kind="ttft", config=name, context=c)
+            tt = latest(records, kind="ttft", config=name, context=c)
             decs = [r for r in records if r["kind"] == "decode" and r["config"] == name and r["context"] == c]
             d = " ".join(f"{r['batch']}:{r['tok_per_s']:.0f}({r['tpot_ms']:.1f})" for r in decs)
             head = (f"{name:12s} {e['engine_start_s']:6.0f} {e['capacity_tokens']:10d} "
@@ -1081,7 +1082,7 @@ def run_orchestrator(a: argparse.Namespace) -> int:
     serve_names = a.serve
     offline_end = end - (a.serve_reserve_s if serve_names else 0)
     ref: dict[str, int] = {}
-    e = best(prior_records(a.prior_records), kind="engine", config=REFERENCE)
+    e = latest(prior_records(a.prior_records), kind="engine", config=REFERENCE)
     if e and REFERENCE not in a.dtypes:  # fp8's largest batches measured by an earlier run
         ref = dict(e["max_batch"])
         log(f"reference batches from {e['prior']}: {ref}")
@@ -1094,7 +1095,7 @@ def run_orchestrator(a: argparse.Namespace) -> int:
         hard, soft = deadlines(time.time(), offline_end, weights, a.min_config_s)
         run_config(a, name, hard, soft, ref)
         if name == REFERENCE:
-            e = best(read_records(out / RECORDS), kind="engine", config=REFERENCE)
+            e = latest(read_records(out / RECORDS), kind="engine", config=REFERENCE)
             if e:
                 ref = {c: b for c, b in e["max_batch"].items()}
         write_summary(a, t_start, meta)
@@ -1129,7 +1130,7 @@ def plot_summary(summary_path: Path, plot_dir: Path) -> list[Path]:
     recs = json.loads(Path(summary_path).read_text())["records"]
     plot_dir.mkdir(parents=True, exist_ok=True)
     out = []
-    eng = [r for r in recs if r["kind"] == "engine"]
+    eng = list({r["config"]: r for r in recs if r["kind"] == "engine"}.values())  # newest each
     if eng:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         names = [r["config"] for r in eng]

@@ -200,6 +200,14 @@ def test_summary_table_mentions_everything():
     assert "serve fp8" in text and "target_decode_32k" in text
 
 
+def test_summary_table_shows_the_newest_ttft():
+    """A configuration re-measured after a prior run: the table (like the targets) takes the
+    newest TTFT record, not the first one."""
+    recs = [dict(kind="ttft", config="nvfp4-mixed", context=8192, ttft_s=5.195)] + _records()
+    text = be.summary_table(recs, be.compute_targets(recs, [32768, 8192]))
+    assert "   600.0" in text and "5195.0" not in text
+
+
 def test_recorder_round_trip_skips_cut_line(tmp_path):
     rec = be.Recorder(tmp_path / "r.jsonl", config="fp8")
     rec.write("ttft", context=8, ttft_s=0.1)
