@@ -106,7 +106,8 @@ def main() -> None:
             nbytes = bd.kv_bytes(b, lay.bytes_per_token // bd.HKV)
             runs = [("before", old_mod, {}), ("new", new_mod, {})]
             kind = VARIANTS["prefill" if prefill else "decode"]
-            runs += [(v, new_mod, kind[v]) for v in args.variants if v in kind]
+            runs += [(v, new_mod, kind[v]) for v in args.variants if v in kind
+                     and (kind[v].get("variant") != "rows" or name == "fp8")]  # rows: FP8 only
             ref = None
             for label, mod, cfg in runs:
                 rec = {"kv_dtype": name, "batch": batch, "context": ctx, "variant": label,

@@ -2,7 +2,7 @@
 registers, spills, shared memory and instruction counts of the decode (or prefill) tile loop;
 optional SASS dump.
 
-    python3 benchmarks/compile_sm90.py [--sass DIR] [--configs FMT:TILE:PREFETCH[:VARIANT[:WARPS]]]
+    python3 benchmarks/compile_sm90.py [--sass DIR] [--configs FMT:TILE[:VARIANT[:WARPS]]]
                                        [--module OLD_attention.py]
 
 Use the H200's Triton (3.6) - its layouts differ from newer ones (see benchmarks/README.md):
@@ -34,8 +34,7 @@ from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, prefetch: bool = True,
-               variant: str = "rows"):
+def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, variant: str = "rows"):
     """The decode kernel of ``variant`` (rows|keys), or the prefill kernel (prefill-rows|
     prefill-keys, 16 rows per program), as Triton source for ``triton.compile``."""
     prefill = variant.startswith("prefill-")
@@ -57,13 +56,15 @@ def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, prefetch
     const.update(D=lay.head_dim, BLOCK=lay.block_size, TILE_N=tile_n)
     if not prefill:
         const.update(NUM_SPLITS=splits)
-    const.update(USE_WINDOW=False, USE_SOFTCAP=False, F32=False, PREFETCH=prefetch)
+    const.update(USE_WINDOW=False, USE_SOFTCAP=False, F32=False)
+    fn = {"rows": A._decode_kernel, "keys": A._decode_keys_kernel,
+          "prefill-rows": A._prefill_kernel, "prefill-keys": A._prefill_keys_kernel}[variant]
+    if "PREFETCH" in fn.arg_names:  # a module before session 5 (--module): its own default
+        const.update(PREFETCH="nvfp4" in (lay.k_format, lay.v_format))
     for k, v in const.items():
         sig[k] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
              if n.endswith("_ptr") or n in ("stride_qt", "stride_blk")}
-    fn = {"rows": A._decode_kernel, "keys": A._decode_keys_kernel,
-          "prefill-rows": A._prefill_kernel, "prefill-keys": A._prefill_keys_kernel}[variant]
     return ASTSource(fn=fn, signature=sig, constexprs={(list(sig).index(k),): v
                                                                      for k, v in const.items()},
                      attrs=attrs)
@@ -95,9 +96,9 @@ def main() -> None:
     ap.add_argument("--splits", type=int, default=1, help="NUM_SPLITS (> 1: partial outputs)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--configs", nargs="*",
-                    help="FMT:TILE:PREFETCH[:VARIANT[:WARPS]] (FMT fp8|nvfp4|K+V; variant rows|keys|"
-                         "prefill-rows|prefill-keys; default: the "
-                         "rows kernel, fp8/nvfp4 x tile 32/64 x prefetch 0/1, 4 warps)")
+                    help="FMT:TILE[:VARIANT[:WARPS]] (FMT fp8|nvfp4|K+V; variant rows|keys|"
+                         "prefill-rows|prefill-keys, default rows; warps default 4; default "
+                         "configs: the decode defaults of each format pair)")
     args = ap.parse_args()
     global A
     if args.module:
@@ -105,18 +106,18 @@ def main() -> None:
         A = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(A)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    configs = [(f, t, p, "rows", 4) for f in ("fp8", "nvfp4") for t in (32, 64) for p in (0, 1)]
+    configs = [("fp8", 32, "rows", 1), ("nvfp4", 64, "keys", 1), ("fp8+nvfp4", 64, "keys", 1),
+               ("nvfp4+fp8", 64, "keys", 2)]
     if args.configs:
         configs = []
         for c in args.configs:
             parts = c.split(":")
-            configs.append((parts[0], int(parts[1]), int(parts[2]),
-                            parts[3] if len(parts) > 3 else "rows",
-                            int(parts[4]) if len(parts) > 4 else 4))
-    for fmt, tile, pf, variant, warps in configs:
+            configs.append((parts[0], int(parts[1]), parts[2] if len(parts) > 2 else "rows",
+                            int(parts[3]) if len(parts) > 3 else 4))
+    for fmt, tile, variant, warps in configs:
         kf, _, vf = fmt.partition("+")  # "fp8" or K+V, e.g. "fp8+nvfp4"
         lay = KVPageLayout(8, args.head_dim, 16, kf, vf or kf)
-        k = triton.compile(kernel_src(lay, tile, args.splits, prefetch=bool(pf), variant=variant),
+        k = triton.compile(kernel_src(lay, tile, args.splits, variant=variant),
                            target=TARGET,
                            options=dict(num_warps=warps, num_stages=args.stages,
                                         **({"maxnreg": args.maxnreg} if args.maxnreg else {})))
@@ -132,7 +133,6 @@ def main() -> None:
         smem_ops = sum(c for o, c in body.items() if o.startswith(("STS", "LDS", "LDSM", "BAR")))
         spills = sum(c for o, c in body.items() if o.startswith(("STL", "LDL")))
         print(f"triton {triton.__version__} D {args.head_dim} {fmt:6} {variant:4} tile {tile:3} "
-              f"prefetch {pf} "
               f"warps {warps} stages {args.stages}: "
               f"regs {regs.group(1) if regs else '?'} smem {k.metadata.shared} "
               f"loop {sum(body.values())} instr/warp "
@@ -140,7 +140,7 @@ def main() -> None:
               f"{smem_ops}, spill {spills})  {top}")
         if args.sass:
             os.makedirs(args.sass, exist_ok=True)
-            name = f"decode_d{args.head_dim}_{fmt}_{variant}_t{tile}_p{pf}_w{warps}_s{args.splits}"
+            name = f"decode_d{args.head_dim}_{fmt}_{variant}_t{tile}_w{warps}_s{args.splits}"
             with open(os.path.join(args.sass, name + ".sass"), "w") as out:
                 out.write(sass)
             with open(os.path.join(args.sass, name + ".ttgir"), "w") as out:

@@ -187,13 +187,12 @@ def bench_shape(batch: int, ctx: int, q_len: int, args, gen) -> list[dict]:
         ref_out = out.float().clone()  # sweep configs must reproduce the default's output
         if q_len == 1 and args.sweep:
             best = None
-            configs = [(sp, t, w, pf) for sp in args.splits for t in args.tiles
-                       for w in args.warps for pf in args.prefetch]
-            for splits, tile, warps, pf in configs if name in args.sweep_formats else []:
-                cfg = f"splits={splits},tile={tile},warps={warps},prefetch={pf}"
+            configs = [(sp, t, w) for sp in args.splits for t in args.tiles for w in args.warps]
+            for splits, tile, warps in configs if name in args.sweep_formats else []:
+                cfg = f"splits={splits},tile={tile},warps={warps}"
                 try:
                     us = run_ours(lay, b, cache, out, args.smoke, num_splits=splits,
-                                  tile_n=tile, num_warps=warps, prefetch=bool(pf))
+                                  tile_n=tile, num_warps=warps)
                 except Exception as e:  # noqa: BLE001
                     print(f"  config {cfg} failed: {e!r}"[:300])
                     continue
@@ -277,7 +276,6 @@ def main() -> None:
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--tiles", type=int, nargs="+", default=[32, 64, 128])
     ap.add_argument("--warps", type=int, nargs="+", default=[4])
-    ap.add_argument("--prefetch", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--sweep-formats", nargs="+", default=["fp8", "nvfp4"])
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--smoke", action="store_true")

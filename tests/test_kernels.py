@@ -132,16 +132,16 @@ def test_attention_matches_float64(kf, vf, kind, hkv, group, d, b):
                                    atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("splits,prefetch,variant,stages", [
-    (1, True, "rows", None), (2, False, "rows", None), (8, True, "rows", None),
-    (2, False, "rows", 1), (2, True, "keys", None), (1, False, "keys", 1), (8, False, "keys", 3)])
-@pytest.mark.parametrize("kf,vf", [("nvfp4", "nvfp4"), ("fp8", "nvfp4"), ("nvfp4", "fp8"),
-                                   ("fp8", "fp8")])
-def test_decode_variants_agree(splits, prefetch, variant, stages, kf, vf):
-    """Split counts, register prefetch on/off, pipeline stages and the two decode kernels (query
-    heads or keys on the MMA rows) give the same attention, for every K/V format pair."""
-    if not CUDA and (kf, vf) == ("nvfp4", "fp8") and variant == "rows":
-        pytest.skip("interpreter time: this pair meets the rows kernel in the other tests")
+NVFP4_PAIRS = [("nvfp4", "nvfp4"), ("fp8", "nvfp4"), ("nvfp4", "fp8")]
+
+
+@pytest.mark.parametrize("splits,variant,stages,kf,vf", [
+    *[(sp, "keys", st, kf, vf) for sp, st in [(2, None), (1, 1), (8, 3)] for kf, vf in NVFP4_PAIRS],
+    *[(sp, var, st, "fp8", "fp8") for sp, var, st in [(1, "rows", None), (2, "rows", 1),
+                                                      (8, "rows", None), (2, "keys", None)]]])
+def test_decode_variants_agree(splits, variant, stages, kf, vf):
+    """Split counts, pipeline stages and both decode kernel families (query heads or keys on
+    the MMA rows; rows for FP8 / FP8 only) give the same attention."""
     lay = KVPageLayout(2, 128, 16, kf, vf)
     batch = make_batch(lay, [(100 * SCALE + 7, 1), (3, 1), (64 * SCALE, 1)], 8,
                        device=DEV, seed=splits, write_backend=WRITE)
@@ -149,7 +149,7 @@ def test_decode_variants_agree(splits, prefetch, variant, stages, kf, vf):
     attn_kernels.paged_attention(
         batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
         batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.1, out, num_splits=splits,
-        prefetch=prefetch, variant=variant, num_stages=stages)
+        variant=variant, num_stages=stages)
     assert_close_rel(out, fast_reference(batch, 0.1), 2e-3 if CUDA else 1e-5)
 
 
@@ -233,16 +233,14 @@ def test_decode_ignores_stale_slots(kf, vf):
         assert torch.isnan(got[1]).any() and not torch.isnan(got[[0, 2]]).any()
 
 
-@pytest.mark.parametrize("variant,rows,tile_n,warps", [
-    ("rows", 16, None, None), ("keys", 16, None, None), ("keys", 32, 32, 4), ("rows", 32, 16, 2)])
-@pytest.mark.parametrize("kf,vf", [("nvfp4", "nvfp4"), ("fp8", "nvfp4"), ("nvfp4", "fp8"),
-                                   ("fp8", "fp8")])
+@pytest.mark.parametrize("variant,rows,tile_n,warps,kf,vf", [
+    *[("keys", r, t, w, kf, vf) for r, t, w in [(16, None, None), (32, 32, 4)]
+      for kf, vf in NVFP4_PAIRS + [("fp8", "fp8")]],
+    ("rows", 16, None, None, "fp8", "fp8"), ("rows", 32, 16, 2, "fp8", "fp8")])
 def test_prefill_variants_agree(variant, rows, tile_n, warps, kf, vf):
-    """Both prefill kernels (query rows or keys on the MMA M dimension), rows per program and
-    launch shapes, on chunked prefills with cached prefixes, odd lengths and a GQA group of 3,
-    against float64."""
-    if not CUDA and (kf, vf) == ("nvfp4", "fp8") and variant == "rows":
-        pytest.skip("interpreter time: this pair meets the rows kernel in the other tests")
+    """Both prefill kernel families (query rows or keys on the MMA M dimension; rows for FP8 /
+    FP8 only), rows per program and launch shapes, on chunked prefills with cached prefixes,
+    odd lengths and a GQA group of 3, against float64."""
     lay = KVPageLayout(2, 64, 16, kf, vf)
     seqs = [(29 * SCALE + 4, 21), (7, 7), (40 * SCALE, 1), (18 * SCALE + 1, 18 * SCALE + 1)]
     batch = make_batch(lay, seqs, 6, device=DEV, seed=rows + len(kf + vf), write_backend=WRITE)
@@ -254,11 +252,14 @@ def test_prefill_variants_agree(variant, rows, tile_n, warps, kf, vf):
     assert_close_rel(out, fast_reference(batch, 0.2), 2e-3 if CUDA else 1e-5)
 
 
-@pytest.mark.parametrize("bad", [dict(variant="cols"), dict(query_rows=24)])
-def test_launch_rejects_unknown_variant_and_rows(bad):
-    lay = KVPageLayout(1, 64, 16, "nvfp4", "nvfp4")
+@pytest.mark.parametrize("bad,kf", [(dict(variant="cols"), "nvfp4"), (dict(query_rows=24), "fp8"),
+                                    (dict(variant="rows"), "nvfp4")])
+def test_launch_rejects_unknown_variant_and_rows(bad, kf):
+    """Unknown family, a row count that is not a power of 2, an NVFP4 plane on the FP8-only rows
+    kernels: each a ValueError that says what to use."""
+    lay = KVPageLayout(1, 64, 16, kf, "fp8")
     batch = make_batch(lay, [(5, 5)], 1, device=DEV, seed=0, write_backend=WRITE)
-    with pytest.raises(ValueError, match="variant must be|query_rows must be"):
+    with pytest.raises(ValueError, match="variant must be|query_rows must be|FP8 K and V only"):
         attn_kernels.paged_attention(
             batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
             batch.seq_lens, batch.query_start_loc, 5, batch.max_seq_len, 0.1,
@@ -267,9 +268,10 @@ def test_launch_rejects_unknown_variant_and_rows(bad):
 
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 @pytest.mark.parametrize("window,cap", [(7, None), (None, 5.0), (40, 2.0)])
-@pytest.mark.parametrize("kf,vf", [("nvfp4", "fp8"), ("fp8", "nvfp4")])
+@pytest.mark.parametrize("kf,vf", [("fp8", "fp8"), ("nvfp4", "fp8")])
 def test_window_and_soft_cap(kind, window, cap, kf, vf):
-    """Sliding window and logits soft-cap in both kernel families (FP8 V: rows; NVFP4 V: keys)."""
+    """Sliding window and logits soft-cap in both kernel families (FP8 / FP8 decode: rows;
+    everything else: keys)."""
     lay = KVPageLayout(2, 64, 16, kf, vf)
     batch = make_batch(lay, _seq_mix(kind), 4, device=DEV, seed=17, write_backend=WRITE)
     got = run_attention(batch, backend="triton", sliding_window=window, logits_soft_cap=cap,

@@ -11,13 +11,11 @@ Two kernel families, each with a decode and a prefill kernel:
   goes into P per chunk). The decode of a plane is a unary inline asm of the raw words, which
   lets Triton copy the raw K/V words and the scale rows asynchronously into shared memory and
   decode them in the MMA operand registers. FP8 K or V: one dot per tile.
-* **rows** (:func:`_attend_tiles`; ``_decode_kernel``, ``_prefill_kernel``): the query rows on M
-  (padded to 16), whole tiles decoded: one inline-PTX block turns each 32-bit NVFP4 word (its 4
-  nibble planes x 2 words) into four f16x2 products with the block scales of its four chunks
-  (pre-multiplied by 2^7: e2m1 * s * 2^-7 is exact in fp16); the tile's columns are thus
-  permuted (:func:`nvfp4_col_perm`), and q is loaded / the output stored with the same
-  permutation. Raw NVFP4 tiles are double-buffered in registers (``PREFETCH``): Triton's
-  pipeliner does not stage loads that feed integer ops.
+* **rows** (:func:`_attend_tiles`; ``_decode_kernel``, ``_prefill_kernel``): FP8 K and V only;
+  the query rows on M (padded to 16), whole E4M3 tiles converted natively. It runs the FP8 / FP8
+  decode, where it beats the keys family on the H200. (An NVFP4 word decoder for it, four block
+  scales per 32-bit word, was measured slower than the keys family everywhere and removed:
+  benchmarks/README.md.)
 
 Decode grid ``(seqs, kv_heads, splits)``: one program takes the query heads of one KV head over
 one contiguous share of the context (flash-decoding); with ``splits > 1`` it writes a partial
@@ -28,7 +26,7 @@ batches), causal (+ window).
 Dequantization. FP8 tile: E4M3 -> fp16 (native conversion on Hopper; exact); the layer scale is
 folded into the softmax scale (K) or the output (V). NVFP4: a nibble ``n`` becomes fp16 by bit
 placement alone, ``(n & 8) << 12 | (n & 7) << 9`` == e2m1(n) * 2^-14 (subnormal code 1
-included); the global scale g (and 2^14 or 2^7) go into the softmax scale / output scale. The
+included); the global scale g and 2^14 go into the softmax scale / output scale. The
 interpreter runs the same bit placement in Triton integer ops.
 
 Which family runs by default, and the measurements behind it: :func:`default_variant`,
@@ -66,107 +64,21 @@ def _e2m1_pair(w, K: tl.constexpr):
     return x
 
 
-# PTX of _e2m1_pair + _halves on one word ($8) and the block scales of its four nibble planes
-# ($9..$12, fp16): four f16x2 products, each split into its halves: $j = nibble j of the low
-# 16-bit half, $(j+4) = nibble j of the high half (both in chunk j of the word's 64-group).
-_E2M1_F16X2_ASM = tl.constexpr("""
-{
-.reg .b32 m, sg, x, s2;
-and.b32 m, $8, 0x00070007; and.b32 sg, $8, 0x00080008; shl.b32 m, m, 9; shl.b32 sg, sg, 12;
-or.b32 x, m, sg; mov.b32 s2, {$9, $9}; mul.rn.f16x2 x, x, s2; mov.b32 {$0, $4}, x;
-and.b32 m, $8, 0x00700070; and.b32 sg, $8, 0x00800080; shl.b32 m, m, 5; shl.b32 sg, sg, 8;
-or.b32 x, m, sg; mov.b32 s2, {$10, $10}; mul.rn.f16x2 x, x, s2; mov.b32 {$1, $5}, x;
-and.b32 m, $8, 0x07000700; and.b32 sg, $8, 0x08000800; shl.b32 m, m, 1; shl.b32 sg, sg, 4;
-or.b32 x, m, sg; mov.b32 s2, {$11, $11}; mul.rn.f16x2 x, x, s2; mov.b32 {$2, $6}, x;
-and.b32 m, $8, 0x70007000; and.b32 sg, $8, 0x80008000; shr.b32 m, m, 3;
-or.b32 x, m, sg; mov.b32 s2, {$12, $12}; mul.rn.f16x2 x, x, s2; mov.b32 {$3, $7}, x;
-}
-""")
-
-
 @triton.jit
-def _halves(x, s):
-    """Split f16x2 bits ``x`` (uint32) into two fp16 tensors, each times ``s``."""
-    lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True) * s
-    hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True) * s
-    return lo, hi
-
-
-@triton.jit
-def nvfp4_col_perm(d):
-    """Element held by tile column ``d`` of a word-decoded NVFP4 tile (:func:`_dequant`'s
-    register order): column ``8 w + 4 a + 2 b + c`` is nibble ``j = 2 a + b`` of 16-bit half
-    ``c`` of word ``w``, i.e. element ``64 (w // 8) + 16 j + 2 (w % 8) + c`` of the chunk-planar
-    row (:mod:`vllm_nvfp4.layout`)."""
-    o = d % 8
-    w = d // 8
-    return 64 * (w // 8) + 16 * (2 * (o // 4) + (o // 2) % 2) + 2 * (w % 8) + o % 2
-
-
-@triton.jit
-def _word_scales(page, off, valid, h, SCALE: tl.constexpr, D: tl.constexpr,
-                 BLOCK: tl.constexpr, N: tl.constexpr):
-    """E4M3 scale bytes of the four nibble planes of each 32-bit word of an NVFP4 tile: a tuple
-    of 4 ``[N, D/8]`` (word ``w``'s plane ``j`` lies in chunk ``4 (w // 8) + j``)."""
-    W: tl.constexpr = D // 8
-    sptr = page[:, None] + SCALE + (h * (D // 16) + tl.arange(0, W)[None, :] // 8 * 4) * BLOCK \
-        + off[:, None]
-    return (tl.load(sptr, mask=valid[:, None], other=0),
-            tl.load(sptr + BLOCK, mask=valid[:, None], other=0),
-            tl.load(sptr + 2 * BLOCK, mask=valid[:, None], other=0),
-            tl.load(sptr + 3 * BLOCK, mask=valid[:, None], other=0))
-
-
-@triton.jit
-def _load_raw(
-    page, off, valid, h,
-    DATA: tl.constexpr, SCALE: tl.constexpr, FMT: tl.constexpr,
-    D: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr,
-):
-    """Raw cache bytes of an ``[N, D]`` tile of K or V of KV head ``h``: FP8 ``(uint8 [N, D], 0)``,
-    NVFP4 ``(uint32 words [N, D/8], 4-tuple of e4m3 scale bytes [N, D/8])`` (:func:`_word_scales`).
+def _fp8_tile(page, off, valid, h, DATA: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+              TRANSPOSED: tl.constexpr, F32: tl.constexpr):
+    """An FP8 tile of K or V of KV head ``h``, ``x / scale`` as fp16 (fp32 when ``F32``):
+    ``[N, D]``, or ``[D, N]`` when ``TRANSPOSED`` (loaded straight in that orientation).
 
     ``page [N]``: uint8 pointers to each token's cache page; ``off [N]``: token offset in its block;
-    ``valid [N]``: rows to load (others read as 0)."""
-    if FMT == FMT_FP8:
-        ptr = page[:, None] + DATA + (h * BLOCK + off[:, None]) * D + tl.arange(0, D)[None, :]
-        return tl.load(ptr, mask=valid[:, None], other=0), 0
+    ``valid [N]``: tokens to load (others read as 0)."""
+    if TRANSPOSED:
+        a = tl.load(page[None, :] + DATA + (h * BLOCK + off[None, :]) * D
+                    + tl.arange(0, D)[:, None], mask=valid[None, :], other=0)
     else:
-        row = (page + DATA + (h * BLOCK + off) * (D // 2)).to(tl.pointer_type(tl.uint32))
-        # The scale plane is token-contiguous, the data plane word-contiguous: Triton 3.6 runs
-        # the decode in the layout of the LAST of the loads, so load the scales first. (The
-        # other way round the whole tile was decoded token-major and stored to shared memory
-        # with 128 scalar STS.U16 per warp and tile; 3.9 picks the word-major layout anyway.)
-        sc = _word_scales(page, off, valid, h, SCALE, D, BLOCK, N)
-        w = tl.load(row[:, None] + tl.arange(0, D // 8)[None, :], mask=valid[:, None], other=0)
-        return w, sc
-
-
-@triton.jit
-def _dequant(a, b, FMT: tl.constexpr, D: tl.constexpr, N: tl.constexpr, F32: tl.constexpr):
-    """Tile from :func:`_load_raw`'s ``(a, b)``: fp16 ``[N, D]`` (fp32 when ``F32``). FP8 tiles
-    hold ``x / scale`` in natural column order; NVFP4 tiles hold ``x / (g * 2^7)`` with columns
-    permuted by :func:`nvfp4_col_perm` (the order the packed decode leaves them in registers)."""
-    if FMT == FMT_FP8:
-        x = a.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    else:
-        # block scale * 2^7 of each word's four planes
-        s0 = b[0].to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
-        s1 = b[1].to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
-        s2 = b[2].to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
-        s3 = b[3].to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
-        if F32:  # the interpreter has no inline PTX: the same bit placement in Triton ops
-            lo0, hi0 = _halves(_e2m1_pair(a, 0), s0)
-            lo1, hi1 = _halves(_e2m1_pair(a, 1), s1)
-            lo2, hi2 = _halves(_e2m1_pair(a, 2), s2)
-            lo3, hi3 = _halves(_e2m1_pair(a, 3), s3)
-        else:
-            lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = tl.inline_asm_elementwise(
-                _E2M1_F16X2_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h,h,h",
-                [a, s0, s1, s2, s3], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-        lo = tl.join(tl.join(lo0, lo2), tl.join(lo1, lo3))
-        hi = tl.join(tl.join(hi0, hi2), tl.join(hi1, hi3))
-        x = tl.reshape(tl.join(lo, hi), [N, D])
+        a = tl.load(page[:, None] + DATA + (h * BLOCK + off[:, None]) * D
+                    + tl.arange(0, D)[None, :], mask=valid[:, None], other=0)
+    x = a.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     if F32:
         x = x.to(tl.float32)
     return x
@@ -182,44 +94,22 @@ def _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK: tl.constexpr, N:
 
 
 @triton.jit
-def _cols(FMT: tl.constexpr, D: tl.constexpr):
-    """Element index of each tile column for a plane of format ``FMT``."""
-    d = tl.arange(0, D)
-    if FMT != FMT_FP8:
-        d = nvfp4_col_perm(d)
-    return d
-
-
-@triton.jit
 def _attend_tiles(
     q, q_pos, acc, m_i, l_i,
     cache_ptr, stride_blk, bt_row, h, t_begin, t_end,
     qk_scale, softcap, window,
-    K_FMT: tl.constexpr, V_FMT: tl.constexpr,
-    K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
+    K_DATA: tl.constexpr, V_DATA: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
-    """Online-softmax attention of the rows ``q [M, D]`` (positions ``q_pos [M]``) over the keys
-    ``[t_begin, t_end)`` of one sequence (``t_begin`` a multiple of ``TILE_N``). Logits in log2
-    units: ``qk_scale`` includes log2(e) (and the K dequant factor); with soft-cap, ``softcap``
-    is the cap and ``qk_scale`` excludes log2(e)."""
-    toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t_begin, t_end, BLOCK, TILE_N)
-    if PREFETCH:  # software pipelining in registers: raw bytes of tile i+1 load during tile i
-        ka, kb = _load_raw(page, off, valid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N)
-        va, vb = _load_raw(page, off, valid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N)
+    """Online-softmax attention of the rows ``q [M, D]`` (positions ``q_pos [M]``) over the FP8
+    keys ``[t_begin, t_end)`` of one sequence (``t_begin`` a multiple of ``TILE_N``). Logits in
+    log2 units: ``qk_scale`` includes log2(e) (and the K dequant factor); with soft-cap,
+    ``softcap`` is the cap and ``qk_scale`` excludes log2(e)."""
     for t0 in range(t_begin, t_end, TILE_N):
-        if PREFETCH:
-            ntoks, nvalid, npage, noff = _tile_rows(cache_ptr, stride_blk, bt_row, t0 + TILE_N,
-                                                    t_end, BLOCK, TILE_N)
-            nka, nkb = _load_raw(npage, noff, nvalid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N)
-            nva, nvb = _load_raw(npage, noff, nvalid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N)
-        else:
-            toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK,
-                                                TILE_N)
-            ka, kb = _load_raw(page, off, valid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N)
-        k = _dequant(ka, kb, K_FMT, D, TILE_N, F32)
+        toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK,
+                                            TILE_N)
+        k = _fp8_tile(page, off, valid, h, K_DATA, D, BLOCK, False, F32)
         if F32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -240,41 +130,28 @@ def _attend_tiles(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if not PREFETCH:
-            va, vb = _load_raw(page, off, valid, h, V_DATA, V_SCALE, V_FMT, D, BLOCK, TILE_N)
-        v = _dequant(va, vb, V_FMT, D, TILE_N, F32)
+        v = _fp8_tile(page, off, valid, h, V_DATA, D, BLOCK, False, F32)
         if F32:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
         m_i = m_new
-        if PREFETCH:
-            toks, valid, page, off = ntoks, nvalid, npage, noff
-            ka, kb, va, vb = nka, nkb, nva, nvb
     return acc, m_i, l_i
 
 
 @triton.jit
-def _kv_factors(k_scale_ptr, v_scale_ptr, h, K_FMT: tl.constexpr, V_FMT: tl.constexpr,
-                PLANES: tl.constexpr):
-    """Per-head dequant factors of the K and V operands: the layer scale, times 2^7 for NVFP4
-    tiles of :func:`_dequant` (``x / (g * 2^7)``) or 2^14 for the nibble planes of the keys
-    kernels (``PLANES``: ``e2m1 * 2^-14``, block scales applied apart)."""
+def _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT: tl.constexpr,
+                             V_FMT: tl.constexpr, USE_SOFTCAP: tl.constexpr):
+    """``(qk_scale, vf)`` of KV head ``h``: the logit scale (with log2(e) unless soft-capped)
+    and the output factor. Each includes its operand's dequant factor: the layer scale, times
+    2^14 for NVFP4 (the keys kernels' nibble planes are ``e2m1 * 2^-14``, block scales applied
+    apart)."""
     kf = tl.load(k_scale_ptr + h)
     vf = tl.load(v_scale_ptr + h)
     if K_FMT != FMT_FP8:
-        kf = kf * (16384.0 if PLANES else 128.0)
+        kf = kf * 16384.0
     if V_FMT != FMT_FP8:
-        vf = vf * (16384.0 if PLANES else 128.0)
-    return kf, vf
-
-
-@triton.jit
-def _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT: tl.constexpr,
-                             V_FMT: tl.constexpr, USE_SOFTCAP: tl.constexpr, PLANES: tl.constexpr):
-    """``(qk_scale, vf)`` of KV head ``h``: the logit scale (with log2(e) unless soft-capped)
-    and the output factor, both including the dequant factors (:func:`_kv_factors`)."""
-    kf, vf = _kv_factors(k_scale_ptr, v_scale_ptr, h, K_FMT, V_FMT, PLANES)
+        vf = vf * 16384.0
     qk_scale = softmax_scale * kf
     if not USE_SOFTCAP:
         qk_scale = qk_scale * 1.4426950408889634
@@ -299,7 +176,7 @@ def _split_range(seq_len, window, split, NUM_SPLITS: tl.constexpr, TILE_N: tl.co
 def _decode_program(seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window,
                     K_FMT: tl.constexpr, V_FMT: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
                     TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr,
-                    USE_SOFTCAP: tl.constexpr, PLANES: tl.constexpr):
+                    USE_SOFTCAP: tl.constexpr):
     """What one decode program works on: sequence, KV head ``h``, split, context length, the
     query token's row ``tok``, its ``BG`` (padded) query heads ``qh`` with ``row_ok``, the
     logit scale (log2 units unless soft-capped), the V dequant factor and the token range."""
@@ -312,7 +189,7 @@ def _decode_program(seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_sca
     row_ok = g < G
     qh = h * G + g
     qk_scale, vf = _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT,
-                                            V_FMT, USE_SOFTCAP, PLANES)
+                                            V_FMT, USE_SOFTCAP)
     t_begin, t_end = _split_range(seq_len, window, split, NUM_SPLITS, TILE_N, USE_WINDOW)
     return seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_end
 
@@ -343,12 +220,12 @@ def _decode_kernel(
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
 ):
     seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_end = _decode_program(
         seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window, K_FMT, V_FMT,
-        G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP, False)
-    q = tl.load(query_ptr + tok * stride_qt + qh[:, None] * stride_qh + _cols(K_FMT, D)[None, :],
+        G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP)
+    q = tl.load(query_ptr + tok * stride_qt + qh[:, None] * stride_qh + tl.arange(0, D)[None, :],
                 mask=row_ok[:, None], other=0.0)
     q = q.to(tl.float32) if F32 else q.to(tl.float16)
 
@@ -358,14 +235,13 @@ def _decode_kernel(
     q_pos = tl.zeros([BG], dtype=tl.int32) + seq_len - 1
     acc, m_i, l_i = _attend_tiles(
         q, q_pos, acc, m_i, l_i, cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h,
-        t_begin, t_end, qk_scale, softcap, window,
-        K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK, TILE_N,
-        False, USE_WINDOW, USE_SOFTCAP, F32, PREFETCH,
+        t_begin, t_end, qk_scale, softcap, window, K_DATA, V_DATA, D, BLOCK, TILE_N,
+        False, USE_WINDOW, USE_SOFTCAP, F32,
     )
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * vf
     o_rows = _decode_out_rows(out_ptr, part_o_ptr, part_ml_ptr, m_i, l_i, tok, split, qh, row_ok,
                               stride_ot, stride_oh, HQ, D, NUM_SPLITS)
-    tl.store(o_rows[:, None] + _cols(V_FMT, D)[None, :], o.to(o_rows.dtype.element_ty),
+    tl.store(o_rows[:, None] + tl.arange(0, D)[None, :], o.to(o_rows.dtype.element_ty),
              mask=row_ok[:, None])
 
 
@@ -529,8 +405,8 @@ def _attend_keys(
                                TILE_N, True)
         s = tl.zeros([TILE_N, M], dtype=tl.float32)
         if K_FMT == FMT_FP8:
-            k, _ = _load_raw(page, off, valid, h, K_DATA, K_SCALE, K_FMT, D, BLOCK, TILE_N)
-            s = _dot_f(_dequant(k, 0, K_FMT, D, TILE_N, F32), qs[0], s, F32)
+            s = _dot_f(_fp8_tile(page, off, valid, h, K_DATA, D, BLOCK, False, F32), qs[0], s,
+                       F32)
         else:  # stale K scales past t_end only reach masked scores
             kss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, K_SCALE, C, BLOCK,
                                TILE_N, False)
@@ -557,10 +433,8 @@ def _attend_keys(
         p = tl.exp2(s - m_safe[None, :])
         l_i = l_i * alpha + tl.sum(p, axis=0)
         ph = p if F32 else p.to(tl.float16)
-        if V_FMT == FMT_FP8:  # V^T [D, TILE_N], loaded in that orientation
-            vt = tl.load(page[None, :] + V_DATA + (h * BLOCK + off[None, :]) * D
-                         + tl.arange(0, D)[:, None], mask=valid[None, :], other=0)
-            vt = _dequant(vt, 0, V_FMT, D, TILE_N, F32)
+        if V_FMT == FMT_FP8:  # V^T [D, TILE_N]
+            vt = _fp8_tile(page, off, valid, h, V_DATA, D, BLOCK, True, F32)
             accs = (_dot_f(vt, ph, accs[0] * alpha[None, :], F32),)
         else:
             new_accs = ()
@@ -598,14 +472,13 @@ def _decode_keys_kernel(
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
 ):
     """Decode through :func:`_attend_keys`: the ``BG`` query columns are the GQA group of one
-    KV head (padded, >= 8). Same grid, splits and partial format as :func:`_decode_kernel`;
-    ``PREFETCH`` is unused (the pipeliner stages every load)."""
+    KV head (padded, >= 8). Same grid, splits and partial format as :func:`_decode_kernel`."""
     seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_end = _decode_program(
         seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window, K_FMT, V_FMT,
-        G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP, True)
+        G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP)
     qs = _keys_queries(query_ptr + tok * stride_qt + qh * stride_qh, row_ok, K_FMT, D, F32)
     accs, m_i, l_i = _attend_keys(
         qs, tl.zeros([BG], dtype=tl.int32) + seq_len - 1, _keys_accumulators(V_FMT, D, BG),
@@ -686,7 +559,7 @@ def _prefill_kernel(
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
 ):
     """Prefill with the query rows on the MMA M dimension (:func:`_attend_tiles`)."""
     seq, h, active, tok, qh, row_ok, q_pos, t_begin, t_end = _prefill_program(
@@ -694,22 +567,21 @@ def _prefill_kernel(
     if not active:
         return
     q = tl.load(query_ptr + tok[:, None] * stride_qt + qh[:, None] * stride_qh
-                + _cols(K_FMT, D)[None, :], mask=row_ok[:, None], other=0.0)
+                + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0)
     q = q.to(tl.float32) if F32 else q.to(tl.float16)
     qk_scale, vf = _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT,
-                                            V_FMT, USE_SOFTCAP, False)
+                                            V_FMT, USE_SOFTCAP)
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attend_tiles(
         q, q_pos, acc, m_i, l_i, cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h,
-        t_begin, t_end, qk_scale, softcap, window,
-        K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK, TILE_N,
-        True, USE_WINDOW, USE_SOFTCAP, F32, PREFETCH,
+        t_begin, t_end, qk_scale, softcap, window, K_DATA, V_DATA, D, BLOCK, TILE_N,
+        True, USE_WINDOW, USE_SOFTCAP, F32,
     )
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * vf
-    d = _cols(V_FMT, D)
+    d = tl.arange(0, D)
     tl.store(out_ptr + tok[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -724,18 +596,17 @@ def _prefill_keys_kernel(
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
 ):
     """Prefill through :func:`_attend_keys` (keys on the MMA M dimension, the program's
-    ``BLOCK_Q * G_PAD`` query rows as columns, causal); grid as :func:`_prefill_kernel`;
-    ``PREFETCH`` is unused."""
+    ``BLOCK_Q * G_PAD`` query rows as columns, causal); grid as :func:`_prefill_kernel`."""
     seq, h, active, tok, qh, row_ok, q_pos, t_begin, t_end = _prefill_program(
         seq_lens_ptr, qsl_ptr, num_seqs, window, G, G_PAD, BLOCK_Q, TILE_N, USE_WINDOW)
     if not active:
         return
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     qk_scale, vf = _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT,
-                                            V_FMT, USE_SOFTCAP, True)
+                                            V_FMT, USE_SOFTCAP)
     qs = _keys_queries(query_ptr + tok * stride_qt + qh * stride_qh, row_ok, K_FMT, D, F32)
     accs, m_i, l_i = _attend_keys(
         qs, q_pos, _keys_accumulators(V_FMT, D, BLOCK_M),
@@ -798,9 +669,9 @@ def launch_defaults(layout, variant: str, decode: bool) -> LaunchShape:
     the time of 1 x 32 at 64 x 32k); 1 warp x 32 keys for FP8 / FP8 (64 keys spill); 32 keys at
     head_dim 256 (64 exceed the register file). Keys prefill: 1 warp x 64 keys x 16 query rows;
     FP8 / FP8 4 warps x 64 keys x 32 rows (0.73x the time of 1 warp x 16 rows at 8 x 4k). Rows
-    decode with FP8 K: 1 warp x 32 keys (0.73x / 0.77x the time of 4 warps x 64 keys at 64 x
-    32k). Not re-timed at other shapes: the rows kernel at head_dim 256 (4 warps x 32 keys) and
-    otherwise (4 warps x 64 keys)."""
+    decode (FP8): 1 warp x 32 keys (0.73x the time of 4 warps x 64 keys at 64 x 32k), 4 warps
+    x 32 keys at head_dim 256 (not re-timed); rows prefill (FP8, only when asked for): 4 warps
+    x 64 keys x 16 rows (32 keys at head_dim 256)."""
     both_fp8 = layout.k_format == "fp8" and layout.v_format == "fp8"
     wide = layout.head_dim >= 256
     if variant == "keys" and not decode:
@@ -811,10 +682,7 @@ def launch_defaults(layout, variant: str, decode: bool) -> LaunchShape:
         return LaunchShape(64, 1 if layout.v_format == "nvfp4" else 2)
     if wide:
         return LaunchShape(32, 4)
-    if decode and layout.k_format == "fp8" and (layout.v_format == "fp8"
-                                                or layout.head_dim == 128):
-        return LaunchShape(32, 1)
-    return LaunchShape(64, 4)
+    return LaunchShape(32, 1) if decode else LaunchShape(64, 4)
 
 
 def _layout_constexprs(layout, device: torch.device, softcap, window) -> dict:
@@ -848,18 +716,17 @@ def paged_attention(
     tile_n: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
-    prefetch: Optional[bool] = None,
     variant: Optional[str] = None,
     maxnreg: Optional[int] = None,
     query_rows: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch decode (``max_query_len == 1``) or prefill kernels; arguments as in
     :func:`vllm_nvfp4.ops.paged_attention` (checked there). ``num_splits`` (a power of 2),
-    ``tile_n`` (keys per tile), ``num_warps``, ``num_stages``, ``prefetch`` (register double
-    buffering of the raw tiles) override the heuristics (benchmarks). ``variant``: ``"rows"``
-    (query rows on the MMA M dimension, :func:`_attend_tiles`) or ``"keys"`` (keys on M,
-    per-chunk block scales, :func:`_attend_keys`; its tile loop always has 3 pipeline stages,
-    ``num_stages`` and ``prefetch`` do not apply); default :func:`default_variant`.
+    ``tile_n`` (keys per tile), ``num_warps``, ``num_stages`` override the heuristics
+    (benchmarks). ``variant``: ``"rows"`` (query rows on the MMA M dimension,
+    :func:`_attend_tiles`, FP8 K and V only) or ``"keys"`` (keys on M, per-chunk block scales,
+    :func:`_attend_keys`; its tile loop always has 3 pipeline stages, ``num_stages`` does not
+    apply); default :func:`default_variant`.
     ``maxnreg``: register cap per thread of the decode kernel (Triton's ``maxnreg``);
     ``query_rows``: prefill rows (query tokens x padded GQA group) per program, a power of 2
     (default :func:`launch_defaults`)."""
@@ -869,6 +736,9 @@ def paged_attention(
     variant = variant or default_variant(layout, decode)
     if variant not in ("rows", "keys"):
         raise ValueError(f"variant must be 'rows' or 'keys', got {variant!r}")
+    if variant == "rows" and "nvfp4" in (layout.k_format, layout.v_format):
+        raise ValueError("the 'rows' kernels take FP8 K and V only (got K "
+                         f"{layout.k_format}, V {layout.v_format}); use 'keys'")
     num_seqs = seq_lens.shape[0]
     d = layout.head_dim
     meta = _layout_constexprs(layout, query.device, logits_soft_cap, sliding_window)
@@ -876,9 +746,6 @@ def paged_attention(
     softcap = float(logits_soft_cap or 1.0)
     window = int(sliding_window or 0)
     g_pad = triton.next_power_of_2(g)
-    if prefetch is None:  # NVFP4 tiles feed integer ops, which Triton's pipeliner does not stage
-        prefetch = "nvfp4" in (layout.k_format, layout.v_format)
-    meta["PREFETCH"] = bool(prefetch)
     common_args = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                    cache.stride(0), block_table.stride(0), softmax_scale, softcap, window)
     shape = launch_defaults(layout, variant, decode)
@@ -910,8 +777,6 @@ def paged_attention(
                 HQ=hq, D=d, NUM_SPLITS=splits, num_warps=4,
             )
         return out
-    # rows kernel: 16 rows (mma.sync), as vLLM's unified kernel; 64-row wgmma tiles made
-    # Triton 3.6 crash in OptimizeDotOperands on its joined NVFP4 V tile
     block_m = max(query_rows or shape.query_rows, g_pad)
     if block_m & (block_m - 1):
         raise ValueError(f"query_rows must be a power of 2, got {query_rows}")
