@@ -1,13 +1,13 @@
-"""Delta NLL / KL against the unquantized model of whole-model policies with and without K
-smoothing, through the calibration code path (transformers + the fake-quant hook that mirrors the
-vLLM integration bit for bit).
+"""Delta NLL / KL against the unquantized model of whole-model policies with and without the K
+transforms (K smoothing, K centering, both), through the calibration code path (transformers +
+the fake-quant hook that mirrors the vLLM integration bit for bit).
 
     python scripts/compare_k_smoothing.py MODEL_DIR --data brown.txt --out DIR \
         [--window 2048] [--windows 1] [--alpha 1.0] [--policy policy.json]
 
-Calibrates per-layer scales on one window (with and without ``--k-smooth ALPHA``), then scores
-the following ``--windows`` windows for all-FP8, all-NVFP4 and, with ``--policy``, that policy's
-formats, each with and without smoothing. Writes ``DIR/k_smoothing.json`` and ``.md``.
+Calibrates per-layer scales on one window (plain, ``--k-smooth ALPHA``, ``--k-center``, both),
+then scores the following ``--windows`` windows for all-FP8, all-NVFP4 and, with ``--policy``,
+that policy's formats, each with every calibration. Writes ``DIR/k_smoothing.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,10 @@ def main() -> None:
     observer = observe_amax(model, toks.calib, info.num_layers)
     every = KVPolicy.from_compact("*:fp8", info.num_layers)
     scales = {"plain": scaled_policy(every, observer),
-              f"k_smooth {a.alpha:g}": scaled_policy(every, observer, k_smooth_alpha=a.alpha)}
+              f"k_smooth {a.alpha:g}": scaled_policy(every, observer, k_smooth_alpha=a.alpha),
+              "k_center": scaled_policy(every, observer, k_center=True),
+              f"k_center + k_smooth {a.alpha:g}": scaled_policy(every, observer, k_smooth_alpha=a.alpha,
+                                                                k_center=True)}
     formats = {"all-FP8": every, "all-NVFP4": KVPolicy.from_compact("*:nvfp4", info.num_layers)}
     if a.policy is not None:
         formats[a.policy.name] = KVPolicy.load(a.policy)
@@ -54,7 +57,7 @@ def main() -> None:
         m = ev.measure(with_formats(sc, fmt, source=f"{fname}, {sname}"))
         rows.append({"formats": fname, "scales": sname, "fp8_fraction": fmt.fraction_of_fp8(),
                      **m.to_dict()})
-        print(f"{fname:24s} {sname:12s} dNLL {m.dnll:+.4f} +- {m.dnll_se:.4f}  KL {m.kl:.4f}", flush=True)
+        print(f"{fname:24s} {sname:24s} dNLL {m.dnll:+.4f} +- {m.dnll_se:.4f}  KL {m.kl:.4f}", flush=True)
     result = {"model": info.to_dict(), "data": toks.describe(), "alpha": a.alpha,
               "seconds": round(time.time() - t0, 1), "rows": rows}
     (a.out / "k_smoothing.json").write_text(json.dumps(result, indent=2) + "\n")

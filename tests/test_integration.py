@@ -205,6 +205,45 @@ def test_k_smoothing_cancels_in_attention(kf, vf):
         assert errors[1] < 1.5 * errors[0], errors
 
 
+@pytest.mark.parametrize("kf", ["fp8", "nvfp4"])
+def test_k_centering_through_the_impl(kf):
+    """The impl stores K - mu: keys that are a large per-channel constant plus small
+    token-dependent parts lose those parts when quantized as they are; centered (scales from the
+    centered amax) the attention output is far closer to float64. A model with a logits soft-cap
+    refuses a centering policy at bind time."""
+    from vllm_nvfp4.integration.impl import Nvfp4MixedImpl
+    from vllm_nvfp4.paged_torch import attend_one_sequence
+    from vllm_nvfp4.policy import LayerPolicy
+
+    gen = torch.Generator().manual_seed(11)
+    t = 45
+    query = torch.randn(t, 4, 64, generator=gen)
+    mu = torch.randn(2, 64, generator=gen) * 30
+    key = mu + torch.randn(t, 2, 64, generator=gen)
+    value = torch.randn(t, 2, 64, generator=gen)
+    exact = attend_one_sequence(query.double(), key.double(), value.double(), 0.125)
+    v_scale = value.abs().amax().item() / 448
+    errors = []
+    for center in (None, mu):
+        a = (key if center is None else key - center).abs().amax().item()
+        row = LayerPolicy(kf, "fp8", k_scale=a / 448, k_global_scale=a / 2688, v_scale=v_scale,
+                          k_center=None if center is None else center.tolist())
+        out = _impl_step(row, kf, "fp8", query, key, value)
+        errors.append(((out.double() - exact).norm() / exact.norm()).item())
+    assert errors[1] < 0.2 * errors[0], errors
+
+    from types import SimpleNamespace
+
+    from vllm_nvfp4.layout import KVPageLayout
+    config = SimpleNamespace(model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2),
+                             parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    capped = Nvfp4MixedImpl(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2,
+                            logits_soft_cap=30.0)
+    with pytest.raises(RuntimeError, match="soft-cap"):
+        capped.bind("layers.0", 0, LayerPolicy(kf, "fp8", k_center=mu.tolist()),
+                    KVPageLayout(2, 64, 16, kf, "fp8"), config, torch.device("cpu"))
+
+
 def test_page_view_refuses_split_or_strided_blocks():
     from vllm_nvfp4.integration.impl import page_view
     from vllm_nvfp4.layout import KVPageLayout

@@ -42,8 +42,9 @@ KV_BYTES = int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) << 30  # conftest sets 1 Gi
 
 
 def _policy_dict(model_dir: Path) -> dict:
-    """A calibrated, mixed policy: per-head and scalar scales, K and V formats apart, and K
-    smoothing on layer 2 (so the log-prob comparison covers it end to end)."""
+    """A calibrated, mixed policy: per-head and scalar scales, K and V formats apart, K
+    smoothing on layer 2, K centering on layers 1 and 2 (so the log-prob comparison covers them
+    end to end)."""
     from transformers import AutoModelForCausalLM
 
     from vllm_nvfp4.calibration.kv_hooks import KVObserver, kv_cache_quantization
@@ -59,11 +60,15 @@ def _policy_dict(model_dir: Path) -> dict:
     layers = []
     for i, (kf, vf) in enumerate(formats):
         entry: dict[str, Any] = {"index": i, "k": kf, "v": vf}
-        k_amax = observer.k_amax[i]
+        k_amax, channel_amax = observer.k_amax[i], observer.k_channel_amax[i]
+        if i in (1, 2):
+            entry["k_center"] = observer.k_channel_mean(i).tolist()
+            channel_amax = observer.k_centered_channel_amax(i)
+            k_amax = channel_amax.amax(dim=1)
         if i == 2:
-            lam = smoothing_factors(observer.k_channel_amax[i], 1.0)
+            lam = smoothing_factors(channel_amax, 1.0)
             entry["k_smooth"] = lam.tolist()
-            k_amax = (observer.k_channel_amax[i] / lam).amax(dim=1)
+            k_amax = (channel_amax / lam).amax(dim=1)
         for kv, fmt, amax in (("k", kf, k_amax), ("v", vf, observer.v_amax[i])):
             amax = amax * 1.25  # headroom for unseen prompts
             if fmt == "fp8":

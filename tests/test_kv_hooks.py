@@ -143,13 +143,13 @@ def test_k_smoothing_is_q_times_lam_and_k_over_lam_before_quantization():
     """The hook smooths exactly like the integration: the cache holds quantize(K / lam), the
     query is multiplied by lam; unquantized (FP8 at a tiny scale is near-lossless) the logits
     do not move, and the observer's channel amax feeds the factors."""
-    from vllm_nvfp4.calibration.kv_hooks import smooth_keys
+    from vllm_nvfp4.calibration.kv_hooks import transform_qk
     from vllm_nvfp4.calibration.scales import smoothing_factors
 
     q = torch.randn(1, 4, 6, 32)
     k = torch.randn(1, 2, 6, 32)
     lam = torch.rand(2, 32) * 3 + 1
-    qs, ks = smooth_keys(q, k, lam)
+    qs, ks = transform_qk(q, k, lam)
     torch.testing.assert_close(qs[:, 2:] / lam[1, None, :], q[:, 2:])  # heads 2, 3 use KV head 1
     torch.testing.assert_close(qs @ ks.repeat_interleave(2, 1).transpose(-1, -2),
                                q @ k.repeat_interleave(2, 1).transpose(-1, -2), rtol=1e-5, atol=1e-5)
@@ -237,3 +237,66 @@ def test_implementation_restored_and_bad_policy_rejected():
         a = model(ids, use_cache=False).logits
         b, _ = _manual_forward(model, ids, lambda i, k, v: (k, v))
     torch.testing.assert_close(a.float(), b, atol=2e-5, rtol=2e-5)
+
+
+def test_k_centering_keeps_softmax_and_the_observer_finds_the_mean():
+    """K - mu moves every logit of a query by q . mu: softmax unchanged (float64); the observer's
+    channel mean and centered amax match torch on the same keys; calibrated on keys that carry a
+    large constant part (Qwen2's K bias), centering gives a far finer K scale and far less
+    attention error at FP8 and NVFP4."""
+    from vllm_nvfp4.calibration.kv_hooks import transform_qk
+    from vllm_nvfp4.calibration.scales import scaled_policy
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 9, 16, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, 2, 9, 16, generator=gen, dtype=torch.float64)
+    mu = torch.randn(2, 16, generator=gen) * 50
+    _, kc = transform_qk(q, k, None, mu)
+    rep = lambda t: t.repeat_interleave(2, 1)  # noqa: E731
+    torch.testing.assert_close(torch.softmax(q @ rep(kc).transpose(-1, -2), -1),  # FP32 subtraction
+                               torch.softmax(q @ rep(k).transpose(-1, -2), -1), rtol=1e-4, atol=1e-5)
+
+    model = tiny_model(num_layers=2)
+    obs = KVObserver(2)
+    ids = _ids()
+    keys = []
+    original = obs.observe
+    obs.observe = lambda layer, key, value: (keys.append(key) if layer == 0 else None,
+                                            original(layer, key, value))
+    with torch.no_grad(), kv_cache_quantization(model, observer=obs):
+        model(ids, use_cache=False)
+    k0 = keys[0].float()
+    torch.testing.assert_close(obs.k_channel_mean(0), k0.mean(dim=(0, 2)))
+    torch.testing.assert_close(obs.k_centered_channel_amax(0),
+                               (k0 - k0.mean(dim=(0, 2))[None, :, None, :]).abs().amax(dim=(0, 2)))
+    every = KVPolicy.from_compact("*:fp8", 2)
+    plain, centered = scaled_policy(every, obs), scaled_policy(every, obs, k_center=True)
+    assert centered.layers[0].k_center is not None and plain.layers[0].k_center is None
+    centered_amax = (k0 - k0.mean(dim=(0, 2))[None, :, None, :]).abs().amax().item()
+    assert centered.layers[0].k_scale == pytest.approx(centered_amax / 448, rel=1e-6)
+    assert plain.layers[0].k_scale == pytest.approx(k0.abs().amax().item() / 448, rel=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_k_centering_repairs_keys_with_a_constant_part(fmt):
+    """Keys = a large per-channel constant (a K bias) + small token-dependent parts: quantizing
+    them as they are loses the small parts; centered (mu from the same keys, scales from the
+    centered amax) the attention output is an order of magnitude closer to float64."""
+    from vllm_nvfp4.calibration.kv_hooks import fake_quantize, transform_qk
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 64, 32, generator=gen)
+    bias = torch.randn(1, 1, 1, 32, generator=gen) * 40
+    k = (bias + torch.randn(1, 1, 64, 32, generator=gen)).to(torch.bfloat16)
+    exact = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 8, -1)
+    mu = k.float().mean(dim=(0, 2))
+    errs = []
+    for center in (None, mu):
+        _, ks = transform_qk(q, k, None, center)
+        amax = ks.float().abs().amax().item()
+        kq = fake_quantize(ks, fmt, amax / (448 if fmt == "fp8" else 2688)).double()
+        if center is not None:
+            kq = kq + center.double()[:, None, :]
+        got = torch.softmax(q.double() @ kq.transpose(-1, -2) / 8, -1)
+        errs.append(((got - exact).norm() / exact.norm()).item())
+    assert errs[1] < 0.1 * errs[0], errs

@@ -81,7 +81,7 @@ def test_k_smooth_round_trips_and_is_checked(tmp_path):
     q.check_model(2, num_kv_heads=2)
     with pytest.raises(PolicyError, match="layer 1 k_smooth has 2 per-head values"):
         q.check_model(2, num_kv_heads=4)
-    with pytest.raises(PolicyError, match="layer 1 k_smooth has 4 factors per head, the model's head_dim is 64"):
+    with pytest.raises(PolicyError, match="layer 1 k_smooth has 4 values per head, the model's head_dim is 64"):
         q.check_model(2, num_kv_heads=2, head_dim=64)
     q.check_model(2, num_kv_heads=2, head_dim=4)
     for bad, match in (([[1.0, 0.0]], "finite numbers > 0"), ([[1.0, 2.0], [1.0]], "differ in length"),
@@ -89,6 +89,24 @@ def test_k_smooth_round_trips_and_is_checked(tmp_path):
                        ([[1.0, float("inf")]], "finite numbers > 0")):
         with pytest.raises(PolicyError, match=match):
             LayerPolicy("nvfp4", "nvfp4", k_smooth=bad)
+
+
+def test_k_center_round_trips_and_is_checked(tmp_path):
+    """K centering offsets: any finite number (negative too), per KV head x channel; checked
+    against the model like k_smooth; described in the start-up table."""
+    rows = [[0.5, -120.0, 3.25, 0.0], [-1.0, 2.0, 0.0, 7.5]]
+    p = KVPolicy.from_compact("*:fp8", 2).with_layer(0, k_center=rows)
+    q = KVPolicy.load(p.save(tmp_path / "policy.json"))
+    assert q.layers == p.layers and q.to_dict()["layers"][0]["k_center"] == rows
+    assert "K centered" in q.describe().splitlines()[1]
+    with pytest.raises(PolicyError, match="layer 0 k_center has 2 per-head values"):
+        q.check_model(2, num_kv_heads=1)
+    with pytest.raises(PolicyError, match="layer 0 k_center has 4 values per head, the model's head_dim is 8"):
+        q.check_model(2, num_kv_heads=2, head_dim=8)
+    for bad, match in (([[1.0, float("nan")]], "finite numbers,"), ([[1.0], [1.0, 2.0]], "differ in length"),
+                       ([0.5], "one per KV head")):
+        with pytest.raises(PolicyError, match=match):
+            LayerPolicy("fp8", "fp8", k_center=bad)
 
 
 def _write(tmp_path, data) -> str:

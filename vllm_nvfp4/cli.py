@@ -53,6 +53,10 @@ def _model_args(p: argparse.ArgumentParser, default_windows: int) -> None:
                    help="K smoothing: divide each K channel by max(1, (amax_c / mean amax)^ALPHA) "
                         "and multiply queries back (try 1.0 for models with outlier K channels, "
                         "e.g. Qwen2.5)")
+    p.add_argument("--k-center", action="store_true",
+                   help="K centering: store K minus each channel's calibration mean (exact for "
+                        "attention without a logits soft-cap; for models whose keys carry a large "
+                        "constant part, e.g. Qwen2.5's K bias)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="model dtype (default bfloat16, the reference for all damages)")
 
@@ -136,7 +140,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     _check_data(a.data)
     _check_writable_file(a.out, a.force, "--out")
     policy = run_calibrate(a.model, a.data, a.policy, a.window, a.windows, a.per_head, a.dtype,
-                           a.k_smooth)
+                           a.k_smooth, a.k_center)
     policy.save(a.out, overwrite=a.force)
     print(f"wrote {a.out}: {policy.to_compact()} ({policy.fraction_of_fp8():.4f}x FP8 bytes)")
     return 0
@@ -152,9 +156,15 @@ def cmd_analyze(a: argparse.Namespace) -> int:
         raise UsageError(f"--out {a.out} exists and is not a directory")
     if (a.out / REPORT_FILE).exists() and not a.force:
         raise UsageError(f"--out {a.out} already holds a report; refusing to overwrite it (use --force)")
+    given = [flag for flag, on in (("--per-head", a.per_head), ("--k-smooth", a.k_smooth),
+                                   ("--k-center", a.k_center)) if on]
+    if a.scales is not None and given:
+        raise UsageError(f"{' '.join(given)} shape the calibration, which --scales replaces: pass "
+                         f"them to `vllm-nvfp4 calibrate` instead (the policy carries them)")
     scales = KVPolicy.load(a.scales) if a.scales is not None else None
     report = analyze(a.model, a.data, a.out, a.window, a.windows, a.calib_windows, scales,
-                     a.per_head, a.dtype, reuse_prefix=not a.no_prefix_reuse, k_smooth=a.k_smooth)
+                     a.per_head, a.dtype, reuse_prefix=not a.no_prefix_reuse, k_smooth=a.k_smooth,
+                     k_center=a.k_center)
     for stale in a.out.glob("selection-*.json"):  # belong to the previous analysis
         stale.unlink()
     paths = render(a.out)

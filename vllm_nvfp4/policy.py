@@ -16,6 +16,11 @@ Two forms, both round-trip:
   SmoothAttention): the cache stores ``K / lam`` (the K scale calibrated on ``K / lam``) and every
   query is multiplied by ``lam`` of its KV head, so ``q . k`` is unchanged before quantization
   while outlier channels no longer set the 16-value NVFP4 block scales of their neighbours.
+  Optional ``"k_center"``: per KV head, ``head_dim`` finite offsets ``mu`` (the calibration mean
+  of each post-RoPE K channel): the cache stores ``K - mu`` (then ``/ lam`` if smoothed; scales
+  calibrated on that), which moves every logit of a query by the same ``q . mu``, so softmax and
+  the attention output are unchanged before quantization, while a channel's constant part (Qwen2's
+  K bias) no longer spends the format's resolution. Not valid with a logits soft-cap.
 
 * Compact string (formats only, no scales): comma-separated ``RANGE:SPEC`` items, e.g.
   ``0-1:fp8,2-27:nvfp4,28-29:fp8``. ``RANGE`` is ``i``, ``i-j`` (inclusive) or ``*`` (every layer
@@ -56,6 +61,8 @@ POLICY_FILENAME = "nvfp4_policy.json"
 DEFAULT_FP8_SCALE = 1.0
 DEFAULT_NVFP4_GLOBAL_SCALE = 1.0 / 6.0
 SCALE_FIELDS = ("k_scale", "v_scale", "k_global_scale", "v_global_scale")
+#: per KV head and channel: K smoothing factors, K centering offsets
+CHANNEL_FIELDS = ("k_smooth", "k_center")
 
 Scale = Union[float, tuple[float, ...]]
 Smooth = tuple[tuple[float, ...], ...]  # [kv_heads][head_dim]
@@ -81,20 +88,24 @@ def _check_scale(value: Any, where: str) -> Optional[Scale]:
     return tuple(out) if isinstance(value, (list, tuple)) else out[0]
 
 
-def _check_smooth(value: Any, where: str) -> Optional[Smooth]:
+def _check_channels(value: Any, name: str, positive: bool) -> Optional[Smooth]:
+    """Per KV head, one number per channel (``k_smooth``: factors > 0; ``k_center``: any finite
+    offsets), as tuples."""
     if value is None:
         return None
     if not isinstance(value, (list, tuple)) or not value or not all(
             isinstance(h, (list, tuple)) and h for h in value):
-        raise PolicyError(f"{where}: k_smooth must be a non-empty list (one per KV head) of "
-                          f"non-empty lists (one factor per channel)")
+        raise PolicyError(f"{name}: {name} must be a non-empty list (one per KV head) of "
+                          f"non-empty lists (one value per channel)")
     if len({len(h) for h in value}) != 1:
-        raise PolicyError(f"{where}: k_smooth lists differ in length {sorted({len(h) for h in value})}")
+        raise PolicyError(f"{name}: {name} lists differ in length {sorted({len(h) for h in value})}")
     heads = []
     for h in value:
         for v in h:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise PolicyError(f"{where}: k_smooth factors must be finite numbers > 0, got {v!r}")
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                    or (positive and v <= 0)):
+                raise PolicyError(f"{name}: {name} values must be finite numbers"
+                                  f"{' > 0' if positive else ''}, got {v!r}")
         heads.append(tuple(float(v) for v in h))
     return tuple(heads)
 
@@ -110,6 +121,7 @@ class LayerPolicy:
     k_global_scale: Optional[Scale] = None
     v_global_scale: Optional[Scale] = None
     k_smooth: Optional[Smooth] = None
+    k_center: Optional[Smooth] = None
 
     def __post_init__(self) -> None:
         for name in ("k", "v"):
@@ -119,7 +131,8 @@ class LayerPolicy:
                 raise PolicyError(str(e)) from None
         for name in SCALE_FIELDS:
             object.__setattr__(self, name, _check_scale(getattr(self, name), name))
-        object.__setattr__(self, "k_smooth", _check_smooth(self.k_smooth, "k_smooth"))
+        object.__setattr__(self, "k_smooth", _check_channels(self.k_smooth, "k_smooth", True))
+        object.__setattr__(self, "k_center", _check_channels(self.k_center, "k_center", False))
 
     def format_of(self, kv: str) -> str:
         """Format of ``"k"`` or ``"v"``."""
@@ -215,7 +228,7 @@ class KVPolicy:
                 raise PolicyError(f"{where}: must be an object")
             if entry.get("index", pos) != pos:
                 raise PolicyError(f"{where}: index {entry.get('index')} out of order (expected {pos})")
-            unknown = set(entry) - {"index", "k", "v", *SCALE_FIELDS, "k_smooth"}
+            unknown = set(entry) - {"index", "k", "v", *SCALE_FIELDS, *CHANNEL_FIELDS}
             if unknown:
                 raise PolicyError(f"{where}: unknown keys {sorted(unknown)}")
             if "k" not in entry or "v" not in entry:
@@ -273,10 +286,12 @@ class KVPolicy:
         """Raise :class:`PolicyError` unless the policy fits a model of this shape."""
         if head_dim is not None:
             for i, lp in enumerate(self.layers):
-                if lp.k_smooth is not None and len(lp.k_smooth[0]) != head_dim:
-                    raise PolicyError(
-                        f"policy {self.source}: layer {i} k_smooth has {len(lp.k_smooth[0])} "
-                        f"factors per head, the model's head_dim is {head_dim}; recalibrate")
+                for name in CHANNEL_FIELDS:
+                    val = getattr(lp, name)
+                    if val is not None and len(val[0]) != head_dim:
+                        raise PolicyError(
+                            f"policy {self.source}: layer {i} {name} has {len(val[0])} values "
+                            f"per head, the model's head_dim is {head_dim}; recalibrate")
         if num_layers != self.num_layers:
             raise PolicyError(
                 f"policy {self.source} describes {self.num_layers} attention layers, but the "
@@ -285,7 +300,7 @@ class KVPolicy:
         if num_kv_heads is None:
             return
         for i, lp in enumerate(self.layers):
-            for name in (*SCALE_FIELDS, "k_smooth"):
+            for name in (*SCALE_FIELDS, *CHANNEL_FIELDS):
                 val = getattr(lp, name)
                 if isinstance(val, tuple) and len(val) != num_kv_heads:
                     raise PolicyError(
@@ -317,9 +332,9 @@ class KVPolicy:
                  f"({self.fraction_of_fp8():.3f}x FP8 bytes)"]
         for i, lp in enumerate(self.layers):
             ks, vs = lp.quant_scale("k"), lp.quant_scale("v")
-            smooth = "  K smoothed" if lp.k_smooth else ""
+            extra = ("  K centered" if lp.k_center else "") + ("  K smoothed" if lp.k_smooth else "")
             lines.append(f"  layer {i:3d}: K {lp.k:5s} scale {_fmt_scale(ks)}  V {lp.v:5s} "
-                         f"scale {_fmt_scale(vs)}{smooth}")
+                         f"scale {_fmt_scale(vs)}{extra}")
         return "\n".join(lines)
 
 

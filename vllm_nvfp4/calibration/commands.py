@@ -33,7 +33,8 @@ def _tool(command: str) -> dict[str, str]:
 
 def run_calibrate(model_dir: Path, data: Sequence[Path], formats: Optional[str] = None,
                   window: int = 2048, windows: int = 4, per_head: bool = False,
-                  dtype: str = "bfloat16", k_smooth: Optional[float] = None) -> KVPolicy:
+                  dtype: str = "bfloat16", k_smooth: Optional[float] = None,
+                  k_center: bool = False) -> KVPolicy:
     """Calibrate K/V scales on ``windows`` windows; formats from the compact ``formats`` string
     (default rule when ``None``). Returns the policy with scales and provenance (not saved)."""
     model, tokenizer, info = load_model(model_dir, dtype)
@@ -44,9 +45,9 @@ def run_calibrate(model_dir: Path, data: Sequence[Path], formats: Optional[str] 
     prov = {"tool": _tool("calibrate"), "created": utc_now(), "model": info.to_dict(),
             "data": toks.describe(), "formats_from": "--policy" if formats else "default rule",
             "scales": "per KV head" if per_head else "per layer",
-            "k_smooth_alpha": k_smooth,
+            "k_smooth_alpha": k_smooth, "k_center": k_center,
             "conventions": {"fp8_scale": "amax/448", "nvfp4_global_scale": "amax/2688"}}
-    return scaled_policy(fmt, observer, per_head, prov, k_smooth)
+    return scaled_policy(fmt, observer, per_head, prov, k_smooth, k_center)
 
 
 def _check_same_inputs(report: dict[str, Any]) -> None:

@@ -52,6 +52,7 @@ from vllm_nvfp4.formats import (
     nvfp4_dequantize,
     nvfp4_quantize,
 )
+from vllm_nvfp4.key_transform import stored_keys
 from vllm_nvfp4.policy import DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE, KVPolicy, PolicyError
 
 HOOK_PREFIX = "vllm_nvfp4_kv|"
@@ -100,15 +101,28 @@ def fake_quantize(
 
 # ---------------------------------------------------------------------------- observation
 class KVObserver:
-    """Running per-layer, per-KV-head amax of K and V (FP32 tensors ``[kv_heads]``), and of
-    every K channel (``k_channel_amax``: ``[kv_heads, head_dim]``, the input of K smoothing)."""
+    """Running per-layer, per-KV-head amax of K and V (FP32 tensors ``[kv_heads]``), and per K
+    channel (``[kv_heads, head_dim]``): amax (the input of K smoothing), max, min and sum (K
+    centering: the mean and the amax of ``K - mean``)."""
 
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
         self.k_amax: list[Optional[torch.Tensor]] = [None] * num_layers
         self.v_amax: list[Optional[torch.Tensor]] = [None] * num_layers
         self.k_channel_amax: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.k_channel_max: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.k_channel_min: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.k_channel_sum: list[Optional[torch.Tensor]] = [None] * num_layers  # FP64
         self.tokens: list[int] = [0] * num_layers
+
+    def k_channel_mean(self, layer: int) -> torch.Tensor:
+        """Mean of each K channel over the observed tokens, FP32 ``[kv_heads, head_dim]``."""
+        return (self.k_channel_sum[layer] / self.tokens[layer]).float()  # type: ignore[operator]
+
+    def k_centered_channel_amax(self, layer: int) -> torch.Tensor:
+        """Largest ``|K - mean|`` of each channel, FP32 ``[kv_heads, head_dim]``."""
+        mu = self.k_channel_mean(layer)
+        return torch.maximum(self.k_channel_max[layer] - mu, mu - self.k_channel_min[layer])  # type: ignore[operator]
 
     def observe(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Fold in ``key``/``value [batch, kv_heads, seq, head_dim]`` of ``layer``."""
@@ -119,9 +133,14 @@ class KVObserver:
             amax = t32.abs().amax(dim=(0, 2, 3)).cpu()  # [kv_heads]
             prev = getattr(self, name)[layer]
             getattr(self, name)[layer] = amax if prev is None else torch.maximum(prev, amax)
-        channels = key.detach().float().abs().amax(dim=(0, 2)).cpu()  # [kv_heads, head_dim]
-        prev = self.k_channel_amax[layer]
-        self.k_channel_amax[layer] = channels if prev is None else torch.maximum(prev, channels)
+        k32 = key.detach().float()
+        stats = {"k_channel_amax": (k32.abs().amax(dim=(0, 2)), torch.maximum),
+                 "k_channel_max": (k32.amax(dim=(0, 2)), torch.maximum),
+                 "k_channel_min": (k32.amin(dim=(0, 2)), torch.minimum),
+                 "k_channel_sum": (k32.double().sum(dim=(0, 2)), torch.add)}
+        for name, (val, fold) in stats.items():  # each [kv_heads, head_dim]
+            prev = getattr(self, name)[layer]
+            getattr(self, name)[layer] = val.cpu() if prev is None else fold(prev, val.cpu())
         self.tokens[layer] += key.shape[0] * key.shape[2]
 
     def missing_layers(self) -> list[int]:
@@ -137,6 +156,7 @@ class _LayerQuant:
     k_scale: ScaleArg
     v_scale: ScaleArg
     k_smooth: Optional[torch.Tensor] = None  # FP32 [kv_heads, head_dim]
+    k_center: Optional[torch.Tensor] = None  # FP32 [kv_heads, head_dim]
 
 
 def _layer_quants(policy: KVPolicy) -> list[_LayerQuant]:
@@ -149,20 +169,26 @@ def _layer_quants(policy: KVPolicy) -> list[_LayerQuant]:
             if s is None:
                 s = DEFAULT_FP8_SCALE if lp.format_of(kv) == "fp8" else DEFAULT_NVFP4_GLOBAL_SCALE
             scales.append(s)
-        smooth = None if lp.k_smooth is None else torch.tensor(lp.k_smooth, dtype=torch.float32)
-        out.append(_LayerQuant(lp.k, lp.v, scales[0], scales[1], smooth))
+        smooth, center = (None if rows is None else torch.tensor(rows, dtype=torch.float32)
+                          for rows in (lp.k_smooth, lp.k_center))
+        out.append(_LayerQuant(lp.k, lp.v, scales[0], scales[1], smooth, center))
     return out
 
 
-def smooth_keys(query: torch.Tensor, key: torch.Tensor, lam: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K smoothing: ``(query * lam, key / lam)`` per channel in FP32, cast back to each input's
-    dtype. ``query [b, q_heads, s, d]``, ``key [b, kv_heads, s, d]``, ``lam [kv_heads, d]`` (a
-    query head uses the factors of its KV head)."""
-    lam = lam.to(key.device)
-    group = query.shape[1] // key.shape[1]
-    q = (query.float() * lam.repeat_interleave(group, dim=0)[:, None, :]).to(query.dtype)
-    return q, (key.float() / lam[:, None, :]).to(key.dtype)
+def transform_qk(query: torch.Tensor, key: torch.Tensor, lam: Optional[torch.Tensor],
+                 mu: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K centering and smoothing as the integration does them: the cache gets
+    ``(key - mu) / lam`` (:func:`vllm_nvfp4.key_transform.stored_keys`), the query ``query * lam``
+    (FP32, cast back). ``query [b, q_heads, s, d]``, ``key [b, kv_heads, s, d]``, ``lam`` and
+    ``mu`` ``[kv_heads, d]`` or None (a query head uses the rows of its KV head). ``q . k`` moves
+    by ``q . mu`` for every key of a query alike, so softmax does not change."""
+    if lam is not None:
+        lam = lam.to(key.device)
+        group = query.shape[1] // key.shape[1]
+        query = (query.float() * lam.repeat_interleave(group, dim=0)[:, None, :]).to(query.dtype)
+    key = stored_keys(key, None if mu is None else mu.to(key.device)[:, None, :],
+                      None if lam is None else lam[:, None, :])
+    return query, key
 
 
 @dataclass
@@ -192,8 +218,8 @@ def _make_wrapper(base_name: str) -> Callable[..., Any]:
                 state.observer.observe(layer, key, value)
             if state.quants is not None:
                 lq = state.quants[layer]
-                if lq.k_smooth is not None:
-                    query, key = smooth_keys(query, key, lq.k_smooth)
+                if lq.k_smooth is not None or lq.k_center is not None:
+                    query, key = transform_qk(query, key, lq.k_smooth, lq.k_center)
                 key = fake_quantize(key, lq.k_fmt, lq.k_scale, state.nonfinite).to(query.dtype)
                 value = fake_quantize(value, lq.v_fmt, lq.v_scale, state.nonfinite).to(query.dtype)
         if base_name == "eager":  # not in the registry: every model ships its own; Llama's is generic

@@ -117,6 +117,8 @@ def commands(report: dict[str, Any], selections: list[dict[str, Any]], report_di
         analyze += f" --scales {st['scales_from']}"
     if st.get("k_smooth") is not None:  # absent from reports written before the flag existed
         analyze += f" --k-smooth {st['k_smooth']}"
+    if st.get("k_center"):
+        analyze += " --k-center"
     analyze += " --per-head" * bool(st["per_head"]) + f" --dtype {model['dtype']}"
     out = [analyze]
     for sel in selections:

@@ -10,6 +10,10 @@ K smoothing (``k_smooth_alpha``): per KV head and channel ``c``, ``lam_c = max(1
 mean(a))^alpha)`` from the channel amax ``a_c`` of K, so channels far above the head's typical
 magnitude are divided down (the query is multiplied back, :mod:`vllm_nvfp4.policy`); the K scales
 are then calibrated on ``K / lam`` (its amax per head is ``max_c a_c / lam_c``).
+
+K centering (``k_center``): ``mu_c`` = the mean of each K channel over the calibration tokens;
+the cache stores ``K - mu`` (softmax-invariant, :mod:`vllm_nvfp4.policy`), so ``a_c`` above
+becomes the largest ``|K_c - mu_c|`` for the smoothing factors and the K scales.
 """
 
 from __future__ import annotations
@@ -64,26 +68,35 @@ def smoothing_factors(channel_amax: torch.Tensor, alpha: float) -> torch.Tensor:
     return ratio.pow(alpha).clamp(min=1.0)
 
 
+def _rows(t: torch.Tensor) -> tuple[tuple[float, ...], ...]:
+    return tuple(tuple(float(x) for x in row) for row in t)
+
+
 def scaled_policy(formats: KVPolicy, observer: KVObserver, per_head: bool = False,
                   provenance: Optional[Mapping[str, Any]] = None,
-                  k_smooth_alpha: Optional[float] = None) -> KVPolicy:
-    """``formats`` (formats only) with calibrated scales from ``observer`` for every layer, and
-    K smoothing factors when ``k_smooth_alpha`` is given."""
+                  k_smooth_alpha: Optional[float] = None, k_center: bool = False) -> KVPolicy:
+    """``formats`` (formats only) with calibrated scales from ``observer`` for every layer, K
+    centering offsets when ``k_center``, K smoothing factors when ``k_smooth_alpha`` is given."""
     if formats.num_layers != observer.num_layers:
         raise ValueError(f"formats cover {formats.num_layers} layers, amax {observer.num_layers}")
     layers = []
     for i, lp in enumerate(formats.layers):
-        k_amax, smooth = observer.k_amax[i], None
+        k_amax, smooth, center = observer.k_amax[i], None, None
+        channel_amax = observer.k_channel_amax[i]
+        if k_center:
+            channel_amax = observer.k_centered_channel_amax(i)
+            k_amax = channel_amax.amax(dim=1)
+            center = _rows(observer.k_channel_mean(i))
         if k_smooth_alpha is not None:
-            lam = smoothing_factors(observer.k_channel_amax[i], k_smooth_alpha)  # type: ignore[arg-type]
-            k_amax = (observer.k_channel_amax[i] / lam).amax(dim=1)  # type: ignore[operator]
-            smooth = tuple(tuple(float(x) for x in row) for row in lam)
+            lam = smoothing_factors(channel_amax, k_smooth_alpha)  # type: ignore[arg-type]
+            k_amax = (channel_amax / lam).amax(dim=1)  # type: ignore[operator]
+            smooth = _rows(lam)
         k8, k4 = _scales(k_amax, per_head)  # type: ignore[arg-type]
         v8, v4 = _scales(observer.v_amax[i], per_head)  # type: ignore[arg-type]
         if None in (k8, v8):
             logger.warning("layer %d: K or V was all zeros during calibration; keeping default scales", i)
         layers.append(LayerPolicy(lp.k, lp.v, k_scale=k8, v_scale=v8, k_global_scale=k4,
-                                  v_global_scale=v4, k_smooth=smooth))
+                                  v_global_scale=v4, k_smooth=smooth, k_center=center))
     return KVPolicy(tuple(layers), provenance=dict(provenance or {}), source="calibration")
 
 

@@ -60,6 +60,7 @@ def analyze(
     dtype: str = "bfloat16",
     reuse_prefix: bool = True,
     k_smooth: Optional[float] = None,
+    k_center: bool = False,
 ) -> dict[str, Any]:
     """Run the sensitivity analysis and write ``out_dir/sensitivity.json`` (+ ``scales.json``).
 
@@ -70,6 +71,7 @@ def analyze(
         scales: a calibrated policy (``vllm-nvfp4 calibrate``) whose scales to use.
         per_head: calibrate one scale per KV head instead of one per layer.
         k_smooth: with calibration, the K smoothing exponent (None: no smoothing).
+        k_center: with calibration, K centering (store K minus its channel means).
     Returns:
         The report dictionary (also written as JSON).
     """
@@ -81,7 +83,7 @@ def analyze(
         observer = observe_amax(model, toks.calib, info.num_layers)
         formats = KVPolicy.from_compact("*:fp8", info.num_layers)
         scaled = scaled_policy(formats, observer, per_head, {"calibrated_on": toks.describe()},
-                               k_smooth)
+                               k_smooth, k_center)
         amax = amax_table(observer)
     else:
         scales.check_model(info.num_layers, info.num_kv_heads)
@@ -123,7 +125,7 @@ def analyze(
         "model": info.to_dict(),
         "data": toks.describe(),
         "settings": {"window": window, "windows": windows, "calib_windows": n_calib,
-                     "per_head": per_head, "k_smooth": k_smooth,
+                     "per_head": per_head, "k_smooth": k_smooth, "k_center": k_center,
                      "scales_from": "calibration" if scales is None else scales.source,
                      "prefix_reuse": ev.layers is not None, "forwards": ev.forwards,
                      "torch_threads": torch.get_num_threads()},

@@ -15,6 +15,7 @@ from vllm.config.vllm import get_current_vllm_config_or_none
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
 from vllm_nvfp4 import ops
+from vllm_nvfp4.key_transform import stored_keys
 from vllm_nvfp4.layout import KVPageLayout
 from vllm_nvfp4.policy import DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE, LayerPolicy, Scale
 
@@ -100,6 +101,7 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         self.v_scale: Optional[torch.Tensor] = None
         self.k_smooth: Optional[torch.Tensor] = None  # float32 [num_kv_heads, D]: cache holds K / it
         self.q_smooth: Optional[torch.Tensor] = None  # float32 [num_heads, D]: queries times it
+        self.k_center: Optional[torch.Tensor] = None  # float32 [num_kv_heads, D]: cache holds K - it
         self._pages: Optional[torch.Tensor] = None
         self._pages_of: Optional[torch.Tensor] = None
         config = get_current_vllm_config_or_none()  # set while vLLM builds the model's layers
@@ -136,6 +138,19 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
             tensors.update(k_smooth=k_rows, q_smooth=[r for r in k_rows for _ in range(group)])
         elif self.k_smooth is not None:
             raise RuntimeError(f"{layer_name}: rebinding cannot drop K smoothing")
+        if row.k_center is not None:
+            if self.logits_soft_cap is not None:
+                raise RuntimeError(
+                    f"{layer_name}: the policy centers K (k_center), which shifts every logit of "
+                    f"a query by q . mu; the model's logits soft-cap ({self.logits_soft_cap}) is "
+                    f"not shift-invariant. Calibrate without --k-center for this model")
+            c_rows = rank_heads(row.k_center, total, self.num_kv_heads, tp_rank, tp_size)
+            if len(c_rows[0]) != self.head_size:
+                raise RuntimeError(f"{layer_name}: the policy's k_center has {len(c_rows[0])} "
+                                   f"values per head, the layer's head size is {self.head_size}")
+            tensors.update(k_center=c_rows)
+        elif self.k_center is not None:
+            raise RuntimeError(f"{layer_name}: rebinding cannot drop K centering")
         # vLLM binds twice (once inside inference mode while it sizes CUDA-graph memory, then
         # outside it for the real cache): keep these normal tensors so the in-place update
         # is legal in both places.
@@ -162,8 +177,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
             return  # profiling run before the KV cache exists
         n = min(key.shape[0], slot_mapping.shape[0])
         key = key[:n]
-        if self.k_smooth is not None:
-            key = (key.float() / self.k_smooth).to(key.dtype)
+        if self.k_smooth is not None or self.k_center is not None:
+            key = stored_keys(key, self.k_center, self.k_smooth)
         ops.write_kv_cache(key, value[:n], self._page_view(kv_cache), slot_mapping[:n],
                            self.layout, self.k_scale, self.v_scale)
 
