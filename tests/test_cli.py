@@ -56,6 +56,21 @@ def test_calibrate_refuses_to_overwrite_without_force(tmp_path: Path, tiny_model
     assert policy.to_compact() == "0:fp8,1-3:nvfp4" and policy.layers[1].k_global_scale is not None
 
 
+def test_calibrate_k_center_and_analyze_refuses_flags_next_to_scales(tmp_path: Path, tiny_model_dir: Path,
+                                                                     data: Path, capsys):
+    """calibrate --k-center writes one offset per KV head and channel; analyze --scales with a
+    calibration flag stops with a message (the policy's own calibration would silently win)."""
+    out = tmp_path / "policy.json"
+    assert main(["-q", "calibrate", str(tiny_model_dir), "--data", str(data), "--out", str(out),
+                 "--k-center", "--k-smooth", "1", *WIN]) == 0
+    policy = KVPolicy.load(out)
+    assert all(lp.k_center is not None and lp.k_smooth is not None for lp in policy.layers)
+    assert policy.provenance["k_center"] is True
+    rc = main(["-q", "analyze", str(tiny_model_dir), "--data", str(data), "--out", str(tmp_path / "rep"),
+               "--scales", str(out), "--k-center", *WIN])
+    assert rc == 2 and "--k-center shape the calibration, which --scales replaces" in _err(capsys)
+
+
 @pytest.mark.parametrize("args, message", [
     (["calibrate", "/nonexistent/model", "--data", "x.txt", "--out", "p.json"], "not a model directory"),
     (["select", "/nonexistent/report", "--budget", "0.62", "--out", "{tmp}/p.json"], "run `vllm-nvfp4 analyze"),
