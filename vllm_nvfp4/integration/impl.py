@@ -129,28 +129,25 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
                 "representable). Calibrate the model for accuracy.",
                 index, DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE)
         tensors = {f"{kv}_scale": vals for kv, vals in values.items()}
-        if row.k_smooth is not None:
-            k_rows = rank_heads(row.k_smooth, total, self.num_kv_heads, tp_rank, tp_size)
-            if len(k_rows[0]) != self.head_size:
-                raise RuntimeError(f"{layer_name}: the policy's k_smooth has {len(k_rows[0])} "
-                                   f"factors per head, the layer's head size is {self.head_size}")
+        if row.k_center is not None and self.logits_soft_cap is not None:
+            raise RuntimeError(
+                f"{layer_name}: the policy centers K (k_center), which shifts every logit of a "
+                f"query by q . mu; the model's logits soft-cap ({self.logits_soft_cap}) is not "
+                f"shift-invariant. Calibrate without --k-center for this model")
+        for name in ("k_smooth", "k_center"):  # per KV head x channel: this rank's heads
+            rows = getattr(row, name)
+            if rows is None:
+                if getattr(self, name) is not None:
+                    raise RuntimeError(f"{layer_name}: rebinding cannot drop {name}")
+                continue
+            rows = rank_heads(rows, total, self.num_kv_heads, tp_rank, tp_size)
+            if len(rows[0]) != self.head_size:
+                raise RuntimeError(f"{layer_name}: the policy's {name} has {len(rows[0])} values "
+                                   f"per head, the layer's head size is {self.head_size}")
+            tensors[name] = rows
+        if "k_smooth" in tensors:  # each query head takes the factors of its KV head
             group = self.num_heads // self.num_kv_heads
-            tensors.update(k_smooth=k_rows, q_smooth=[r for r in k_rows for _ in range(group)])
-        elif self.k_smooth is not None:
-            raise RuntimeError(f"{layer_name}: rebinding cannot drop K smoothing")
-        if row.k_center is not None:
-            if self.logits_soft_cap is not None:
-                raise RuntimeError(
-                    f"{layer_name}: the policy centers K (k_center), which shifts every logit of "
-                    f"a query by q . mu; the model's logits soft-cap ({self.logits_soft_cap}) is "
-                    f"not shift-invariant. Calibrate without --k-center for this model")
-            c_rows = rank_heads(row.k_center, total, self.num_kv_heads, tp_rank, tp_size)
-            if len(c_rows[0]) != self.head_size:
-                raise RuntimeError(f"{layer_name}: the policy's k_center has {len(c_rows[0])} "
-                                   f"values per head, the layer's head size is {self.head_size}")
-            tensors.update(k_center=c_rows)
-        elif self.k_center is not None:
-            raise RuntimeError(f"{layer_name}: rebinding cannot drop K centering")
+            tensors["q_smooth"] = [r for r in tensors["k_smooth"] for _ in range(group)]
         # vLLM binds twice (once inside inference mode while it sizes CUDA-graph memory, then
         # outside it for the real cache): keep these normal tensors so the in-place update
         # is legal in both places.
