@@ -3,7 +3,7 @@
 Times our decode and prefill for every K/V format pair at the issue-3 shapes (32 q heads, 8 KV
 heads, head_dim 128, block 16; decode batch 16/64 x context 4k/32k, prefill 8 x 4k) with
 ``triton.testing.do_bench`` (median, L2 flushed): the BEFORE module's default, the current
-default and the current module's variants (kernel family, tile, warps, prefill rows), each
+default and the current module's launch variants (tile, warps, splits, prefill rows), each
 output checked against BEFORE's default (relative L2 difference). Writes JSON and prints a
 table last.
 
@@ -36,21 +36,19 @@ from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
 #: name -> paged_attention overrides, per launch kind; each runs for every format pair
 VARIANTS = {
     "decode": {
-        "rows": dict(variant="rows"),
-        "keys": dict(variant="keys"),
-        "keys_t32": dict(variant="keys", tile_n=32),
-        "keys_t64_w2": dict(variant="keys", tile_n=64, num_warps=2),
-        "keys_s4": dict(variant="keys", num_splits=4),
-        "keys_s8": dict(variant="keys", num_splits=8),
-        "keys_t128_w2": dict(variant="keys", tile_n=128, num_warps=2),
+        "t32": dict(tile_n=32),
+        "t64_w1": dict(tile_n=64, num_warps=1),
+        "t64_w2": dict(tile_n=64, num_warps=2),
+        "t32_w2": dict(tile_n=32, num_warps=2),
+        "s4": dict(num_splits=4),
+        "s8": dict(num_splits=8),
+        "t128_w2": dict(tile_n=128, num_warps=2),
     },
     "prefill": {
-        "rows": dict(variant="rows"),
-        "keys": dict(variant="keys"),
-        "keys_w2": dict(variant="keys", num_warps=2),
-        "keys_w4": dict(variant="keys", num_warps=4),
-        "keys_q32_w4": dict(variant="keys", query_rows=32, num_warps=4),
-        "keys_t32_w2": dict(variant="keys", tile_n=32, num_warps=2),
+        "w1_q16": dict(num_warps=1, query_rows=16),
+        "w2": dict(num_warps=2),
+        "w4_q32": dict(num_warps=4, query_rows=32),
+        "t32_w2": dict(tile_n=32, num_warps=2),
     },
 }
 FORMATS = {"fp8": ("fp8", "fp8"), "nvfp4": ("nvfp4", "nvfp4"), "k_fp8_v_nvfp4": ("fp8", "nvfp4"),
@@ -60,6 +58,7 @@ FORMATS = {"fp8": ("fp8", "fp8"), "nvfp4": ("nvfp4", "nvfp4"), "k_fp8_v_nvfp4": 
 def load_module(path: str):
     spec = importlib.util.spec_from_file_location("attention_before", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
@@ -85,6 +84,8 @@ def main() -> None:
     ap.add_argument("--variants", nargs="*",
                     default=sorted({v for kind in VARIANTS.values() for v in kind}),
                     help="names from VARIANTS (each runs where its launch kind has it)")
+    ap.add_argument("--formats", nargs="+", choices=sorted(FORMATS), default=list(FORMATS),
+                    help="K/V format pairs to time (default: all)")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shape, no timing")
     args = ap.parse_args()
     dev = "cpu" if args.smoke else "cuda"
@@ -99,15 +100,15 @@ def main() -> None:
         prefill = shape.endswith("xP")
         batch, ctx = map(int, shape.split("x")[:2])
         b = bd.Batch(batch, ctx, ctx if prefill else 1, dev, gen)
-        for name, (kf, vf) in FORMATS.items():
+        for name in args.formats:
+            kf, vf = FORMATS[name]
             lay = KVPageLayout(bd.HKV, bd.D, bd.BS, kf, vf)
             cache = bd.our_cache(lay, b, dev, gen)
             out = torch.empty_like(b.query)
             nbytes = bd.kv_bytes(b, lay.bytes_per_token // bd.HKV)
             runs = [("before", old_mod, {}), ("new", new_mod, {})]
             kind = VARIANTS["prefill" if prefill else "decode"]
-            runs += [(v, new_mod, kind[v]) for v in args.variants if v in kind
-                     and (kind[v].get("variant") != "rows" or name == "fp8")]  # rows: FP8 only
+            runs += [(v, new_mod, kind[v]) for v in args.variants if v in kind]
             ref = None
             for label, mod, cfg in runs:
                 rec = {"kv_dtype": name, "batch": batch, "context": ctx, "variant": label,

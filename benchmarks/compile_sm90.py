@@ -2,8 +2,8 @@
 registers, spills, shared memory and instruction counts of the decode (or prefill) tile loop;
 optional SASS dump.
 
-    python3 benchmarks/compile_sm90.py [--sass DIR] [--configs FMT:TILE[:VARIANT[:WARPS]]]
-                                       [--module OLD_attention.py]
+    python3 benchmarks/compile_sm90.py [--sass DIR] [--configs FMT:TILE[:KIND[:WARPS]]]
+                                       [--module OLD_attention.py]   # old modules: give --configs
 
 Use the H200's Triton (3.6) - its layouts differ from newer ones (see benchmarks/README.md):
     pip download --no-deps triton==3.6.0 -d /tmp/w && python3 -m zipfile -e /tmp/w/triton-*.whl /tmp/t36
@@ -34,10 +34,11 @@ from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, variant: str = "rows"):
-    """The decode kernel of ``variant`` (rows|keys), or the prefill kernel (prefill-rows|
-    prefill-keys, 16 rows per program), as Triton source for ``triton.compile``."""
-    prefill = variant.startswith("prefill-")
+def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: str = "decode"):
+    """The decode or the prefill kernel (``kind``; prefill: 16 query rows per program) as Triton
+    source for ``triton.compile``. A ``--module`` of a commit that still had the rows family:
+    its keys kernels."""
+    prefill = kind == "prefill"
     sig = {n: "*bf16" for n in ("query_ptr", "out_ptr")}
     sig.update(cache_ptr="*u8", k_scale_ptr="*fp32", v_scale_ptr="*fp32", block_table_ptr="*i32",
                seq_lens_ptr="*i32", qsl_ptr="*i32")
@@ -52,13 +53,13 @@ def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, variant:
     if prefill:
         const.update(G=g, G_PAD=g, BLOCK_Q=16 // g)
     else:
-        const.update(HQ=g * lay.num_kv_heads, G=g, BG=16 if variant == "rows" else max(8, g))
+        const.update(HQ=g * lay.num_kv_heads, G=g, BG=max(8, g))
     const.update(D=lay.head_dim, BLOCK=lay.block_size, TILE_N=tile_n)
     if not prefill:
         const.update(NUM_SPLITS=splits)
     const.update(USE_WINDOW=False, USE_SOFTCAP=False, F32=False)
-    fn = {"rows": A._decode_kernel, "keys": A._decode_keys_kernel,
-          "prefill-rows": A._prefill_kernel, "prefill-keys": A._prefill_keys_kernel}[variant]
+    fn = (getattr(A, "_prefill_keys_kernel", A._prefill_kernel) if prefill
+          else getattr(A, "_decode_keys_kernel", A._decode_kernel))
     if "PREFETCH" in fn.arg_names:  # a module before session 5 (--module): its own default
         const.update(PREFETCH="nvfp4" in (lay.k_format, lay.v_format))
     for k, v in const.items():
@@ -96,28 +97,30 @@ def main() -> None:
     ap.add_argument("--splits", type=int, default=1, help="NUM_SPLITS (> 1: partial outputs)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--configs", nargs="*",
-                    help="FMT:TILE[:VARIANT[:WARPS]] (FMT fp8|nvfp4|K+V; variant rows|keys|"
-                         "prefill-rows|prefill-keys, default rows; warps default 4; default "
-                         "configs: the decode defaults of each format pair)")
+                    help="FMT:TILE[:KIND[:WARPS]] (FMT fp8|nvfp4|K+V; kind decode|prefill, "
+                         "default decode; warps default 1; default configs: the decode "
+                         "defaults of each format pair)")
     args = ap.parse_args()
     global A
     if args.module:
         spec = importlib.util.spec_from_file_location("attention_module", args.module)
         A = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = A  # dataclasses look their module up
         spec.loader.exec_module(A)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    configs = [("fp8", 32, "rows", 1), ("nvfp4", 64, "keys", 1), ("fp8+nvfp4", 64, "keys", 1),
-               ("nvfp4+fp8", 64, "keys", 2)]
+    configs = [(f"{kf}+{vf}", shape.tile_n, "decode", shape.num_warps)
+               for kf, vf in (("fp8", "fp8"), ("nvfp4", "nvfp4"), ("fp8", "nvfp4"), ("nvfp4", "fp8"))
+               for shape in [A.launch_defaults(KVPageLayout(8, args.head_dim, 16, kf, vf), True)]]
     if args.configs:
         configs = []
         for c in args.configs:
             parts = c.split(":")
-            configs.append((parts[0], int(parts[1]), parts[2] if len(parts) > 2 else "rows",
-                            int(parts[3]) if len(parts) > 3 else 4))
-    for fmt, tile, variant, warps in configs:
+            configs.append((parts[0], int(parts[1]), parts[2] if len(parts) > 2 else "decode",
+                            int(parts[3]) if len(parts) > 3 else 1))
+    for fmt, tile, kind, warps in configs:
         kf, _, vf = fmt.partition("+")  # "fp8" or K+V, e.g. "fp8+nvfp4"
         lay = KVPageLayout(8, args.head_dim, 16, kf, vf or kf)
-        k = triton.compile(kernel_src(lay, tile, args.splits, variant=variant),
+        k = triton.compile(kernel_src(lay, tile, args.splits, kind=kind),
                            target=TARGET,
                            options=dict(num_warps=warps, num_stages=args.stages,
                                         **({"maxnreg": args.maxnreg} if args.maxnreg else {})))
@@ -132,7 +135,7 @@ def main() -> None:
         top = ", ".join(f"{o}:{c}" for o, c in body.most_common(12))
         smem_ops = sum(c for o, c in body.items() if o.startswith(("STS", "LDS", "LDSM", "BAR")))
         spills = sum(c for o, c in body.items() if o.startswith(("STL", "LDL")))
-        print(f"triton {triton.__version__} D {args.head_dim} {fmt:6} {variant:4} tile {tile:3} "
+        print(f"triton {triton.__version__} D {args.head_dim} {fmt:11} {kind:7} tile {tile:3} "
               f"warps {warps} stages {args.stages}: "
               f"regs {regs.group(1) if regs else '?'} smem {k.metadata.shared} "
               f"loop {sum(body.values())} instr/warp "
@@ -140,7 +143,7 @@ def main() -> None:
               f"{smem_ops}, spill {spills})  {top}")
         if args.sass:
             os.makedirs(args.sass, exist_ok=True)
-            name = f"decode_d{args.head_dim}_{fmt}_{variant}_t{tile}_w{warps}_s{args.splits}"
+            name = f"{kind}_d{args.head_dim}_{fmt}_t{tile}_w{warps}_s{args.splits}"
             with open(os.path.join(args.sass, name + ".sass"), "w") as out:
                 out.write(sass)
             with open(os.path.join(args.sass, name + ".ttgir"), "w") as out:

@@ -132,16 +132,11 @@ def test_attention_matches_float64(kf, vf, kind, hkv, group, d, b):
                                    atol=2e-5, rtol=1e-4)
 
 
-NVFP4_PAIRS = [("nvfp4", "nvfp4"), ("fp8", "nvfp4"), ("nvfp4", "fp8")]
 
-
-@pytest.mark.parametrize("splits,variant,stages,kf,vf", [
-    *[(sp, "keys", st, kf, vf) for sp, st in [(2, None), (1, 1), (8, 3)] for kf, vf in NVFP4_PAIRS],
-    *[(sp, var, st, "fp8", "fp8") for sp, var, st in [(1, "rows", None), (2, "rows", 1),
-                                                      (8, "rows", None), (2, "keys", None)]]])
-def test_decode_variants_agree(splits, variant, stages, kf, vf):
-    """Split counts, pipeline stages and both decode kernel families (query heads or keys on
-    the MMA rows; rows for FP8 / FP8 only) give the same attention."""
+@pytest.mark.parametrize("splits,stages", [(2, None), (1, 1), (8, 3)])
+@pytest.mark.parametrize("kf,vf", FMT_PAIRS)
+def test_decode_splits_and_stages_agree(splits, stages, kf, vf):
+    """Split counts and pipeline stages give the same attention, every K/V format pair."""
     lay = KVPageLayout(2, 128, 16, kf, vf)
     batch = make_batch(lay, [(100 * SCALE + 7, 1), (3, 1), (64 * SCALE, 1)], 8,
                        device=DEV, seed=splits, write_backend=WRITE)
@@ -149,7 +144,7 @@ def test_decode_variants_agree(splits, variant, stages, kf, vf):
     attn_kernels.paged_attention(
         batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
         batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.1, out, num_splits=splits,
-        variant=variant, num_stages=stages)
+        num_stages=stages)
     assert_close_rel(out, fast_reference(batch, 0.1), 2e-3 if CUDA else 1e-5)
 
 
@@ -171,27 +166,25 @@ def test_decode_launch_shapes_agree(tile_n, warps, kf, vf):
 
 @pytest.mark.parametrize("seqs,ctx,warps", [(1, 100, 1), (16, 4096, 1), (64, 32768, 2),
                                             (512, 32768, 4), (3, 70000, 1), (1, 131072, 1)])
-@pytest.mark.parametrize("variant", ["rows", "keys"])
-def test_decode_split_count_bounds(seqs, ctx, warps, variant):
+def test_decode_split_count_bounds(seqs, ctx, warps):
     """The split heuristic: a power of 2, at most 64 and at most the tile count; at most ~4096
-    keys per split unless capped; more splits when fewer warps per program; the keys kernel
-    splits at most 8 ways to fill the GPU, more only for the 4096-key bound."""
+    keys per split unless capped; more splits when fewer warps per program; at most 8 splits
+    to fill the GPU, more only for the 4096-key bound."""
     dev = torch.device("cpu")
     tiles = -(-ctx // 32)
-    s = attn_kernels.decode_splits(seqs, 8, ctx, 32, dev, warps, variant)
+    s = attn_kernels.decode_splits(seqs, 8, ctx, 32, dev, warps)
     assert s & (s - 1) == 0 and 1 <= s <= min(64, tiles)
     assert ctx <= 4096 * s or s == min(64, 1 << (min(64, tiles).bit_length() - 1))
-    assert s >= attn_kernels.decode_splits(seqs, 8, ctx, 32, dev, 4 * warps, variant)
-    if variant == "keys":
-        assert s <= max(8, 1 << (-(-ctx // 4096) - 1).bit_length())
+    assert s >= attn_kernels.decode_splits(seqs, 8, ctx, 32, dev, 4 * warps)
+    assert s <= max(8, 1 << (-(-ctx // 4096) - 1).bit_length())
 
 
 @pytest.mark.parametrize("group,d,b,window,cap", [(3, 64, 32, 40, 2.0), (1, 256, 16, None, None),
                                                  (8, 128, 16, 7, None)])
-@pytest.mark.parametrize("kf,vf", [("nvfp4", "nvfp4"), ("fp8", "nvfp4"), ("nvfp4", "fp8")])
-def test_keys_decode_shapes(group, d, b, window, cap, kf, vf):
-    """The keys-on-rows decode at other GQA groups, head dims, block sizes, window and
-    soft-cap, against float64."""
+@pytest.mark.parametrize("kf,vf", FMT_PAIRS)
+def test_decode_shapes(group, d, b, window, cap, kf, vf):
+    """The decode at other GQA groups, head dims, block sizes, window and soft-cap, against
+    float64."""
     lay = KVPageLayout(2, d, b, kf, vf)
     batch = make_batch(lay, _seq_mix("decode"), 2 * group, device=DEV, seed=group + d,
                        write_backend=WRITE)
@@ -199,7 +192,7 @@ def test_keys_decode_shapes(group, d, b, window, cap, kf, vf):
     attn_kernels.paged_attention(
         batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
         batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.3, out,
-        sliding_window=window, logits_soft_cap=cap, variant="keys")
+        sliding_window=window, logits_soft_cap=cap)
     assert_close_rel(out, fast_reference(batch, 0.3, window, cap), 2e-3 if CUDA else 1e-5)
 
 
@@ -233,14 +226,11 @@ def test_decode_ignores_stale_slots(kf, vf):
         assert torch.isnan(got[1]).any() and not torch.isnan(got[[0, 2]]).any()
 
 
-@pytest.mark.parametrize("variant,rows,tile_n,warps,kf,vf", [
-    *[("keys", r, t, w, kf, vf) for r, t, w in [(16, None, None), (32, 32, 4)]
-      for kf, vf in NVFP4_PAIRS + [("fp8", "fp8")]],
-    ("rows", 16, None, None, "fp8", "fp8"), ("rows", 32, 16, 2, "fp8", "fp8")])
-def test_prefill_variants_agree(variant, rows, tile_n, warps, kf, vf):
-    """Both prefill kernel families (query rows or keys on the MMA M dimension; rows for FP8 /
-    FP8 only), rows per program and launch shapes, on chunked prefills with cached prefixes,
-    odd lengths and a GQA group of 3, against float64."""
+@pytest.mark.parametrize("rows,tile_n,warps", [(16, None, None), (32, 32, 4), (16, 16, 2)])
+@pytest.mark.parametrize("kf,vf", FMT_PAIRS)
+def test_prefill_launch_shapes_agree(rows, tile_n, warps, kf, vf):
+    """Rows per program and launch shapes, on chunked prefills with cached prefixes, odd lengths
+    and a GQA group of 3, against float64."""
     lay = KVPageLayout(2, 64, 16, kf, vf)
     seqs = [(29 * SCALE + 4, 21), (7, 7), (40 * SCALE, 1), (18 * SCALE + 1, 18 * SCALE + 1)]
     batch = make_batch(lay, seqs, 6, device=DEV, seed=rows + len(kf + vf), write_backend=WRITE)
@@ -248,18 +238,17 @@ def test_prefill_variants_agree(variant, rows, tile_n, warps, kf, vf):
     attn_kernels.paged_attention(
         batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
         batch.seq_lens, batch.query_start_loc, batch.max_query_len, batch.max_seq_len, 0.2, out,
-        variant=variant, query_rows=rows, tile_n=tile_n, num_warps=warps)
+        query_rows=rows, tile_n=tile_n, num_warps=warps)
     assert_close_rel(out, fast_reference(batch, 0.2), 2e-3 if CUDA else 1e-5)
 
 
-@pytest.mark.parametrize("bad,kf", [(dict(variant="cols"), "nvfp4"), (dict(query_rows=24), "fp8"),
-                                    (dict(variant="rows"), "nvfp4")])
-def test_launch_rejects_unknown_variant_and_rows(bad, kf):
-    """Unknown family, a row count that is not a power of 2, an NVFP4 plane on the FP8-only rows
-    kernels: each a ValueError that says what to use."""
-    lay = KVPageLayout(1, 64, 16, kf, "fp8")
+@pytest.mark.parametrize("bad,what", [(dict(query_rows=24), "query_rows must be"),
+                                      (dict(num_splits=3), "num_splits must be")])
+def test_launch_rejects_bad_launch_shapes(bad, what):
+    """A row or split count that is not a power of 2: a ValueError that says so."""
+    lay = KVPageLayout(1, 64, 16, "nvfp4", "fp8")
     batch = make_batch(lay, [(5, 5)], 1, device=DEV, seed=0, write_backend=WRITE)
-    with pytest.raises(ValueError, match="variant must be|query_rows must be|FP8 K and V only"):
+    with pytest.raises(ValueError, match=what):
         attn_kernels.paged_attention(
             batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
             batch.seq_lens, batch.query_start_loc, 5, batch.max_seq_len, 0.1,

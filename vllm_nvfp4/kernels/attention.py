@@ -1,21 +1,17 @@
 """Triton paged attention over a :class:`~vllm_nvfp4.layout.KVPageLayout` cache, dequantizing inline.
 
-Two kernel families, each with a decode and a prefill kernel:
-
-* **keys** (:func:`_attend_keys`; ``_decode_keys_kernel``, ``_prefill_keys_kernel``): the keys
-  sit on the MMA M dimension and the query columns (a decode token's GQA group padded to 8, or a
-  prefill program's query tokens x heads) on N. NVFP4 elements are never multiplied by their
-  block scale: the cache's chunk-planar nibble order (:mod:`vllm_nvfp4.layout`) makes each
-  16-element chunk one nibble plane of 16 consecutive 16-bit words, so one k=16 MMA per chunk
-  gives that chunk's partial scores, scaled per token by the chunk's block scale (and V's scale
-  goes into P per chunk). The decode of a plane is a unary inline asm of the raw words, which
-  lets Triton copy the raw K/V words and the scale rows asynchronously into shared memory and
-  decode them in the MMA operand registers. FP8 K or V: one dot per tile.
-* **rows** (:func:`_attend_tiles`; ``_decode_kernel``, ``_prefill_kernel``): FP8 K and V only;
-  the query rows on M (padded to 16), whole E4M3 tiles converted natively. It runs the FP8 / FP8
-  decode, where it beats the keys family on the H200. (An NVFP4 word decoder for it, four block
-  scales per 32-bit word, was measured slower than the keys family everywhere and removed:
-  benchmarks/README.md.)
+One attention core, :func:`_attend_keys`, run by a decode and a prefill kernel: the keys sit
+on the MMA M dimension and the query columns (a decode token's GQA group padded to 8, or a
+prefill program's query tokens x heads) on N. NVFP4 elements are never multiplied by their
+block scale: the cache's chunk-planar nibble order (:mod:`vllm_nvfp4.layout`) makes each
+16-element chunk one nibble plane of 16 consecutive 16-bit words, so one k=16 MMA per chunk
+gives that chunk's partial scores, scaled per token by the chunk's block scale (and V's scale
+goes into P per chunk). The decode of a plane is a unary inline asm of the raw words, which lets
+Triton copy the raw K/V words and the scale rows asynchronously into shared memory and decode
+them in the MMA operand registers. An FP8 K or V takes the same route: its 16-bit words split
+into the even and odd elements' byte planes (one native conversion each), one dot per plane and
+tile. (A second family with the query rows on M, converting whole E4M3 tiles, was measured
+slower than this one at every shape on the H200 and removed: benchmarks/README.md.)
 
 Decode grid ``(seqs, kv_heads, splits)``: one program takes the query heads of one KV head over
 one contiguous share of the context (flash-decoding); with ``splits > 1`` it writes a partial
@@ -23,14 +19,13 @@ one contiguous share of the context (flash-decoding); with ``splits > 1`` it wri
 query tokens x the GQA group of one KV head (prefill, chunked prefill, prefix hits, mixed
 batches), causal (+ window).
 
-Dequantization. FP8 tile: E4M3 -> fp16 (native conversion on Hopper; exact); the layer scale is
+Dequantization. FP8: E4M3 -> fp16 (native conversion, sm_89+; exact); the layer scale is
 folded into the softmax scale (K) or the output (V). NVFP4: a nibble ``n`` becomes fp16 by bit
 placement alone, ``(n & 8) << 12 | (n & 7) << 9`` == e2m1(n) * 2^-14 (subnormal code 1
 included); the global scale g and 2^14 go into the softmax scale / output scale. The
 interpreter runs the same bit placement in Triton integer ops.
 
-Which family runs by default, and the measurements behind it: :func:`default_variant`,
-``benchmarks/README.md``.
+Launch shapes and the measurements behind them: :func:`launch_defaults`, ``benchmarks/README.md``.
 
 All launch parameters derive from host ints (shapes, ``max_query_len``, ``max_seq_len``), never
 from tensor contents, so the decode path is CUDA-graph capturable.
@@ -65,78 +60,12 @@ def _e2m1_pair(w, K: tl.constexpr):
 
 
 @triton.jit
-def _fp8_tile(page, off, valid, h, DATA: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-              TRANSPOSED: tl.constexpr, F32: tl.constexpr):
-    """An FP8 tile of K or V of KV head ``h``, ``x / scale`` as fp16 (fp32 when ``F32``):
-    ``[N, D]``, or ``[D, N]`` when ``TRANSPOSED`` (loaded straight in that orientation).
-
-    ``page [N]``: uint8 pointers to each token's cache page; ``off [N]``: token offset in its block;
-    ``valid [N]``: tokens to load (others read as 0)."""
-    if TRANSPOSED:
-        a = tl.load(page[None, :] + DATA + (h * BLOCK + off[None, :]) * D
-                    + tl.arange(0, D)[:, None], mask=valid[None, :], other=0)
-    else:
-        a = tl.load(page[:, None] + DATA + (h * BLOCK + off[:, None]) * D
-                    + tl.arange(0, D)[None, :], mask=valid[:, None], other=0)
-    x = a.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    if F32:
-        x = x.to(tl.float32)
-    return x
-
-
-@triton.jit
 def _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK: tl.constexpr, N: tl.constexpr):
     """Token positions ``t0 + [0, N)``, their validity (< t_end), page pointers and offsets."""
     toks = t0 + tl.arange(0, N)
     valid = toks < t_end
     blk = tl.load(bt_row + toks // BLOCK, mask=valid, other=0)
     return toks, valid, cache_ptr + blk.to(tl.int64) * stride_blk, toks % BLOCK
-
-
-@triton.jit
-def _attend_tiles(
-    q, q_pos, acc, m_i, l_i,
-    cache_ptr, stride_blk, bt_row, h, t_begin, t_end,
-    qk_scale, softcap, window,
-    K_DATA: tl.constexpr, V_DATA: tl.constexpr,
-    D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
-    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
-):
-    """Online-softmax attention of the rows ``q [M, D]`` (positions ``q_pos [M]``) over the FP8
-    keys ``[t_begin, t_end)`` of one sequence (``t_begin`` a multiple of ``TILE_N``). Logits in
-    log2 units: ``qk_scale`` includes log2(e) (and the K dequant factor); with soft-cap,
-    ``softcap`` is the cap and ``qk_scale`` excludes log2(e)."""
-    for t0 in range(t_begin, t_end, TILE_N):
-        toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK,
-                                            TILE_N)
-        k = _fp8_tile(page, off, valid, h, K_DATA, D, BLOCK, False, F32)
-        if F32:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if USE_SOFTCAP:
-            z = s * (qk_scale / softcap)
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * 1.4426950408889634
-        else:
-            s = s * qk_scale
-        mask = valid[None, :]
-        if CAUSAL:
-            mask = mask & (toks[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            mask = mask & (toks[None, :] > q_pos[:, None] - window)
-        s = tl.where(mask, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _fp8_tile(page, off, valid, h, V_DATA, D, BLOCK, False, F32)
-        if F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
-        m_i = m_new
-    return acc, m_i, l_i
 
 
 @triton.jit
@@ -209,42 +138,6 @@ def _decode_out_rows(out_ptr, part_o_ptr, part_ml_ptr, m_i, l_i, tok, split, qh,
     return part_o_ptr + row * D
 
 
-@triton.jit
-def _decode_kernel(
-    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr,
-    block_table_ptr, seq_lens_ptr, qsl_ptr,
-    part_o_ptr, part_ml_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_bt,
-    softmax_scale, softcap, window,
-    K_FMT: tl.constexpr, V_FMT: tl.constexpr,
-    K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
-    HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
-    D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
-):
-    seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_end = _decode_program(
-        seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window, K_FMT, V_FMT,
-        G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP)
-    q = tl.load(query_ptr + tok * stride_qt + qh[:, None] * stride_qh + tl.arange(0, D)[None, :],
-                mask=row_ok[:, None], other=0.0)
-    q = q.to(tl.float32) if F32 else q.to(tl.float16)
-
-    acc = tl.zeros([BG, D], dtype=tl.float32)
-    m_i = tl.full([BG], float("-inf"), tl.float32)
-    l_i = tl.zeros([BG], dtype=tl.float32)
-    q_pos = tl.zeros([BG], dtype=tl.int32) + seq_len - 1
-    acc, m_i, l_i = _attend_tiles(
-        q, q_pos, acc, m_i, l_i, cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h,
-        t_begin, t_end, qk_scale, softcap, window, K_DATA, V_DATA, D, BLOCK, TILE_N,
-        False, USE_WINDOW, USE_SOFTCAP, F32,
-    )
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * vf
-    o_rows = _decode_out_rows(out_ptr, part_o_ptr, part_ml_ptr, m_i, l_i, tok, split, qh, row_ok,
-                              stride_ot, stride_oh, HQ, D, NUM_SPLITS)
-    tl.store(o_rows[:, None] + tl.arange(0, D)[None, :], o.to(o_rows.dtype.element_ty),
-             mask=row_ok[:, None])
-
-
 # nibble J of each 16-bit half of $1 as fp16 e2m1 * 2^-14 (sign << 15 | code << 9), both halves
 _E2M1_NIB_ASM = (
     "{ .reg .b32 m, sg; and.b32 m, $1, 0x00070007; and.b32 sg, $1, 0x00080008;"
@@ -284,13 +177,38 @@ def _plane(x, J: tl.constexpr, F32: tl.constexpr):
                                          pack=2)
 
 
+# the E4M3 bytes of two 16-bit words ($2): $0 = f16x2 of their low (even-element) bytes,
+# $1 = f16x2 of their high (odd-element) bytes; native conversion (sm_89+)
+_E4M3_PLANES_ASM = tl.constexpr(
+    "{ .reg .b32 t; .reg .b16 e, o; prmt.b32 t, $2, 0, 0x3120; mov.b32 {e, o}, t;"
+    " cvt.rn.f16x2.e4m3x2 $0, e; cvt.rn.f16x2.e4m3x2 $1, o; }")
+
+
 @triton.jit
-def _group_words(page, off, valid, h, DATA: tl.constexpr, GI: tl.constexpr, D: tl.constexpr,
-                 BLOCK: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """The 16 uint16 words of 64-group ``GI`` of an NVFP4 tile: ``[N, 16]``, or ``[16, N]`` when
-    ``TRANSPOSED`` (loaded straight in that orientation: the V operand ``V^T``)."""
-    row = (page + DATA + (h * BLOCK + off) * (D // 2)).to(tl.pointer_type(tl.uint16))
-    i = GI * 16 + tl.arange(0, 16)
+def _fp8_planes(x, F32: tl.constexpr):
+    """E4M3 pairs in uint16 words ``x`` (any shape) -> ``(even, odd)``: the elements of the low
+    and of the high bytes as fp16 (fp32 when ``F32``), exact. One pure inline asm of the loaded
+    words, so (as for :func:`_plane`) Triton copies the raw words asynchronously and converts them
+    in the MMA operand registers - a whole-tile ``.to(float16)`` of the bytes instead reads them
+    from shared memory one byte per instruction."""
+    if F32:  # the interpreter
+        lo = (x & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        hi = (x >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return lo, hi
+    else:
+        return tl.inline_asm_elementwise(_E4M3_PLANES_ASM, "=r,=r,r", [x],
+                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+
+
+@triton.jit
+def _tile_words(page, off, valid, h, DATA: tl.constexpr, ROW_BYTES: tl.constexpr,
+                FIRST: tl.constexpr, NW: tl.constexpr, BLOCK: tl.constexpr,
+                TRANSPOSED: tl.constexpr):
+    """Words ``[FIRST, FIRST + NW)`` (uint16) of each token's ``ROW_BYTES``-byte row of a K or V
+    plane: ``[N, NW]``, or ``[NW, N]`` when ``TRANSPOSED`` (loaded straight in that orientation:
+    the V operand ``V^T``). NVFP4: the 16 words of one 64-element group; FP8: the whole row."""
+    row = (page + DATA + (h * BLOCK + off) * ROW_BYTES).to(tl.pointer_type(tl.uint16))
+    i = FIRST + tl.arange(0, NW)
     if TRANSPOSED:
         w = tl.load(row[None, :] + i[:, None], mask=valid[None, :], other=0)
     else:
@@ -347,33 +265,37 @@ def _dot_f(a, b, acc, F32: tl.constexpr):
 
 
 @triton.jit
+def _part_cols(c, FMT: tl.constexpr, D: tl.constexpr):
+    """Head-dim columns of part ``c`` of a K or V operand in the keys kernels: NVFP4 chunk ``c``
+    (``16c .. 16c + 15``); FP8 byte plane ``c`` (the even columns for 0, the odd ones for 1)."""
+    if FMT == FMT_FP8:
+        return 2 * tl.arange(0, D // 2) + c
+    else:
+        return 16 * c + tl.arange(0, 16)
+
+
+@triton.jit
 def _keys_queries(q_cols, col_ok, K_FMT: tl.constexpr, D: tl.constexpr, F32: tl.constexpr):
     """The query operand of the keys kernels, from one pointer per column ``q_cols [M]`` (a
-    query token's head, ``col_ok`` masks padding): a tuple of the transposed chunks
-    ``q_c^T [16, M]`` for an NVFP4 K, or ``(q^T [D, M],)`` for FP8."""
-    if K_FMT == FMT_FP8:
-        q = tl.load(q_cols[None, :] + tl.arange(0, D)[:, None], mask=col_ok[None, :], other=0.0)
-        return (q.to(tl.float32) if F32 else q.to(tl.float16),)
-    else:
-        qs = ()
-        for c in tl.static_range(D // 16):
-            q = tl.load(q_cols[None, :] + (16 * c + tl.arange(0, 16))[:, None],
-                        mask=col_ok[None, :], other=0.0)
-            qs = qs + ((q.to(tl.float32) if F32 else q.to(tl.float16)),)
-        return qs
+    query token's head, ``col_ok`` masks padding): a tuple of the transposed parts
+    (:func:`_part_cols`) ``q_c^T [16, M]`` per NVFP4 chunk of K, or even and odd columns
+    ``q_c^T [D/2, M]`` for an FP8 K."""
+    qs = ()
+    for c in tl.static_range(2 if K_FMT == FMT_FP8 else D // 16):
+        q = tl.load(q_cols[None, :] + _part_cols(c, K_FMT, D)[:, None], mask=col_ok[None, :],
+                    other=0.0)
+        qs = qs + ((q.to(tl.float32) if F32 else q.to(tl.float16)),)
+    return qs
 
 
 @triton.jit
 def _keys_accumulators(V_FMT: tl.constexpr, D: tl.constexpr, M: tl.constexpr):
-    """Zero output accumulators of the keys kernels: per NVFP4 chunk ``acc_c^T [16, M]``, or
-    ``(acc^T [D, M],)`` for an FP8 V."""
-    if V_FMT == FMT_FP8:
-        return (tl.zeros([D, M], dtype=tl.float32),)
-    else:
-        accs = ()
-        for c in tl.static_range(D // 16):
-            accs = accs + (tl.zeros([16, M], dtype=tl.float32),)
-        return accs
+    """Zero output accumulators of the keys kernels, one per part of V (:func:`_part_cols`):
+    ``acc_c^T [16, M]`` per NVFP4 chunk, or ``acc_c^T [D/2, M]`` for each FP8 byte plane."""
+    accs = ()
+    for c in tl.static_range(2 if V_FMT == FMT_FP8 else D // 16):
+        accs = accs + (tl.zeros([D // 2 if V_FMT == FMT_FP8 else 16, M], dtype=tl.float32),)
+    return accs
 
 
 @triton.jit
@@ -393,9 +315,12 @@ def _attend_keys(
     chunk-planar order, :mod:`vllm_nvfp4.layout`), so
     ``s^T [TILE_N, M] = sum_c sk_c * (K_c [TILE_N, 16] . q_c^T [16, M])`` with ``sk_c [TILE_N]``
     the tokens' block scales, and ``acc_c^T [16, M] += V_c^T [16, TILE_N] . (sv_c * p)``. An FP8
-    K or V is one dot per tile (``K . q^T``, ``V^T . p``). The raw K/V words and whole scale
+    K or V is one dot per byte plane and tile (:func:`_fp8_planes`: even and odd columns of
+    ``K . q^T``, ``V^T . p``). The raw K/V words and whole scale
     rows are copied asynchronously (``tl.range`` stages) and each plane is decoded by one unary
-    inline asm in the MMA operand registers. Logits in log2 units as in :func:`_attend_tiles`."""
+    inline asm in the MMA operand registers. Logits in log2 units: ``qk_scale`` includes log2(e)
+    (and the K dequant factor); with soft-cap, ``softcap`` is the cap and ``qk_scale`` excludes
+    log2(e)."""
     C: tl.constexpr = D // 16
     for t0 in tl.range(t_begin, t_end, TILE_N, num_stages=3):
         toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK,
@@ -405,13 +330,14 @@ def _attend_keys(
                                TILE_N, True)
         s = tl.zeros([TILE_N, M], dtype=tl.float32)
         if K_FMT == FMT_FP8:
-            s = _dot_f(_fp8_tile(page, off, valid, h, K_DATA, D, BLOCK, False, F32), qs[0], s,
-                       F32)
+            ke, ko = _fp8_planes(_tile_words(page, off, valid, h, K_DATA, D, 0, D // 2, BLOCK,
+                                             False), F32)
+            s = _dot_f(ko, qs[1], _dot_f(ke, qs[0], s, F32), F32)
         else:  # stale K scales past t_end only reach masked scores
             kss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, K_SCALE, C, BLOCK,
                                TILE_N, False)
             for gi in tl.static_range(D // 64):
-                kw = _group_words(page, off, valid, h, K_DATA, gi, D, BLOCK, False)
+                kw = _tile_words(page, off, valid, h, K_DATA, D // 2, 16 * gi, 16, BLOCK, False)
                 for j in tl.static_range(4):
                     part = _dot_f(_plane(kw, j, F32), qs[4 * gi + j],
                                   tl.zeros([TILE_N, M], dtype=tl.float32), F32)
@@ -433,13 +359,15 @@ def _attend_keys(
         p = tl.exp2(s - m_safe[None, :])
         l_i = l_i * alpha + tl.sum(p, axis=0)
         ph = p if F32 else p.to(tl.float16)
-        if V_FMT == FMT_FP8:  # V^T [D, TILE_N]
-            vt = _fp8_tile(page, off, valid, h, V_DATA, D, BLOCK, True, F32)
-            accs = (_dot_f(vt, ph, accs[0] * alpha[None, :], F32),)
+        if V_FMT == FMT_FP8:  # V^T's even and odd columns, [D/2, TILE_N] each
+            ve, vo = _fp8_planes(_tile_words(page, off, valid, h, V_DATA, D, 0, D // 2, BLOCK,
+                                             True), F32)
+            accs = (_dot_f(ve, ph, accs[0] * alpha[None, :], F32),
+                    _dot_f(vo, ph, accs[1] * alpha[None, :], F32))
         else:
             new_accs = ()
             for gi in tl.static_range(D // 64):
-                vw = _group_words(page, off, valid, h, V_DATA, gi, D, BLOCK, True)
+                vw = _tile_words(page, off, valid, h, V_DATA, D // 2, 16 * gi, 16, BLOCK, True)
                 for j in tl.static_range(4):
                     sv = vss[4 * gi + j]
                     pv = ph * (sv if F32 else sv.to(tl.float16))[:, None]
@@ -454,15 +382,14 @@ def _attend_keys(
 def _store_keys(accs, scale, o_cols, col_ok, V_FMT: tl.constexpr, D: tl.constexpr):
     """Store the keys kernels' transposed accumulators (:func:`_keys_accumulators`) times
     ``scale [M]`` to one output row pointer per column ``o_cols [M]`` (cast to its type)."""
-    W: tl.constexpr = D if V_FMT == FMT_FP8 else 16
-    for c in tl.static_range(D // W):
+    for c in tl.static_range(2 if V_FMT == FMT_FP8 else D // 16):
         o = accs[c] * scale[None, :]
-        tl.store(o_cols[None, :] + (W * c + tl.arange(0, W))[:, None],
+        tl.store(o_cols[None, :] + _part_cols(c, V_FMT, D)[:, None],
                  o.to(o_cols.dtype.element_ty), mask=col_ok[None, :])
 
 
 @triton.jit
-def _decode_keys_kernel(
+def _decode_kernel(
     query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr,
     part_o_ptr, part_ml_ptr,
@@ -475,7 +402,8 @@ def _decode_keys_kernel(
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
 ):
     """Decode through :func:`_attend_keys`: the ``BG`` query columns are the GQA group of one
-    KV head (padded, >= 8). Same grid, splits and partial format as :func:`_decode_kernel`."""
+    KV head (padded, >= 8). Grid ``(seqs, kv_heads, splits)``; with splits, FP32 partials
+    ``(o, m, l)`` for :func:`_reduce_kernel`."""
     seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_end = _decode_program(
         seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window, K_FMT, V_FMT,
         G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP)
@@ -561,45 +489,9 @@ def _prefill_kernel(
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
 ):
-    """Prefill with the query rows on the MMA M dimension (:func:`_attend_tiles`)."""
-    seq, h, active, tok, qh, row_ok, q_pos, t_begin, t_end = _prefill_program(
-        seq_lens_ptr, qsl_ptr, num_seqs, window, G, G_PAD, BLOCK_Q, TILE_N, USE_WINDOW)
-    if not active:
-        return
-    q = tl.load(query_ptr + tok[:, None] * stride_qt + qh[:, None] * stride_qh
-                + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0)
-    q = q.to(tl.float32) if F32 else q.to(tl.float16)
-    qk_scale, vf = _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT,
-                                            V_FMT, USE_SOFTCAP)
-    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
-    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = _attend_tiles(
-        q, q_pos, acc, m_i, l_i, cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h,
-        t_begin, t_end, qk_scale, softcap, window, K_DATA, V_DATA, D, BLOCK, TILE_N,
-        True, USE_WINDOW, USE_SOFTCAP, F32,
-    )
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * vf
-    d = tl.arange(0, D)
-    tl.store(out_ptr + tok[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
-@triton.jit
-def _prefill_keys_kernel(
-    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr,
-    block_table_ptr, seq_lens_ptr, qsl_ptr, num_seqs,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_bt,
-    softmax_scale, softcap, window,
-    K_FMT: tl.constexpr, V_FMT: tl.constexpr,
-    K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
-    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
-):
     """Prefill through :func:`_attend_keys` (keys on the MMA M dimension, the program's
-    ``BLOCK_Q * G_PAD`` query rows as columns, causal); grid as :func:`_prefill_kernel`."""
+    ``BLOCK_Q * G_PAD`` query rows as columns, causal); grid ``(query blocks + seqs,
+    kv_heads)``, see :func:`_prefill_program`."""
     seq, h, active, tok, qh, row_ok, q_pos, t_begin, t_end = _prefill_program(
         seq_lens_ptr, qsl_ptr, num_seqs, window, G, G_PAD, BLOCK_Q, TILE_N, USE_WINDOW)
     if not active:
@@ -625,19 +517,17 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int,
-                  device: torch.device, num_warps: int = 4, variant: str = "rows") -> int:
+                  device: torch.device, num_warps: int = 1) -> int:
     """Split count (a power of 2) from host ints only: the larger of (a) enough programs to fill
-    the GPU - ``16 * SMs / num_warps`` for the rows kernel; ``8 * SMs / num_warps`` and at most 8
-    splits for the keys kernel, whose partial writes and reduce cost more than the extra
-    occupancy gains (H200, 2026-11-30: 8 splits at 16 x 4k took 0.46x the time of 16) - and (b)
-    at most ~4096 keys per split; never more splits than tiles, at most 64. Tuned on the H200
-    sweeps in benchmarks/README.md."""
-    per_sm, fill_cap = (8, 8) if variant == "keys" else (16, 64)
-    target = per_sm * _num_sms(device) // num_warps
+    the GPU, ``8 * SMs / num_warps``, but at most 8 splits (the partial writes and the reduce
+    cost more than the extra occupancy gains: H200, 2026-11-30, 8 splits at 16 x 4k took 0.46x
+    the time of 16) and (b) at most ~4096 keys per split; never more splits than tiles, at most
+    64. Tuned on the H200 sweeps in benchmarks/README.md."""
+    target = 8 * _num_sms(device) // num_warps
     max_splits = min(max(1, -(-max_seq_len // tile_n)), 64)
     splits = 1
     while splits * 2 <= max_splits and (
-        (num_seqs * num_kv_heads * splits < target and splits * 2 <= fill_cap)
+        (num_seqs * num_kv_heads * splits < target and splits * 2 <= 8)
         or max_seq_len > 4096 * splits
     ):
         splits *= 2
@@ -653,36 +543,19 @@ class LaunchShape:
     query_rows: int = 16
 
 
-def default_variant(layout, decode: bool) -> str:
-    """The kernel family a launch uses unless told: ``"keys"`` (:func:`_attend_keys`) for every
-    prefill and every decode with an NVFP4 plane; ``"rows"`` (:func:`_attend_tiles`) for the
-    FP8 / FP8 decode (H200, 2026-11-30, batch 64 x 32k: 1309 us vs 1382 for keys; the FP8
-    prefill of 8 x 4k: keys 9135 us vs rows 12046; benchmarks/README.md)."""
-    both_fp8 = layout.k_format == "fp8" and layout.v_format == "fp8"
-    return "rows" if both_fp8 and decode else "keys"
-
-
-def launch_defaults(layout, variant: str, decode: bool) -> LaunchShape:
+def launch_defaults(layout, decode: bool) -> LaunchShape:
     """Launch shape from the H200 sweeps of 2026-11-30 (benchmarks/README.md, head_dim 128).
 
-    Keys decode: 1 warp x 64 keys with an NVFP4 V; 2 warps x 64 keys for NVFP4 K / FP8 V (0.94x
-    the time of 1 x 32 at 64 x 32k); 1 warp x 32 keys for FP8 / FP8 (64 keys spill); 32 keys at
-    head_dim 256 (64 exceed the register file). Keys prefill: 1 warp x 64 keys x 16 query rows;
-    FP8 / FP8 4 warps x 64 keys x 32 rows (0.73x the time of 1 warp x 16 rows at 8 x 4k). Rows
-    decode (FP8): 1 warp x 32 keys (0.73x the time of 4 warps x 64 keys at 64 x 32k), 4 warps
-    x 32 keys at head_dim 256 (not re-timed); rows prefill (FP8, only when asked for): 4 warps
-    x 64 keys x 16 rows (32 keys at head_dim 256)."""
+    Decode: 64 keys per tile, 1 warp, or 2 for FP8 K and V (64 x 32k: 1002 us vs 1004 at 1 warp,
+    64 x 4k 143 vs 150); 32 keys at head_dim 256 (64 exceed the register file). Prefill: 64 keys
+    (32 at head_dim 256); with an FP8 V 4 warps x 32 query rows (FP8 / FP8 at 8 x 4k: 0.73x the
+    time of 1 warp x 16 rows; NVFP4 K / FP8 V 0.95x), else 1 warp x 16 rows (K FP8 / V NVFP4:
+    4 warps x 32 rows took 1.34x)."""
+    tile = 32 if layout.head_dim >= 256 else 64
+    if not decode:
+        return LaunchShape(tile, 4, 32) if layout.v_format == "fp8" else LaunchShape(tile, 1, 16)
     both_fp8 = layout.k_format == "fp8" and layout.v_format == "fp8"
-    wide = layout.head_dim >= 256
-    if variant == "keys" and not decode:
-        return LaunchShape(32 if wide else 64, 4 if both_fp8 else 1, 32 if both_fp8 else 16)
-    if variant == "keys":
-        if wide or both_fp8:
-            return LaunchShape(32, 1)
-        return LaunchShape(64, 1 if layout.v_format == "nvfp4" else 2)
-    if wide:
-        return LaunchShape(32, 4)
-    return LaunchShape(32, 1) if decode else LaunchShape(64, 4)
+    return LaunchShape(tile, 2 if both_fp8 and tile == 64 else 1)
 
 
 def _layout_constexprs(layout, device: torch.device, softcap, window) -> dict:
@@ -716,29 +589,20 @@ def paged_attention(
     tile_n: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
-    variant: Optional[str] = None,
     maxnreg: Optional[int] = None,
     query_rows: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch decode (``max_query_len == 1``) or prefill kernels; arguments as in
     :func:`vllm_nvfp4.ops.paged_attention` (checked there). ``num_splits`` (a power of 2),
     ``tile_n`` (keys per tile), ``num_warps``, ``num_stages`` override the heuristics
-    (benchmarks). ``variant``: ``"rows"`` (query rows on the MMA M dimension,
-    :func:`_attend_tiles`, FP8 K and V only) or ``"keys"`` (keys on M, per-chunk block scales,
-    :func:`_attend_keys`; its tile loop always has 3 pipeline stages, ``num_stages`` does not
-    apply); default :func:`default_variant`.
+    (benchmarks); ``num_stages`` applies to the kernel as a whole - the tile loop always has 3
+    pipeline stages.
     ``maxnreg``: register cap per thread of the decode kernel (Triton's ``maxnreg``);
     ``query_rows``: prefill rows (query tokens x padded GQA group) per program, a power of 2
     (default :func:`launch_defaults`)."""
     if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
         raise ValueError(f"num_splits must be a power of 2, got {num_splits}")
     decode = max_query_len == 1
-    variant = variant or default_variant(layout, decode)
-    if variant not in ("rows", "keys"):
-        raise ValueError(f"variant must be 'rows' or 'keys', got {variant!r}")
-    if variant == "rows" and "nvfp4" in (layout.k_format, layout.v_format):
-        raise ValueError("the 'rows' kernels take FP8 K and V only (got K "
-                         f"{layout.k_format}, V {layout.v_format}); use 'keys'")
     num_seqs = seq_lens.shape[0]
     d = layout.head_dim
     meta = _layout_constexprs(layout, query.device, logits_soft_cap, sliding_window)
@@ -748,15 +612,14 @@ def paged_attention(
     g_pad = triton.next_power_of_2(g)
     common_args = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                    cache.stride(0), block_table.stride(0), softmax_scale, softcap, window)
-    shape = launch_defaults(layout, variant, decode)
+    shape = launch_defaults(layout, decode)
     tn = max(tile_n or shape.tile_n, layout.block_size)
     warps = num_warps or shape.num_warps
     if decode:
         num_tokens, hq = query.shape[0], query.shape[1]
-        kernel, bg = ((_decode_kernel, max(16, g_pad)) if variant == "rows"
-                      else (_decode_keys_kernel, max(8, g_pad)))
+        bg = max(8, g_pad)
         splits = num_splits or decode_splits(num_seqs, layout.num_kv_heads, max_seq_len, tn,
-                                             query.device, warps, variant)
+                                             query.device, warps)
         if splits > 1:
             part_o = torch.empty(num_tokens * hq * splits, d, dtype=torch.float32,
                                  device=query.device)
@@ -764,7 +627,7 @@ def paged_attention(
                                   device=query.device)
         else:
             part_o = part_ml = out  # unused
-        kernel[(num_seqs, layout.num_kv_heads, splits)](
+        _decode_kernel[(num_seqs, layout.num_kv_heads, splits)](
             query, out, cache, k_scale, v_scale, block_table, seq_lens, query_start_loc,
             part_o, part_ml, *common_args,
             HQ=hq, G=g, BG=bg, TILE_N=tn, NUM_SPLITS=splits, **meta,
@@ -782,8 +645,7 @@ def paged_attention(
         raise ValueError(f"query_rows must be a power of 2, got {query_rows}")
     block_q = block_m // g_pad
     grid = (query.shape[0] // block_q + num_seqs, layout.num_kv_heads)
-    kernel = _prefill_kernel if variant == "rows" else _prefill_keys_kernel
-    kernel[grid](
+    _prefill_kernel[grid](
         query, out, cache, k_scale, v_scale, block_table, seq_lens, query_start_loc, num_seqs,
         *common_args,
         G=g, G_PAD=g_pad, BLOCK_Q=block_q, TILE_N=tn, **meta,
