@@ -43,6 +43,8 @@ import torch
 POLICY = "0:fp8,1:k=fp8,v=nvfp4,2:k=nvfp4,v=fp8,3-6:nvfp4,7:fp8"
 #: layers whose keys are stored smoothed (K / lam, queries x lam; one NVFP4, one FP8 layer)
 SMOOTHED_LAYERS = (2, 7)
+#: layers whose keys are stored centered (K - mu, mu = the calibration mean; FP8 K, NVFP4 K)
+CENTERED_LAYERS = (1, 3)
 KV_BYTES = 2 << 30
 DEVICE = "cuda"
 #: measured on CPU (fp16, this model): error vs the matched reference ~0.5x the distance to the
@@ -52,7 +54,7 @@ TOL_RATIO = 0.75
 
 def calibrated_policy(model_dir: Path) -> dict:
     """The POLICY formats with scales from the K/V amax of one random 512-token prompt (x1.25),
-    K smoothing (exponent 0.5) on ``SMOOTHED_LAYERS``."""
+    K smoothing (exponent 0.5) on ``SMOOTHED_LAYERS``, K centering on ``CENTERED_LAYERS``."""
     from transformers import AutoModelForCausalLM
 
     from vllm_nvfp4.calibration.kv_hooks import KVObserver, kv_cache_quantization
@@ -73,6 +75,9 @@ def calibrated_policy(model_dir: Path) -> dict:
             lam = smoothing_factors(observer.k_channel_amax[i], 0.5)
             k_amax = (observer.k_channel_amax[i] / lam).amax(dim=1)
             changes["k_smooth"] = tuple(tuple(float(x) for x in row) for row in lam)
+        if i in CENTERED_LAYERS:
+            k_amax = observer.k_centered_channel_amax(i).amax(dim=1)
+            changes["k_center"] = tuple(tuple(float(x) for x in row) for row in observer.k_channel_mean(i))
         for kv, amax in (("k", k_amax), ("v", observer.v_amax[i])):
             amax = amax.float().cpu() * 1.25
             if row.format_of(kv) == "fp8":
