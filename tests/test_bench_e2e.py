@@ -208,6 +208,17 @@ def test_summary_table_shows_the_newest_ttft():
     assert "   600.0" in text and "5195.0" not in text
 
 
+def test_compute_targets_take_the_newest_decode():
+    """A merged summary (an older run's records first): the decode ratios come from the newest
+    fp8 reference and the newest nvfp4-mixed records, not the first ones."""
+    old = [dict(kind="decode", config=c, context=32768, batch=48, label=lab, tok_per_s=tps,
+                tpot_ms=1.0) for c, lab, tps in (("fp8", "ref+max", 2000.0),
+                                                  ("nvfp4-mixed", "ref", 1000.0),
+                                                  ("nvfp4-mixed", "max", 1100.0))]
+    row = be.compute_targets(old + _records(), [32768])["decode_vs_best_fp8"]["32768"]
+    assert row["nvfp4-mixed"] == 1.4 and row["nvfp4-mixed_at_own_max_batch"]["vs_best_fp8"] == 1.9
+
+
 def test_recorder_round_trip_skips_cut_line(tmp_path):
     rec = be.Recorder(tmp_path / "r.jsonl", config="fp8")
     rec.write("ttft", context=8, ttft_s=0.1)
