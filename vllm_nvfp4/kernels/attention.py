@@ -547,15 +547,18 @@ def launch_defaults(layout, decode: bool) -> LaunchShape:
     """Launch shape from the H200 sweeps of 2026-11-30 (benchmarks/README.md, head_dim 128).
 
     Decode: 64 keys per tile, 1 warp, or 2 for FP8 K and V (64 x 32k: 1002 us vs 1004 at 1 warp,
-    64 x 4k 143 vs 150); 32 keys at head_dim 256 (64 exceed the register file). Prefill: 64 keys
-    (32 at head_dim 256); with an FP8 V 4 warps x 32 query rows (FP8 / FP8 at 8 x 4k: 0.73x the
-    time of 1 warp x 16 rows; NVFP4 K / FP8 V 0.95x), else 1 warp x 16 rows (K FP8 / V NVFP4:
-    4 warps x 32 rows took 1.34x)."""
+    64 x 4k 143 vs 150); with an NVFP4 plane 32 keys at head_dim 256 (64 exceed the register
+    file; FP8 / FP8 at head_dim 256 keeps 64 keys x 2 warps: no spill in the sm_90 compile check,
+    where 32 keys x 1 warp spills; not timed). Prefill: 64 keys (32 at head_dim 256); with an
+    FP8 V 4 warps x 32 query rows (FP8 / FP8 at 8 x 4k: 0.73x the time of 1 warp x 16 rows;
+    NVFP4 K / FP8 V 0.95x), else 1 warp x 16 rows (K FP8 / V NVFP4: 4 warps x 32 rows took
+    1.34x)."""
     tile = 32 if layout.head_dim >= 256 else 64
     if not decode:
         return LaunchShape(tile, 4, 32) if layout.v_format == "fp8" else LaunchShape(tile, 1, 16)
-    both_fp8 = layout.k_format == "fp8" and layout.v_format == "fp8"
-    return LaunchShape(tile, 2 if both_fp8 and tile == 64 else 1)
+    if layout.k_format == "fp8" and layout.v_format == "fp8":
+        return LaunchShape(64, 2)
+    return LaunchShape(tile, 1)
 
 
 def _layout_constexprs(layout, device: torch.device, softcap, window) -> dict:
