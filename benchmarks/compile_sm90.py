@@ -42,7 +42,11 @@ def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: st
     sig = {n: "*bf16" for n in ("query_ptr", "out_ptr")}
     sig.update(cache_ptr="*u8", k_scale_ptr="*fp32", v_scale_ptr="*fp32", block_table_ptr="*i32",
                seq_lens_ptr="*i32", qsl_ptr="*i32")
-    sig.update(num_seqs="i32") if prefill else sig.update(part_o_ptr="*fp32", part_ml_ptr="*fp32")
+    if prefill:
+        sig.update(num_seqs="i32")
+    else:  # unsplit, paged_attention passes ``out`` for the unused partials
+        part = "*fp32" if splits > 1 else "*bf16"
+        sig.update(part_o_ptr=part, part_ml_ptr=part)
     for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_blk", "stride_bt"):
         sig[n] = "i32"
     sig.update(softmax_scale="fp32", softcap="fp32", window="i32")

@@ -207,8 +207,8 @@ def check_written_bytes(layout, before, after, key, value, slots, k_scale, v_sca
         assert torch.equal(got, data), f"{which} data bytes differ"
         layout.data_plane(touched, which)[blk, :, off] = 1
         if scales is not None:
-            got_s = layout.scale_plane(after.cpu(), which)[blk, :, :, off]
+            got_s = layout.scale_plane(after.cpu(), which)[blk, :, off]
             assert torch.equal(got_s, scales), f"{which} scale bytes differ"
-            layout.scale_plane(touched, which)[blk, :, :, off] = 1
+            layout.scale_plane(touched, which)[blk, :, off] = 1
     untouched = touched == 0
     assert torch.equal(after.cpu()[untouched], before.cpu()[untouched])

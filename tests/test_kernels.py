@@ -214,14 +214,14 @@ def test_decode_ignores_stale_slots(kf, vf):
         for which in ("k", "v"):
             lay.data_plane(batch.cache, which)[last, :, length % 16 or 16:] = 0xFF
             if lay.has_scales(which):
-                lay.scale_plane(batch.cache, which)[last, :, :, length % 16 or 16:] = 0x7F
+                lay.scale_plane(batch.cache, which)[last, :, length % 16 or 16:] = 0x7F
     for which in ("k", "v"):
         lay.data_plane(batch.cache, which)[spare] = 0xFF
         if lay.has_scales(which):
             lay.scale_plane(batch.cache, which)[spare] = 0x7F
     torch.testing.assert_close(run_attention(batch, backend="triton"), clean, rtol=0, atol=0)
     if lay.has_scales("v") and CUDA:  # the interpreter decodes e4m3 0x7F as 480, not NaN
-        lay.scale_plane(batch.cache, "v")[int(batch.block_table[1, 0]), 0, 1, 2] = 0x7F
+        lay.scale_plane(batch.cache, "v")[int(batch.block_table[1, 0]), 0, 2, 1] = 0x7F
         got = run_attention(batch, backend="triton")
         assert torch.isnan(got[1]).any() and not torch.isnan(got[[0, 2]]).any()
 

@@ -57,13 +57,13 @@ def test_views_address_the_documented_bytes():
     assert cache.stride() == (lay.page_bytes + 80, 1)
     blk, head, tok, chunk = 3, 2, 7, 1
     lay.data_plane(cache, "k")[blk, head, tok, 5] = 11
-    lay.scale_plane(cache, "k")[blk, head, chunk, tok] = 22
+    lay.scale_plane(cache, "k")[blk, head, tok, chunk] = 22
     lay.data_plane(cache, "v")[blk, head, tok, 31] = 33
     raw = cache.as_strided((5 * (lay.page_bytes + 80),), (1,), 0)
     base = blk * (lay.page_bytes + 80)
     w_k = lay.data_width("k")
     assert raw[base + lay.k_data_offset + (head * 16 + tok) * w_k + 5] == 11
-    assert raw[base + lay.k_scale_offset + (head * 2 + chunk) * 16 + tok] == 22
+    assert raw[base + lay.k_scale_offset + (head * 16 + tok) * 2 + chunk] == 22
     assert raw[base + lay.v_data_offset + (head * 16 + tok) * 32 + 31] == 33
     assert int((raw != 0).sum()) == 3  # nothing else touched, the row gaps included
     with pytest.raises(ValueError, match="no scales"):

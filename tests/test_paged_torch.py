@@ -154,7 +154,7 @@ def test_block_dequantization_is_bit_identical_to_formats(fmt):
     if fmt == "fp8":
         want = formats.fp8_dequantize(data.view(torch.float8_e4m3fn), scale.view(-1, 1))
     else:
-        sc = lay.scale_plane(cache, "k")[ids].permute(0, 3, 1, 2).reshape(48, 3, -1).view(torch.float8_e4m3fn)
+        sc = lay.scale_plane(cache, "k")[ids].transpose(1, 2).reshape(48, 3, -1).view(torch.float8_e4m3fn)
         want = formats.nvfp4_dequantize(nvfp4_packed_from_rows(data), sc, scale)
         assert torch.isnan(want).any() and (want == 0).any()  # the case covers NaN and zero scales
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)

@@ -57,7 +57,7 @@ def write_kv_cache(
         # Advanced indices at dims 0 and 2 around a slice: the selection is [T, H, W].
         layout.data_plane(cache, which)[blocks, :, offsets] = data
         if scales is not None:
-            layout.scale_plane(cache, which)[blocks, :, :, offsets] = scales
+            layout.scale_plane(cache, which)[blocks, :, offsets] = scales
 
 
 PREFILL_QUERY_CHUNK = 1024  # query rows per attention call of a prefill
@@ -102,8 +102,8 @@ def dequantize_tokens(
     data = data.view(n_seq, n_blk, h, b, -1).transpose(1, 2).reshape(n_seq, h, length, -1)
     sc = None
     if layout.format_of(which) == "nvfp4":
-        sc = layout.scale_plane(cache, which)[ids]  # uint8 [S * n, H, D/16, B]
-        sc = sc.view(n_seq, n_blk, h, -1, b).permute(0, 2, 1, 4, 3).reshape(n_seq, h, length, -1)
+        sc = layout.scale_plane(cache, which)[ids]  # uint8 [S * n, H, B, D/16]
+        sc = sc.view(n_seq, n_blk, h, b, -1).transpose(1, 2).reshape(n_seq, h, length, -1)
     if seq_lens is not None:  # zero bytes decode to exactly 0 in both formats
         stale = torch.arange(length, device=data.device).view(1, 1, -1, 1) >= seq_lens.view(-1, 1, 1, 1)
         data.masked_fill_(stale, 0)

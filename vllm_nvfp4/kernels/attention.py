@@ -6,9 +6,10 @@ prefill program's query tokens x heads) on N. NVFP4 elements are never multiplie
 block scale: the cache's chunk-planar nibble order (:mod:`vllm_nvfp4.layout`) makes each
 16-element chunk one nibble plane of 16 consecutive 16-bit words, so one k=16 MMA per chunk
 gives that chunk's partial scores, scaled per token by the chunk's block scale (and V's scale
-goes into P per chunk). The decode of a plane is a unary inline asm of the raw words, which lets
-Triton copy the raw K/V words and the scale rows asynchronously into shared memory and decode
-them in the MMA operand registers. An FP8 K or V takes the same route: its 16-bit words split
+goes into P per chunk). The four planes of a word are decoded by one unary inline asm of the raw
+words (11 integer ops per four f16x2 registers), which lets Triton copy the raw K/V words and
+the token-major scale rows asynchronously into shared memory and decode them in the MMA operand
+registers. An FP8 K or V takes the same route: its 16-bit words split
 into the even and odd elements' byte planes (one native conversion each), one dot per plane and
 tile. (A second family with the query rows on M, converting whole E4M3 tiles, was measured
 slower than this one at every shape on the H200 and removed: benchmarks/README.md.)
@@ -42,21 +43,6 @@ import triton.language as tl
 
 from vllm_nvfp4.kernels.cache_write import FMT_FP8, format_code
 
-
-
-@triton.jit
-def _e2m1_pair(w, K: tl.constexpr):
-    """NVFP4 words -> f16x2 bit patterns (uint32): nibble ``K`` of each 16-bit half, i.e. the
-    word's elements ``K`` (low half) and ``K + 4`` (high half), as fp16 ``e2m1 * 2^-14``.
-
-    Bit placement, both halves at once: code bits -> fp16 bits 9..11, sign -> bit 15."""
-    if K == 3:
-        x = ((w & 0x70007000) >> 3) | (w & 0x80008000)
-    else:
-        x = (w & (0x00070007 << (4 * K))) * (1 << (9 - 4 * K)) + (
-            w & (0x00080008 << (4 * K))
-        ) * (1 << (12 - 4 * K))
-    return x
 
 
 @triton.jit
@@ -138,43 +124,41 @@ def _decode_out_rows(out_ptr, part_o_ptr, part_ml_ptr, m_i, l_i, tok, split, qh,
     return part_o_ptr + row * D
 
 
-# nibble J of each 16-bit half of $1 as fp16 e2m1 * 2^-14 (sign << 15 | code << 9), both halves
-_E2M1_NIB_ASM = (
-    "{ .reg .b32 m, sg; and.b32 m, $1, 0x00070007; and.b32 sg, $1, 0x00080008;"
-    " shl.b32 m, m, 9; shl.b32 sg, sg, 12; or.b32 $0, m, sg; }",
-    "{ .reg .b32 m, sg; and.b32 m, $1, 0x00700070; and.b32 sg, $1, 0x00800080;"
-    " shl.b32 m, m, 5; shl.b32 sg, sg, 8; or.b32 $0, m, sg; }",
-    "{ .reg .b32 m, sg; and.b32 m, $1, 0x07000700; and.b32 sg, $1, 0x08000800;"
-    " shl.b32 m, m, 1; shl.b32 sg, sg, 4; or.b32 $0, m, sg; }",
-    "{ .reg .b32 m, sg; and.b32 m, $1, 0x70007000; and.b32 sg, $1, 0x80008000;"
-    " shr.b32 m, m, 3; or.b32 $0, m, sg; }",
-)
-_NIB_ASM0 = tl.constexpr(_E2M1_NIB_ASM[0])
-_NIB_ASM1 = tl.constexpr(_E2M1_NIB_ASM[1])
-_NIB_ASM2 = tl.constexpr(_E2M1_NIB_ASM[2])
-_NIB_ASM3 = tl.constexpr(_E2M1_NIB_ASM[3])
+# The four nibble planes of two 16-bit words (one 32-bit register $4): plane J = nibble J of
+# each half as fp16 e2m1 * 2^-14 (sign << 15 | code << 9). Two planes share one merged word t
+# holding both planes' codes and signs 6 bits apart (lop3 0xE4: t = (a & c) | (b & ~c)), so a
+# plane costs one mask (and one shift for the second) - 11 integer ops for four f16x2 registers.
+# even: t = (w << 1 at the code bits) | (w << 4 elsewhere): plane 2 in place, plane 0 8 bits low
+# odd:  t = (w >> 3 at the code bits) | (w elsewhere):      plane 3 in place, plane 1 8 bits low
+_E2M1_PLANES_ASM = tl.constexpr(
+    "{ .reg .b32 a, b, t;"
+    " shl.b32 a, $4, 1; shl.b32 b, $4, 4; lop3.b32 t, a, b, 0x0E0E0E0E, 0xE4;"
+    " and.b32 $2, t, 0x8E008E00; shl.b32 t, t, 8; and.b32 $0, t, 0x8E008E00;"
+    " shr.b32 a, $4, 3; lop3.b32 t, a, $4, 0x0E0E0E0E, 0xE4;"
+    " and.b32 $3, t, 0x8E008E00; shl.b32 t, t, 8; and.b32 $1, t, 0x8E008E00; }")
 
 
 @triton.jit
-def _plane(x, J: tl.constexpr, F32: tl.constexpr):
-    """Nibble plane ``J`` of uint16 words ``x`` (any shape): ``e2m1 * 2^-14`` as fp16 (fp32 when
-    ``F32``). A unary pure inline asm on the loaded words, so Triton loads the raw words straight
-    into the MMA operand layout (asynchronous copy, no decoded tile in shared memory)."""
-    if F32:  # the interpreter: the same bit placement in Triton ops (low 16 bits of the pair)
-        u = _e2m1_pair(x.to(tl.uint32), J)
-        return u.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    if J == 0:
-        return tl.inline_asm_elementwise(_NIB_ASM0, "=r,r", [x], dtype=tl.float16, is_pure=True,
-                                         pack=2)
-    elif J == 1:
-        return tl.inline_asm_elementwise(_NIB_ASM1, "=r,r", [x], dtype=tl.float16, is_pure=True,
-                                         pack=2)
-    elif J == 2:
-        return tl.inline_asm_elementwise(_NIB_ASM2, "=r,r", [x], dtype=tl.float16, is_pure=True,
-                                         pack=2)
+def _planes(x, F32: tl.constexpr):
+    """The four nibble planes of uint16 words ``x`` (any shape): a tuple of ``e2m1 * 2^-14`` as
+    fp16 (fp32 when ``F32``), plane ``J`` = nibble ``J`` of each word. One pure inline asm of the
+    loaded words, so Triton loads the raw words straight into the MMA operand layout
+    (asynchronous copy, no decoded tile in shared memory)."""
+    if F32:  # the interpreter: the same bit placement in Triton ops
+        u = x.to(tl.uint32)
+        return (_e2m1_fp32(u, 0), _e2m1_fp32(u, 1), _e2m1_fp32(u, 2), _e2m1_fp32(u, 3))
     else:
-        return tl.inline_asm_elementwise(_NIB_ASM3, "=r,r", [x], dtype=tl.float16, is_pure=True,
-                                         pack=2)
+        return tl.inline_asm_elementwise(_E2M1_PLANES_ASM, "=r,=r,=r,=r,r", [x],
+                                         dtype=(tl.float16,) * 4, is_pure=True, pack=2)
+
+
+@triton.jit
+def _e2m1_fp32(u, J: tl.constexpr):
+    """Nibble ``J`` of uint32 words ``u`` (one 16-bit word each) as fp32 ``e2m1 * 2^-14``: the
+    asm's bit placement, ``sign << 15 | code << 9`` read as fp16."""
+    n = (u >> (4 * J)) & 0xF
+    bits = ((n & 8) << 12) | ((n & 7) << 9)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 # the E4M3 bytes of two 16-bit words ($2): $0 = f16x2 of their low (even-element) bytes,
@@ -216,30 +200,37 @@ def _tile_words(page, off, valid, h, DATA: tl.constexpr, ROW_BYTES: tl.constexpr
     return w
 
 
+@triton.constexpr_function
+def _bit_reversed(c, n):
+    """``c`` with its log2(n) bits reversed: where the halving splits put column ``c``."""
+    r = 0
+    b = 1
+    while b < n:
+        r = r * 2 + (c // b) % 2
+        b *= 2
+    return r
+
+
 @triton.jit
 def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexpr,
                  C: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr,
                  ZERO_PAST_END: tl.constexpr):
     """FP32 block scales of the ``N`` tokens from ``t0``: a tuple of ``C`` vectors ``[N]`` (chunk
     order); with ``ZERO_PAST_END`` 0 for tokens at or past ``t_end`` (their slots may hold any
-    stale byte, and a NaN scale would turn p = 0 into NaN). One load of whole 16-byte rows of the
-    transposed scale plane per block (so the pipeliner copies it asynchronously), columns in
-    bit-reversed chunk order so that the halving splits below leave the chunks in natural order."""
+    stale byte, and a NaN scale would turn p = 0 into NaN). One load of the ``BLOCK * C``
+    contiguous bytes of the token-major scale plane per block (so the pipeliner copies it
+    asynchronously; a thread then reads a token's ``C`` scales from shared memory at once), split
+    into chunks by halving (which leaves them in bit-reversed order, undone when returned)."""
     NB: tl.constexpr = N // BLOCK
     nb = tl.arange(0, NB)
     # past the sequence: block 0 (a real block, so the unmasked scale load below stays in bounds)
     blk = tl.load(bt_row + t0 // BLOCK + nb, mask=t0 + nb * BLOCK < t_end, other=0)
-    k = tl.arange(0, C)
-    rev = k * 0
-    for b in tl.static_range(4):
-        if (C >> b) > 1:
-            rev = rev * 2 + (k >> b) % 2
     j = tl.arange(0, BLOCK)
+    k = tl.arange(0, C)
     ptr = (cache_ptr + blk.to(tl.int64) * stride_blk)[:, None, None] + SCALE \
-        + (h * C + rev)[None, :, None] * BLOCK + j[None, None, :]
-    # unmasked: a mask along the contiguous tokens would stop the 16-byte asynchronous copies
-    sc = tl.load(ptr)  # [NB, C, BLOCK]
-    sc = tl.reshape(tl.permute(sc, (0, 2, 1)), [N, C]).to(tl.float8e4nv, bitcast=True)
+        + (h * BLOCK + j)[None, :, None] * C + k[None, None, :]
+    sc = tl.load(ptr)  # [NB, BLOCK, C]
+    sc = tl.reshape(sc, [N, C]).to(tl.float8e4nv, bitcast=True)
     sc = sc.to(tl.float32)
     if ZERO_PAST_END:
         sc = tl.where(((t0 + tl.arange(0, N)) < t_end)[:, None], sc, 0.0)
@@ -253,7 +244,7 @@ def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexp
             parts = halves
     out = ()
     for c in tl.static_range(C):
-        out = out + (tl.reshape(parts[c], [N]),)
+        out = out + (tl.reshape(parts[_bit_reversed(c, C)], [N]),)
     return out
 
 
@@ -337,9 +328,10 @@ def _attend_keys(
             kss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, K_SCALE, C, BLOCK,
                                TILE_N, False)
             for gi in tl.static_range(D // 64):
-                kw = _tile_words(page, off, valid, h, K_DATA, D // 2, 16 * gi, 16, BLOCK, False)
+                kps = _planes(_tile_words(page, off, valid, h, K_DATA, D // 2, 16 * gi, 16, BLOCK,
+                                          False), F32)
                 for j in tl.static_range(4):
-                    part = _dot_f(_plane(kw, j, F32), qs[4 * gi + j],
+                    part = _dot_f(kps[j], qs[4 * gi + j],
                                   tl.zeros([TILE_N, M], dtype=tl.float32), F32)
                     s += part * kss[4 * gi + j][:, None]
         if USE_SOFTCAP:
@@ -367,12 +359,13 @@ def _attend_keys(
         else:
             new_accs = ()
             for gi in tl.static_range(D // 64):
-                vw = _tile_words(page, off, valid, h, V_DATA, D // 2, 16 * gi, 16, BLOCK, True)
+                vps = _planes(_tile_words(page, off, valid, h, V_DATA, D // 2, 16 * gi, 16, BLOCK,
+                                          True), F32)
                 for j in tl.static_range(4):
                     sv = vss[4 * gi + j]
                     pv = ph * (sv if F32 else sv.to(tl.float16))[:, None]
                     acc = accs[4 * gi + j] * alpha[None, :]
-                    new_accs = new_accs + (_dot_f(_plane(vw, j, F32), pv, acc, F32),)
+                    new_accs = new_accs + (_dot_f(vps[j], pv, acc, F32),)
             accs = new_accs
         m_i = m_new
     return accs, m_i, l_i

@@ -96,12 +96,11 @@ def _nvfp4_chunks(x, g, C2: tl.constexpr):
 
 
 @triton.jit
-def _store_nvfp4_row(x_ptr, data_ptr, scale_ptr, g, BLOCK: tl.constexpr, D: tl.constexpr):
+def _store_nvfp4_row(x_ptr, data_ptr, scale_ptr, g, D: tl.constexpr):
     """NVFP4 of one head vector (``D`` a multiple of 64): ``data[0:D/2]`` the codes in the layout's
     chunk-planar nibble order - byte ``32 u + 2 i + b`` of 64-element group ``u`` holds element
-    ``64 u + 32 b + i`` (low nibble) and ``+ 16`` (high nibble) - and ``scale_ptr[c * BLOCK]``
-    the block scale of 16-chunk ``c`` (the scale plane is transposed: chunk-major, ``BLOCK``
-    tokens apart)."""
+    ``64 u + 32 b + i`` (low nibble) and ``+ 16`` (high nibble) - and ``scale_ptr[c]`` the block
+    scale of 16-chunk ``c`` (the token's row of the token-major scale plane)."""
     C2: tl.constexpr = D // 32  # chunk pairs (2q, 2q + 1) share bytes
     q = tl.arange(0, C2)
     i = tl.arange(0, 16)
@@ -111,8 +110,8 @@ def _store_nvfp4_row(x_ptr, data_ptr, scale_ptr, g, BLOCK: tl.constexpr, D: tl.c
     hi, hi_s = _nvfp4_chunks(hi_x, g, C2)
     byte = 32 * (q[:, None] // 2) + 2 * i[None, :] + q[:, None] % 2
     tl.store(data_ptr + byte, (lo | (hi << 4)).to(tl.uint8))
-    tl.store(scale_ptr + 2 * q * BLOCK, lo_s)
-    tl.store(scale_ptr + (2 * q + 1) * BLOCK, hi_s)
+    tl.store(scale_ptr + 2 * q, lo_s)
+    tl.store(scale_ptr + 2 * q + 1, hi_s)
 
 
 @triton.jit
@@ -137,12 +136,12 @@ def _write_kv_kernel(
         _store_fp8_row(k_src, page + K_DATA + (h * BLOCK + off) * D, tl.load(k_scale_ptr + h), D)
     else:
         _store_nvfp4_row(k_src, page + K_DATA + (h * BLOCK + off) * (D // 2),
-                         page + K_SCALE + h * C * BLOCK + off, tl.load(k_scale_ptr + h), BLOCK, D)
+                         page + K_SCALE + (h * BLOCK + off) * C, tl.load(k_scale_ptr + h), D)
     if V_FMT == FMT_FP8:
         _store_fp8_row(v_src, page + V_DATA + (h * BLOCK + off) * D, tl.load(v_scale_ptr + h), D)
     else:
         _store_nvfp4_row(v_src, page + V_DATA + (h * BLOCK + off) * (D // 2),
-                         page + V_SCALE + h * C * BLOCK + off, tl.load(v_scale_ptr + h), BLOCK, D)
+                         page + V_SCALE + (h * BLOCK + off) * C, tl.load(v_scale_ptr + h), D)
 
 
 def format_code(fmt: str) -> int:

@@ -50,9 +50,9 @@ def _dequant_plane(page, off, valid, h, scale, out_rows,
         byte = (k // 32) * 32 + 2 * (k % 16) + (k // 16) % 2
         raw = tl.load(page[:, None] + DATA + (h * BLOCK + off[:, None]) * (D // 2) + byte[None, :],
                       mask=valid[:, None], other=0).to(tl.int32)
-        sptr = page[:, None] + SCALE + (h * (D // 16) + e[None, :] // 16) * BLOCK + off[:, None]
+        sptr = page[:, None] + SCALE + (h * BLOCK + off[:, None]) * (D // 16) + e[None, :] // 16
         s_lo = tl.load(sptr, mask=valid[:, None], other=0)
-        s_hi = tl.load(sptr + BLOCK, mask=valid[:, None], other=0)  # chunk e // 16 + 1
+        s_hi = tl.load(sptr + 1, mask=valid[:, None], other=0)  # chunk e // 16 + 1
         lo = _e2m1_f32(raw & 15) * (s_lo.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale)
         hi = _e2m1_f32(raw >> 4) * (s_hi.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale)
         ty = out_rows.dtype.element_ty
