@@ -543,12 +543,12 @@ def launch_defaults(layout, decode: bool) -> LaunchShape:
     64 x 4k 143 vs 150); with an NVFP4 plane 32 keys at head_dim 256 (64 exceed the register
     file; FP8 / FP8 at head_dim 256 keeps 64 keys x 2 warps: no spill in the sm_90 compile check,
     where 32 keys x 1 warp spills; not timed). Prefill: 64 keys (32 at head_dim 256); with an
-    FP8 V 4 warps x 32 query rows (FP8 / FP8 at 8 x 4k: 0.73x the time of 1 warp x 16 rows;
-    NVFP4 K / FP8 V 0.95x), else 1 warp x 16 rows (K FP8 / V NVFP4: 4 warps x 32 rows took
-    1.34x)."""
+    FP8 V 2 warps x 32 query rows (H200, 2026-12-01, 8 x 4k: FP8 / FP8 0.89x the time of 4 warps
+    x 32 rows, NVFP4 K / FP8 V 0.75x), else 1 warp x 16 rows (K FP8 / V NVFP4: 2 or 4 warps x 32
+    rows took 1.45x)."""
     tile = 32 if layout.head_dim >= 256 else 64
     if not decode:
-        return LaunchShape(tile, 4, 32) if layout.v_format == "fp8" else LaunchShape(tile, 1, 16)
+        return LaunchShape(tile, 2, 32) if layout.v_format == "fp8" else LaunchShape(tile, 1, 16)
     if layout.k_format == "fp8" and layout.v_format == "fp8":
         return LaunchShape(64, 2)
     return LaunchShape(tile, 1)
