@@ -1,5 +1,6 @@
 """Compile the attention kernels for sm_90 WITHOUT a GPU (Triton's bundled ptxas) and report
-registers, spills, shared memory and instruction counts of the decode (or prefill) tile loop;
+registers, spills, shared memory and instruction counts of the decode (or prefill) whole-tile
+loop (and of the masked tail loop);
 optional SASS dump.
 
     python3 benchmarks/compile_sm90.py [--sass DIR] [--configs FMT:TILE[:KIND[:WARPS]]]
@@ -78,18 +79,20 @@ def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: st
 _INSTR = re.compile(r"/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)[^;]*;")
 
 
-def loop_body(sass: str) -> collections.Counter:
-    """Opcode counts of the longest backward-branch loop (the decode's tile loop)."""
+def tile_loops(sass: str) -> list[collections.Counter]:
+    """Opcode counts of the tile loops (backward-branch loops of over 100 instructions) in
+    program order: the whole-tile loop first, then the masked tail loop (one loop in modules
+    before session 7)."""
     ins = [(int(m.group(1), 16), m.group(2), m.group(0)) for m in _INSTR.finditer(sass)]
     loops = []
     for addr, op, text in ins:
         target = re.search(r"BRA.*?0x([0-9a-f]+)", text)
         if op.startswith("BRA") and target and int(target.group(1), 16) < addr:
-            loops.append((int(target.group(1), 16), addr))
-    if not loops:
-        return collections.Counter()
-    lo, hi = max(loops, key=lambda ab: ab[1] - ab[0])
-    return collections.Counter(op for addr, op, _ in ins if lo <= addr <= hi)
+            lo = int(target.group(1), 16)
+            body = collections.Counter(op for a, op, _ in ins if lo <= a <= addr)
+            if sum(body.values()) > 100:
+                loops.append((lo, body))
+    return [body for _, body in sorted(loops, key=lambda lb: lb[0])]
 
 
 def main() -> None:
@@ -135,7 +138,10 @@ def main() -> None:
                              text=True).stdout
         os.unlink(f.name)
         regs = re.search(r"REG:(\d+)", res)
-        body = loop_body(sass)
+        loops = tile_loops(sass) or [collections.Counter()]
+        body = loops[0]
+        tail = (f", masked tail loop {sum(loops[1].values()) * warps / tile:.1f}"
+                if len(loops) > 1 else "")
         top = ", ".join(f"{o}:{c}" for o, c in body.most_common(12))
         smem_ops = sum(c for o, c in body.items() if o.startswith(("STS", "LDS", "LDSM", "BAR")))
         spills = sum(c for o, c in body.items() if o.startswith(("STL", "LDL")))
@@ -143,7 +149,7 @@ def main() -> None:
               f"warps {warps} stages {args.stages}: "
               f"regs {regs.group(1) if regs else '?'} smem {k.metadata.shared} "
               f"loop {sum(body.values())} instr/warp "
-              f"({sum(body.values()) * warps / tile:.1f} per token-head; STS/LDS/LDSM/BAR "
+              f"({sum(body.values()) * warps / tile:.1f} per token-head{tail}; STS/LDS/LDSM/BAR "
               f"{smem_ops}, spill {spills})  {top}")
         if args.sass:
             os.makedirs(args.sass, exist_ok=True)

@@ -46,11 +46,16 @@ from vllm_nvfp4.kernels.cache_write import FMT_FP8, format_code
 
 
 @triton.jit
-def _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK: tl.constexpr, N: tl.constexpr):
-    """Token positions ``t0 + [0, N)``, their validity (< t_end), page pointers and offsets."""
+def _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK: tl.constexpr, N: tl.constexpr,
+               MASKED: tl.constexpr):
+    """Token positions ``t0 + [0, N)``, their validity (< t_end), page pointers and offsets.
+    Unless ``MASKED`` the caller guarantees ``t0 + N <= t_end`` (no masked loads)."""
     toks = t0 + tl.arange(0, N)
     valid = toks < t_end
-    blk = tl.load(bt_row + toks // BLOCK, mask=valid, other=0)
+    if MASKED:
+        blk = tl.load(bt_row + toks // BLOCK, mask=valid, other=0)
+    else:
+        blk = tl.load(bt_row + toks // BLOCK)
     return toks, valid, cache_ptr + blk.to(tl.int64) * stride_blk, toks % BLOCK
 
 
@@ -77,14 +82,25 @@ def _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT: 
 def _split_range(seq_len, window, split, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr,
                  USE_WINDOW: tl.constexpr):
     """Token range ``[t_begin, t_end)`` of one split-KV program of a decode query at
-    ``seq_len - 1``: whole ``TILE_N`` tiles from the window start, divided over the splits."""
+    ``seq_len - 1``: whole ``TILE_N`` tiles from the window start, divided over the splits; and
+    ``t_full``, the end of its whole tiles that need no mask (:func:`_attend_keys`)."""
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(seq_len - window, 0) // TILE_N * TILE_N
     n_tiles = tl.cdiv(seq_len - lo, TILE_N)
     per_split = tl.cdiv(n_tiles, NUM_SPLITS) * TILE_N
     t_begin = lo + split * per_split
-    return t_begin, tl.minimum(t_begin + per_split, seq_len)
+    t_end = tl.minimum(t_begin + per_split, seq_len)
+    return t_begin, _unmasked_end(t_begin, t_end, TILE_N, USE_WINDOW), t_end
+
+
+@triton.jit
+def _unmasked_end(t_begin, t_seen, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """End of the whole ``TILE_N`` tiles from ``t_begin`` below ``t_seen`` (the keys every query
+    column sees); ``t_begin`` (everything masked) with a sliding window."""
+    if USE_WINDOW:
+        return t_begin
+    return t_begin + tl.maximum(t_seen - t_begin, 0) // TILE_N * TILE_N
 
 
 @triton.jit
@@ -94,7 +110,8 @@ def _decode_program(seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_sca
                     USE_SOFTCAP: tl.constexpr):
     """What one decode program works on: sequence, KV head ``h``, split, context length, the
     query token's row ``tok``, its ``BG`` (padded) query heads ``qh`` with ``row_ok``, the
-    logit scale (log2 units unless soft-capped), the V dequant factor and the token range."""
+    logit scale (log2 units unless soft-capped), the V dequant factor and the token range
+    (:func:`_split_range`)."""
     seq = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -105,8 +122,8 @@ def _decode_program(seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_sca
     qh = h * G + g
     qk_scale, vf = _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT,
                                             V_FMT, USE_SOFTCAP)
-    t_begin, t_end = _split_range(seq_len, window, split, NUM_SPLITS, TILE_N, USE_WINDOW)
-    return seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_end
+    t_begin, t_full, t_end = _split_range(seq_len, window, split, NUM_SPLITS, TILE_N, USE_WINDOW)
+    return seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_full, t_end
 
 
 @triton.jit
@@ -187,16 +204,23 @@ def _fp8_planes(x, F32: tl.constexpr):
 @triton.jit
 def _tile_words(page, off, valid, h, DATA: tl.constexpr, ROW_BYTES: tl.constexpr,
                 FIRST: tl.constexpr, NW: tl.constexpr, BLOCK: tl.constexpr,
-                TRANSPOSED: tl.constexpr):
+                TRANSPOSED: tl.constexpr, MASKED: tl.constexpr):
     """Words ``[FIRST, FIRST + NW)`` (uint16) of each token's ``ROW_BYTES``-byte row of a K or V
     plane: ``[N, NW]``, or ``[NW, N]`` when ``TRANSPOSED`` (loaded straight in that orientation:
-    the V operand ``V^T``). NVFP4: the 16 words of one 64-element group; FP8: the whole row."""
+    the V operand ``V^T``). NVFP4: the 16 words of one 64-element group; FP8: the whole row.
+    Tokens past ``valid`` read 0 when ``MASKED``; unmasked tiles hold valid tokens only."""
     row = (page + DATA + (h * BLOCK + off) * ROW_BYTES).to(tl.pointer_type(tl.uint16))
     i = FIRST + tl.arange(0, NW)
     if TRANSPOSED:
-        w = tl.load(row[None, :] + i[:, None], mask=valid[None, :], other=0)
+        ptr = row[None, :] + i[:, None]
+        ok = valid[None, :]
     else:
-        w = tl.load(row[:, None] + i[None, :], mask=valid[:, None], other=0)
+        ptr = row[:, None] + i[None, :]
+        ok = valid[:, None]
+    if MASKED:
+        w = tl.load(ptr, mask=ok, other=0)
+    else:
+        w = tl.load(ptr)
     return w
 
 
@@ -214,17 +238,21 @@ def _bit_reversed(c, n):
 @triton.jit
 def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexpr,
                  C: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr,
-                 ZERO_PAST_END: tl.constexpr):
+                 MASKED: tl.constexpr, ZERO_PAST_END: tl.constexpr):
     """FP32 block scales of the ``N`` tokens from ``t0``: a tuple of ``C`` vectors ``[N]`` (chunk
-    order); with ``ZERO_PAST_END`` 0 for tokens at or past ``t_end`` (their slots may hold any
-    stale byte, and a NaN scale would turn p = 0 into NaN). One load of the ``BLOCK * C``
+    order). In a ``MASKED`` tile (one that may reach ``t_end``), with ``ZERO_PAST_END``, 0 for
+    tokens at or past ``t_end`` (their slots may hold any stale byte, and a NaN scale would turn
+    p = 0 into NaN). One load of the ``BLOCK * C``
     contiguous bytes of the token-major scale plane per block (so the pipeliner copies it
     asynchronously; a thread then reads a token's ``C`` scales from shared memory at once), split
     into chunks by halving (which leaves them in bit-reversed order, undone when returned)."""
     NB: tl.constexpr = N // BLOCK
     nb = tl.arange(0, NB)
     # past the sequence: block 0 (a real block, so the unmasked scale load below stays in bounds)
-    blk = tl.load(bt_row + t0 // BLOCK + nb, mask=t0 + nb * BLOCK < t_end, other=0)
+    if MASKED:
+        blk = tl.load(bt_row + t0 // BLOCK + nb, mask=t0 + nb * BLOCK < t_end, other=0)
+    else:
+        blk = tl.load(bt_row + t0 // BLOCK + nb)
     j = tl.arange(0, BLOCK)
     k = tl.arange(0, C)
     ptr = (cache_ptr + blk.to(tl.int64) * stride_blk)[:, None, None] + SCALE \
@@ -232,7 +260,7 @@ def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexp
     sc = tl.load(ptr)  # [NB, BLOCK, C]
     sc = tl.reshape(sc, [N, C]).to(tl.float8e4nv, bitcast=True)
     sc = sc.to(tl.float32)
-    if ZERO_PAST_END:
+    if MASKED and ZERO_PAST_END:
         sc = tl.where(((t0 + tl.arange(0, N)) < t_end)[:, None], sc, 0.0)
     parts = (sc,)
     for lvl in tl.static_range(4):
@@ -292,16 +320,41 @@ def _keys_accumulators(V_FMT: tl.constexpr, D: tl.constexpr, M: tl.constexpr):
 @triton.jit
 def _attend_keys(
     qs, q_pos, accs, m_i, l_i,
-    cache_ptr, stride_blk, bt_row, h, t_begin, t_end,
+    cache_ptr, stride_blk, bt_row, h, t_begin, t_full, t_end,
     qk_scale, softcap, window,
     K_FMT: tl.constexpr, V_FMT: tl.constexpr,
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
 ):
+    """:func:`_attend_tiles` over the keys ``[t_begin, t_end)``: the whole tiles of ``[t_begin,
+    t_full)`` that every query column sees entirely (no mask, no bounds checks), then the rest
+    masked (the sequence end, the causal diagonal, the window)."""
+    accs, m_i, l_i = _attend_tiles(
+        qs, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_begin, t_full, t_end,
+        qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
+        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, False)
+    return _attend_tiles(
+        qs, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_full, t_end, t_end,
+        qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
+        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, True)
+
+
+@triton.jit
+def _attend_tiles(
+    qs, q_pos, accs, m_i, l_i,
+    cache_ptr, stride_blk, bt_row, h, lo, hi, t_end,
+    qk_scale, softcap, window,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+    K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, M: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """Online-softmax attention with the KEYS on the MMA M dimension and the ``M`` query columns
     (``qs`` from :func:`_keys_queries`, positions ``q_pos [M]``) on N, over the keys
-    ``[t_begin, t_end)`` of one sequence. NVFP4 block scales are applied per 16-element chunk,
+    ``[lo, hi)`` of one sequence (``MASKED``: masking tokens at or past ``t_end``, causal and
+    window; else every token of every tile is visible to every column). NVFP4 block scales are applied per 16-element chunk,
     never per element: each chunk ``c`` is one nibble plane of 16 words (the cache's
     chunk-planar order, :mod:`vllm_nvfp4.layout`), so
     ``s^T [TILE_N, M] = sum_c sk_c * (K_c [TILE_N, 16] . q_c^T [16, M])`` with ``sk_c [TILE_N]``
@@ -313,23 +366,26 @@ def _attend_keys(
     (and the K dequant factor); with soft-cap, ``softcap`` is the cap and ``qk_scale`` excludes
     log2(e)."""
     C: tl.constexpr = D // 16
-    for t0 in tl.range(t_begin, t_end, TILE_N, num_stages=3):
+    # the masked tail is one tile (a few on a prefill's diagonal), so it is not pipelined - unless
+    # a sliding window masks every tile
+    STAGES: tl.constexpr = 1 if MASKED and not USE_WINDOW else 3
+    for t0 in tl.range(lo, hi, TILE_N, num_stages=STAGES):
         toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK,
-                                            TILE_N)
+                                            TILE_N, MASKED)
         if V_FMT != FMT_FP8:
             vss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, V_SCALE, C, BLOCK,
-                               TILE_N, True)
+                               TILE_N, MASKED, True)
         s = tl.zeros([TILE_N, M], dtype=tl.float32)
         if K_FMT == FMT_FP8:
             ke, ko = _fp8_planes(_tile_words(page, off, valid, h, K_DATA, D, 0, D // 2, BLOCK,
-                                             False), F32)
+                                             False, MASKED), F32)
             s = _dot_f(ko, qs[1], _dot_f(ke, qs[0], s, F32), F32)
         else:  # stale K scales past t_end only reach masked scores
             kss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, K_SCALE, C, BLOCK,
-                               TILE_N, False)
+                               TILE_N, MASKED, False)
             for gi in tl.static_range(D // 64):
                 kps = _planes(_tile_words(page, off, valid, h, K_DATA, D // 2, 16 * gi, 16, BLOCK,
-                                          False), F32)
+                                          False, MASKED), F32)
                 for j in tl.static_range(4):
                     part = _dot_f(kps[j], qs[4 * gi + j],
                                   tl.zeros([TILE_N, M], dtype=tl.float32), F32)
@@ -339,12 +395,13 @@ def _attend_keys(
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * 1.4426950408889634
         else:
             s = s * qk_scale
-        mask = valid[:, None]
-        if CAUSAL:
-            mask = mask & (toks[:, None] <= q_pos[None, :])
-        if USE_WINDOW:
-            mask = mask & (toks[:, None] > q_pos[None, :] - window)
-        s = tl.where(mask, s, float("-inf"))
+        if MASKED:
+            mask = valid[:, None]
+            if CAUSAL:
+                mask = mask & (toks[:, None] <= q_pos[None, :])
+            if USE_WINDOW:
+                mask = mask & (toks[:, None] > q_pos[None, :] - window)
+            s = tl.where(mask, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -353,14 +410,14 @@ def _attend_keys(
         ph = p if F32 else p.to(tl.float16)
         if V_FMT == FMT_FP8:  # V^T's even and odd columns, [D/2, TILE_N] each
             ve, vo = _fp8_planes(_tile_words(page, off, valid, h, V_DATA, D, 0, D // 2, BLOCK,
-                                             True), F32)
+                                             True, MASKED), F32)
             accs = (_dot_f(ve, ph, accs[0] * alpha[None, :], F32),
                     _dot_f(vo, ph, accs[1] * alpha[None, :], F32))
         else:
             new_accs = ()
             for gi in tl.static_range(D // 64):
                 vps = _planes(_tile_words(page, off, valid, h, V_DATA, D // 2, 16 * gi, 16, BLOCK,
-                                          True), F32)
+                                          True, MASKED), F32)
                 for j in tl.static_range(4):
                     sv = vss[4 * gi + j]
                     pv = ph * (sv if F32 else sv.to(tl.float16))[:, None]
@@ -397,14 +454,14 @@ def _decode_kernel(
     """Decode through :func:`_attend_keys`: the ``BG`` query columns are the GQA group of one
     KV head (padded, >= 8). Grid ``(seqs, kv_heads, splits)``; with splits, FP32 partials
     ``(o, m, l)`` for :func:`_reduce_kernel`."""
-    seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_end = _decode_program(
+    seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_full, t_end = _decode_program(
         seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window, K_FMT, V_FMT,
         G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP)
     qs = _keys_queries(query_ptr + tok * stride_qt + qh * stride_qh, row_ok, K_FMT, D, F32)
     accs, m_i, l_i = _attend_keys(
         qs, tl.zeros([BG], dtype=tl.int32) + seq_len - 1, _keys_accumulators(V_FMT, D, BG),
         tl.full([BG], float("-inf"), tl.float32), tl.zeros([BG], dtype=tl.float32),
-        cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_end,
+        cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
         TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32)
     o_cols = _decode_out_rows(out_ptr, part_o_ptr, part_ml_ptr, m_i, l_i, tok, split, qh, row_ok,
@@ -438,7 +495,7 @@ def _prefill_program(seq_lens_ptr, qsl_ptr, num_seqs, window, G: tl.constexpr,
     """What one prefill program works on: ``BLOCK_Q`` query tokens x ``G_PAD`` heads of KV head
     ``h`` = program_id(1), as ``BLOCK_Q * G_PAD`` rows: sequence, ``active`` (False for the
     spare programs of the grid), the rows' token index, query head, validity and position, and
-    the key range ``[t_begin, t_end)`` (causal, window)."""
+    the key range ``[t_begin, t_end)`` (causal, window) with ``t_full`` (:func:`_attend_keys`)."""
     # program -> (sequence, query block): q block b of sequence s has global index
     # qsl[s] // BLOCK_Q + s + b, so a binary search over qsl finds s (as vLLM's unified kernel does)
     pid = tl.program_id(0)
@@ -466,8 +523,9 @@ def _prefill_program(seq_lens_ptr, qsl_ptr, num_seqs, window, G: tl.constexpr,
     if USE_WINDOW:
         t_begin = tl.maximum(first - window + 1, 0) // TILE_N * TILE_N
     t_end = tl.minimum(first + BLOCK_Q, seq_len)
+    t_full = _unmasked_end(t_begin, tl.minimum(first + 1, t_end), TILE_N, USE_WINDOW)
     return (seq, h, qb * BLOCK_Q < q_len, tok, h * G + g, row_ok, seq_len - q_len + qi,
-            t_begin, t_end)
+            t_begin, t_full, t_end)
 
 
 @triton.jit
@@ -485,7 +543,7 @@ def _prefill_kernel(
     """Prefill through :func:`_attend_keys` (keys on the MMA M dimension, the program's
     ``BLOCK_Q * G_PAD`` query rows as columns, causal); grid ``(query blocks + seqs,
     kv_heads)``, see :func:`_prefill_program`."""
-    seq, h, active, tok, qh, row_ok, q_pos, t_begin, t_end = _prefill_program(
+    seq, h, active, tok, qh, row_ok, q_pos, t_begin, t_full, t_end = _prefill_program(
         seq_lens_ptr, qsl_ptr, num_seqs, window, G, G_PAD, BLOCK_Q, TILE_N, USE_WINDOW)
     if not active:
         return
@@ -496,7 +554,7 @@ def _prefill_kernel(
     accs, m_i, l_i = _attend_keys(
         qs, q_pos, _keys_accumulators(V_FMT, D, BLOCK_M),
         tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
-        cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_end,
+        cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
         TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32)
     _store_keys(accs, vf / tl.where(l_i == 0.0, 1.0, l_i), out_ptr + tok * stride_ot
