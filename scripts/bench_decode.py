@@ -70,7 +70,10 @@ def copy_bandwidth(smoke: bool) -> float:
     n = 4 << 30
     a = torch.empty(n, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
-    us = timer(lambda: b.copy_(a), False)
+    # eager: captured in a CUDA graph the copy becomes a memcpy node run by the copy engine
+    # (2.77 TB/s on the H200 against 4.30 for the copy kernel)
+    us = triton.testing.do_bench(lambda: b.copy_(a), warmup=30, rep=200,
+                                 return_mode="median") * 1e3
     del a, b
     return 2 * n / us / 1e6
 
