@@ -242,14 +242,13 @@ def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexp
     """FP32 block scales of the ``N`` tokens from ``t0``: a tuple of ``C`` vectors ``[N]`` (chunk
     order). In a ``MASKED`` tile (one that may reach ``t_end``), with ``ZERO_PAST_END``, 0 for
     tokens at or past ``t_end`` (their slots may hold any stale byte, and a NaN scale would turn
-    p = 0 into NaN). One load of the ``BLOCK * C``
-    contiguous bytes of the token-major scale plane per block (so the pipeliner copies it
-    asynchronously; a thread then reads a token's ``C`` scales from shared memory at once), split
-    into chunks by halving (which leaves them in bit-reversed order, undone when returned)."""
+    p = 0 into NaN). One load of the ``BLOCK * C`` contiguous bytes of the token-major scale
+    plane per block (so the pipeliner copies it asynchronously; a thread then reads a token's
+    ``C`` scales from shared memory at once), split into chunks by halving (which leaves them in
+    bit-reversed order, undone when returned)."""
     NB: tl.constexpr = N // BLOCK
     nb = tl.arange(0, NB)
-    # past the sequence: block 0 (a real block, so the unmasked scale load below stays in bounds)
-    if MASKED:
+    if MASKED:  # past the sequence: block 0 (a real block: the scale load below stays in bounds)
         blk = tl.load(bt_row + t0 // BLOCK + nb, mask=t0 + nb * BLOCK < t_end, other=0)
     else:
         blk = tl.load(bt_row + t0 // BLOCK + nb)
