@@ -4,8 +4,8 @@ Shapes (issue 3): 32 query heads, 8 KV heads, head_dim 128, block 16, batch 16 a
 4096 and 32768 per sequence, random data, shuffled block tables. Peers: vLLM's Triton
 ``unified_attention`` (bf16 and fp8 KV) and FlashAttention-3 via ``vllm.vllm_flash_attn`` (bf16,
 and fp8 KV with an fp8 query as vLLM runs it). Timing: each call captured in a CUDA graph, its
-replays timed by ``triton.testing.do_bench`` (median, L2 flushed between runs, after warm-up). Writes one JSON file (records + copy bandwidth + versions)
-and prints a table.
+replays timed by ``triton.testing.do_bench`` (median, L2 flushed between runs, after warm-up).
+Writes one JSON file (records + copy bandwidth + versions) and prints a table.
 
     python3 scripts/bench_decode.py --out benchmarks/results/decode_h200.json
     python3 scripts/bench_decode.py --smoke     # CPU + TRITON_INTERPRET, tiny shapes, no timing
@@ -310,7 +310,9 @@ def main() -> None:
                         "warmup 30 ms, rep 200 ms",
               "copy_tb_s": copy_bandwidth(args.smoke), "records": []}
     print(f"copy bandwidth {result['copy_tb_s']:.2f} TB/s (read + write)", flush=True)
-    if not args.smoke:  # the first kernel timed in a process ran up to 2x slow: warm up untimed
+    # untimed warm-up (seconds): eagerly timed, the first kernel of a process read 2x (H200,
+    # 2026-12-01, before graph timing); kept as cheap insurance
+    if not args.smoke:
         bench_shape(args.batches[0], args.contexts[0], 1,
                     argparse.Namespace(**{**vars(args), "sweep": False, "no_peers": True}), gen)
     for batch in args.batches:

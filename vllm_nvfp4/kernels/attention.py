@@ -353,15 +353,15 @@ def _attend_tiles(
     """Online-softmax attention with the KEYS on the MMA M dimension and the ``M`` query columns
     (``qs`` from :func:`_keys_queries`, positions ``q_pos [M]``) on N, over the keys
     ``[lo, hi)`` of one sequence (``MASKED``: masking tokens at or past ``t_end``, causal and
-    window; else every token of every tile is visible to every column). NVFP4 block scales are applied per 16-element chunk,
-    never per element: each chunk ``c`` is one nibble plane of 16 words (the cache's
-    chunk-planar order, :mod:`vllm_nvfp4.layout`), so
+    window; else every token of every tile is visible to every column). NVFP4 block scales are
+    applied per 16-element chunk, never per element: each chunk ``c`` is one nibble plane of 16
+    words (the cache's chunk-planar order, :mod:`vllm_nvfp4.layout`), so
     ``s^T [TILE_N, M] = sum_c sk_c * (K_c [TILE_N, 16] . q_c^T [16, M])`` with ``sk_c [TILE_N]``
     the tokens' block scales, and ``acc_c^T [16, M] += V_c^T [16, TILE_N] . (sv_c * p)``. An FP8
     K or V is one dot per byte plane and tile (:func:`_fp8_planes`: even and odd columns of
     ``K . q^T``, ``V^T . p``). The raw K/V words and whole scale
-    rows are copied asynchronously (``tl.range`` stages) and each plane is decoded by one unary
-    inline asm in the MMA operand registers. Logits in log2 units: ``qk_scale`` includes log2(e)
+    rows are copied asynchronously (``tl.range`` stages) and decoded by unary inline asm in the
+    MMA operand registers. Logits in log2 units: ``qk_scale`` includes log2(e)
     (and the K dequant factor); with soft-cap, ``softcap`` is the cap and ``qk_scale`` excludes
     log2(e)."""
     C: tl.constexpr = D // 16
