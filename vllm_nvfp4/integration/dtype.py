@@ -54,10 +54,10 @@ class _DtypeHandler:
 
     name = CACHE_DTYPE
 
-    def torch_dtype(self, *args: Any, **kwargs: Any) -> torch.dtype:
+    def torch_dtype(self) -> torch.dtype:
         return CACHE_TORCH_DTYPE
 
-    def quant_mode(self, *args: Any, **kwargs: Any) -> Any:
+    def quant_mode(self) -> Any:
         from vllm.v1.kv_cache_interface import KVQuantMode
 
         return KVQuantMode.NONE
@@ -83,9 +83,11 @@ def register_dtype() -> str:
     if api is None:
         add_to_closed_literal()
         return "closed-literal (vLLM 0.32)"
-    try:
-        api(CACHE_DTYPE, _DtypeHandler())
-    except ValueError as e:  # already registered (a second register() in one process)
-        if "already" not in str(e).lower():
-            raise
+    from vllm.config import cache as cache_mod
+
+    # 0.33's API is a decorator factory: register_kv_cache_dtype(name)(HandlerClass); it
+    # instantiates the class. It warns (does not raise) on a second registration, so skip that.
+    lookup = getattr(cache_mod, "get_kv_cache_dtype_handler", None)
+    if lookup is None or not isinstance(lookup(CACHE_DTYPE), _DtypeHandler):
+        api(CACHE_DTYPE)(_DtypeHandler)
     return "register_kv_cache_dtype (vLLM >= 0.33)"
