@@ -262,7 +262,7 @@ def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexp
     if MASKED and ZERO_PAST_END:
         sc = tl.where(((t0 + tl.arange(0, N)) < t_end)[:, None], sc, 0.0)
     parts = (sc,)
-    for lvl in tl.static_range(4):
+    for lvl in tl.static_range(5):  # C <= 32 chunks (head_dim 512)
         if (C >> lvl) > 1:
             halves = ()
             for p in tl.static_range(1 << lvl):
