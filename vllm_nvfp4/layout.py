@@ -54,7 +54,7 @@ from typing import Literal
 
 import torch
 
-from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, bytes_per_head, check_kv_format
+from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, KVFormat, bytes_per_head, check_kv_format
 
 KV = Literal["k", "v"]
 PAGE_ALIGN = 16
@@ -112,12 +112,12 @@ class KVPageLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    k_format: str
-    v_format: str
+    k_format: KVFormat
+    v_format: KVFormat
 
     def __post_init__(self) -> None:
-        check_kv_format(self.k_format)
-        check_kv_format(self.v_format)
+        object.__setattr__(self, "k_format", check_kv_format(self.k_format))
+        object.__setattr__(self, "v_format", check_kv_format(self.v_format))
         if self.num_kv_heads <= 0:
             raise ValueError(f"num_kv_heads must be > 0, got {self.num_kv_heads}")
         if self.head_dim <= 0 or self.head_dim % NVFP4_BLOCK_SIZE != 0:
@@ -139,7 +139,7 @@ class KVPageLayout:
 
     def data_width(self, which: KV) -> int:
         """Bytes of one head vector in the data plane: D (fp8) or D/2 (nvfp4)."""
-        return self.head_dim if self.format_of(which) == "fp8" else self.head_dim // 2
+        return self.format_of(which).data_width(self.head_dim)
 
     @property
     def scales_per_head(self) -> int:
@@ -148,7 +148,7 @@ class KVPageLayout:
 
     def has_scales(self, which: KV) -> bool:
         """True when the plane is NVFP4 (it then has a block-scale plane)."""
-        return self.format_of(which) == "nvfp4"
+        return self.format_of(which).has_block_scales
 
     # ---- plane sizes and offsets (bytes) -----------------------------------------------------
     def data_bytes(self, which: KV) -> int:

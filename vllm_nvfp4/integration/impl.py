@@ -17,6 +17,7 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionType
 from vllm_nvfp4 import ops
 from vllm_nvfp4.key_transform import stored_keys
 from vllm_nvfp4.layout import KVPageLayout
+from vllm_nvfp4.formats import KVFormat
 from vllm_nvfp4.policy import DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE, LayerPolicy, Scale
 
 from vllm_nvfp4.integration.backend import Nvfp4MixedMetadata
@@ -43,11 +44,11 @@ def rank_heads(per_head: Sequence[T], total_heads: int, num_heads: int, tp_rank:
     return [per_head[tp_rank * total_heads // tp_size]] * num_heads
 
 
-def rank_scales(scale: Optional[Scale], fmt: str, total_heads: int, num_heads: int,
+def rank_scales(scale: Optional[Scale], fmt: KVFormat, total_heads: int, num_heads: int,
                 tp_rank: int, tp_size: int) -> list[float]:
     """This rank's per-KV-head scales from a policy entry (None: the documented default)."""
     if scale is None:
-        return [DEFAULT_FP8_SCALE if fmt == "fp8" else DEFAULT_NVFP4_GLOBAL_SCALE] * num_heads
+        return [KVFormat.parse(fmt).default_scale] * num_heads
     if not isinstance(scale, tuple):
         return [float(scale)] * num_heads
     return rank_heads(scale, total_heads, num_heads, tp_rank, tp_size)

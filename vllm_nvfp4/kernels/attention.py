@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_nvfp4.formats import KVFormat
 from vllm_nvfp4.kernels.cache_write import FMT_FP8, format_code
 
 
@@ -605,8 +606,8 @@ def launch_defaults(layout, decode: bool) -> LaunchShape:
     rows took 1.45x)."""
     tile = 32 if layout.head_dim >= 256 else 64
     if not decode:
-        return LaunchShape(tile, 2, 32) if layout.v_format == "fp8" else LaunchShape(tile, 1, 16)
-    if layout.k_format == "fp8" and layout.v_format == "fp8":
+        return LaunchShape(tile, 2, 32) if layout.v_format is KVFormat.FP8 else LaunchShape(tile, 1, 16)
+    if layout.k_format is KVFormat.FP8 and layout.v_format is KVFormat.FP8:
         return LaunchShape(64, 2)
     return LaunchShape(tile, 1)
 

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_nvfp4.formats import KVFormat
+
 FMT_FP8 = tl.constexpr(0)
 FMT_NVFP4 = tl.constexpr(1)
 
@@ -146,7 +148,7 @@ def _write_kv_kernel(
 
 def format_code(fmt: str) -> int:
     """Kernel constexpr of a KV format name."""
-    return int(FMT_FP8.value) if fmt == "fp8" else int(FMT_NVFP4.value)
+    return int(FMT_FP8.value) if KVFormat.parse(fmt) is KVFormat.FP8 else int(FMT_NVFP4.value)
 
 
 def write_kv_cache(
