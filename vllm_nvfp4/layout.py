@@ -23,13 +23,12 @@ Why this arrangement (for the decode kernel, which walks one KV head through a b
   (1 KiB of NVFP4 for B=16, D=128) - a single fully coalesced, 16-byte-aligned load.
 * The data plane holds only data, so every row starts 16-byte aligned (``D/2`` is a multiple of
   8 and ``B`` of 16), unlike vLLM's inline ``[D/2 | D/16]`` rows of 72 bytes that are only 8-byte
-  aligned and measured slower on the H200.
+  aligned and so need narrower loads.
 * Token-major scales: the attention kernels hold a token's partial scores (one per 16-element
   chunk) in the registers of one thread, which then needs all ``D/16`` scales of that token: one
-  8-byte shared-memory load for D=128 instead of one byte load per chunk (the chunk-major plane
-  of sessions 4-6; sm_90 compile check: 201 -> 91 shared-memory instructions and 30.3 -> 27.5
-  instructions per token-head in the decode loop). A (block, head) scale tile is still ``B * D/16``
-  contiguous bytes, one asynchronous copy.
+  8-byte shared-memory load for D=128 instead of one byte load per chunk, as a chunk-major
+  scale plane would need. A (block, head) scale tile is still ``B * D/16`` contiguous bytes, one
+  asynchronous copy.
 
 Chunk-planar nibble order of an NVFP4 data row (``D/2`` bytes of one token and head): the head
 vector is cut into groups of 64 elements (4 chunks of 16; a last group of ``D % 64`` elements has
