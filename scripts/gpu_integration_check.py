@@ -153,7 +153,7 @@ def main() -> int:
         a.out.write_text(json.dumps({**res, "checks": checks}, indent=1))
 
     from vllm_nvfp4.policy import KVPolicy
-    from vllm_nvfp4.tiny_model import build_tiny_llama
+    from vllm_nvfp4.testing.models import build_tiny_llama
 
     model_dir = build_tiny_llama(a.model_dir, num_layers=8, hidden=512 // q, heads=8, kv_heads=2,
                                  head_dim=128 // q, dtype="float16", max_pos=8192, qk_gain=0.5)
