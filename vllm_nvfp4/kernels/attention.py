@@ -80,6 +80,18 @@ def _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT: 
 
 
 @triton.jit
+def _softmax_start(sinks_ptr, qh, take, M: tl.constexpr, USE_SINKS: tl.constexpr):
+    """Initial online-softmax state ``(m [M], l [M])`` of the query heads ``qh [M]``: ``(-inf, 0)``,
+    or, with sinks, where ``take [M]``: the head's sink logit in log2 units and ``l = 1`` (its
+    ``exp2(sink - m)``), so the sink enters the softmax denominator once and adds no value. A
+    decode split other than the first starts without it (its partial merges with the first's)."""
+    m = tl.full([M], float("-inf"), tl.float32)
+    if USE_SINKS:
+        m = tl.load(sinks_ptr + qh, mask=take, other=float("-inf")).to(tl.float32) * LOG2E
+    return m, tl.where(m > float("-inf"), 1.0, 0.0)
+
+
+@triton.jit
 def _split_range(seq_len, window, split, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr,
                  USE_WINDOW: tl.constexpr):
     """Token range ``[t_begin, t_end)`` of one split-KV program of a decode query at
@@ -440,7 +452,7 @@ def _store_output(accs, scale, o_cols, col_ok, V_FMT: tl.constexpr, D: tl.conste
 
 @triton.jit
 def _decode_kernel(
-    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr,
+    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr,
     part_o_ptr, part_ml_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_bt,
@@ -449,19 +461,21 @@ def _decode_kernel(
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
+    F32: tl.constexpr,
 ):
     """Decode through :func:`_attend_keys`: the ``BG`` query columns are the GQA group of one
     KV head (padded, >= 8). Grid ``(seqs, kv_heads, splits)``; with splits, FP32 partials
-    ``(o, m, l)`` for :func:`_reduce_kernel`."""
+    ``(o, m, l)`` for :func:`_reduce_kernel`. Sinks: :func:`_softmax_start`."""
     seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_full, t_end = _decode_program(
         seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window, K_FMT, V_FMT,
         G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP)
     qs = _load_query_parts(query_ptr + tok * stride_qt + qh * stride_qh, row_ok, K_FMT, D, F32)
+    first_split = tl.full([BG], split, tl.int32) == 0  # the sink goes into one partial only
+    m_i, l_i = _softmax_start(sinks_ptr, qh, row_ok & first_split, BG, USE_SINKS)
     accs, m_i, l_i = _attend_keys(
         qs, tl.zeros([BG], dtype=tl.int32) + seq_len - 1, _zero_accumulators(V_FMT, D, BG),
-        tl.full([BG], float("-inf"), tl.float32), tl.zeros([BG], dtype=tl.float32),
-        cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
+        m_i, l_i, cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
         TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32)
     o_cols = _decode_out_rows(out_ptr, part_o_ptr, part_ml_ptr, m_i, l_i, tok, split, qh, row_ok,
@@ -530,7 +544,7 @@ def _prefill_program(seq_lens_ptr, qsl_ptr, num_seqs, window, G: tl.constexpr,
 
 @triton.jit
 def _prefill_kernel(
-    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr,
+    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_bt,
     softmax_scale, softcap, window,
@@ -538,11 +552,12 @@ def _prefill_kernel(
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
+    F32: tl.constexpr,
 ):
     """Prefill through :func:`_attend_keys` (keys on the MMA M dimension, the program's
     ``BLOCK_Q * G_PAD`` query rows as columns, causal); grid ``(query blocks + seqs,
-    kv_heads)``, see :func:`_prefill_program`."""
+    kv_heads)``, see :func:`_prefill_program`. Sinks: :func:`_softmax_start`."""
     seq, h, active, tok, qh, row_ok, q_pos, t_begin, t_full, t_end = _prefill_program(
         seq_lens_ptr, qsl_ptr, num_seqs, window, G, G_PAD, BLOCK_Q, TILE_N, USE_WINDOW)
     if not active:
@@ -551,9 +566,9 @@ def _prefill_kernel(
     qk_scale, vf = _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT,
                                             V_FMT, USE_SOFTCAP)
     qs = _load_query_parts(query_ptr + tok * stride_qt + qh * stride_qh, row_ok, K_FMT, D, F32)
+    m_i, l_i = _softmax_start(sinks_ptr, qh, row_ok, BLOCK_M, USE_SINKS)
     accs, m_i, l_i = _attend_keys(
-        qs, q_pos, _zero_accumulators(V_FMT, D, BLOCK_M),
-        tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
+        qs, q_pos, _zero_accumulators(V_FMT, D, BLOCK_M), m_i, l_i,
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
         TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32)
@@ -626,7 +641,7 @@ def launch_defaults(layout, decode: bool) -> LaunchShape:
     return LaunchShape(tile, 1)
 
 
-def _layout_constexprs(layout, device: torch.device, softcap, window) -> dict:
+def _layout_constexprs(layout, device: torch.device, softcap, window, sinks) -> dict:
     """Kernel constexprs shared by decode and prefill."""
     f32 = device.type != "cuda"  # the interpreter: fp32 math (its fp16/bf16 dots are unreliable)
     return dict(
@@ -634,7 +649,8 @@ def _layout_constexprs(layout, device: torch.device, softcap, window) -> dict:
         K_DATA=layout.k_data_offset, K_SCALE=layout.k_scale_offset,
         V_DATA=layout.v_data_offset, V_SCALE=layout.v_scale_offset,
         D=layout.head_dim, BLOCK=layout.block_size,
-        USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None, F32=f32,
+        USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None,
+        USE_SINKS=sinks is not None, F32=f32,
     )
 
 
@@ -653,6 +669,7 @@ def paged_attention(
     out: torch.Tensor,
     sliding_window: Optional[int] = None,
     logits_soft_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
     launch: Optional[LaunchShape] = None,
 ) -> torch.Tensor:
     """Launch decode (``max_query_len == 1``) or prefill kernels; arguments as in
@@ -661,11 +678,12 @@ def paged_attention(
     decode = max_query_len == 1
     num_seqs = seq_lens.shape[0]
     d = layout.head_dim
-    meta = _layout_constexprs(layout, query.device, logits_soft_cap, sliding_window)
+    meta = _layout_constexprs(layout, query.device, logits_soft_cap, sliding_window, sinks)
     g = query.shape[1] // layout.num_kv_heads
     softcap = float(logits_soft_cap or 1.0)
     window = int(sliding_window or 0)
     g_pad = triton.next_power_of_2(g)
+    sink_arg = k_scale if sinks is None else sinks  # never read without sinks (USE_SINKS)
     common_args = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                    cache.stride(0), block_table.stride(0), softmax_scale, softcap, window)
     shape = launch or launch_defaults(layout, decode)
@@ -684,7 +702,7 @@ def paged_attention(
         else:
             part_o = part_ml = out  # unused
         _decode_kernel[(num_seqs, layout.num_kv_heads, splits)](
-            query, out, cache, k_scale, v_scale, block_table, seq_lens, query_start_loc,
+            query, out, cache, k_scale, v_scale, sink_arg, block_table, seq_lens, query_start_loc,
             part_o, part_ml, *common_args,
             HQ=hq, G=g, BG=bg, TILE_N=tn, NUM_SPLITS=splits, **meta,
             num_warps=warps, num_stages=shape.num_stages or 3,
@@ -700,7 +718,8 @@ def paged_attention(
     block_q = block_m // g_pad
     grid = (query.shape[0] // block_q + num_seqs, layout.num_kv_heads)
     _prefill_kernel[grid](
-        query, out, cache, k_scale, v_scale, block_table, seq_lens, query_start_loc, num_seqs,
+        query, out, cache, k_scale, v_scale, sink_arg, block_table, seq_lens, query_start_loc,
+        num_seqs,
         *common_args,
         G=g, G_PAD=g_pad, BLOCK_Q=block_q, TILE_N=tn, **meta,
         num_warps=warps, num_stages=shape.num_stages or 2,
