@@ -323,14 +323,21 @@ def test_sinks_split_decode(splits, window):
 HYBRID_SHAPES = [(2, 8, 64), (4, 6, 64), (1, 8, 512), (1, 5, 256)]
 
 
+#: GPU: every shape x every format pair; interpreter: one pair per shape and kind, rotating
+HYBRID_CASES = (
+    [(shape, j) for shape in range(len(HYBRID_SHAPES)) for j in range(4)]
+    if CUDA else [(shape, shape) for shape in range(len(HYBRID_SHAPES))]
+)
+
+
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
-@pytest.mark.parametrize("i", range(4))
-def test_hybrid_model_shapes(kind, i):
-    """The GQA ratios and head dims of the hybrid / sliding-window models in both kernels, each
-    with another format pair, sinks on every other case, a window on the others."""
+@pytest.mark.parametrize("i,j", HYBRID_CASES)
+def test_hybrid_model_shapes(kind, i, j):
+    """The GQA ratios and head dims of the hybrid / sliding-window models in both kernels (their
+    default launch shapes), sinks on every other case, a window on the others."""
     hkv, group, d = HYBRID_SHAPES[i]
-    kf, vf = FMT_PAIRS[(i + (kind == "prefill")) % 4]
-    with_sinks = (i + (kind == "prefill")) % 2 == 0
+    kf, vf = FMT_PAIRS[(j + (kind == "prefill")) % 4]
+    with_sinks = (j + (kind == "prefill")) % 2 == 0
     window = None if with_sinks else 13
     lay = KVPageLayout(hkv, d, 16, kf, vf)
     batch = make_batch(lay, _short_mix(kind), hkv * group, device=DEV, seed=d + group,
@@ -355,6 +362,34 @@ def test_half_precision_full_size(dtype, kind):
     assert_close_rel(got, fast_reference(batch, 1.0 / math.sqrt(128)), 1e-2)
     torch_path = run_attention(batch, backend="torch")
     assert_close_rel(got, torch_path.double().cpu(), 1e-2)
+
+
+@pytest.mark.skipif(not CUDA, reason="half-precision kernel math needs the GPU")
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("d,kf,vf", [(256, "nvfp4", "nvfp4"), (512, "nvfp4", "nvfp4"),
+                                     (512, "fp8", "fp8"), (512, "nvfp4", "fp8")])
+def test_hybrid_full_size_bf16(kind, d, kf, vf):
+    """bf16 at full size, head_dim 256/512, GQA 8:1, sinks and a window of 1024 (Gemma 3's),
+    against float64 and the torch path; the decode also in a CUDA graph."""
+    lay = KVPageLayout(2, d, 16, kf, vf)
+    seqs = [(4099, 1)] * 3 + [(700, 1)] if kind == "decode" else [(2048, 2048), (3000, 300)]
+    batch = make_batch(lay, seqs, 16, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+                       device=DEV, seed=d, write_backend=WRITE)
+    sinks = random_sinks(16, seed=d, device=DEV)
+    got = run_attention(batch, backend="triton", sliding_window=1024, sinks=sinks)
+    assert_close_rel(got, fast_reference(batch, 1.0 / math.sqrt(d), 1024, None, sinks), 1e-2)
+    torch_path = run_attention(batch, backend="torch", sliding_window=1024, sinks=sinks)
+    assert_close_rel(got, torch_path.double().cpu(), 1e-2)
+    if kind == "decode":
+        out = torch.empty_like(batch.query)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ops.paged_attention(batch.query, batch.cache, lay, batch.k_scale, batch.v_scale,
+                                batch.block_table, batch.seq_lens, batch.query_start_loc, 1,
+                                batch.max_seq_len, 1.0 / math.sqrt(d), out, 1024, None, sinks)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, got)
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need the GPU")

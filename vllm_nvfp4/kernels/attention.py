@@ -626,13 +626,31 @@ class LaunchShape:
             raise ValueError(f"query_rows must be a power of 2, got {self.query_rows}")
 
 
+def _launch_defaults_512(layout, decode: bool) -> LaunchShape:
+    """Head_dim 512 (Gemma 4's global layers), chosen by the fewest spills in the sm_90 compile
+    check (``benchmarks/compile_sm90.py --head-dim 512 --group 8``), not timed: the output
+    accumulators alone take 128 registers per thread in one warp. Decode: FP8 / FP8 64 keys x 4
+    warps (no spill), with an NVFP4 plane 16 keys x 1 warp. Prefill: FP8 / FP8 32 keys x 4 warps
+    x 16 rows (no spill); NVFP4 K / FP8 V 16 keys x 2 warps x 8 rows (no spill); an NVFP4 V
+    16 keys x 1 warp x 8 rows."""
+    fp8_k, fp8_v = layout.k_format is KVFormat.FP8, layout.v_format is KVFormat.FP8
+    if decode:
+        return LaunchShape(64, 4) if fp8_k and fp8_v else LaunchShape(16, 1)
+    if fp8_v:
+        return LaunchShape(32, 4, 16) if fp8_k else LaunchShape(16, 2, 8)
+    return LaunchShape(16, 1, 8)
+
+
 def launch_defaults(layout, decode: bool) -> LaunchShape:
     """The launch shape of ``layout`` (decode or prefill), chosen by timing on Hopper.
 
     Decode: 64 keys per tile, 1 warp, or 2 for FP8 K and V; with an NVFP4 plane 32 keys at
     head_dim 256 (64 exceed the register file; FP8 / FP8 at head_dim 256 keeps 64 keys x 2 warps,
     which compiles for sm_90 without spills where 32 keys x 1 warp spills). Prefill: 64 keys
-    (32 at head_dim 256); with an FP8 V 2 warps x 32 query rows, else 1 warp x 16 rows."""
+    (32 at head_dim 256); with an FP8 V 2 warps x 32 query rows, else 1 warp x 16 rows.
+    Head_dim 512: :func:`_launch_defaults_512`."""
+    if layout.head_dim > 256:
+        return _launch_defaults_512(layout, decode)
     tile = 32 if layout.head_dim >= 256 else 64
     if not decode:
         return LaunchShape(tile, 2, 32) if layout.v_format is KVFormat.FP8 else LaunchShape(tile, 1, 16)
