@@ -74,6 +74,7 @@ def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: st
         const.update(PREFETCH="nvfp4" in (lay.k_format, lay.v_format))
     for k, v in const.items():
         sig[k] = "constexpr"
+    sig = {n: sig[n] for n in fn.arg_names}  # the kernel's argument order (indices below)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
              if n.endswith("_ptr") or n in ("stride_qt", "stride_blk")}
     return ASTSource(fn=fn, signature=sig, constexprs={(list(sig).index(k),): v

@@ -80,15 +80,18 @@ def _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT: 
 
 
 @triton.jit
-def _softmax_start(sinks_ptr, qh, take, M: tl.constexpr, USE_SINKS: tl.constexpr):
-    """Initial online-softmax state ``(m [M], l [M])`` of the query heads ``qh [M]``: ``(-inf, 0)``,
-    or, with sinks, where ``take [M]``: the head's sink logit in log2 units and ``l = 1`` (its
-    ``exp2(sink - m)``), so the sink enters the softmax denominator once and adds no value. A
-    decode split other than the first starts without it (its partial merges with the first's)."""
-    m = tl.full([M], float("-inf"), tl.float32)
-    if USE_SINKS:
-        m = tl.load(sinks_ptr + qh, mask=take, other=float("-inf")).to(tl.float32) * LOG2E
-    return m, tl.where(m > float("-inf"), 1.0, 0.0)
+def _fold_sinks(sinks_ptr, qh, take, m_i, l_i):
+    """Fold the attention sinks of the query heads ``qh [M]`` (where ``take``) into a finished
+    online softmax ``(m_i, l_i)`` (log2 units): the sink is one more logit without a value, so
+    ``m = max(m_i, sink)``, ``l = l_i * keep + exp2(sink - m)``; returns ``(m, l, keep)`` with
+    ``keep = exp2(m_i - m)`` the factor of the accumulated values. Applied once after the tile
+    loop, which stays the same with and without sinks; a decode split other than the first takes
+    no sink (``take`` False: ``(m_i, l_i, 1)``), its partial merges with the first's."""
+    sink = tl.load(sinks_ptr + qh, mask=take, other=float("-inf")).to(tl.float32) * LOG2E
+    m = tl.maximum(m_i, sink)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    keep = tl.exp2(m_i - m_safe)
+    return m, l_i * keep + tl.exp2(sink - m_safe), keep
 
 
 @triton.jit
@@ -466,18 +469,21 @@ def _decode_kernel(
 ):
     """Decode through :func:`_attend_keys`: the ``BG`` query columns are the GQA group of one
     KV head (padded, >= 8). Grid ``(seqs, kv_heads, splits)``; with splits, FP32 partials
-    ``(o, m, l)`` for :func:`_reduce_kernel`. Sinks: :func:`_softmax_start`."""
+    ``(o, m, l)`` for :func:`_reduce_kernel`. Sinks: :func:`_fold_sinks`."""
     seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_full, t_end = _decode_program(
         seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window, K_FMT, V_FMT,
         G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP)
     qs = _load_query_parts(query_ptr + tok * stride_qt + qh * stride_qh, row_ok, K_FMT, D, F32)
-    first_split = tl.full([BG], split, tl.int32) == 0  # the sink goes into one partial only
-    m_i, l_i = _softmax_start(sinks_ptr, qh, row_ok & first_split, BG, USE_SINKS)
     accs, m_i, l_i = _attend_keys(
         qs, tl.zeros([BG], dtype=tl.int32) + seq_len - 1, _zero_accumulators(V_FMT, D, BG),
-        m_i, l_i, cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
+        tl.full([BG], float("-inf"), tl.float32), tl.zeros([BG], dtype=tl.float32),
+        cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
         TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32)
+    if USE_SINKS:  # into the first split's partial only
+        first_split = tl.full([BG], split, tl.int32) == 0
+        m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok & first_split, m_i, l_i)
+        vf = vf * keep
     o_cols = _decode_out_rows(out_ptr, part_o_ptr, part_ml_ptr, m_i, l_i, tok, split, qh, row_ok,
                               stride_ot, stride_oh, HQ, D, NUM_SPLITS)
     _store_output(accs, vf / tl.where(l_i == 0.0, 1.0, l_i), o_cols, row_ok, V_FMT, D)
@@ -557,7 +563,7 @@ def _prefill_kernel(
 ):
     """Prefill through :func:`_attend_keys` (keys on the MMA M dimension, the program's
     ``BLOCK_Q * G_PAD`` query rows as columns, causal); grid ``(query blocks + seqs,
-    kv_heads)``, see :func:`_prefill_program`. Sinks: :func:`_softmax_start`."""
+    kv_heads)``, see :func:`_prefill_program`. Sinks: :func:`_fold_sinks`."""
     seq, h, active, tok, qh, row_ok, q_pos, t_begin, t_full, t_end = _prefill_program(
         seq_lens_ptr, qsl_ptr, num_seqs, window, G, G_PAD, BLOCK_Q, TILE_N, USE_WINDOW)
     if not active:
@@ -566,12 +572,15 @@ def _prefill_kernel(
     qk_scale, vf = _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT,
                                             V_FMT, USE_SOFTCAP)
     qs = _load_query_parts(query_ptr + tok * stride_qt + qh * stride_qh, row_ok, K_FMT, D, F32)
-    m_i, l_i = _softmax_start(sinks_ptr, qh, row_ok, BLOCK_M, USE_SINKS)
     accs, m_i, l_i = _attend_keys(
-        qs, q_pos, _zero_accumulators(V_FMT, D, BLOCK_M), m_i, l_i,
+        qs, q_pos, _zero_accumulators(V_FMT, D, BLOCK_M),
+        tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
         TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32)
+    if USE_SINKS:
+        m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok, m_i, l_i)
+        vf = vf * keep
     _store_output(accs, vf / tl.where(l_i == 0.0, 1.0, l_i), out_ptr + tok * stride_ot
                 + qh * stride_oh, row_ok, V_FMT, D)
 
