@@ -99,7 +99,7 @@ def our_cache(lay: KVPageLayout, b: Batch, device: str, gen: torch.Generator) ->
                 if device == "cpu" else torch.randint(0, 256, cache.shape, dtype=torch.uint8,
                                                       device=device))
     for which in ("k", "v"):
-        if lay.format_of(which) == "fp8":
+        if not lay.has_scales(which):  # FP8
             lay.data_plane(cache, which).bitwise_and_(0xBF)
         else:
             sp = lay.scale_plane(cache, which)
