@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Write a weight-less model directory for speed benchmarks: ``config.json`` + a tokenizer.
 
 vLLM runs it with ``load_format="dummy"`` (random weights initialised on the GPU, no checkpoint
@@ -18,7 +17,7 @@ Presets (``--preset``):
   (quick GPU runs: same head geometry per KV head, a fraction of the weights).
 * ``tiny``:    2 layers, hidden 128, 4 / 2 heads, head_dim 32, vocab 512 (CPU tests).
 
-usage: python3 scripts/make_random_model.py OUT_DIR [--preset llama8b] [--max-pos N]
+usage: python -m benchmarks.e2e.model OUT_DIR [--preset llama8b] [--max-pos N]
 """
 
 from __future__ import annotations
