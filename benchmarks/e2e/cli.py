@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--request-rate", default="inf", help="--request-rate (requests/s; inf: all at once)")
     g.add_argument("--bench-serve-args", default="", help="more `vllm bench serve` arguments (one string)")
     g.add_argument("--port", type=int, default=8123)
+    g.add_argument("--serve-start-s", type=float, default=900.0,
+                   help="give up on a server whose /health has not answered after this long")
     g = ap.add_argument_group("time budget (optional)")
     g.add_argument("--budget-s", type=float, default=None, help="wall-clock budget of the whole run; "
                    "without it nothing is skipped or killed")

@@ -112,7 +112,7 @@ def run_serve(a: Namespace, cfg: BenchConfig, policy: Optional[str], deadline: f
         lf.flush()
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            if not wait_healthy(a.port, proc, deadline - 30):
+            if not wait_healthy(a.port, proc, min(deadline - 30, t0 + a.serve_start_s)):
                 why = "server exited" if proc.poll() is not None else "no /health before the deadline"
                 rec.write("error", what=f"serve {cfg.name}", error=why, start_s=round(time.time() - t0, 1))
                 log(f"serve {cfg.name}: {why} (see {SERVE_LOG})")
