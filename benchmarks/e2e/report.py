@@ -107,6 +107,10 @@ def check_targets(ratios: dict[str, Any], targets: list[dict]) -> dict[str, dict
     return out
 
 
+def _num(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def summary_table(records: list[dict], ratios: dict, targets: dict[str, dict]) -> str:
     """The short table printed last: per configuration and context, engine start, KV tokens,
     capacity vs fp8, TTFT and the decode stages (``batch:tok/s(ms/token)``), then errors,
@@ -133,10 +137,12 @@ def summary_table(records: list[dict], ratios: dict, targets: dict[str, dict]) -
             why = str(r.get("error", r.get("reason", "")))[:150]
             lines.append(f"{r.get('config', '?'):12s} {r['kind'].upper()}: {r.get('what', '')} {why}")
         if r["kind"] == "bench_serve":
+            v = {k: _num(r.get(k)) for k in ("output_throughput", "median_ttft_ms", "p99_ttft_ms",
+                                              "median_tpot_ms", "median_e2el_ms")}
             lines.append(f"serve {r['config']}: {r.get('completed')} requests, "
-                         f"{r.get('output_throughput')} output tok/s, TTFT median/p99 "
-                         f"{r.get('median_ttft_ms')}/{r.get('p99_ttft_ms')} ms, TPOT median "
-                         f"{r.get('median_tpot_ms')} ms, E2E median {r.get('median_e2el_ms')} ms")
+                         f"{v['output_throughput']} output tok/s, TTFT median/p99 "
+                         f"{v['median_ttft_ms']}/{v['p99_ttft_ms']} ms, TPOT median "
+                         f"{v['median_tpot_ms']} ms, E2E median {v['median_e2el_ms']} ms")
     for name, t in targets.items():
         bounds = " ".join(f"{k} {t[k]}" for k in ("min", "max") if k in t)
         lines.append(f"target {name}: value {t['value']} ({bounds}) met {t['met']}")
