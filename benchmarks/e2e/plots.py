@@ -44,8 +44,9 @@ def plot_summary(summary_path: Path, plot_dir: Path) -> list[Path]:
     dec = [r for r in recs if r["kind"] == "decode"]
     if dec:
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        fig.suptitle("Decode throughput" + suffix, fontsize=10)
         for ax, key, title in ((axes[0], "ref", "at fp8's largest batch"),
-                               (axes[1], "max", "at each config's largest batch")):
+                               (axes[1], "max", "at each configuration's largest batch")):
             for name in dict.fromkeys(r["config"] for r in dec):
                 pts = sorted((r["context"], r["tok_per_s"], r["batch"]) for r in dec
                              if r["config"] == name and key in r["label"].split("+"))
@@ -57,7 +58,7 @@ def plot_summary(summary_path: Path, plot_dir: Path) -> list[Path]:
             ax.set_ylim(bottom=0)  # a zoomed axis would magnify a 2% gap into a cliff
             ax.set_xlabel("prompt tokens")
             ax.set_ylabel("decode output tokens/s")
-            ax.set_title(f"Decode throughput {title}{suffix}", fontsize=9)
+            ax.set_title(title, fontsize=9)
             ax.legend(fontsize=8)
         fig.tight_layout()
         out.append(plot_dir / "e2e_decode.png")
