@@ -41,7 +41,8 @@ if ! plugin_visible; then
   plugin_visible || die "the vllm.general_plugins entry point nvfp4_mixed is not visible"
   say "plugin entry point from $NVFP4_META (vllm-nvfp4 is not pip-installed)"
 fi
-"$PYTHON" - "${REQUIRE_VLLM:-1}" <<'PY' || die "vllm is not importable: pip install vllm==0.32.0 (or set VLLM_BUNDLE)"
+"$PYTHON" - "${REQUIRE_VLLM:-1}" <<'PY' \
+  || die "vllm is not importable: pip install vllm==0.32.0 (or set VLLM_BUNDLE)"
 import importlib.util, platform, sys
 from importlib.metadata import PackageNotFoundError, version
 def v(name):

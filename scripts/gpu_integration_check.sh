@@ -52,7 +52,8 @@ serve_check() {  # vllm serve in its own process group, /health, one completion,
       && case $resp in *'"choices"'*'"text"'*) rc=0 ;; esac
     say "serve: completion: ${resp:0:400}"
   else
-    say "serve: $(kill -0 "$pid" 2>/dev/null && echo "no /health within ${wait}s" || echo "server exited") (see serve.log)"
+    if kill -0 "$pid" 2>/dev/null; then say "serve: no /health within ${wait}s (see serve.log)"
+    else say "serve: the server exited (see serve.log)"; fi
   fi
   grep -aE "KV policy from|Using .* backend|Error|Traceback" "$OUT/serve.log" | head -5 | cut -c1-300
   kill -TERM -- "-$pid" 2>/dev/null

@@ -3,9 +3,9 @@
 Covers the command line (and a ``--dry-run`` of the entry point), the capacity arithmetic against
 the library's, the stage plan, the optional budget, records and their merging, ratios, targets
 from the shipped TOML file, the table, the kernel split of a generated trace, the ``vllm bench
-serve`` command (parsed by vLLM's own parser) and result fields, the weight-less model directory,
-the plugin dist-info for a vLLM without pip, and the plots. The engine path is exercised by
-``python -m benchmarks.e2e --out DIR --cpu-tiny`` (minutes on 2 cores, too slow for here).
+serve`` command (parsed by vLLM's own parser) and result fields, the model shape of a weight-less
+model directory, the plugin dist-info for a vLLM without pip, and the plots. The engine path is
+exercised by ``python -m benchmarks.e2e --out DIR --cpu-tiny`` (minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import pytest
 
 from benchmarks.e2e import budget, capacity, configs, orchestrate, records, report, serve, trace
 from benchmarks.e2e.cli import DEFAULT_TARGETS, parse_args
-from benchmarks.e2e.model import make_random_model, weight_bytes
 from benchmarks.e2e.worker import engine_kwargs
 from vllm_nvfp4.policy import KVPolicy
+from vllm_nvfp4.testing.models import build_weightless_model
 
 REPO = Path(__file__).resolve().parent.parent
 L8B = capacity.ModelShape(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, hidden=4096,
@@ -156,22 +156,7 @@ def test_max_batch_estimate_and_stages():
 
 
 def test_model_shape_from_a_written_model(tmp_path):
-    shape = capacity.ModelShape.from_model_dir(make_random_model(tmp_path / "m", "llama8b"))
-    assert shape == L8B
-    assert weight_bytes("llama8b") == pytest.approx(16.06e9, rel=1e-3)
-    assert not list((tmp_path / "m").glob("*.safetensors"))  # weights come from load_format=dummy
-
-
-def test_random_model_tokenizer_decodes_every_id(tmp_path):
-    from tokenizers import Tokenizer
-
-    out = make_random_model(tmp_path / "t", "tiny")
-    assert make_random_model(out, "tiny") == out  # reused
-    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
-    assert tok.get_vocab_size() == vocab
-    assert tok.decode(tok.encode("def f(x): return x + 1").ids) == "def f(x): return x + 1"
-    assert tok.decode([vocab - 1]).startswith("tok") and tok.token_to_id("</s>") == 2
+    assert capacity.ModelShape.from_model_dir(build_weightless_model(tmp_path / "m", "llama8b")) == L8B
 
 
 # ---------------------------------------------------------------- budget
@@ -231,7 +216,8 @@ def test_latest_and_merge_records():
            dict(kind="ttft", config="auto", context=1, ttft_s=8.0),
            dict(kind="bench_serve", config="fp8", completed=1),
            dict(kind="bench_serve", config="auto", completed=2)]
-    now = [dict(kind="engine", config="fp8", capacity_tokens=5), dict(kind="ttft", config="fp8", context=1, ttft_s=1.0)]
+    now = [dict(kind="engine", config="fp8", capacity_tokens=5),
+           dict(kind="ttft", config="fp8", context=1, ttft_s=1.0)]
     merged = records.merge_records(old, now, measured_now=["fp8"], served_now=["auto"])
     assert [r for r in merged if r["kind"] == "ttft"] == [old[1], now[1]]  # fp8's old TTFT replaced
     assert [r["config"] for r in merged if r["kind"] == "bench_serve"] == ["fp8"]  # auto served again
@@ -282,7 +268,8 @@ def test_targets_without_fp8_and_bad_targets_files(tmp_path):
 def test_summary_table_mentions_everything():
     recs = [dict(kind="ttft", config="nvfp4-mixed", context=8192, ttft_s=5.195)] + _records()
     ratios = report.compute_ratios(recs, [32768, 8192])
-    text = report.summary_table(recs, ratios, report.check_targets(ratios, report.load_targets(DEFAULT_TARGETS)))
+    targets = report.check_targets(ratios, report.load_targets(DEFAULT_TARGETS))
+    text = report.summary_table(recs, ratios, targets)
     assert "nvfp4-mixed" in text and "48:1400(34.3)" in text and "ERROR: worker boom" in text
     assert "serve fp8: 64 requests, 5000.0 output tok/s, TTFT median/p99 100.0/300.0 ms" in text
     assert "target decode_32k: value 1.4 (min 1.3) met True" in text
@@ -336,7 +323,8 @@ def test_bench_serve_command_parses_with_vllms_own_parser():
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
     ns = parser.parse_args(cmd[5:])
-    assert (ns.max_concurrency, ns.num_prompts, ns.random_input_len, ns.random_output_len) == (7, 21, 2048, 128)
+    assert (ns.max_concurrency, ns.num_prompts) == (7, 21)
+    assert (ns.random_input_len, ns.random_output_len) == (2048, 128)
     assert ns.ignore_eos and ns.save_result and ns.result_filename == "bench_serve_x.json"
     assert ns.request_rate == math.inf and ns.num_warmups == 2 and ns.base_url == "http://127.0.0.1:8123"
     server = serve.serve_command(a, configs.CONFIGS["fp8"])

@@ -7,9 +7,9 @@
     python -m benchmarks.e2e --plot out/e2e/e2e_summary.json
 
 Run from the repository root. The model is a weight-less Llama-3.1-8B-shaped directory
-(``--preset``; :mod:`benchmarks.e2e.model`) that vLLM fills with random weights
-(``load_format="dummy"``): speed does not depend on the weights' values. ``--model DIR`` runs a
-real checkpoint's directory instead (still with dummy weights).
+(``--preset``; :func:`vllm_nvfp4.testing.models.build_weightless_model`) that vLLM fills with
+random weights (``load_format="dummy"``): speed does not depend on the weights' values.
+``--model DIR`` runs a real checkpoint's directory instead (still with dummy weights).
 
 One engine per configuration, each in its own process. Per configuration, in this order:
 
@@ -51,5 +51,5 @@ stages that would not fit are skipped and recorded, a worker past its deadline i
 Modules: ``configs`` (the matrix), ``capacity`` (bytes per token from :mod:`vllm_nvfp4.policy`,
 largest batch, stages), ``stepping`` (engine stepping), ``worker`` (one configuration), ``trace``
 (kernel split), ``serve`` (``vllm serve`` + ``vllm bench serve``), ``records``, ``report``
-(ratios, targets, table), ``budget``, ``orchestrate``, ``plots``, ``model``, ``cli``.
+(ratios, targets, table), ``budget``, ``orchestrate``, ``plots``, ``cli``.
 """

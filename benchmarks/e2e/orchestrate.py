@@ -26,10 +26,10 @@ from benchmarks.e2e import report
 from benchmarks.e2e.budget import Budget
 from benchmarks.e2e.capacity import ModelShape, bytes_per_token_by_config
 from benchmarks.e2e.configs import CONFIGS, REFERENCE, policy_for
-from benchmarks.e2e.model import PRESETS, make_random_model
 from benchmarks.e2e.records import RECORDS, Recorder, latest, merge_records, prior_records, read_records
 from benchmarks.e2e.serve import bench_serve_command, run_serve, serve_command
 from benchmarks.e2e.worker import log
+from vllm_nvfp4.testing.models import PRESETS, build_weightless_model
 
 REPO = Path(__file__).resolve().parents[2]
 SUMMARY = "e2e_summary.json"
@@ -175,8 +175,8 @@ def prepare_model(a: Namespace) -> None:
     only where the preset has fewer than the run needs)."""
     if a.model is None:
         need = a.max_model_len + 1024
-        a.model = str(make_random_model(a.model_dir, a.preset,
-                                        need if need > PRESETS[a.preset]["max_pos"] else None))
+        a.model = str(build_weightless_model(a.model_dir, a.preset,
+                                             need if need > PRESETS[a.preset]["max_pos"] else None))
 
 
 def plan(a: Namespace) -> dict[str, Any]:

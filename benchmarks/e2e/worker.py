@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from benchmarks.e2e import trace
-from benchmarks.e2e.capacity import ModelShape, bytes_per_token_by_config, estimate_batch, max_batch, plan_stages
+from benchmarks.e2e.capacity import (ModelShape, bytes_per_token_by_config, estimate_batch, max_batch,
+                                     plan_stages)
 from benchmarks.e2e.configs import CONFIGS, REFERENCE, capture_sizes_for, policy_for
 from benchmarks.e2e.records import RECORDS, Recorder
 from benchmarks.e2e.stepping import Stepper, decode_window, measure_ttft, prefill_stage
@@ -118,8 +119,9 @@ class Worker:
             return (max_batch(cc.num_gpu_blocks * cc.block_size, context, self.a.headroom,
                               cc.block_size, self.a.max_batch), "this engine (fp8 is the reference)")
         kv_bytes = cc.num_gpu_blocks * cc.block_size * self.bpt[self.cfg.name]
-        return (estimate_batch(kv_bytes, self.bpt[REFERENCE], context, self.a.headroom, cc.block_size,
-                               self.a.max_batch), "estimated from this engine's KV bytes / fp8's bytes per token")
+        b = estimate_batch(kv_bytes, self.bpt[REFERENCE], context, self.a.headroom, cc.block_size,
+                           self.a.max_batch)
+        return b, "estimated from this engine's KV bytes / fp8's bytes per token"
 
     def decode_context(self, st: Stepper, context: int, own_max: int, ttft_s: float, soft: bool) -> None:
         """Growing decode stages over one prefill at ``context`` (plan against the soft deadline
