@@ -4,7 +4,8 @@ Covers the command line (and a ``--dry-run`` of the entry point), the capacity a
 the library's, the stage plan, the optional budget, records and their merging, ratios, targets
 from the shipped TOML file, the table, the kernel split of a generated trace, the ``vllm bench
 serve`` command (parsed by vLLM's own parser) and result fields, the model shape of a weight-less
-model directory, the plugin dist-info for a vLLM without pip, and the plots. The engine path is
+model directory, the plugin dist-info for a vLLM without pip, the plots, engine stepping against a
+scripted engine, and the server health poll and process-group stop. The real engine path is
 exercised by ``python -m benchmarks.e2e --out DIR --cpu-tiny`` (minutes on 2 cores).
 """
 
@@ -16,6 +17,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from argparse import Namespace
 from pathlib import Path
 
@@ -383,3 +385,86 @@ def test_plot_summary(tmp_path):
     assert [f.name for f in files] == ["e2e_capacity.png", "e2e_decode.png"]
     assert all(f.stat().st_size > 1000 for f in files)
     assert parse_args(["--plot", str(path)]).plot == str(path)
+
+
+# ---------------------------------------------------------------- engine stepping, server handling
+
+class _ScriptedEngine:
+    """An engine double with LLMEngine's stepping interface: a request gets its first token two
+    steps after it was added, then one token per step until ``max_tokens``."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, list[int]] = {}  # id -> [steps seen, tokens made, max_tokens]
+
+    def add_request(self, rid, prompt, params) -> None:
+        assert len(prompt["prompt_token_ids"]) == 12 and params.ignore_eos
+        self.requests[rid] = [0, 0, params.max_tokens]
+
+    def step(self) -> list:
+        outs = []
+        for rid, r in list(self.requests.items()):
+            r[0] += 1
+            new = 1 if r[0] >= 2 else 0
+            r[1] += new
+            done = r[1] >= r[2]
+            outs.append(Namespace(request_id=rid, finished=done,
+                                  outputs=[Namespace(token_ids=[7] * new)]))
+            if done:
+                del self.requests[rid]
+        return outs
+
+    def abort_request(self, ids) -> None:
+        for rid in ids:
+            self.requests.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+
+def test_stepper_prefill_stage_and_decode_window():
+    pytest.importorskip("vllm")
+    from benchmarks.e2e.stepping import Stepper, decode_window, measure_ttft, prefill_stage
+
+    st = Stepper(_ScriptedEngine(), vocab=100, seed=0)
+    assert measure_ttft(st, 12) > 0 and not st.running()  # max_tokens=1: finished with its token
+    ids, _, steps = prefill_stage(st, 3, 12, max_tokens=50, deadline=math.inf)
+    assert steps == 2 and st.all_started(ids)
+    more, _, _ = prefill_stage(st, 2, 12, max_tokens=50, deadline=math.inf)
+    assert [st.tokens[i] for i in ids] == [3, 3, 3] and [st.tokens[i] for i in more] == [1, 1]
+    w = decode_window(st, warm=1, steps=4)
+    assert (w["steps"], w["tokens"], w["min_batch"], w["max_batch"]) == (4, 20, 5, 5)
+    assert w["tpot_ms"] > 0 and w["tok_per_s"] > 0
+    st.abort_all()
+    assert not st.running() and not st.engine.has_unfinished_requests()
+    with pytest.raises(TimeoutError):
+        prefill_stage(st, 1, 12, max_tokens=5, deadline=0.0)
+
+
+HEALTH_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_wait_healthy_and_stop_group(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-c", HEALTH_SERVER, str(port)], start_new_session=True)
+    try:
+        assert serve.wait_healthy(port, proc, deadline=time.time() + 60)
+    finally:
+        serve.stop_group(proc, grace=5)
+    assert proc.poll() is not None
+    gone = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    gone.wait()
+    t0 = time.time()
+    assert not serve.wait_healthy(port, gone, deadline=time.time() + 60) and time.time() - t0 < 5
