@@ -40,9 +40,10 @@ the engine through ``VLLM_NVFP4_POLICY``.
 Output in ``--out``: ``e2e_records.jsonl`` (one record per measurement, appended as it completes:
 a crash or a kill keeps what was measured), ``e2e_summary.json`` (records, ratios against fp8,
 targets, versions, machine, command), ``bench_serve_CONFIG.json`` (vLLM's result files),
-``workers.log``, ``serve.log``; a table is printed last. ``--prior-records`` merges earlier runs'
-records (a configuration measured again replaces its earlier records). Targets (``--targets``,
-default ``targets.toml`` beside this file) are ratio bounds checked in the summary.
+``worker_CONFIG.json`` (the settings a worker ran with), ``workers.log``, ``serve.log``; a table
+is printed last. ``--prior-records`` merges earlier runs' records (a configuration measured again
+replaces its earlier records). Targets (``--targets``, default ``targets.toml`` beside this file)
+are ratio bounds checked in the summary.
 
 ``--budget-s`` (optional, :mod:`benchmarks.e2e.budget`) fits the run into a fixed wall-clock time:
 stages that would not fit are skipped and recorded, a worker past its deadline is killed.
