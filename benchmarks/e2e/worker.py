@@ -216,4 +216,6 @@ def main(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m benchmarks.e2e.worker SPEC.json (written by python -m benchmarks.e2e)")
     main(sys.argv[1])
