@@ -29,7 +29,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from vllm_nvfp4.kernels import attention as A  # noqa: E402
-from vllm_nvfp4.kernels.cache_write import format_code  # noqa: E402
+from vllm_nvfp4.kernels.constants import format_code  # noqa: E402
 from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)

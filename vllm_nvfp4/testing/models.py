@@ -1,47 +1,56 @@
-"""Tiny random-weight Llama / Qwen2 checkpoints with a real BPE tokenizer, for tests and demos.
+"""Random model checkpoints for tests, demos and benchmarks: one function per architecture.
 
-:func:`build_tiny_llama` writes a Hugging Face model directory (``config.json``,
-``model.safetensors``, ``generation_config.json``, tokenizer files with a chat template) that vLLM
-loads like any downloaded model. Nothing is fetched: the byte-level BPE tokenizer is trained with
-``tokenizers`` on the local Python standard library sources.
+* :func:`build_tiny_llama` writes a tiny random-weight Llama / Qwen2 directory (``config.json``,
+  ``model.safetensors``, ``generation_config.json``, a trained BPE tokenizer with a chat
+  template) that vLLM loads like any downloaded model.
+* :func:`build_weightless_model` writes only ``config.json`` and a byte-level tokenizer of a
+  preset geometry (:data:`PRESETS`, e.g. Llama-3.1-8B); vLLM runs it with
+  ``load_format="dummy"`` (random weights initialised on the device), for speed benchmarks.
 
-The weights are random but scaled so the model is not degenerate: every linear layer is drawn
-from N(0, gain^2 / fan_in) (unit-variance activations), embeddings from N(0, 1), and query/key
+The architectures' ``config.json`` writers are :data:`CONFIGS` (``llama``, ``qwen2``); a new
+architecture adds its writer there (and its parameter names to :func:`_random_weights`). Nothing
+is fetched: tokenizers come from :mod:`vllm_nvfp4.testing.tokenizers`.
+
+The random weights are scaled so the model is not degenerate: every linear layer is drawn from
+N(0, gain^2 / fan_in) (unit-variance activations), embeddings from N(0, 1), and query/key
 projections get an extra gain so attention is peaked and depends on the cached K/V (which makes
 KV-cache quantization visible in the outputs). The ``lm_head`` rows of the special tokens are zero,
 so greedy decoding practically never stops early on ``</s>``.
 
-Results are cached: the directory holds ``tiny_model.json`` with the build arguments, and a call
-with the same arguments returns at once. Without ``out_dir`` the model goes to
-``$VLLM_NVFP4_CACHE`` (default ``~/.cache/vllm-nvfp4``) under a name derived from the arguments.
-Trained tokenizers are cached there too (by vocab size), so new shapes build in about a second.
+Results are cached: a directory holds a marker file with its build arguments, and a call with the
+same arguments returns at once. Without ``out_dir`` a tiny model goes to ``$VLLM_NVFP4_CACHE``
+(default ``~/.cache/vllm-nvfp4``) under a name derived from the arguments.
 
 CLI::
 
-    python -m vllm_nvfp4.tiny_model OUT_DIR [--layers 4 --hidden 128 --heads 4 --kv-heads 2
-                                             --head-dim 32 --vocab 4096 --arch llama|qwen2
-                                             --dtype bfloat16|float32|float16 --seed 0]
+    python -m vllm_nvfp4.testing.models OUT_DIR [--layers 4 --hidden 128 --heads 4 --kv-heads 2
+                                                 --head-dim 32 --vocab 4096 --arch llama|qwen2
+                                                 --dtype bfloat16|float32|float16 --seed 0]
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import hashlib
 import json
 import math
 import os
 import shutil
-import sysconfig
-import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Union
+
+from vllm_nvfp4.testing.tokenizers import (
+    SPECIAL_TOKENS,
+    atomic_dir,
+    cache_root,
+    train_tokenizer,
+    write_byte_tokenizer,
+)
 
 BUILD_VERSION = 1  # bump when the output of a given argument set changes
 MARKER = "tiny_model.json"
-SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
-ARCHS = ("llama", "qwen2")
+WEIGHTLESS_MARKER = "random_model.json"
 DTYPES = ("bfloat16", "float16", "float32")
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
@@ -49,80 +58,53 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
+#: A model geometry: layers, hidden, heads, kv_heads, head_dim, vocab, intermediate (ints).
+Shape = dict[str, Any]
 
-def cache_root() -> Path:
-    """Directory for cached tiny models and tokenizers (``$VLLM_NVFP4_CACHE`` or ~/.cache/vllm-nvfp4)."""
-    env = os.environ.get("VLLM_NVFP4_CACHE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "vllm-nvfp4"
-
-
-def _corpus_files(text_mb: float) -> list[str]:
-    """Sorted stdlib ``*.py`` files (site-packages excluded) adding up to about ``text_mb`` MB."""
-    stdlib = sysconfig.get_paths()["stdlib"]
-    files, size = [], 0
-    for f in sorted(glob.glob(os.path.join(stdlib, "**", "*.py"), recursive=True)):
-        if "site-packages" in f or "dist-packages" in f:
-            continue
-        files.append(f)
-        size += os.path.getsize(f)
-        if size > text_mb * 1e6:
-            break
-    if not files:
-        raise RuntimeError(f"no Python sources found under {stdlib} to train the tokenizer on")
-    return files
+#: weight-less presets (:func:`build_weightless_model`): geometry, positions, llama3 RoPE scaling
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama8b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128,
+                    intermediate=14336, vocab=128256, max_pos=131072, llama3_rope=True),
+    "small": dict(layers=8, hidden=1024, heads=8, kv_heads=2, head_dim=128,
+                  intermediate=2816, vocab=32000, max_pos=131072, llama3_rope=False),
+    "tiny": dict(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32,
+                 intermediate=256, vocab=512, max_pos=4096, llama3_rope=False),
+}
 
 
-def _atomic_dir(final: Path, build) -> Path:
-    """Run ``build(tmp_dir)`` and move the result to ``final``; safe against concurrent builders."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        build(tmp)
-        os.chmod(tmp, 0o755)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # someone else finished first (final exists and is not empty)
-            if not (final / MARKER).exists() and not (final / "tokenizer.json").exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+def _common_config(shape: Shape, dtype: str, max_pos: int, rope: dict[str, Any]) -> dict[str, Any]:
+    """``config.json`` fields every decoder architecture here shares."""
+    return dict(
+        vocab_size=shape["vocab"], hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"], num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=max_pos, rms_norm_eps=1e-5, hidden_act="silu",
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype=dtype, dtype=dtype,
+        rope_theta=rope["rope_theta"], rope_parameters=rope, initializer_range=0.02, use_cache=True,
+    )
 
 
-def train_tokenizer(vocab: int = 4096, text_mb: float = 2.0) -> Path:
-    """Train (or reuse from the cache) a byte-level BPE tokenizer; returns the ``tokenizer.json`` path.
+def llama_config(shape: Shape, dtype: str, max_pos: int,
+                 rope: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """``config.json`` of a ``LlamaForCausalLM`` (default RoPE, theta 10000, unless ``rope``)."""
+    rope = rope or {"rope_type": "default", "rope_theta": 10000.0}
+    return dict(_common_config(shape, dtype, max_pos, rope), architectures=["LlamaForCausalLM"],
+                model_type="llama", head_dim=shape["head_dim"], attention_bias=False,
+                mlp_bias=False)
 
-    ``vocab`` is the target vocabulary size (special tokens included); the trained vocabulary can
-    be a little smaller when the corpus runs out of merges.
-    """
-    if vocab < 512:
-        raise ValueError(f"vocab must be >= 512 (byte alphabet + merges), got {vocab}")
-    key = f"bpe-v{BUILD_VERSION}-{vocab}-{text_mb:g}mb"
-    final = cache_root() / "tokenizers" / key
-    path = final / "tokenizer.json"
-    if path.exists():
-        return path
 
-    def build(tmp: Path) -> None:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def qwen2_config(shape: Shape, dtype: str, max_pos: int,
+                 rope: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """``config.json`` of a ``Qwen2ForCausalLM`` (q/k/v biases, every layer full attention)."""
+    rope = rope or {"rope_type": "default", "rope_theta": 10000.0}
+    return dict(_common_config(shape, dtype, max_pos, rope), architectures=["Qwen2ForCausalLM"],
+                model_type="qwen2", use_sliding_window=False, sliding_window=None,
+                max_window_layers=shape["layers"], layer_types=["full_attention"] * shape["layers"])
 
-        tok = Tokenizer(models.BPE(unk_token="<unk>"))
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab, special_tokens=list(SPECIAL_TOKENS), min_frequency=2,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-        tok.train(_corpus_files(text_mb), trainer)
-        tok.save(str(tmp / "tokenizer.json"))
 
-    _atomic_dir(final, build)
-    return path
+#: architecture name -> its ``config.json`` writer
+CONFIGS: dict[str, Callable[..., dict[str, Any]]] = {"llama": llama_config, "qwen2": qwen2_config}
+ARCHS = tuple(CONFIGS)
 
 
 def _random_weights(cfg: dict, arch: str, seed: int, qk_gain: float, dtype: str) -> dict:
@@ -161,25 +143,6 @@ def _random_weights(cfg: dict, arch: str, seed: int, qk_gain: float, dtype: str)
     head[: len(SPECIAL_TOKENS)] = 0.0
     sd["lm_head.weight"] = head
     return {k: v.to(tdtype).contiguous() for k, v in sd.items()}
-
-
-def _hf_config(cfg: dict, arch: str, dtype: str, max_pos: int) -> dict:
-    """The ``config.json`` content for the chosen architecture."""
-    common = dict(
-        vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
-        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
-        num_key_value_heads=cfg["kv_heads"], max_position_embeddings=max_pos,
-        rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, torch_dtype=dtype, dtype=dtype,
-        rope_theta=10000.0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        initializer_range=0.02, use_cache=True,
-    )
-    if arch == "llama":
-        return dict(common, architectures=["LlamaForCausalLM"], model_type="llama",
-                    head_dim=cfg["head_dim"], attention_bias=False, mlp_bias=False)
-    return dict(common, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
-                use_sliding_window=False, sliding_window=None, max_window_layers=cfg["layers"],
-                layer_types=["full_attention"] * cfg["layers"])
 
 
 def build_tiny_llama(
@@ -249,7 +212,7 @@ def build_tiny_llama(
         from safetensors.torch import save_file
         from transformers import PreTrainedTokenizerFast
 
-        (tmp / "config.json").write_text(json.dumps(_hf_config(cfg, arch, dtype, max_pos), indent=2))
+        (tmp / "config.json").write_text(json.dumps(CONFIGS[arch](cfg, dtype, max_pos), indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}, indent=2))
         save_file(_random_weights(cfg, arch, seed, qk_gain, dtype), str(tmp / "model.safetensors"),
@@ -267,11 +230,56 @@ def build_tiny_llama(
 
     if out.exists():  # stale build with other arguments: rebuild in place
         shutil.rmtree(out)
-    return _atomic_dir(out, build)
+    return atomic_dir(out, build, MARKER)
+
+
+def build_weightless_model(out_dir: Union[str, os.PathLike], preset: str = "llama8b",
+                           max_pos: Optional[int] = None) -> Path:
+    """Write (or reuse, when the marker matches) a weight-less Llama directory of ``preset``.
+
+    ``config.json`` (bf16, RoPE theta 500000; llama3 scaling where the preset says so),
+    ``generation_config.json`` and a byte-level tokenizer; no weights (``load_format="dummy"``).
+    ``max_pos`` overrides the preset's ``max_position_embeddings``.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    p = dict(PRESETS[preset])
+    if max_pos:
+        p["max_pos"] = int(max_pos)
+    out = Path(out_dir)
+    marker = out / WEIGHTLESS_MARKER
+    args = dict(p, preset=preset, version=1)
+    if marker.exists() and json.loads(marker.read_text()) == args:
+        return out
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 500000.0}
+    if p["llama3_rope"]:
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+    cfg = llama_config(p, "bfloat16", p["max_pos"], rope)
+    cfg["transformers_version"] = "5.0.0"  # else transformers 5 warns about a Mistral regex
+    if p["llama3_rope"]:  # transformers 4.x name of the same thing
+        cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}, indent=2))
+    write_byte_tokenizer(out, p["vocab"], p["max_pos"])
+    marker.write_text(json.dumps(args, indent=2, sort_keys=True))
+    return out
+
+
+def weight_bytes(preset: str) -> int:
+    """bf16 bytes of a preset's weights (embedding + layers + norm + lm_head)."""
+    p = PRESETS[preset]
+    h, i, v, hd = p["hidden"], p["intermediate"], p["vocab"], p["head_dim"]
+    attn = h * hd * (p["heads"] * 2 + p["kv_heads"] * 2)
+    per_layer = attn + 3 * h * i + 2 * h
+    return 2 * (2 * v * h + p["layers"] * per_layer + h)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m vllm_nvfp4.tiny_model",
+    ap = argparse.ArgumentParser(prog="python -m vllm_nvfp4.testing.models",
                                  description="Build a tiny random-weight model with a BPE tokenizer.")
     ap.add_argument("out", nargs="?", default=None, help="output directory (default: the cache)")
     ap.add_argument("--layers", type=int, default=4)
