@@ -7,7 +7,7 @@ and fp8 KV with an fp8 query as vLLM runs it). Timing: each call captured in a C
 replays timed by ``triton.testing.do_bench`` (median, L2 flushed between runs, after warm-up).
 Writes one JSON file (records + copy bandwidth + versions) and prints a table.
 
-    python3 scripts/bench_decode.py --out benchmarks/results/decode_h200.json
+    python3 scripts/bench_decode.py --out results/DATE-decode-kernels-GPU/decode_h200.json
     python3 scripts/bench_decode.py --smoke     # CPU + TRITON_INTERPRET, tiny shapes, no timing
 """
 
@@ -287,7 +287,7 @@ def versions() -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="benchmarks/results/decode_h200.json")
+    ap.add_argument("--out", default="decode_h200.json")
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--prefill", type=int, nargs=2, default=[8, 4096], metavar=("BATCH", "LEN"))
