@@ -1,17 +1,12 @@
 """How far a last-bit change of K/V moves next-token predictions, per KV-cache configuration.
 
-Decode and prefill compute a token's K/V in differently shaped matmuls, so the bf16 values they
-write into the cache can differ in the last bit. A BF16 cache passes such a difference through; a
-quantized cache can turn it into a whole quantization step when a value sits near a rounding
-threshold. This script measures that amplification in transformers (the calibration code path,
-which fake-quantizes K/V exactly as vLLM stores them): teacher-forced log-probs of real text with
-the K and V projections computed in FP32 and rounded to bf16, and again with every FP32 output
-element moved by a seeded relative amount of at most ``--rel`` before that rounding (a tiny
-``--rel`` changes only the elements near a bf16 rounding boundary, as a different summation order
-does), for an unquantized cache and for each given policy. Choose ``--rel`` so that the
-unquantized row matches the decode-vs-prefill difference measured on a BF16 cache; the quantized
-rows then show how much of their own decode-vs-prefill difference rounding alone explains. Reported per configuration: argmax agreement
-of the two runs and the mean / max |difference| of the text tokens' log-probs.
+The measurement is :mod:`vllm_nvfp4.evaluation.rounding_sensitivity`: teacher-forced log-probs of
+real text with the K/V projections in FP32, unperturbed and moved by at most ``--rel`` (relative)
+before rounding to bf16, for an unquantized cache and for each given policy. Choose ``--rel`` so
+that the unquantized row matches the decode-vs-prefill difference measured on a BF16 cache; the
+quantized rows then show how much of their own decode-vs-prefill difference rounding alone
+explains. Reported per configuration: argmax agreement of the two runs and the mean / max
+|difference| of the text tokens' log-probs.
 
     python scripts/kv_rounding_sensitivity.py MODEL_DIR --data brown.txt --out DIR \
         [--window 1024] [--windows 2] [--policy NAME=policy.json ...] [--rel 2^-16] [--seed 0]
