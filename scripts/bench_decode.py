@@ -9,7 +9,7 @@ Writes one JSON file (records + copy bandwidth + versions) and prints a table. O
 (hybrid models): ``--q-heads/--kv-heads/--head-dim``, ``--sinks`` (random per-head sink logits
 for every kernel, vLLM's ``sinks`` / FA3's ``s_aux``).
 
-    python3 scripts/bench_decode.py --out benchmarks/results/decode_h200.json
+    python3 scripts/bench_decode.py --out results/DATE-decode-kernels-GPU/decode_h200.json
     python3 scripts/bench_decode.py --q-heads 16 --kv-heads 2 --head-dim 256 --sinks --out X.json
     python3 scripts/bench_decode.py --smoke     # CPU + TRITON_INTERPRET, tiny shapes, no timing
 """
@@ -115,7 +115,7 @@ def our_cache(lay: KVPageLayout, b: Batch, device: str, gen: torch.Generator) ->
                 if device == "cpu" else torch.randint(0, 256, cache.shape, dtype=torch.uint8,
                                                       device=device))
     for which in ("k", "v"):
-        if lay.format_of(which) == "fp8":
+        if not lay.has_scales(which):  # FP8
             lay.data_plane(cache, which).bitwise_and_(0xBF)
         else:
             sp = lay.scale_plane(cache, which)
@@ -304,7 +304,7 @@ def versions() -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="benchmarks/results/decode_h200.json")
+    ap.add_argument("--out", default="decode_h200.json")
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--prefill", type=int, nargs=2, default=[8, 4096], metavar=("BATCH", "LEN"))
