@@ -113,24 +113,34 @@ def _check_writable_file(path: Path, force: bool, what: str) -> None:
         raise UsageError(f"{what} {path}: directory {path.parent} does not exist")
 
 
-def _check_model_dir(path: Path, window: Optional[int] = None, formats: Optional[str] = None) -> None:
-    """Fail before loading weights: no model, window beyond its positions, bad --policy."""
+def _check_model_dir(path: Path, window: Optional[int] = None, formats: Optional[str] = None) -> int:
+    """Fail before loading weights: no model, window beyond its positions, bad --policy.
+    Returns the model's number of layers (from ``config.json``)."""
     if not (path / "config.json").is_file():
         raise UsageError(f"{path} is not a model directory (no config.json); "
                          "for SmolLM2 run: python scripts/prepare_assets.py smollm2")
     from vllm_nvfp4.calibration.modeling import config_shape
 
     layers, positions = config_shape(path)
+    if layers is None:
+        raise UsageError(f"{path}/config.json has no integer num_hidden_layers; is it complete?")
     if window is not None and positions is not None and window > positions:
         raise UsageError(f"--window {window} exceeds the model's {positions} positions")
-    if formats is not None and layers is not None:
+    if formats is not None:
         KVPolicy.from_compact(formats, layers, source="--policy")  # raises PolicyError
+    return layers
 
 
 def _check_data(paths: Sequence[Path]) -> None:
+    """Fail before loading weights: a data file missing, a directory, unreadable or malformed."""
+    from vllm_nvfp4.calibration.data import read_text
+
     for p in paths:
+        if p.is_dir():
+            raise UsageError(f"data file {p} is a directory; name the files in it")
         if not p.is_file():
             raise UsageError(f"data file {p} does not exist")
+        read_text(p)  # raises DataError naming the file and the line
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
@@ -150,7 +160,7 @@ def cmd_analyze(a: argparse.Namespace) -> int:
     from vllm_nvfp4.calibration.report import render
     from vllm_nvfp4.calibration.sensitivity import REPORT_FILE, analyze
 
-    _check_model_dir(a.model, a.window)
+    num_layers = _check_model_dir(a.model, a.window)
     _check_data(a.data)
     if a.out.exists() and not a.out.is_dir():
         raise UsageError(f"--out {a.out} exists and is not a directory")
@@ -162,6 +172,8 @@ def cmd_analyze(a: argparse.Namespace) -> int:
         raise UsageError(f"{' '.join(given)} shape the calibration, which --scales replaces: pass "
                          f"them to `vllm-nvfp4 calibrate` instead (the policy carries them)")
     scales = KVPolicy.load(a.scales) if a.scales is not None else None
+    if scales is not None:
+        scales.check_model(num_layers)  # KV heads and head_dim are checked once the model is loaded
     report = analyze(a.model, a.data, a.out, a.window, a.windows, a.calib_windows, scales,
                      a.per_head, a.dtype, reuse_prefix=not a.no_prefix_reuse, k_smooth=a.k_smooth,
                      k_center=a.k_center)
@@ -177,7 +189,7 @@ def cmd_analyze(a: argparse.Namespace) -> int:
 
 def cmd_select(a: argparse.Namespace) -> int:
     from vllm_nvfp4.calibration.commands import run_select
-    from vllm_nvfp4.calibration.report import render
+    from vllm_nvfp4.calibration.report import load_selections, render
     from vllm_nvfp4.calibration.selection import check_slots, fp8_slots_for_budget
     from vllm_nvfp4.calibration.sensitivity import load_report
 
@@ -191,10 +203,8 @@ def cmd_select(a: argparse.Namespace) -> int:
         _check_model_dir(a.write_to_model)
         _check_writable_file(a.write_to_model / POLICY_FILENAME, a.force, "--write-to-model")
         targets.append(a.write_to_model / POLICY_FILENAME)
-    try:
-        report, _ = load_report(a.report)
-    except FileNotFoundError as e:
-        raise UsageError(str(e)) from None
+    report, _ = load_report(a.report)
+    load_selections(a.report)  # earlier selections go into the report: fail before measuring
     num_layers = len(report["layers"])
     try:
         slots = (fp8_slots_for_budget(num_layers, a.budget) if a.budget is not None
@@ -237,10 +247,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     set_quiet(a.quiet)
     from vllm_nvfp4.calibration.data import DataError
     from vllm_nvfp4.calibration.modeling import ModelError
+    from vllm_nvfp4.calibration.report_files import ReportError
 
     try:
         return COMMANDS[a.command](a)
-    except (UsageError, PolicyError, DataError, ModelError, FileExistsError) as e:
+    except (UsageError, PolicyError, DataError, ModelError, ReportError, FileExistsError) as e:
         print(f"vllm-nvfp4 {a.command}: error: {e}", file=sys.stderr)
         return 2
 
