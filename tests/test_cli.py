@@ -132,7 +132,7 @@ def test_console_script_runs():
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "vllm_nvfp4.cli"]
     proc = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
-    for sub in ("calibrate", "analyze", "select"):
+    for sub in ("calibrate", "analyze", "select", "doctor"):
         assert sub in proc.stdout
 
 

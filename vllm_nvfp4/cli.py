@@ -4,8 +4,11 @@
     vllm-nvfp4 analyze   MODEL --data FILE... --out REPORT_DIR [--window 2048 --windows 2]
     vllm-nvfp4 select    REPORT_DIR (--budget 0.62 | --fp8-slots N) [--out POLICY.json]
                          [--write-to-model DIR] [--force] [--no-measure]
+    vllm-nvfp4 doctor    [MODEL]    what is installed, whether vLLM loads the plugin and accepts
+                                    nvfp4_mixed, the policy MODEL would get or why it is refused
 
-Exit status: 0 success, 2 bad arguments / inputs (message on stderr), 1 unexpected failure.
+Exit status: 0 success, 2 bad arguments / inputs (one line on stderr), 1 unexpected failure,
+3 ``doctor`` found something that blocks ``nvfp4_mixed`` (its FAIL lines say what).
 Nothing a user wrote is overwritten without ``--force``; output paths are checked before any
 model is loaded.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -101,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure on N windows from the analysis' first held-out window "
                         "(default: the analysis' windows; more = partly fresh text)")
     p.add_argument("--force", action="store_true", help="overwrite existing policy files")
+
+    p = sub.add_parser("doctor", help="why --kv-cache-dtype nvfp4_mixed works here, or not "
+                                      "(exit status 3 when something blocks it)")
+    p.add_argument("model", type=Path, nargs="?", default=None,
+                   help="local model directory: also build its engine config (no weights) and "
+                        "show the policy it would get")
     return ap
 
 
@@ -234,14 +244,41 @@ def cmd_select(a: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"calibrate": cmd_calibrate, "analyze": cmd_analyze, "select": cmd_select}
+#: exit status of ``doctor`` when a check fails
+DOCTOR_BLOCKED = 3
+
+
+def cmd_doctor(a: argparse.Namespace) -> int:
+    from vllm_nvfp4.doctor import diagnose, report
+
+    if a.model is not None and not (a.model / "config.json").is_file():
+        raise UsageError(f"{a.model} is not a model directory (no config.json)")
+    quiet = "VLLM_LOGGING_LEVEL" not in os.environ
+    if quiet:  # vLLM's INFO lines would bury the report
+        os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+    try:
+        text, blocking = report(diagnose(a.model))
+    finally:
+        if quiet:
+            del os.environ["VLLM_LOGGING_LEVEL"]
+    print(text)
+    return DOCTOR_BLOCKED if blocking else 0
+
+
+COMMANDS = {"calibrate": cmd_calibrate, "analyze": cmd_analyze, "select": cmd_select,
+            "doctor": cmd_doctor}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``vllm-nvfp4`` console script; returns the exit status."""
     ap = build_parser()
     a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="vllm-nvfp4: %(levelname)s: %(message)s")
+    handler = logging.StreamHandler()  # our loggers only: other libraries' lines keep their own form
+    handler.setFormatter(logging.Formatter("vllm-nvfp4: %(levelname)s: %(message)s"))
+    ours = logging.getLogger("vllm_nvfp4")
+    if not ours.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(logging.WARNING)
     from vllm_nvfp4.calibration.progress import set_quiet
 
     set_quiet(a.quiet)
