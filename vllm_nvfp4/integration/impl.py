@@ -107,9 +107,13 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         config = get_current_vllm_config_or_none()  # set while vLLM builds the model's layers
         self._scratch_rows = scratch_rows(config) if config and config.model_config else 0
 
-    def bind(self, layer_name: str, index: int, row: LayerPolicy, layout: KVPageLayout,
+    def bind(self, layer_name: str, index: Optional[int], row: LayerPolicy, layout: KVPageLayout,
              vllm_config: Any, device: torch.device) -> None:
-        """Attach the layer's page layout and policy scales (in place if already bound)."""
+        """Attach the layer's page layout and policy scales (in place if already bound).
+
+        ``index`` is the layer's policy row, None for a speculative draft's layer (whose row is
+        the fixed draft rule, so it does not trigger the uncalibrated-scales warning).
+        """
         global _warned_default_scales
         from vllm.distributed import get_tensor_model_parallel_rank
 
@@ -121,7 +125,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         tp_rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
         values = {kv: rank_scales(row.quant_scale(kv), row.format_of(kv), total,
                                   self.num_kv_heads, tp_rank, tp_size) for kv in ("k", "v")}
-        if not _warned_default_scales and (row.quant_scale("k") is None or row.quant_scale("v") is None):
+        if index is not None and not _warned_default_scales and (
+                row.quant_scale("k") is None or row.quant_scale("v") is None):
             _warned_default_scales = True
             logger.warning(
                 "vllm-nvfp4: the policy has no calibrated scale for some K/V planes (first: layer "
@@ -203,7 +208,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         d, nd = m.num_decodes, m.num_decode_tokens
         if d:
             self._paged(query[:nd], pages, m.block_table[:d], m.seq_lens[:d],
-                        m.query_start_loc[: d + 1], 1, m.decode_max_seq_len, output[:nd])
+                        m.query_start_loc[: d + 1], m.decode_max_query_len, m.decode_max_seq_len,
+                        output[:nd])
         attention, fa_version = flash_varlen()
         for group in m.prefill_groups:
             dense_prefill(query, output, pages, self.layout, self.k_scale, self.v_scale,
