@@ -135,8 +135,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_NVFP4_POLICY", str(_all_fp8_policy(root / "fp8.json", 4)))
         out["draft_fp8_policy"] = _run(model, "nvfp4_mixed", draft_model)
-    (root / "summary.json").write_text(json.dumps(
-        {k: {f: v.get(f) for f in ("drafted", "accepted", "acceptance")} for k, v in out.items()}))
+    summary = {k: {f: v.get(f) for f in ("drafted", "accepted", "acceptance")}
+               for k, v in out.items()}
+    print("speculative decoding (drafted, accepted):", json.dumps(summary))  # pytest -s shows it
     return out
 
 
