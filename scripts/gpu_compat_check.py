@@ -5,12 +5,13 @@ The target is the tiny random fp16 Llama of ``gpu_integration_check.py`` (8 laye
 head_dim 128) with its calibrated mixed policy; engines run eager (no CUDA-graph capture) to keep
 the whole check inside one device call. Phases (``--phases``, default all but ``pp``):
 
-* ``eagle``  EAGLE with a random one-layer head (the target's layer-0 attention/MLP weights, a
-             random ``fc``): greedy nvfp4_mixed + EAGLE == greedy nvfp4_mixed without
-             speculation; acceptance rate against the same head with ``kv_cache_dtype="fp8"``.
+* ``eagle``  EAGLE on the repetitive variant of the tiny Llama (tied LM head, residual branches
+             doubled, as in tests/test_spec_decode_engine.py) with a one-layer head that mostly
+             proposes the last token again (``echo_eagle`` of that test): greedy nvfp4_mixed + EAGLE ==
+             greedy nvfp4_mixed without speculation; acceptance rate against the same head with
+             ``kv_cache_dtype="fp8"``.
 * ``draft``  ``method="draft_model"`` with a copy of the target as the draft: same checks.
-* ``ngram``  ngram speculation on the repetitive variant of the model (tied LM head, residual
-             branches doubled, as in tests/test_spec_decode_engine.py): same checks.
+* ``ngram``  ngram speculation on the repetitive model: same checks.
 * ``offload`` native CPU offloading (``kv_offloading_size``, OffloadingConnector) with a GPU cache
              of 96 blocks: 64 requests share 4 long prefixes, so blocks are evicted to CPU and
              loaded back; greedy tokens and the generated tokens' log-probs must equal an engine
@@ -66,27 +67,17 @@ def target_model(root: Path) -> Path:
     return model
 
 
-def random_eagle(target: Path, out: Path) -> Path:
-    """A one-layer EAGLE head for ``target``: its layer-0 weights (no input norm) + random fc."""
-    from safetensors.torch import load_file, save_file
+def spec_models() -> Any:
+    """tests/test_spec_decode_engine.py: its repetitive model and EAGLE head builders."""
+    return _load(REPO / "tests" / "test_spec_decode_engine.py", "spec_test")
 
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads((target / "config.json").read_text())
-    cfg["num_hidden_layers"] = 1
-    (out / "config.json").write_text(json.dumps(cfg))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (target / name).exists():
-            shutil.copy(target / name, out / name)
-    src = load_file(str(target / "model.safetensors"))
-    head = {k[len("model."):]: v for k, v in src.items()
-            if k.startswith("model.layers.0.") and "input_layernorm" not in k}
-    hidden = cfg["hidden_size"]
-    g = torch.Generator().manual_seed(7)
-    head["fc.weight"] = (torch.randn(hidden, 2 * hidden, generator=g) / (2 * hidden) ** 0.5).to(
-        src["model.embed_tokens.weight"].dtype)
-    head["embed_tokens.weight"] = src["model.embed_tokens.weight"]
-    save_file(head, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+
+def repetitive(work: Path) -> Path:
+    """The repetitive tiny Llama of the CPU test (built once under ``work``)."""
+    rep = work / "repetitive"
+    if not rep.exists():
+        spec_models().repetitive_llama(rep)
+    return rep
 
 
 def engine(model: Path, kv_cache_dtype: str, **kwargs: Any) -> Any:
@@ -204,13 +195,15 @@ def main() -> int:
 
     tok = AutoTokenizer.from_pretrained(str(model))
     short = prompts_from(tok, 16, 48)
+    repeated = [p * 2 for p in prompts_from(tok, 16, 24)]
     for phase in a.phases.split(","):
         t = time.time()
         try:
             if phase == "eagle":
-                head = random_eagle(model, a.work / "eagle")
-                out = spec_phase(model, {"method": "eagle", "model": str(head),
-                                         "num_speculative_tokens": NUM_SPEC}, short, 64)
+                rep = repetitive(a.work)
+                head = spec_models().echo_eagle(rep, a.work / "eagle")
+                out = spec_phase(rep, {"method": "eagle", "model": str(head),
+                                       "num_speculative_tokens": NUM_SPEC}, repeated, 64)
             elif phase == "draft":
                 draft = a.work / "draft"
                 if not draft.exists():
@@ -218,13 +211,10 @@ def main() -> int:
                 out = spec_phase(model, {"method": "draft_model", "model": str(draft),
                                          "num_speculative_tokens": NUM_SPEC}, short, 64)
             elif phase == "ngram":
-                spec_test = _load(REPO / "tests" / "test_spec_decode_engine.py", "spec_test")
-                rep = a.work / "repetitive"
-                if not rep.exists():
-                    spec_test.repetitive_llama(rep)
-                out = spec_phase(rep, {"method": "ngram", "num_speculative_tokens": NUM_SPEC,
-                                       "prompt_lookup_min": 2, "prompt_lookup_max": 3},
-                                 [p * 2 for p in prompts_from(tok, 16, 24)], 64)
+                out = spec_phase(repetitive(a.work), {"method": "ngram",
+                                                      "num_speculative_tokens": NUM_SPEC,
+                                                      "prompt_lookup_min": 2,
+                                                      "prompt_lookup_max": 3}, repeated, 64)
             elif phase == "offload":
                 # 16 suffixes x 4 prefixes of 25 blocks, interleaved: 64 requests; a 96-block GPU
                 # cache (2 running requests of ~27 blocks) evicts each prefix before its reuse

@@ -1,11 +1,12 @@
 """Speculative decoding with ``kv_cache_dtype="nvfp4_mixed"`` end to end on CPU (real vLLM 0.32).
 
 A verify step feeds 1 + k query tokens per sequence through our paged attention, over pages the
-draft's proposals were written into. Checked: greedy outputs with ngram and draft-model
+draft's proposals were written into. Checked: greedy outputs with ngram, draft-model and EAGLE
 speculation equal the non-speculative greedy outputs with the same cache format (tokens exactly,
-log-probs of the generated tokens closely); drafts are proposed and accepted; the draft model's
-own layers get the draft rule (FP8 K/V) and, with an all-FP8 target policy, a draft with the
-target's weights is accepted almost always (its cache is read back correctly).
+log-probs of the generated tokens closely); drafts are proposed, accepted and rejected; the
+draft's own layers (``draft_model.*``, EAGLE's ``model.layers.4``) get the draft rule (FP8 K/V)
+and, with an all-FP8 target policy, a draft with the target's weights is accepted almost always
+(its cache is read back correctly); ngram acceptance is compared with vLLM's fp8 cache.
 
 The model is the tiny random Llama made repetitive (tied LM head, residual branches doubled), so
 its greedy text has runs that ngram drafts can hit and miss.
@@ -52,6 +53,36 @@ def repetitive_llama(dst: Path) -> Path:
     weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
     save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+def echo_eagle(target: Path, out: Path) -> Path:
+    """A one-layer EAGLE head for ``target`` that mostly proposes the target's last token again.
+
+    ``fc`` passes the target's hidden state through (``[0 | I]``), the layer is the target's
+    layer 0 with ``o_proj`` scaled by 0.1 and the MLP off, so the shared LM head maps the hidden
+    state back to the token the target just produced, nudged by the head's attention over its own
+    (FP8, draft-rule) cache. On the repetitive model its drafts hit the runs of repeated tokens.
+    """
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(cfg))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (target / name).exists():
+            shutil.copy(target / name, out / name)
+    src = load_file(str(target / "model.safetensors"))
+    head = {k[len("model."):]: v.clone() for k, v in src.items()
+            if k.startswith("model.layers.0.") and "input_layernorm" not in k}
+    head["layers.0.self_attn.o_proj.weight"] *= 0.1
+    head["layers.0.mlp.down_proj.weight"].zero_()
+    hidden = cfg["hidden_size"]
+    eye = torch.eye(hidden, dtype=src["model.embed_tokens.weight"].dtype)
+    head["fc.weight"] = torch.cat([torch.zeros_like(eye), eye], dim=1)  # [H, 2H]: embed | hidden
+    head["embed_tokens.weight"] = src["model.embed_tokens.weight"]
+    save_file(head, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 def _prompts() -> list[list[int]]:
@@ -126,11 +157,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ngram = {"method": "ngram", "num_speculative_tokens": NUM_SPEC,
              "prompt_lookup_min": 2, "prompt_lookup_max": 3}
     draft_model = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": NUM_SPEC}
+    eagle = {"method": "eagle", "model": str(echo_eagle(model, root / "eagle")),
+             "num_speculative_tokens": NUM_SPEC}
     out = {
         "base": _run(model, "nvfp4_mixed"),
         "ngram": _run_isolated(model, "nvfp4_mixed", ngram),
         "ngram_reference": _run_isolated(model, REFERENCE, ngram),
         "draft": _run(model, "nvfp4_mixed", draft_model, report=True),
+        "eagle": _run(model, "nvfp4_mixed", eagle, report=True),
     }
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_NVFP4_POLICY", str(_all_fp8_policy(root / "fp8.json", 4)))
@@ -141,7 +175,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "eagle"])
 def test_speculative_greedy_equals_non_speculative(runs: dict, method: str) -> None:
     base, spec = runs["base"], runs[method]
     assert spec["tokens"] == base["tokens"]
@@ -151,7 +185,7 @@ def test_speculative_greedy_equals_non_speculative(runs: dict, method: str) -> N
     assert diffs.max().item() < LOGPROB_TOL, diffs.max().item()
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "eagle"])
 def test_drafts_are_proposed_and_some_rejected(runs: dict, method: str) -> None:
     """Multi-token verify steps ran, and the test sees both accepted and rejected drafts."""
     spec = runs[method]
@@ -164,6 +198,15 @@ def test_ngram_acceptance_is_near_fp8s(runs: dict) -> None:
     (other roundings), so the acceptance rates agree only up to that (numbers: COMPATIBILITY.md)."""
     ours, ref = runs["ngram"]["acceptance"], runs["ngram_reference"]["acceptance"]
     assert abs(ours - ref) <= 0.1, (ours, ref)
+
+
+def test_eagle_head_layer_uses_the_draft_rule(runs: dict) -> None:
+    """EAGLE numbers its layer after the target's four: model.layers.4, FP8 K/V."""
+    layers = runs["eagle"]["layers"]
+    assert sorted(layers) == [f"model.layers.{i}.self_attn.attn" for i in range(5)]
+    assert layers["model.layers.4.self_attn.attn"][:2] == ("fp8", "fp8")
+    assert {n: f for n, f in layers.items() if "layers.4." not in n} == {
+        n: f for n, f in runs["draft"]["layers"].items() if not n.startswith("draft_model.")}
 
 
 def test_draft_layers_use_the_draft_rule(runs: dict) -> None:
