@@ -58,7 +58,7 @@ def _load(path: Path, name: str) -> Any:
 def target_model(root: Path) -> Path:
     """gpu_integration_check's model and calibrated policy (nvfp4_policy.json beside it)."""
     check = _load(REPO / "scripts" / "gpu_integration_check.py", "gpu_integration_check")
-    from vllm_nvfp4.tiny_model import build_tiny_llama
+    from vllm_nvfp4.testing.models import build_tiny_llama
 
     model = build_tiny_llama(root / "target", num_layers=8, hidden=512, heads=8, kv_heads=2,
                              head_dim=128, dtype="float16", max_pos=8192, qk_gain=0.5)

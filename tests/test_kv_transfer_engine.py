@@ -69,7 +69,7 @@ def mixed_policy_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny float32 Llama with a policy holding all four K/V format pairs."""
     import json
 
-    from vllm_nvfp4.tiny_model import build_tiny_llama
+    from vllm_nvfp4.testing.models import build_tiny_llama
 
     model = build_tiny_llama(tmp_path_factory.mktemp("pd") / "llama", dtype="float32")
     formats = [("fp8", "fp8"), ("fp8", "nvfp4"), ("nvfp4", "nvfp4"), ("nvfp4", "fp8")]

@@ -42,7 +42,7 @@ def repetitive_llama(dst: Path) -> Path:
     greedy text of runs of repeated tokens broken by the attention (drafts hit and miss)."""
     from safetensors.torch import load_file, save_file
 
-    from vllm_nvfp4.tiny_model import build_tiny_llama
+    from vllm_nvfp4.testing.models import build_tiny_llama
 
     src = build_tiny_llama(dst.parent / "base", dtype="float32")
     shutil.copytree(src, dst)

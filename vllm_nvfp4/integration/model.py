@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE
+from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, KVFormat
 from vllm_nvfp4.layout import PAGE_ALIGN, KVPageLayout
 from vllm_nvfp4.policy import POLICY_ENV, KVPolicy, LayerPolicy, PolicyError, resolve_policy
 
@@ -92,7 +92,7 @@ DRAFT_MODEL_PREFIX = "draft_model."
 #: The rule for a speculative draft's own attention layers (EAGLE heads, draft models): the
 #: policy describes the target model only, so draft layers store K and V in FP8 with the default
 #: scale. Drafts only propose tokens; the target's verify step decides every output token.
-DRAFT_LAYER_POLICY = LayerPolicy("fp8", "fp8")
+DRAFT_LAYER_POLICY = LayerPolicy(KVFormat.FP8, KVFormat.FP8)
 
 
 def is_draft_layer(vllm_config: Any, layer_name: str, num_layers: int) -> bool:
@@ -127,6 +127,14 @@ def layer_plan(vllm_config: Any, layer: Any) -> tuple[Optional[int], LayerPolicy
     row = policy.layers[index]
     layout = KVPageLayout(shape.num_kv_heads, shape.head_dim, shape.block_size, row.k, row.v)
     return index, row, layout
+
+
+def other_backend_error(name: str) -> ValueError:
+    """The error for an explicitly requested attention backend that is not ours."""
+    return ValueError(
+        f"attention backend {name} cannot serve kv_cache_dtype={CACHE_DTYPE}; leave "
+        "--attention-backend unset (the nvfp4_mixed backend is chosen automatically)"
+    )
 
 
 def check_plugin_enabled() -> None:
@@ -178,8 +186,6 @@ def check_engine_config(vllm_config: Any) -> KVPolicy:
     check_kv_connectors(vllm_config)
     backend = vllm_config.attention_config.backend
     if backend is not None and backend.name != "CUSTOM":  # early here; per layer in selection
-        from vllm_nvfp4.integration.selection import other_backend_error
-
         raise other_backend_error(backend.name)
     shape = ModelShape.of(vllm_config)
     if shape.head_dim % NVFP4_BLOCK_SIZE:
