@@ -31,7 +31,8 @@ def _config(tmp_path: Path, speculative: Optional[Any] = None, pp: int = 1) -> S
     (tmp_path / "nvfp4_policy.json").write_text(json.dumps(policy))
     model = SimpleNamespace(model=str(tmp_path), get_total_num_hidden_layers=lambda: NUM_LAYERS,
                             get_total_num_kv_heads=lambda: KV_HEADS,
-                            get_num_kv_heads=lambda pc: KV_HEADS, get_head_size=lambda: HEAD_DIM)
+                            get_num_kv_heads=lambda pc: KV_HEADS, get_head_size=lambda: HEAD_DIM,
+                            dtype="float32", hf_text_config=SimpleNamespace(max_position_embeddings=4096))
     return SimpleNamespace(model_config=model, cache_config=SimpleNamespace(block_size=BLOCK),
                            parallel_config=SimpleNamespace(pipeline_parallel_size=pp),
                            speculative_config=speculative)

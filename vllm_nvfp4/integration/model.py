@@ -13,11 +13,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, KVFormat
 from vllm_nvfp4.layout import PAGE_ALIGN, KVPageLayout
+from vllm_nvfp4.model_shape import ModelShape
 from vllm_nvfp4.policy import POLICY_ENV, KVPolicy, LayerPolicy, PolicyError, resolve_policy
 
 from vllm_nvfp4.integration.connectors import check_kv_connectors
@@ -28,31 +28,6 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handl
 
 class Nvfp4MixedConfigError(ValueError):
     """The engine configuration cannot run with ``kv_cache_dtype=nvfp4_mixed``; says why."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the policy and the page layout need to know about the model (per TP rank)."""
-
-    num_layers: int  # attention layers of the whole model = rows of the policy
-    total_num_kv_heads: int
-    num_kv_heads: int  # on this rank
-    head_dim: int
-    block_size: int
-    model_dir: Optional[str]
-
-    @classmethod
-    def of(cls, vllm_config: Any) -> "ModelShape":
-        mc, pc = vllm_config.model_config, vllm_config.parallel_config
-        model_dir = mc.model if os.path.isdir(str(mc.model)) else None
-        return cls(
-            num_layers=mc.get_total_num_hidden_layers(),
-            total_num_kv_heads=mc.get_total_num_kv_heads(),
-            num_kv_heads=mc.get_num_kv_heads(pc),
-            head_dim=mc.get_head_size(),
-            block_size=vllm_config.cache_config.block_size,
-            model_dir=model_dir,
-        )
 
 
 @functools.lru_cache(maxsize=8)
@@ -66,7 +41,7 @@ def _resolve(num_layers: int, num_kv_heads: int, head_dim: int, model_dir: Optio
 
 def model_policy(vllm_config: Any) -> KVPolicy:
     """The policy in force for this engine config (resolved once per process and setting)."""
-    shape = ModelShape.of(vllm_config)
+    shape = ModelShape.from_vllm_config(vllm_config)
     return _resolve(shape.num_layers, shape.total_num_kv_heads, shape.head_dim, shape.model_dir,
                     os.environ.get(POLICY_ENV, ""))
 
@@ -117,7 +92,7 @@ def layer_plan(vllm_config: Any, layer: Any) -> tuple[Optional[int], LayerPolicy
     ``head_size``). Target layers take their row of the policy; draft layers take
     :data:`DRAFT_LAYER_POLICY` and their own head shape.
     """
-    shape = ModelShape.of(vllm_config)
+    shape = ModelShape.from_vllm_config(vllm_config)
     if is_draft_layer(vllm_config, layer.layer_name, shape.num_layers):
         layout = KVPageLayout(layer.num_kv_heads, layer.head_size, shape.block_size,
                               DRAFT_LAYER_POLICY.k, DRAFT_LAYER_POLICY.v)
@@ -187,7 +162,7 @@ def check_engine_config(vllm_config: Any) -> KVPolicy:
     backend = vllm_config.attention_config.backend
     if backend is not None and backend.name != "CUSTOM":  # early here; per layer in selection
         raise other_backend_error(backend.name)
-    shape = ModelShape.of(vllm_config)
+    shape = ModelShape.from_vllm_config(vllm_config)
     if shape.head_dim % NVFP4_BLOCK_SIZE:
         raise Nvfp4MixedConfigError(
             f"kv_cache_dtype={CACHE_DTYPE} needs head_dim to be a multiple of "
