@@ -176,6 +176,6 @@ def check_engine_config(vllm_config: Any) -> KVPolicy:
     try:
         policy = model_policy(vllm_config)
     except PolicyError as e:
-        raise PolicyError(f"nvfp4_mixed policy does not fit {mc.model}: {e}") from None
+        raise PolicyError(f"kv_cache_dtype={CACHE_DTYPE}: no usable KV policy for {mc.model}: {e}") from None
     logger.info("vllm-nvfp4: %s", policy.describe())
     return policy
