@@ -28,8 +28,9 @@ env_vars           envs.py ``environment_variables`` (+ VLLM_NVFP4_*;     env_va
 
 vLLM APIs the backend *uses* without patching them (they must keep working across versions):
 ``AttentionBackend`` / ``AttentionMetadataBuilder`` / ``AttentionImpl``, ``CommonAttentionMetadata``
-and ``split_decodes_and_prefills`` (v1/attention), the builder's ``reorder_batch_threshold = 1``
-(decodes first), and for prefill on CUDA ``vllm.vllm_flash_attn.flash_attn_varlen_func`` with
+and ``split_decodes_and_prefills`` (v1/attention), the builder's
+``_init_reorder_batch_threshold(1, supports_spec_as_decode=True)`` (decodes first; a speculative
+verify step counts as a decode), and for prefill on CUDA ``vllm.vllm_flash_attn.flash_attn_varlen_func`` with
 ``fa_utils.get_flash_attn_version`` (``dense_prefill.py``).
 """
 
