@@ -74,9 +74,10 @@ def spec_models() -> Any:
 
 def repetitive(work: Path) -> Path:
     """The repetitive tiny Llama of the CPU test (built once under ``work``)."""
-    rep = work / "repetitive"
+    head_dim = 64 if DEVICE == "cuda" else 32  # the CUDA kernels need >= 64
+    rep = work / f"repetitive-h{head_dim}"
     if not rep.exists():
-        spec_models().repetitive_llama(rep)
+        spec_models().repetitive_llama(rep, head_dim=head_dim)
     return rep
 
 
@@ -89,7 +90,7 @@ def engine(model: Path, kv_cache_dtype: str, **kwargs: Any) -> Any:
                 max_model_len=4096, max_num_seqs=32, enforce_eager=True, seed=0,
                 disable_log_stats=False)
     if cuda:
-        args["gpu_memory_utilization"] = 0.4
+        args["gpu_memory_utilization"] = 0.05  # ~7 GiB of an H200: a phase runs up to 3 engines
     args.update(kwargs)
     return LLM(**args)
 
@@ -113,6 +114,7 @@ def run(llm: Any, prompts: list[list[int]], n: int) -> dict[str, Any]:
 
 
 def close(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()  # frees the engine core's GPU memory now
     del llm
     gc.collect()
     if DEVICE == "cuda":

@@ -37,14 +37,14 @@ BLOCK = 32  # vLLM's CPU attention (the fp8 reference) needs a multiple of 32
 REFERENCE = "fp8"  # vLLM's own fp8 cache on CPU needs AVX-512 or AMX
 
 
-def repetitive_llama(dst: Path) -> Path:
-    """The tiny float32 Llama with LM head tied to the embeddings and o_proj / down_proj doubled:
+def repetitive_llama(dst: Path, head_dim: int = 32) -> Path:
+    """The tiny float32 Llama (``head_dim`` 32 here; the CUDA kernels need >= 64) with LM head tied to the embeddings and o_proj / down_proj doubled:
     greedy text of runs of repeated tokens broken by the attention (drafts hit and miss)."""
     from safetensors.torch import load_file, save_file
 
     from vllm_nvfp4.testing.models import build_tiny_llama
 
-    src = build_tiny_llama(dst.parent / "base", dtype="float32")
+    src = build_tiny_llama(dst.parent / f"base-h{head_dim}", head_dim=head_dim, dtype="float32")
     shutil.copytree(src, dst)
     weights = load_file(str(src / "model.safetensors"))
     for name in weights:
