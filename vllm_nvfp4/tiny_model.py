@@ -125,6 +125,21 @@ def train_tokenizer(vocab: int = 4096, text_mb: float = 2.0) -> Path:
     return path
 
 
+def save_tokenizer(model_dir: Path, tok_path: Path, max_pos: int) -> None:
+    """Write the trained tokenizer (``tok_path``) into ``model_dir`` with the chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    ftok = PreTrainedTokenizerFast(
+        tokenizer_file=str(tok_path), unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        pad_token="<pad>", model_max_length=max_pos)
+    ftok.chat_template = CHAT_TEMPLATE
+    ftok.save_pretrained(str(model_dir))
+    # transformers 5 writes "TokenizersBackend"; this name loads in 4.x and 5.x alike
+    tc = json.loads((model_dir / "tokenizer_config.json").read_text())
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(tc, indent=2))
+
+
 def _random_weights(cfg: dict, arch: str, seed: int, qk_gain: float, dtype: str) -> dict:
     """State dict of a Llama/Qwen2 causal LM (HF parameter names), scaled as the module doc says."""
     import torch
@@ -247,22 +262,13 @@ def build_tiny_llama(
 
     def build(tmp: Path) -> None:
         from safetensors.torch import save_file
-        from transformers import PreTrainedTokenizerFast
 
         (tmp / "config.json").write_text(json.dumps(_hf_config(cfg, arch, dtype, max_pos), indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}, indent=2))
         save_file(_random_weights(cfg, arch, seed, qk_gain, dtype), str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
-        ftok = PreTrainedTokenizerFast(
-            tokenizer_file=str(tok_path), unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-            pad_token="<pad>", model_max_length=max_pos)
-        ftok.chat_template = CHAT_TEMPLATE
-        ftok.save_pretrained(str(tmp))
-        # transformers 5 writes "TokenizersBackend"; this name loads in 4.x and 5.x alike
-        tc = json.loads((tmp / "tokenizer_config.json").read_text())
-        tc["tokenizer_class"] = "PreTrainedTokenizerFast"
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tc, indent=2))
+        save_tokenizer(tmp, tok_path, max_pos)
         (tmp / MARKER).write_text(json.dumps(args, indent=2, sort_keys=True))
 
     if out.exists():  # stale build with other arguments: rebuild in place

@@ -73,6 +73,14 @@ class Nvfp4MixedBackend(AttentionBackend):
         return attn_type == AttentionType.DECODER
 
     @classmethod
+    def supports_sink(cls) -> bool:
+        return True  # gpt-oss's per-head sink logits, passed to the kernels
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
     def supports_kv_connector(cls) -> bool:
         return False  # connectors would move pages they cannot interpret
 
@@ -129,8 +137,10 @@ class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
         self._max_model_len = vllm_config.model_config.max_model_len
         forward_context = vllm_config.compilation_config.static_forward_context
         for name in layer_names:
-            index, row, layout = layer_plan(vllm_config, name)
-            forward_context[name].impl.bind(name, index, row, layout, vllm_config, device)
+            impl = forward_context[name].impl
+            index, row, layout = layer_plan(vllm_config, name, impl.num_kv_heads, impl.head_size,
+                                            impl.sliding_window)
+            impl.bind(name, index, row, layout, vllm_config, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> Nvfp4MixedMetadata:

@@ -78,22 +78,32 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
                  num_kv_heads: Optional[int] = None, alibi_slopes: Optional[list[float]] = None,
                  sliding_window: Optional[int] = None, kv_cache_dtype: str = CACHE_DTYPE,
                  logits_soft_cap: Optional[float] = None, attn_type: str = AttentionType.DECODER,
-                 kv_sharing_target_layer_name: Optional[str] = None, **unsupported: Any) -> None:
+                 kv_sharing_target_layer_name: Optional[str] = None,
+                 sinks: Optional[torch.Tensor] = None, **unsupported: Any) -> None:
         problems = [name for name, bad in (
             ("ALiBi", alibi_slopes is not None),
-            ("sliding window", sliding_window is not None),
             (f"attention type {attn_type}", attn_type != AttentionType.DECODER),
             ("KV sharing across layers", kv_sharing_target_layer_name is not None),
             (f"options {sorted(unsupported)}", bool(unsupported)),
         ) if bad]
         if problems:
             raise NotImplementedError(f"{CACHE_DTYPE} attention does not support {', '.join(problems)}")
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise ValueError(f"attention sinks must be one logit per query head [{num_heads}], "
+                             f"got shape {tuple(sinks.shape)}")
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be > 0, got {sliding_window}")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.logits_soft_cap = logits_soft_cap or None
+        self.sliding_window = sliding_window  # keys at positions > pos - window (None: all)
+        # gpt-oss's learned per-head logits: vLLM's parameter (model dtype, loaded after this
+        # constructor) and its fp32 copy for the kernels, made by bind() after loading
+        self.sinks = sinks
+        self.sink_logits: Optional[torch.Tensor] = None  # float32 [num_heads], persistent
         self.attn_type = attn_type
         self.layer_name: Optional[str] = None
         self.layout: Optional[KVPageLayout] = None
@@ -116,6 +126,11 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         if layout.num_kv_heads != self.num_kv_heads or layout.head_dim != self.head_size:
             raise RuntimeError(f"{layer_name}: layout {layout} does not match the layer "
                                f"({self.num_kv_heads} KV heads, head size {self.head_size})")
+        if row.layer_type.sinks != (self.sinks is not None):
+            raise RuntimeError(
+                f"{layer_name}: the policy row (from the model config) says layer {index} is "
+                f"{row.layer_type.label()}, but vLLM built it {'with' if self.sinks is not None else 'without'} "
+                "attention sinks")
         total = vllm_config.model_config.get_total_num_kv_heads()
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         tp_rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
@@ -145,6 +160,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
                 raise RuntimeError(f"{layer_name}: the policy's {name} has {len(rows[0])} values "
                                    f"per head, the layer's head size is {self.head_size}")
             tensors[name] = rows
+        if self.sinks is not None:
+            tensors["sink_logits"] = self.sinks.detach().float().cpu().tolist()
         if "k_smooth" in tensors:  # each query head takes the factors of its KV head
             group = self.num_heads // self.num_kv_heads
             tensors["q_smooth"] = [r for r in tensors["k_smooth"] for _ in range(group)]
@@ -195,7 +212,9 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         pages = self._page_view(kv_cache)
         if self.q_smooth is not None:  # q . (K / lam) with q * lam: the smoothing cancels
             query = (query.float() * self.q_smooth).to(query.dtype)
-        if not m.prefill_groups or query.dtype not in DENSE_DTYPES:
+        # the dense prefill takes neither a window nor sinks: such layers prefill paged
+        if (not m.prefill_groups or query.dtype not in DENSE_DTYPES
+                or self.sliding_window is not None or self.sinks is not None):
             n = m.num_actual_tokens
             self._paged(query[:n], pages, m.block_table, m.seq_lens, m.query_start_loc,
                         m.max_query_len, m.max_seq_len, output[:n])
@@ -215,6 +234,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
                seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
                max_seq_len: int, out: torch.Tensor) -> None:
         """Paged attention kernels (decode, or the fused prefill) for ``query [T, Hq, D]``."""
+        extra = {} if self.sink_logits is None else {"sinks": self.sink_logits}
         ops.paged_attention(query, pages, self.layout, self.k_scale, self.v_scale, block_table,
                             seq_lens, query_start_loc, max_query_len, max_seq_len, self.scale,
-                            out, logits_soft_cap=self.logits_soft_cap)
+                            out, sliding_window=self.sliding_window,
+                            logits_soft_cap=self.logits_soft_cap, **extra)
