@@ -111,13 +111,13 @@ def kv_bytes(b: Batch, per_token_head: int) -> int:
     return b.batch * b.ctx * HKV * per_token_head
 
 
-def run_ours(lay, b, cache, out, smoke, **cfg) -> float:
+def run_ours(lay, b, cache, out, smoke, launch: "kattn.LaunchShape | None" = None) -> float:
     ks = torch.full((HKV,), 0.01, device=cache.device)
     vs = torch.full((HKV,), 0.02, device=cache.device)
 
     def fn():
         kattn.paged_attention(b.query, cache, lay, ks, vs, b.block_table, b.seq_lens, b.qsl,
-                              b.q_len, b.ctx, SOFTMAX_SCALE, out, **cfg)
+                              b.q_len, b.ctx, SOFTMAX_SCALE, out, launch=launch)
     return timer(fn, smoke)
 
 
@@ -211,8 +211,8 @@ def bench_shape(batch: int, ctx: int, q_len: int, args, gen) -> list[dict]:
             for splits, tile, warps in configs if name in args.sweep_formats else []:
                 cfg = f"splits={splits},tile={tile},warps={warps}"
                 try:
-                    us = run_ours(lay, b, cache, out, args.smoke, num_splits=splits,
-                                  tile_n=tile, num_warps=warps)
+                    us = run_ours(lay, b, cache, out, args.smoke,
+                                  kattn.LaunchShape(tile, warps, num_splits=splits))
                 except Exception as e:  # noqa: BLE001
                     print(f"  config {cfg} failed: {e!r}"[:300])
                     continue

@@ -61,6 +61,22 @@ def _check_heads(name: str, x: torch.Tensor, layout: KVPageLayout, dtypes: tuple
         raise ValueError(f"{name} needs stride(-1) == 1, got strides {tuple(x.stride())}")
 
 
+SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_sinks(sinks: Optional[torch.Tensor], query: torch.Tensor) -> None:
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or sinks.dtype not in SINK_DTYPES:
+        raise TypeError(f"sinks must be a tensor of {SINK_DTYPES} [num_q_heads], "
+                        f"got {getattr(sinks, 'dtype', sinks)}")
+    if tuple(sinks.shape) != (query.shape[1],) or sinks.device != query.device:
+        raise ValueError(f"sinks must have shape ({query.shape[1]},) (one logit per query head) on "
+                         f"{query.device}, got {tuple(sinks.shape)} on {sinks.device}")
+    if sinks.stride(0) != 1:
+        raise ValueError(f"sinks must be contiguous, got stride {sinks.stride(0)}")
+
+
 def _check_triton_head_dim(layout: KVPageLayout) -> None:
     if layout.head_dim not in TRITON_HEAD_DIMS:
         raise ValueError(
@@ -134,6 +150,7 @@ def paged_attention(
     out: torch.Tensor,
     sliding_window: Optional[int] = None,
     logits_soft_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Causal paged attention of a batch of sequences, K/V read from the quantized cache.
@@ -149,6 +166,11 @@ def paged_attention(
         softmax_scale: multiplies ``q . k`` before the softmax.
         sliding_window: keys at positions ``> pos - sliding_window`` only (None: no window).
         logits_soft_cap: ``cap * tanh(logits / cap)`` on the scaled logits (None/0: off).
+        sinks: ``[num_q_heads]`` fp32 (bf16/fp16 read as fp32), or None: each head's attention-sink
+            logit (gpt-oss; vLLM's ``sinks`` / FlashAttention's ``s_aux``). It joins the softmax
+            as one more logit without a value: ``out = sum_j e^(l_j - m) v_j /
+            (sum_j e^(l_j - m) + e^(sink - m))``, ``m`` the max over the real logits ``l_j``
+            (scaled, soft-capped, masked) and the sink; the sink itself is neither scaled nor capped.
     Query token j of sequence s sits at position ``seq_lens[s] - q_len + j`` and attends
     causally. Returns ``out``.
     """
@@ -188,6 +210,7 @@ def paged_attention(
         raise ValueError(f"sliding_window must be None or > 0, got {sliding_window}")
     if logits_soft_cap is not None and logits_soft_cap < 0:
         raise ValueError(f"logits_soft_cap must be None or >= 0, got {logits_soft_cap}")
+    _check_sinks(sinks, query)
     if num_seqs == 0 or query.shape[0] == 0:
         return out
     args = (
@@ -196,8 +219,11 @@ def paged_attention(
         logits_soft_cap or None,
     )
     if _backend(query.device, backend) == "torch":
-        return paged_torch.paged_attention(*args)
+        return paged_torch.paged_attention(*args, sinks)
     _check_triton_head_dim(layout)
+    if sinks is not None:
+        raise NotImplementedError("attention sinks are not in the Triton kernels yet; "
+                                  "use backend='torch' (VLLM_NVFP4_FORCE_TORCH=1)")
     from vllm_nvfp4.kernels import attention
 
     return attention.paged_attention(*args)

@@ -76,7 +76,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from vllm_nvfp4.formats import KV_FORMATS, bytes_per_head, check_kv_format
+from vllm_nvfp4.formats import KV_FORMATS, KVFormat, bytes_per_head, check_kv_format
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +84,8 @@ POLICY_FORMAT = "vllm-nvfp4-policy"
 POLICY_VERSION = 1
 POLICY_ENV = "VLLM_NVFP4_POLICY"
 POLICY_FILENAME = "nvfp4_policy.json"
-DEFAULT_FP8_SCALE = 1.0
-DEFAULT_NVFP4_GLOBAL_SCALE = 1.0 / 6.0
+DEFAULT_FP8_SCALE = KVFormat.FP8.default_scale
+DEFAULT_NVFP4_GLOBAL_SCALE = KVFormat.NVFP4.default_scale
 SCALE_FIELDS = ("k_scale", "v_scale", "k_global_scale", "v_global_scale")
 TYPE_FIELDS = ("type", "window", "sinks")
 #: per KV head and channel: K smoothing factors, K centering offsets
@@ -230,8 +230,8 @@ class LayerPolicy:
 
     A row of type ``none`` (no KV cache) has ``k = v = None`` and nothing else."""
 
-    k: Optional[str]
-    v: Optional[str]
+    k: Optional[KVFormat]
+    v: Optional[KVFormat]
     k_scale: Optional[Scale] = None
     v_scale: Optional[Scale] = None
     k_global_scale: Optional[Scale] = None
@@ -250,7 +250,7 @@ class LayerPolicy:
             return
         for name in ("k", "v"):
             try:
-                check_kv_format(getattr(self, name))
+                object.__setattr__(self, name, check_kv_format(getattr(self, name)))
             except ValueError as e:
                 raise PolicyError(str(e)) from None
         for name in SCALE_FIELDS:
@@ -258,13 +258,13 @@ class LayerPolicy:
         object.__setattr__(self, "k_smooth", _check_channels(self.k_smooth, "k_smooth", True))
         object.__setattr__(self, "k_center", _check_channels(self.k_center, "k_center", False))
 
-    def format_of(self, kv: str) -> str:
+    def format_of(self, kv: str) -> KVFormat:
         """Format of ``"k"`` or ``"v"``."""
         return self.k if kv == "k" else self.v
 
     def quant_scale(self, kv: str) -> Optional[Scale]:
         """The scale the layer's format uses for ``kv``: FP8 scale or NVFP4 global scale."""
-        if self.format_of(kv) == "fp8":
+        if self.format_of(kv) is KVFormat.FP8:
             return self.k_scale if kv == "k" else self.v_scale
         return self.k_global_scale if kv == "k" else self.v_global_scale
 
@@ -507,13 +507,13 @@ class KVPolicy:
         )
 
     def fraction_of_fp8(self) -> float:
-        """KV bytes relative to an all-FP8 cache over the KV layers (head_dim independent: 1.0 or
-        0.5625 per slot); for a model with full-attention layers, over those (the cache that
-        grows with the context; sliding layers hold at most a window)."""
-        per = {"fp8": 1.0, "nvfp4": 0.5625}
+        """KV bytes relative to an all-FP8 cache over the KV layers (head_dim independent); for a
+        model with full-attention layers, over those (the cache that grows with the context;
+        sliding layers hold at most a window)."""
         rows = [lp for _, lp in self.kv_layers()]
         growing = [lp for lp in rows if lp.layer_type.kind == "full"] or rows
-        return sum(per[lp.k] + per[lp.v] for lp in growing) / (2 * len(growing))
+        total = sum(lp.k.bytes_per_element + lp.v.bytes_per_element for lp in growing)
+        return total / (2 * len(growing) * KVFormat.FP8.bytes_per_element)
 
     def describe(self) -> str:
         """A multi-line table of the policy, for the start-up log."""
@@ -533,7 +533,9 @@ class KVPolicy:
 
 
 def _to_json(val: Any) -> Any:
-    """Tuples (per-head scales, k_smooth rows) as JSON lists, recursively."""
+    """Tuples (per-head scales, k_smooth rows) as JSON lists, recursively; formats as names."""
+    if isinstance(val, KVFormat):
+        return val.value
     return [_to_json(v) for v in val] if isinstance(val, tuple) else val
 
 
@@ -635,10 +637,11 @@ def _finish_kv(pending: tuple[str, dict[str, str]], text: str) -> tuple[str, tup
     return rng, (_fmt(kv["k"], text), _fmt(kv["v"], text))
 
 
-def _fmt(name: str, text: str) -> str:
-    if name not in KV_FORMATS:
-        raise PolicyError(f"unknown KV format {name!r} in {text!r}; expected one of {', '.join(KV_FORMATS)}")
-    return name
+def _fmt(name: str, text: str) -> KVFormat:
+    try:
+        return KVFormat.parse(name)
+    except ValueError as e:
+        raise PolicyError(f"{e} (in {text!r})") from None
 
 
 def _expand_range(rng: str, num_layers: int, text: str) -> range:
