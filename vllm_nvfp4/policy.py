@@ -403,7 +403,8 @@ class KVPolicy:
                     raise PolicyError(f"'sinks' must be true or false, got {entry['sinks']!r}")
                 if layer_type.holds_kv and ("k" not in entry or "v" not in entry):
                     raise PolicyError(f"needs 'k' and 'v' formats ({'/'.join(KV_FORMATS)})")
-                fields = {k: val for k, val in entry.items() if k not in ("index", *TYPE_FIELDS)}
+                fields = {"k": None, "v": None,
+                          **{k: val for k, val in entry.items() if k not in ("index", *TYPE_FIELDS)}}
                 parsed.append(LayerPolicy(**fields, layer_type=layer_type))
             except PolicyError as e:
                 raise PolicyError(f"{where}: {e}") from None

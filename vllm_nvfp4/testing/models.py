@@ -18,8 +18,9 @@
   * ``gpt_oss``: 12 layers, sliding (window 32) on even layers, full on odd (vLLM's gpt-oss fixes
     this pattern), attention sinks, 4 experts top-2, head_dim 64, 4 / 2 heads;
   * ``mistral``: 6 layers, all sliding (window 48), head_dim 32, 4 / 2 heads;
-  * ``qwen3_next``: 8 layers, Gated DeltaNet on 3 of 4, full attention on layers 3 and 7,
-    head_dim 64, 4 / 2 heads, 4 experts.
+  * ``qwen3_next``: 8 layers, Gated DeltaNet on 3 of 4 (head dims 128: the CPU kernel's),
+    full attention on layers 3 and 7, head_dim 64, 4 / 2 heads, 4 experts (vLLM's CPU build
+    runs it in bfloat16 only).
 
 The architectures' ``config.json`` writers are :data:`CONFIGS` (``llama``, ``qwen2``); a new
 architecture adds its writer there (and its parameter names to :func:`_random_weights`). Nothing
@@ -308,7 +309,7 @@ def weight_bytes(preset: str) -> int:
 
 
 HYBRID_ARCHS = ("gemma3", "gpt_oss", "mistral", "qwen3_next")
-HYBRID_BUILD = 1  # bump when the output of a given argument set changes
+HYBRID_BUILD = 2  # bump when the output of a given argument set changes
 _ALTERNATING = ["sliding_attention", "full_attention"] * 6
 _GEMMA_PATTERN = ["sliding_attention", "sliding_attention", "full_attention"] * 4
 
@@ -343,8 +344,8 @@ def _hybrid_config(arch: str, vocab: int, max_pos: int) -> Any:
 
         cfg = Qwen3NextConfig(**common, num_hidden_layers=8, head_dim=64,
                               layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
-                              linear_num_key_heads=2, linear_num_value_heads=4,
-                              linear_key_head_dim=32, linear_value_head_dim=32,
+                              linear_num_key_heads=1, linear_num_value_heads=2,
+                              linear_key_head_dim=128, linear_value_head_dim=128,
                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                               shared_expert_intermediate_size=64, decoder_sparse_step=1,
                               architectures=["Qwen3NextForCausalLM"])
