@@ -257,9 +257,10 @@ def check_engine_config(vllm_config: Any) -> KVPolicy:
         raise _unsupported(f"{mc.architecture}: a hybrid model whose config has no layer_types "
                            "(the policy cannot tell its attention layers from its state layers)")
     try:
-        shape = ModelShape.of(vllm_config)
+        layer_types_from_config(text_config)
     except PolicyError as e:
         raise _unsupported(f"this model's layers ({e})") from None
+    shape = ModelShape.of(vllm_config)
     if cc.kv_cache_dtype_skip_layers:
         raise Nvfp4MixedConfigError(
             f"--kv-cache-dtype-skip-layers cannot be combined with {CACHE_DTYPE}: the per-layer "
