@@ -136,7 +136,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/nvfp4-tiny-h128"))
-    ap.add_argument("--out", type=Path, default=Path("integration_h200.json"))
+    ap.add_argument("--out", type=Path, default=Path("integration_check.json"))
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--quick", action="store_true", help="fewer/shorter prompts (CPU dry run)")
     a = ap.parse_args()

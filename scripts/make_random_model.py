@@ -33,8 +33,6 @@ from typing import Optional
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from vllm_nvfp4.testing.models import PRESETS, build_weightless_model, weight_bytes  # noqa: E402
 
-make_random_model = build_weightless_model  # the name scripts/bench_e2e.py imports
-
 
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
@@ -44,7 +42,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--max-pos", type=int, default=None, help="max_position_embeddings override")
     a = ap.parse_args(argv)
     t0 = time.time()
-    path = make_random_model(a.out, a.preset, a.max_pos)
+    path = build_weightless_model(a.out, a.preset, a.max_pos)
     print(f"model {a.preset} ({weight_bytes(a.preset) / 1e9:.2f} GB of bf16 weights when loaded "
           f"with load_format=dummy) -> {path} ({time.time() - t0:.1f}s)", flush=True)
 

@@ -15,14 +15,16 @@ import pytest
 
 from vllm_nvfp4.evaluation import gsm8k, passkey
 from vllm_nvfp4.calibration.selection import count_fp8_slots
-from vllm_nvfp4.evaluation.kv_configs import ConfigError, KVConfig, ModelShape, build_configs
+from vllm_nvfp4.evaluation.kv_configs import ConfigError, KVConfig, build_configs
 from vllm_nvfp4.evaluation.logprobs import WindowScores, compare, ratio_to, scores_from_prompt_logprobs
 from vllm_nvfp4.evaluation.report import check_targets, markdown_table, plot
 from vllm_nvfp4.evaluation.stats import bootstrap_ratio, mean_interval, t975
 from vllm_nvfp4.evaluation.windows import tail_windows
+from vllm_nvfp4.model_shape import ModelShape
 from vllm_nvfp4.policy import KVPolicy
 
-SHAPE = ModelShape(num_layers=6, num_kv_heads=2, head_dim=64, max_positions=4096, dtype="bfloat16")
+SHAPE = ModelShape(num_layers=6, total_num_kv_heads=2, num_kv_heads=2, head_dim=64, max_positions=4096,
+                   dtype="bfloat16")
 
 
 # ----------------------------------------------------------------------------- stats
@@ -165,19 +167,10 @@ def test_build_configs_errors(tmp_path: Path) -> None:
         build_configs(["mixed_naive"], SHAPE)
     naive = build_configs(["mixed_naive"], SHAPE, budget=0.62)[0]
     assert naive.fraction_of_fp8(SHAPE) <= 0.62 and naive.policy.layers[0].k_scale is None
-    other = ModelShape(num_layers=4, num_kv_heads=2, head_dim=64, max_positions=1, dtype="bfloat16")
+    other = ModelShape(num_layers=4, total_num_kv_heads=2, num_kv_heads=2, head_dim=64, max_positions=1,
+                       dtype="bfloat16")
     with pytest.raises(ValueError, match="4"):
         build_configs(["mixed_calibrated"], other, _calibrated(tmp_path))
-
-
-def test_model_shape_from_config(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({
-        "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 512,
-        "max_position_embeddings": 2048, "torch_dtype": "bfloat16"}))
-    s = ModelShape.from_model_dir(tmp_path)
-    assert (s.num_layers, s.num_kv_heads, s.head_dim, s.max_positions) == (3, 2, 64, 2048)
-    with pytest.raises(ConfigError, match="config.json"):
-        ModelShape.from_model_dir(tmp_path / "missing")
 
 
 # ----------------------------------------------------------------------------- lm-eval glue

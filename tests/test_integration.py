@@ -338,7 +338,9 @@ def test_hybrid_models_pin_a_block_outermost_layout(monkeypatch):
     from vllm_nvfp4.policy import LayerType
 
     def shape(types):
-        return ModelShape(len(types), tuple(types), 2, 2, 32, 16, None)
+        return ModelShape(num_layers=len(types), total_num_kv_heads=2, num_kv_heads=2, head_dim=32,
+                          dtype="float32", max_positions=4096, block_size=16,
+                          layer_types=tuple(types))
 
     swa, full, none = LayerType("sliding", 32), LayerType("full"), LayerType("none")
     monkeypatch.setattr(envs, "VLLM_KV_CACHE_LAYOUT", None, raising=False)
@@ -364,7 +366,9 @@ def test_sliding_block_size_fills_the_shared_blocks():
     from vllm_nvfp4.policy import LayerType, default_policy
 
     def plan(types, heads, dim):
-        shape = ModelShape(len(types), tuple(types), heads, heads, dim, 16, None)
+        shape = ModelShape(num_layers=len(types), total_num_kv_heads=heads, num_kv_heads=heads,
+                           head_dim=dim, dtype="bfloat16", max_positions=4096, block_size=16,
+                           layer_types=tuple(types))
         policy = default_policy(len(types), types)
         b = sliding_block_size(policy, shape)
         full = 16 * policy.kv_bytes_per_token(heads, dim, ("full",))

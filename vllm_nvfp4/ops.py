@@ -24,7 +24,7 @@ FORCE_TORCH_ENV = "VLLM_NVFP4_FORCE_TORCH"
 KV_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ATTN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: head dims the Triton kernels are built and tested for (the torch path takes any multiple of 16)
-TRITON_HEAD_DIMS = (64, 128, 256)
+TRITON_HEAD_DIMS = (64, 128, 256, 512)
 
 
 def _backend(device: torch.device, backend: Backend) -> str:
@@ -221,12 +221,9 @@ def paged_attention(
     if _backend(query.device, backend) == "torch":
         return paged_torch.paged_attention(*args, sinks)
     _check_triton_head_dim(layout)
-    if sinks is not None:
-        raise NotImplementedError("attention sinks are not in the Triton kernels yet; "
-                                  "use backend='torch' (VLLM_NVFP4_FORCE_TORCH=1)")
     from vllm_nvfp4.kernels import attention
 
-    return attention.paged_attention(*args)
+    return attention.paged_attention(*args, sinks)
 
 
 def dequantize_kv(
@@ -241,17 +238,20 @@ def dequantize_kv(
     k_out: torch.Tensor,
     v_out: torch.Tensor,
     first_seq: int = 0,
+    seq_starts: Optional[torch.Tensor] = None,
     backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense K/V of whole sequences: positions ``[0, seq_lens[s])`` of sequence
-    ``s = first_seq + i`` go to rows ``cu_seqlens[i] + pos`` of ``k_out``/``v_out``.
+    """Dense K/V of sequences: positions ``[a_i, seq_lens[s])`` of sequence ``s = first_seq + i``
+    go to rows ``cu_seqlens[i] + pos - a_i`` of ``k_out``/``v_out``; ``a_i = seq_starts[i]``
+    (a sliding window's first visible key), or 0 without ``seq_starts``.
 
     Args:
         cache, layout, k_scale, v_scale: as in :func:`write_kv_cache`.
         block_table: int32 ``[batch, max_blocks]``; seq_lens: int32 ``[batch]``;
         cu_seqlens: int32 ``[n + 1]``, the output row where each of the ``n`` sequences
             ``first_seq .. first_seq + n - 1`` starts.
-        max_seq_len: host int, ``>=`` their lengths.
+        max_seq_len: host int, ``>=`` every ``seq_lens[s] - a_i``.
+        seq_starts: int32 ``[n]`` with ``0 <= a_i <= seq_lens[s]``, or None (contents unchecked).
         k_out, v_out: ``[>= cu_seqlens[-1], num_kv_heads, head_dim]`` bf16/fp16/fp32,
             ``stride(-1) == 1``.
     Values are the FP32 dequantization (per-head scales applied) rounded once to the output
@@ -274,17 +274,22 @@ def dequantize_kv(
         raise ValueError(f"k_out/v_out must have {layout.num_kv_heads} KV heads, got "
                          f"{tuple(k_out.shape)} / {tuple(v_out.shape)}")
     _check_scales(layout, cache.device, k_scale=k_scale, v_scale=v_scale)
+    if seq_starts is not None and (seq_starts.dtype != torch.int32 or tuple(seq_starts.shape) != (
+            end - first_seq,) or seq_starts.device != cache.device):
+        raise ValueError(f"seq_starts must be int32 [{end - first_seq}] on {cache.device}, got "
+                         f"{seq_starts.dtype} {tuple(seq_starts.shape)} on {seq_starts.device}")
     if _backend(cache.device, backend) == "torch":
-        starts, lens = cu_seqlens.tolist(), seq_lens[first_seq:end].tolist()
-        for i, (start, n) in enumerate(zip(starts, lens)):
+        rows, lens = cu_seqlens.tolist(), seq_lens[first_seq:end].tolist()
+        firsts = [0] * len(lens) if seq_starts is None else seq_starts.tolist()
+        for i, (row, n, a) in enumerate(zip(rows, lens, firsts)):
             ids = block_table[first_seq + i, : -(-n // layout.block_size)]
             k, v = paged_torch.read_kv_from_cache(cache, layout, ids, k_scale, v_scale, n)
-            k_out[start:start + n] = k
-            v_out[start:start + n] = v
+            k_out[row:row + n - a] = k[a:]
+            v_out[row:row + n - a] = v[a:]
         return k_out, v_out
     _check_triton_head_dim(layout)
     from vllm_nvfp4.kernels import dequant
 
     dequant.dequantize_kv(cache, layout, k_scale, v_scale, block_table, seq_lens, cu_seqlens,
-                          int(max_seq_len), k_out, v_out, int(first_seq))
+                          int(max_seq_len), k_out, v_out, int(first_seq), seq_starts)
     return k_out, v_out

@@ -76,6 +76,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
+from vllm_nvfp4 import compact_json
 from vllm_nvfp4.formats import KV_FORMATS, KVFormat, bytes_per_head, check_kv_format
 
 logger = logging.getLogger(__name__)
@@ -444,11 +445,12 @@ class KVPolicy:
         return cls.from_dict(data, source=str(p))
 
     def save(self, path: Union[str, Path], overwrite: bool = False) -> Path:
-        """Write as JSON; refuses to replace an existing file unless ``overwrite``."""
+        """Write as JSON (:func:`compact_json.dumps`: one line per vector); refuses to replace an
+        existing file unless ``overwrite``."""
         p = Path(path)
         if p.exists() and not overwrite:
             raise FileExistsError(f"{p} exists; refusing to overwrite it (use --force / overwrite=True)")
-        p.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        p.write_text(compact_json.dumps(self.to_dict()) + "\n", encoding="utf-8")
         return p
 
     # ------------------------------------------------------------------ model checks and summary

@@ -40,6 +40,7 @@ from vllm_nvfp4.integration.dense_prefill import (
     PrefillGroup,
     dense_prefill,
     dense_prefill_enabled,
+    dense_prefill_supports,
     flash_varlen,
     plan_prefill_groups,
     reserve_scratch,
@@ -148,6 +149,9 @@ class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._dense_prefill = dense_prefill_enabled(device)
+        # one KV-cache group = one kind of layer: its sliding window (None: full attention)
+        layer_spec = getattr(kv_cache_spec, "first_spec", kv_cache_spec)  # UniformTypeKVCacheSpecs
+        self._sliding_window = getattr(layer_spec, "sliding_window", None)
         self._scratch_rows = scratch_rows(vllm_config)
         self._max_model_len = vllm_config.model_config.max_model_len
         forward_context = vllm_config.compilation_config.static_forward_context
@@ -181,7 +185,7 @@ class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
             seq_lens_cpu = m.seq_lens.cpu()
         groups = plan_prefill_groups(m.query_start_loc_cpu[: m.num_reqs + 1],
                                      seq_lens_cpu[: m.num_reqs], num_decodes,
-                                     self._scratch_rows, self.device)
+                                     self._scratch_rows, self.device, self._sliding_window)
         return replace(meta, num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
                        decode_max_seq_len=decode_bound, prefill_groups=groups)
 
@@ -369,9 +373,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         pages = self._page_view(kv_cache)
         if self.q_smooth is not None:  # q . (K / lam) with q * lam: the smoothing cancels
             query = (query.float() * self.q_smooth).to(query.dtype)
-        # the dense prefill takes neither a window nor sinks: such layers prefill paged
         if (not m.prefill_groups or query.dtype not in DENSE_DTYPES
-                or self.sliding_window is not None or self.sinks is not None):
+                or not dense_prefill_supports(self.head_size, self.sinks is not None)):
             n = m.num_actual_tokens
             self._paged(query[:n], pages, m.block_table, m.seq_lens, m.query_start_loc,
                         m.max_query_len, m.max_seq_len, output[:n])
@@ -384,7 +387,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         for group in m.prefill_groups:
             dense_prefill(query, output, pages, self.layout, self.k_scale, self.v_scale,
                           m.block_table, m.seq_lens, group, self.scale, self.logits_soft_cap,
-                          attention, fa_version=fa_version)
+                          attention, sliding_window=self.sliding_window, sinks=self.sink_logits,
+                          fa_version=fa_version)
         return output
 
     def _paged(self, query: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,

@@ -13,11 +13,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE
 from vllm_nvfp4.layout import PAGE_ALIGN, KVPageLayout
+from vllm_nvfp4.model_shape import ModelShape
 from vllm_nvfp4.policy import (
     POLICY_ENV,
     KVPolicy,
@@ -37,40 +37,6 @@ class Nvfp4MixedConfigError(ValueError):
     """The engine configuration cannot run with ``kv_cache_dtype=nvfp4_mixed``; says why."""
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """What the policy and the page layout need to know about the model (per TP rank)."""
-
-    num_layers: int  # decoder layers of the whole model = rows of the policy
-    layer_types: tuple[LayerType, ...]  # per decoder layer, from the model config
-    total_num_kv_heads: int
-    num_kv_heads: int  # on this rank
-    head_dim: int
-    block_size: int
-    model_dir: Optional[str]
-
-    @classmethod
-    def of(cls, vllm_config: Any) -> "ModelShape":
-        mc, pc = vllm_config.model_config, vllm_config.parallel_config
-        model_dir = mc.model if os.path.isdir(str(mc.model)) else None
-        return cls(
-            num_layers=mc.get_total_num_hidden_layers(),
-            layer_types=layer_types_from_config(mc.hf_text_config),
-            total_num_kv_heads=mc.get_total_num_kv_heads(),
-            num_kv_heads=mc.get_num_kv_heads(pc),
-            head_dim=mc.get_head_size(),
-            block_size=vllm_config.cache_config.block_size,
-            model_dir=model_dir,
-        )
-
-    @property
-    def needs_packed_groups(self) -> bool:
-        """Whether vLLM keeps the KV layers in more than one kind of KV-cache group (full and
-        sliding-window layers, or attention next to Mamba/linear-attention state)."""
-        kinds = {(t.kind, t.window) for t in self.layer_types}
-        return len(kinds) > 1
-
-
 @functools.lru_cache(maxsize=8)
 def _resolve(num_layers: int, layer_types: tuple[LayerType, ...], num_kv_heads: int,
              head_dim: int, model_dir: Optional[str], env_value: str) -> KVPolicy:
@@ -82,7 +48,7 @@ def _resolve(num_layers: int, layer_types: tuple[LayerType, ...], num_kv_heads: 
 
 def model_policy(vllm_config: Any) -> KVPolicy:
     """The policy in force for this engine config (resolved once per process and setting)."""
-    shape = ModelShape.of(vllm_config)
+    shape = ModelShape.from_vllm_config(vllm_config)
     return _resolve(shape.num_layers, shape.layer_types, shape.total_num_kv_heads,
                     shape.head_dim, shape.model_dir, os.environ.get(POLICY_ENV, ""))
 
@@ -151,7 +117,7 @@ def layer_plan(vllm_config: Any, layer_name: str, num_kv_heads: int, head_dim: i
     (they may differ between layers, e.g. Gemma 4's global layers); raises
     :class:`Nvfp4MixedConfigError` unless the layer is what its policy row says it is.
     """
-    shape = ModelShape.of(vllm_config)
+    shape = ModelShape.from_vllm_config(vllm_config)
     policy = model_policy(vllm_config)
     index = layer_index(layer_name, shape.num_layers)
     row = policy.layers[index]
@@ -260,7 +226,7 @@ def check_engine_config(vllm_config: Any) -> KVPolicy:
         layer_types_from_config(text_config)
     except PolicyError as e:
         raise _unsupported(f"this model's layers ({e})") from None
-    shape = ModelShape.of(vllm_config)
+    shape = ModelShape.from_vllm_config(vllm_config)
     if cc.kv_cache_dtype_skip_layers:
         raise Nvfp4MixedConfigError(
             f"--kv-cache-dtype-skip-layers cannot be combined with {CACHE_DTYPE}: the per-layer "
