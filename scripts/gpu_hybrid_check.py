@@ -28,7 +28,6 @@ check fails by design).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -54,23 +53,6 @@ def policy_text(types: Any) -> str:
     return f"full:nvfp4,{full[-1]}:fp8"
 
 
-def reference_logprobs(model_dir: Path, prompts: list[list[int]], policy: Any, device: str) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    from vllm_nvfp4.calibration.kv_hooks import kv_cache_quantization
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p], device=device)
-        ctx = kv_cache_quantization(model, policy) if policy is not None else contextlib.nullcontext()
-        with ctx, torch.no_grad():
-            logp = model(ids).logits[0].float().log_softmax(-1)
-        out.append(logp[:-1].gather(1, ids[0, 1:, None])[:, 0].cpu())
-    del model
-    return torch.cat(out)
-
-
 def greedy(n: int, **kw: Any) -> Any:
     from vllm import SamplingParams
 
@@ -89,6 +71,7 @@ def check_arch(arch: str, device: str, work: Path) -> dict[str, Any]:
     from vllm_nvfp4.policy import KVPolicy, layer_types_from_config
     from vllm_nvfp4.testing.kv_report import kv_cache_report
     from vllm_nvfp4.testing.models import build_tiny_hybrid
+    from vllm_nvfp4.testing.reference import reference_logprobs
 
     model_dir = build_tiny_hybrid(arch, work / arch, qk_gain=QK_GAIN)
     types = layer_types_from_config(AutoConfig.from_pretrained(model_dir).get_text_config())
@@ -152,8 +135,8 @@ def check_arch(arch: str, device: str, work: Path) -> dict[str, Any]:
     r["a_vs_b_exact"] = sum(x == y for x, y in zip(a1, b)) / len(b)
     del llm
     gc.collect()
-    ref = reference_logprobs(model_dir, prompts, policy, device)
-    plain = reference_logprobs(model_dir, prompts, None, device)
+    ref = reference_logprobs(model_dir, prompts, policy, torch.bfloat16, device)
+    plain = reference_logprobs(model_dir, prompts, None, torch.bfloat16, device)
     err, gap = (got - ref).abs().mean().item(), (got - plain).abs().mean().item()
     r["logprob_err_matched"], r["logprob_err_unquantized"] = round(err, 5), round(gap, 5)
     checks["logprobs_nearer_matched_reference"] = err < TOL_RATIO * gap

@@ -32,6 +32,8 @@ from typing import Any
 import pytest
 import torch
 
+from vllm_nvfp4.testing.reference import reference_logprobs
+
 pytestmark = pytest.mark.vllm
 
 LOGPROB_TOL = 1e-3
@@ -132,24 +134,6 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return {"arch": request.param, "model_dir": model_dir, "policy": policy, **_run(model_dir)}
 
 
-def _reference_logprobs(model_dir: Path, prompts: list[list[int]], policy: Any) -> torch.Tensor:
-    import contextlib
-
-    from transformers import AutoModelForCausalLM
-
-    from vllm_nvfp4.calibration.kv_hooks import kv_cache_quantization
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    values = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        ctx = kv_cache_quantization(model, policy) if policy is not None else contextlib.nullcontext()
-        with ctx, torch.no_grad():
-            logp = model(ids).logits[0].float().log_softmax(-1)
-        values.append(logp[:-1].gather(1, ids[0, 1:, None])[:, 0])
-    return torch.cat(values)
-
-
 def test_prompts_are_longer_than_every_window(runs):
     windows = {t.window for t in runs["policy"].layer_types if t.window}
     assert windows and all(len(p) > 2 * max(windows) for ps in runs["prompts"].values() for p in ps)
@@ -166,13 +150,13 @@ def test_prompt_logprobs_match_the_quantized_reference(runs):
 
     prompts = runs["prompts"]["logprob"]
     got = runs["vllm_logprobs"]
-    ref = _reference_logprobs(runs["model_dir"], prompts, runs["policy"])
+    ref = reference_logprobs(runs["model_dir"], prompts, runs["policy"])
     assert got.shape == ref.shape
     err = (got - ref).abs()
     close = (err < LOGPROB_TOL).float().mean()
-    gap = (got - _reference_logprobs(runs["model_dir"], prompts, None)).abs().mean()
+    gap = (got - reference_logprobs(runs["model_dir"], prompts, None)).abs().mean()
     fp8 = KVPolicy.from_compact("*:fp8", runs["policy"].num_layers, layer_types=runs["policy"].layer_types)
-    gap_fp8 = (got - _reference_logprobs(runs["model_dir"], prompts, fp8)).abs().mean()
+    gap_fp8 = (got - reference_logprobs(runs["model_dir"], prompts, fp8)).abs().mean()
     print(f"{runs['arch']}: {close:.0%} within {LOGPROB_TOL}, mean err {err.mean():.2e}, vs "
           f"unquantized {gap:.2e}, vs all-FP8 {gap_fp8:.2e}")
     assert close >= 0.5, f"only {close:.0%} of tokens within {LOGPROB_TOL} (mean err {err.mean():.2e})"
