@@ -67,7 +67,7 @@ def marginals(report: dict[str, Any], metric: str) -> list[tuple[float, int, str
 def report_layer_types(report: dict[str, Any]) -> tuple[LayerType, ...]:
     """The decoder layers' types an analysis was made for (reports of dense models written
     before the types: all full attention, one per analysed layer)."""
-    types = report["model"].get("layer_types")
+    types = report.get("model", {}).get("layer_types")
     if not types:
         return (FULL_ATTENTION,) * len(report["layers"])
     return tuple(LayerType(t["type"], t.get("window"), t.get("sinks", False)) for t in types)
