@@ -15,7 +15,7 @@ import logging
 import os
 from typing import Any, Optional
 
-from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE
+from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, KVFormat
 from vllm_nvfp4.layout import PAGE_ALIGN, KVPageLayout
 from vllm_nvfp4.model_shape import ModelShape
 from vllm_nvfp4.policy import (
@@ -28,6 +28,7 @@ from vllm_nvfp4.policy import (
     resolve_policy,
 )
 
+from vllm_nvfp4.integration.connectors import check_kv_connectors
 from vllm_nvfp4.integration.dtype import CACHE_DTYPE, PLUGIN_NAME
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
@@ -109,27 +110,55 @@ def sliding_block_size(policy: KVPolicy, shape: ModelShape) -> int:
                key=lambda b: (*packing_fill(full_bytes, b * per_token, len(sliding)), -b))
 
 
-def layer_plan(vllm_config: Any, layer_name: str, num_kv_heads: int, head_dim: int,
-               sliding_window: Optional[int]) -> tuple[int, LayerPolicy, KVPageLayout]:
-    """Policy index, policy row and page layout of one attention layer on this rank.
+#: vLLM's name prefix for the layers of a separate draft model (``method="draft_model"``)
+DRAFT_MODEL_PREFIX = "draft_model."
+#: The rule for a speculative draft's own attention layers (EAGLE heads, draft models): the
+#: policy describes the target model only, so draft layers store K and V in FP8 with the default
+#: scale. Drafts only propose tokens; the target's verify step decides every output token.
+DRAFT_LAYER_POLICY = LayerPolicy(KVFormat.FP8, KVFormat.FP8)
 
-    ``num_kv_heads`` (this rank's), ``head_dim`` and ``sliding_window`` are the layer's own
-    (they may differ between layers, e.g. Gemma 4's global layers); raises
-    :class:`Nvfp4MixedConfigError` unless the layer is what its policy row says it is.
+
+def is_draft_layer(vllm_config: Any, layer_name: str, num_layers: int) -> bool:
+    """True for an attention layer of the speculative draft (not a row of the target's policy).
+
+    vLLM names a draft model's layers ``draft_model.model.layers.<i>...``; EAGLE heads number
+    their layers after the target's (``model.layers.<num_layers + i>...``).
+    """
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or getattr(spec, "draft_model_config", None) is None:
+        return False
+    if layer_name.startswith(DRAFT_MODEL_PREFIX):
+        return True
+    numbers = [int(part) for part in layer_name.split(".") if part.isdigit()]
+    return len(numbers) == 1 and numbers[0] >= num_layers
+
+
+def layer_plan(vllm_config: Any, layer: Any) -> tuple[Optional[int], LayerPolicy, KVPageLayout]:
+    """Policy index (None for a draft layer), policy row and page layout of one attention layer.
+
+    ``layer`` is vLLM's ``Attention`` module (``layer_name``, ``num_kv_heads`` on this rank,
+    ``head_size``, ``sliding_window``: the layer's own, they may differ between layers). Target
+    layers take their row of the policy and must be what its type says (else
+    :class:`Nvfp4MixedConfigError`); sliding layers take :func:`sliding_block_size`. Draft
+    layers take :data:`DRAFT_LAYER_POLICY` and their own head shape.
     """
     shape = ModelShape.from_vllm_config(vllm_config)
+    if is_draft_layer(vllm_config, layer.layer_name, shape.num_layers):
+        layout = KVPageLayout(layer.num_kv_heads, layer.head_size, shape.block_size,
+                              DRAFT_LAYER_POLICY.k, DRAFT_LAYER_POLICY.v)
+        return None, DRAFT_LAYER_POLICY, layout
     policy = model_policy(vllm_config)
-    index = layer_index(layer_name, shape.num_layers)
+    index = layer_index(layer.layer_name, shape.num_layers)
     row = policy.layers[index]
-    kind = row.layer_type
-    if not kind.holds_kv or (sliding_window or None) != kind.window:
-        seen = f"sliding({sliding_window})" if sliding_window else "full"
+    kind, window = row.layer_type, getattr(layer, "sliding_window", None)
+    if not kind.holds_kv or (window or None) != kind.window:
+        seen = f"sliding({window})" if window else "full"
         raise Nvfp4MixedConfigError(
-            f"{layer_name}: vLLM builds this layer as {seen} attention, but the model config "
+            f"{layer.layer_name}: vLLM builds this layer as {seen} attention, but the model config "
             f"(and the policy) say layer {index} is {kind.label()}; this model's layer types "
             "cannot be read from its config, so nvfp4_mixed cannot serve it")
     block_size = sliding_block_size(policy, shape) if kind.kind == "sliding" else shape.block_size
-    layout = KVPageLayout(num_kv_heads, head_dim, block_size, row.k, row.v)
+    layout = KVPageLayout(layer.num_kv_heads, layer.head_size, block_size, row.k, row.v)
     return index, row, layout
 
 
@@ -207,9 +236,10 @@ def check_engine_config(vllm_config: Any) -> KVPolicy:
     Raises :class:`Nvfp4MixedConfigError` (or :class:`~vllm_nvfp4.policy.PolicyError`) naming
     the problem: MLA (DeepSeek, incl. V4's compressed layers), cross-layer KV sharing, hybrid
     models whose layer types the config does not list, head_dim or block size the page layout
-    cannot hold, an explicit other attention backend, ``--kv-cache-dtype-skip-layers``, a
-    non-block-outermost KV-cache layout for a hybrid model, or a policy that does not fit the
-    model. Pins the KV-cache layout for hybrid models (:func:`choose_kv_cache_layout`).
+    cannot hold, an explicit other attention backend, ``--kv-cache-dtype-skip-layers``, a KV
+    connector that does not copy whole blocks, a non-block-outermost KV-cache layout for a
+    hybrid model, or a policy that does not fit the model. Pins the KV-cache layout for hybrid
+    models (:func:`choose_kv_cache_layout`).
     """
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     text_config = mc.hf_text_config
@@ -233,6 +263,7 @@ def check_engine_config(vllm_config: Any) -> KVPolicy:
             "choice comes from the policy (see $VLLM_NVFP4_POLICY / nvfp4_policy.json; sliding "
             "layers can be selected by type, e.g. 'swa:fp8,full:nvfp4')"
         )
+    check_kv_connectors(vllm_config)
     backend = vllm_config.attention_config.backend
     if backend is not None and backend.name != "CUSTOM":  # early here; per layer in selection
         raise other_backend_error(backend.name)
@@ -249,7 +280,7 @@ def check_engine_config(vllm_config: Any) -> KVPolicy:
     try:
         policy = model_policy(vllm_config)
     except PolicyError as e:
-        raise PolicyError(f"nvfp4_mixed policy does not fit {mc.model}: {e}") from None
+        raise PolicyError(f"kv_cache_dtype={CACHE_DTYPE}: no usable KV policy for {mc.model}: {e}") from None
     layout = choose_kv_cache_layout(vllm_config, shape)
     logger.info("vllm-nvfp4: %s", policy.describe())
     if layout is not None:

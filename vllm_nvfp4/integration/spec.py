@@ -39,8 +39,7 @@ def kv_cache_spec(layer: Any, vllm_config: Any) -> Any:
             f"{layer.layer_name}: {CACHE_DTYPE} needs equal K and V head sizes, got "
             f"{layer.head_size} and {layer.head_size_v}"
         )
-    _, _, layout = layer_plan(vllm_config, layer.layer_name, layer.num_kv_heads,
-                              layer.head_size, layer.sliding_window)
+    _, _, layout = layer_plan(vllm_config, layer)
     fields = dict(
         block_size=layout.block_size,
         num_kv_heads=layer.num_kv_heads,
