@@ -90,22 +90,9 @@ def calibrated_policy(model_dir: Path) -> dict:
 
 
 def reference_logprobs(model_dir: Path, prompts: list[list[int]], policy: Any) -> torch.Tensor:
-    import contextlib
+    from vllm_nvfp4.testing.reference import reference_logprobs as reference
 
-    from transformers import AutoModelForCausalLM
-
-    from vllm_nvfp4.calibration.kv_hooks import kv_cache_quantization
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float16).to(DEVICE).eval()
-    values = []
-    for p in prompts:
-        ids = torch.tensor([p], device=DEVICE)
-        ctx = kv_cache_quantization(model, policy) if policy is not None else contextlib.nullcontext()
-        with ctx, torch.no_grad():
-            logp = model(ids).logits[0].float().log_softmax(-1)
-        values.append(logp[:-1].gather(1, ids[0, 1:, None])[:, 0].cpu())
-    del model
-    return torch.cat(values)
+    return reference(model_dir, prompts, policy, torch.float16, DEVICE)
 
 
 def worker_report(worker: Any) -> dict:

@@ -32,7 +32,8 @@ def _config(tmp_path: Path, speculative: Optional[Any] = None, pp: int = 1) -> S
     model = SimpleNamespace(model=str(tmp_path), get_total_num_hidden_layers=lambda: NUM_LAYERS,
                             get_total_num_kv_heads=lambda: KV_HEADS,
                             get_num_kv_heads=lambda pc: KV_HEADS, get_head_size=lambda: HEAD_DIM,
-                            dtype="float32", hf_text_config=SimpleNamespace(max_position_embeddings=4096))
+                            dtype="float32", hf_text_config=SimpleNamespace(max_position_embeddings=4096,
+                                                                           num_hidden_layers=NUM_LAYERS))
     return SimpleNamespace(model_config=model, cache_config=SimpleNamespace(block_size=BLOCK),
                            parallel_config=SimpleNamespace(pipeline_parallel_size=pp),
                            speculative_config=speculative)

@@ -285,11 +285,108 @@ def test_head_dim_not_multiple_of_16_fails_at_start(tiny_model_dir, tmp_path):
         _llm(model)
 
 
-def test_sliding_window_model_is_refused(tiny_model_dir, tmp_path):
+def test_sliding_window_model_gets_typed_policy_rows(tiny_model_dir, tmp_path):
+    """A Mistral with a window: every row sliding(64), one KV-cache group kind, vLLM's layout."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_nvfp4.integration.model import model_policy
+    from vllm_nvfp4.policy import LayerType
+
     model = _variant(tiny_model_dir, tmp_path / "swa", architectures=["MistralForCausalLM"],
                      model_type="mistral", sliding_window=64)
-    with pytest.raises(ValueError, match="dense full-attention decoder models only.*sliding-window"):
-        _llm(model)
+    config = EngineArgs(model=str(model), kv_cache_dtype=CACHE_DTYPE,
+                        max_model_len=256).create_engine_config()
+    assert model_policy(config).layer_types == (LayerType("sliding", 64),) * 4
+    assert config.cache_config.kv_cache_layout is None
+
+
+def _fake_config(layer_types=None, layout=None, **text):
+    from types import SimpleNamespace
+
+    text.setdefault("num_hidden_layers", 4)
+    if layer_types is not None:
+        text.update(layer_types=layer_types, sliding_window=32)
+    return SimpleNamespace(
+        model_config=SimpleNamespace(use_mla=False, architecture="TestForCausalLM",
+                                     is_hybrid="linear_attention" in (layer_types or ()),
+                                     hf_text_config=SimpleNamespace(**text)),
+        cache_config=SimpleNamespace(kv_cache_layout=layout, kv_cache_dtype_skip_layers=None))
+
+
+@pytest.mark.parametrize("text, match", [
+    (dict(num_kv_shared_layers=2), "does not support cross-layer KV sharing .*2 layers reuse"),
+    (dict(layer_types=["full_attention", "mamba2_moe"] * 2), "type 'mamba2_moe'.*supported:"),
+])
+def test_unsupported_layers_are_refused_with_what_is_supported(text, match):
+    from vllm_nvfp4.integration.model import Nvfp4MixedConfigError, check_engine_config
+
+    with pytest.raises(Nvfp4MixedConfigError, match=match) as e:
+        check_engine_config(_fake_config(**text))
+    assert "It supports decoder models whose layers are full attention, sliding-window" in str(e.value)
+
+
+def test_untyped_mamba_hybrid_is_refused():
+    from vllm_nvfp4.integration.model import Nvfp4MixedConfigError, check_engine_config
+
+    config = _fake_config()
+    config.model_config.is_hybrid = True  # e.g. Jamba: layers_block_type, no layer_types
+    with pytest.raises(Nvfp4MixedConfigError, match="hybrid model whose config has no layer_types"):
+        check_engine_config(config)
+
+
+def test_hybrid_models_pin_a_block_outermost_layout(monkeypatch):
+    from vllm import envs
+
+    from vllm_nvfp4.integration.model import ModelShape, Nvfp4MixedConfigError, choose_kv_cache_layout
+    from vllm_nvfp4.policy import LayerType
+
+    def shape(types):
+        return ModelShape(num_layers=len(types), total_num_kv_heads=2, num_kv_heads=2, head_dim=32,
+                          dtype="float32", max_positions=4096, block_size=16,
+                          layer_types=tuple(types))
+
+    swa, full, none = LayerType("sliding", 32), LayerType("full"), LayerType("none")
+    monkeypatch.setattr(envs, "VLLM_KV_CACHE_LAYOUT", None, raising=False)
+    config = _fake_config()
+    assert choose_kv_cache_layout(config, shape([swa] * 4)) is None  # one kind: vLLM's choice
+    assert choose_kv_cache_layout(config, shape([full] * 4)) is None
+    assert choose_kv_cache_layout(config, shape([swa, full] * 2)) == "BLNHC"
+    assert config.cache_config.kv_cache_layout == "BLNHC"
+    config = _fake_config()
+    assert choose_kv_cache_layout(config, shape([none, full] * 2)) == "BLNHC"
+    monkeypatch.setattr(envs, "VLLM_KV_CACHE_LAYOUT", "BLHNC", raising=False)
+    assert choose_kv_cache_layout(_fake_config(), shape([none, full] * 2)) == "BLHNC"
+    monkeypatch.setattr(envs, "VLLM_KV_CACHE_LAYOUT", "LBNHC", raising=False)
+    with pytest.raises(Nvfp4MixedConfigError, match="KV-cache layout LBNHC pads .*set it to BLNHC"):
+        choose_kv_cache_layout(_fake_config(), shape([swa, full] * 2))
+
+
+def test_sliding_block_size_fills_the_shared_blocks():
+    """Gemma-3-27B-like (16 KV heads, D128, 52 sliding : 10 full) and gpt-oss-120b-like
+    (8 KV heads, D64, 18 : 18): the full-attention block is never padded; the sliding pages
+    take the block size that fills their blocks best."""
+    from vllm_nvfp4.integration.model import ModelShape, packing_fill, sliding_block_size
+    from vllm_nvfp4.policy import LayerType, default_policy
+
+    def plan(types, heads, dim):
+        shape = ModelShape(num_layers=len(types), total_num_kv_heads=heads, num_kv_heads=heads,
+                           head_dim=dim, dtype="bfloat16", max_positions=4096, block_size=16,
+                           layer_types=tuple(types))
+        policy = default_policy(len(types), types)
+        b = sliding_block_size(policy, shape)
+        full = 16 * policy.kv_bytes_per_token(heads, dim, ("full",))
+        n = sum(t.kind == "sliding" for t in types)
+        return b, packing_fill(full, b * heads * 2 * dim, n)  # FP8 K + V
+
+    swa, full = LayerType("sliding", 1024), LayerType("full")
+    gemma = ([swa] * 5 + [full]) * 10 + [swa] * 2
+    b, (full_fill, swa_fill) = plan(gemma, 16, 128)
+    assert (b, full_fill) == (16, 1.0) and swa_fill == pytest.approx(12 / 13)
+    oss = [LayerType("sliding", 128, True), LayerType("full", None, True)] * 18
+    b, (full_fill, swa_fill) = plan(oss, 8, 64)
+    assert (b, full_fill) == (32, 1.0) and swa_fill == pytest.approx(10 / 11)
+    assert packing_fill(1000, 400, 5) == (1.0, 0.8)  # 2 per block, 3 groups of 2 -> 800 of 1000
+    assert packing_fill(1000, 1200, 5) == (1000 / 1200, 1.0)  # a page larger than the full block
 
 
 def test_mla_model_is_refused(tiny_model_dir, tmp_path):

@@ -219,21 +219,9 @@ def _preemptions(llm: Any) -> float:
 
 def _reference_logprobs(model_dir: Path, prompts: list[list[int]], policy: Any) -> torch.Tensor:
     """Prompt log-probs from transformers, K/V fake-quantized per ``policy`` (None: plain)."""
-    import contextlib
+    from vllm_nvfp4.testing.reference import reference_logprobs
 
-    from transformers import AutoModelForCausalLM
-
-    from vllm_nvfp4.calibration.kv_hooks import kv_cache_quantization
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    values = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        ctx = kv_cache_quantization(model, policy) if policy is not None else contextlib.nullcontext()
-        with ctx, torch.no_grad():
-            logp = model(ids).logits[0].float().log_softmax(-1)
-        values.append(logp[:-1].gather(1, ids[0, 1:, None])[:, 0])
-    return torch.cat(values)
+    return reference_logprobs(model_dir, prompts, policy)
 
 
 def test_prompt_logprobs_match_the_quantized_reference(runs):

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from vllm_nvfp4.model_shape import DEFAULT_MAX_POSITIONS, ModelShape, ModelShapeError
+from vllm_nvfp4.policy import FULL_ATTENTION
 
 LLAMA_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
             "hidden_size": 4096, "max_position_embeddings": 131072, "torch_dtype": "bfloat16"}
@@ -17,7 +18,8 @@ LLAMA_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_h
 def test_llama_config_derives_head_dim_and_keeps_one_rank():
     s = ModelShape.from_hf_config(LLAMA_8B)
     assert s == ModelShape(num_layers=32, total_num_kv_heads=8, num_kv_heads=8, head_dim=128,
-                           dtype="bfloat16", max_positions=131072)
+                           dtype="bfloat16", max_positions=131072,
+                           layer_types=(FULL_ATTENTION,) * 32)
     assert s.dtype_bytes == 2 and s.block_size is None and s.model_dir is None
 
 

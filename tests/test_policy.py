@@ -2,6 +2,7 @@
 
 import json
 import logging
+from dataclasses import replace
 
 import pytest
 
@@ -202,6 +203,164 @@ def test_resolution_order(tmp_path, caplog):
 def test_layer_policy_rejects_unknown_format():
     with pytest.raises(PolicyError, match="unknown KV format"):
         LayerPolicy("fp8", "bf16")
+
+
+# ---------------------------------------------------------------------- layer types (hybrid models)
+def _types(config_cls_name: str, **kw):
+    import transformers
+
+    from vllm_nvfp4.policy import layer_types_from_config
+
+    return layer_types_from_config(getattr(transformers, config_cls_name)(**kw))
+
+
+def test_layer_types_from_the_transformers_configs():
+    from vllm_nvfp4.policy import FULL_ATTENTION, NO_KV, LayerType
+
+    gemma = _types("Gemma3TextConfig", num_hidden_layers=7, sliding_window=512)  # 5 local : 1 global
+    assert gemma == (LayerType("sliding", 512),) * 5 + (FULL_ATTENTION, LayerType("sliding", 512))
+    oss = _types("GptOssConfig", num_hidden_layers=4, sliding_window=128)
+    assert oss == (LayerType("sliding", 128, True), LayerType("full", None, True)) * 2
+    qnext = _types("Qwen3NextConfig", num_hidden_layers=8)
+    assert qnext == (NO_KV, NO_KV, NO_KV, FULL_ATTENTION) * 2
+    assert _types("MistralConfig", num_hidden_layers=3, sliding_window=4096) == (LayerType("sliding", 4096),) * 3
+    assert _types("MistralConfig", num_hidden_layers=3, sliding_window=None) == (FULL_ATTENTION,) * 3
+    assert _types("Qwen2Config", num_hidden_layers=3, sliding_window=4096, use_sliding_window=False) == (FULL_ATTENTION,) * 3
+    assert _types("LlamaConfig", num_hidden_layers=2) == (FULL_ATTENTION,) * 2
+
+
+def test_unknown_layer_type_and_bad_layer_types_are_refused():
+    from types import SimpleNamespace
+
+    from vllm_nvfp4.policy import LayerType, layer_types_from_config
+
+    with pytest.raises(PolicyError, match="layer 1 of the model has type 'moe_mystery'"):
+        layer_types_from_config(SimpleNamespace(num_hidden_layers=2, layer_types=["full_attention", "moe_mystery"]))
+    with pytest.raises(PolicyError, match="sets no sliding_window"):
+        layer_types_from_config(SimpleNamespace(num_hidden_layers=1, layer_types=["sliding_attention"]))
+    with pytest.raises(PolicyError, match="needs a window"):
+        LayerType("sliding")
+    with pytest.raises(PolicyError, match="unknown layer type"):
+        LayerType("local")
+    with pytest.raises(PolicyError, match="without KV cache cannot have attention sinks"):
+        LayerType("none", sinks=True)
+
+
+def _gemma_like():
+    from vllm_nvfp4.policy import FULL_ATTENTION, LayerType
+
+    swa = LayerType("sliding", 64)
+    return (swa, swa, FULL_ATTENTION) * 4  # full layers 2, 5, 8, 11
+
+
+def _qwen_next_like():
+    from vllm_nvfp4.policy import FULL_ATTENTION, NO_KV
+
+    return (NO_KV, NO_KV, NO_KV, FULL_ATTENTION) * 3  # full layers 3, 7, 11
+
+
+def test_compact_by_type_index_beats_type_beats_wildcard():
+    t = _gemma_like()
+    p = KVPolicy.from_compact("swa:fp8,full:nvfp4,-1:fp8,0:nvfp4", 12, layer_types=t)
+    assert [(lp.k, lp.v) for lp in p.layers] == [
+        ("nvfp4", "nvfp4"), ("fp8", "fp8"), ("nvfp4", "nvfp4"), ("fp8", "fp8"), ("fp8", "fp8"),
+        ("nvfp4", "nvfp4"), ("fp8", "fp8"), ("fp8", "fp8"), ("nvfp4", "nvfp4"), ("fp8", "fp8"),
+        ("fp8", "fp8"), ("fp8", "fp8")]
+    assert p.layer_types == t
+    q = KVPolicy.from_compact("sliding:k=fp8,v=nvfp4,*:nvfp4", 12, layer_types=t)
+    assert (q.layers[0].k, q.layers[0].v, q.layers[2].k) == ("fp8", "nvfp4", "nvfp4")
+    assert KVPolicy.from_compact(q.to_compact(), 12, layer_types=t).layers == q.layers
+
+
+def test_compact_type_errors_say_what_to_fix():
+    t = _gemma_like()
+    with pytest.raises(PolicyError, match="names 'swa' layers, but the model has none"):
+        KVPolicy.from_compact("swa:fp8,*:nvfp4", 4)
+    with pytest.raises(PolicyError, match="layer type 'sliding' is named twice"):
+        KVPolicy.from_compact("swa:fp8,sliding:nvfp4,*:fp8", 12, layer_types=t)
+    with pytest.raises(PolicyError, match=r"leaves layers 2, 5, 8, 11 of 12 without a format"):
+        KVPolicy.from_compact("swa:fp8", 12, layer_types=t)
+
+
+def test_layers_without_kv_take_no_format():
+    from vllm_nvfp4.policy import NO_KV
+
+    t = _qwen_next_like()
+    p = KVPolicy.from_compact("0-3:fp8,*:nvfp4", 12, layer_types=t)  # a range skips them
+    assert [i for i, lp in p.kv_layers()] == [3, 7, 11]
+    assert [(p.layers[i].k, p.layers[i].layer_type) for i in (0, 3, 7)] == [
+        (None, NO_KV), ("fp8", t[3]), ("nvfp4", t[7])]
+    assert p.to_compact() == "3:fp8,7-11:nvfp4"
+    assert KVPolicy.from_compact(p.to_compact(), 12, layer_types=t).layers == p.layers
+    with pytest.raises(PolicyError, match="'0' in '0:fp8,\\*:nvfp4' names only layers without KV cache"):
+        KVPolicy.from_compact("0:fp8,*:nvfp4", 12, layer_types=t)
+    with pytest.raises(PolicyError, match="takes no k"):
+        LayerPolicy("fp8", "fp8", layer_type=NO_KV)
+    assert p.fraction_of_fp8() == pytest.approx((2 + 2 * 1.125) / 6)
+    assert p.kv_bytes_per_token(2, 64) == 2 * (2 * 64 + 2 * 2 * 36)  # layers 3, 7, 11 only
+
+
+def test_json_records_each_layers_type_and_reads_untyped_policies_as_full():
+    t = _gemma_like()
+    from vllm_nvfp4.policy import LayerType
+
+    oss = tuple(LayerType(x.kind, x.window, True) for x in t)
+    p = KVPolicy.from_compact("swa:fp8,full:nvfp4", 12, layer_types=oss)
+    d = p.to_dict()
+    assert d["layers"][0] == {"index": 0, "type": "sliding", "window": 64, "sinks": True, "k": "fp8", "v": "fp8"}
+    assert d["layers"][2] == {"index": 2, "type": "full", "sinks": True, "k": "nvfp4", "v": "nvfp4"}
+    assert KVPolicy.from_dict(json.loads(json.dumps(d))) == replace(p, source="<dict>")
+    q = KVPolicy.from_compact("3:fp8,*:nvfp4", 12, layer_types=_qwen_next_like())
+    assert q.to_dict()["layers"][0] == {"index": 0, "type": "none"}
+    assert KVPolicy.from_dict(q.to_dict()).layer_types == _qwen_next_like()
+    legacy = KVPolicy.from_compact("*:fp8", 2).to_dict()
+    for entry in legacy["layers"]:
+        del entry["type"]
+    assert KVPolicy.from_dict(legacy).layer_types == KVPolicy.from_compact("*:fp8", 2).layer_types
+    bad = dict(d, layers=[dict(d["layers"][0], sinks="yes")] + d["layers"][1:])
+    with pytest.raises(PolicyError, match=r"layers\[0\]: 'sinks' must be true or false"):
+        KVPolicy.from_dict(bad)
+    bad = dict(d, layers=[{"index": 0, "type": "none", "k": "fp8", "v": "fp8"}] + d["layers"][1:])
+    with pytest.raises(PolicyError, match=r"layers\[0\]: a layer without KV cache \(type none\) takes no k, v"):
+        KVPolicy.from_dict(bad)
+
+
+def test_a_policy_for_other_layer_types_is_refused():
+    t = _gemma_like()
+    p = KVPolicy.from_compact("*:fp8", 12)  # written for a dense 12-layer model
+    with pytest.raises(PolicyError, match=r"layer 0 is full in the policy but sliding\(64\) in the model"):
+        p.check_model(12, layer_types=t)
+    from vllm_nvfp4.policy import LayerType
+
+    other_window = tuple(LayerType(x.kind, 128 if x.window else None) for x in t)
+    with pytest.raises(PolicyError, match=r"sliding\(64\) in the policy but sliding\(128\)"):
+        KVPolicy.from_compact("*:fp8", 12, layer_types=t).check_model(12, layer_types=other_window)
+
+
+def test_default_rule_by_layer_types():
+    from vllm_nvfp4.policy import LayerType
+
+    g = default_policy(12, _gemma_like())  # sliding FP8, full 2 and 11 FP8, full 5 and 8 NVFP4
+    assert [i for i, lp in g.kv_layers() if lp.k == "nvfp4"] == [5, 8]
+    assert "sliding FP8" in g.source
+    q = default_policy(12, _qwen_next_like())  # three full layers: the middle one NVFP4
+    assert [(i, lp.k) for i, lp in q.kv_layers()] == [(3, "fp8"), (7, "nvfp4"), (11, "fp8")]
+    m = default_policy(5, (LayerType("sliding", 4096),) * 5)  # all sliding: first/last rule on them
+    assert m.to_compact() == "0:fp8,1-3:nvfp4,4:fp8"
+    two_full = (LayerType("sliding", 8), LayerType("full")) * 2
+    assert default_policy(4, two_full).to_compact() == "0-3:fp8"
+    with pytest.raises(PolicyError, match="no layer with a KV cache"):
+        default_policy(2, (LayerType("none"),) * 2)
+    assert default_policy(4).to_compact() == "0:fp8,1-2:nvfp4,3:fp8"  # dense: unchanged
+
+
+def test_resolve_policy_with_layer_types(tmp_path):
+    t = _gemma_like()
+    p = resolve_policy(12, tmp_path, env={POLICY_ENV: "swa:fp8,full:nvfp4"}, layer_types=t)
+    assert [i for i, lp in p.kv_layers() if lp.k == "nvfp4"] == [2, 5, 8, 11]
+    KVPolicy.from_compact("*:fp8", 12).save(tmp_path / POLICY_FILENAME)
+    with pytest.raises(PolicyError, match="does not match the model's layer types"):
+        resolve_policy(12, tmp_path, env={}, layer_types=t)
 
 
 @pytest.mark.parametrize("value", ["", "   "])

@@ -12,7 +12,10 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Mapping, Optional
+
+from vllm_nvfp4.policy import LayerType, layer_types_from_config
 
 #: bytes per element of the model dtypes an unquantized (``kv_cache_dtype=auto``) cache stores
 MODEL_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -36,6 +39,14 @@ class ModelShape:
     max_positions: int  # max_position_embeddings
     block_size: Optional[int] = None  # tokens per KV-cache block (engine configs only)
     model_dir: Optional[str] = None  # the local model directory, if the model is one
+    #: per decoder layer, from the config (:func:`~vllm_nvfp4.policy.layer_types_from_config`)
+    layer_types: tuple[LayerType, ...] = ()
+
+    @property
+    def needs_packed_groups(self) -> bool:
+        """Whether vLLM keeps the layers in more than one kind of KV-cache group (full and
+        sliding-window layers, or attention next to Mamba / linear-attention state)."""
+        return len({(t.kind, t.window) for t in self.layer_types}) > 1
 
     @property
     def dtype_bytes(self) -> int:
@@ -56,6 +67,7 @@ class ModelShape:
                               or DEFAULT_MAX_POSITIONS),
             block_size=vllm_config.cache_config.block_size,
             model_dir=mc.model if os.path.isdir(str(mc.model)) else None,
+            layer_types=layer_types_from_config(mc.hf_text_config),
         )
 
     @classmethod
@@ -74,6 +86,7 @@ class ModelShape:
                 dtype=dtype,
                 max_positions=int(cfg.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS),
                 model_dir=model_dir,
+                layer_types=layer_types_from_config(SimpleNamespace(**cfg)),
             )
         except KeyError as e:
             raise ModelShapeError(f"model config has no {e.args[0]!r}") from None

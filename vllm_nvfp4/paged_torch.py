@@ -238,6 +238,13 @@ def _attend_paged(
     """
     k = dequantize_tokens(cache, layout, "k", block_ids, k_scale, seq_lens)
     v = dequantize_tokens(cache, layout, "v", block_ids, v_scale, seq_lens)
+    if sliding_window is not None:
+        # Blocks wholly below every query's window may be ones vLLM already freed (their table
+        # entries point at its null block or at reused pages: any bytes, NaN in FP8), and a
+        # masked key still meets its value in p @ v as 0 * NaN: zero what no query sees.
+        kpos = torch.arange(k.shape[2], device=k.device)
+        seen = (kpos[None, :] > q_pos[:, :1] - sliding_window)[:, None, :, None]  # [S, 1, L, 1]
+        k, v = torch.where(seen, k, 0.0), torch.where(seen, v, 0.0)
     q = query.float().transpose(1, 2)  # [S, Hq, Q, D]
     step = query_chunk or q.shape[2]
     parts = []

@@ -2,14 +2,32 @@
 
 Two forms, both round-trip:
 
+Rows and layer numbering: one row per *decoder layer*, numbered as vLLM's layer names
+(``model.layers.7.self_attn.attn`` is row 7) and ModelOpt's ``kv_cache_quantized_layers`` number
+them, in calibrate, analyze, select and serve alike. Each row has a :class:`LayerType`:
+
+* ``full``    - full (global) attention: its cache grows with the context;
+* ``sliding`` - sliding-window (local) attention with its ``window`` (tokens attended, the
+  current one included): vLLM frees its blocks outside the window;
+* either of them with ``sinks`` - gpt-oss's learned per-head logit in the softmax denominator;
+* ``none``    - no KV cache (linear attention, Mamba, Gated DeltaNet): the state is vLLM's own,
+  the row carries no formats and no scales.
+
+The types come from the model's config (:func:`layer_types_from_config`); a policy whose types do
+not match the model's is refused (:meth:`KVPolicy.check_model`).
+
 * JSON file (versioned)::
 
     {"format": "vllm-nvfp4-policy", "version": 1, "num_layers": 30,
-     "layers": [{"index": 0, "k": "fp8", "v": "fp8",
+     "layers": [{"index": 0, "type": "sliding", "window": 512, "k": "fp8", "v": "fp8",
                  "k_scale": 0.02, "v_scale": 0.01,            # FP8 scales (amax / 448)
                  "k_global_scale": 0.003, "v_global_scale": 0.001},  # NVFP4 (amax / 2688)
+                {"index": 1, "type": "none"},                  # e.g. a Gated DeltaNet layer
                 ...],
      "provenance": {...free-form: tool version, model hash, data, metrics...}}
+
+  ``"type"`` may be left out for full attention (policies of dense models written before the
+  types existed read unchanged); ``"sinks": true`` marks a layer with attention sinks.
 
   Each scale is optional, a positive finite number or a per-KV-head list of them.
   Optional ``"k_smooth"``: per KV head, ``head_dim`` positive factors ``lam`` (K smoothing, as in
@@ -23,16 +41,24 @@ Two forms, both round-trip:
   K bias) no longer spends the format's resolution. Not valid with a logits soft-cap.
 
 * Compact string (formats only, no scales): comma-separated ``RANGE:SPEC`` items, e.g.
-  ``0-1:fp8,2-27:nvfp4,28-29:fp8``. ``RANGE`` is ``i``, ``i-j`` (inclusive) or ``*`` (every layer
-  not named elsewhere); negative indices count from the end (``-1`` is the last layer, ``-2--1``
-  the last two). ``SPEC`` is a format for K and V alike, or ``k=FMT,v=FMT`` for different ones
-  (``5:k=fp8,v=nvfp4``). Every layer must be covered exactly once.
+  ``0-1:fp8,2-27:nvfp4,28-29:fp8`` or ``swa:fp8,full:nvfp4,5:fp8``. ``RANGE`` is ``i``, ``i-j``
+  (inclusive), a layer type (``full``, or ``swa`` = ``sliding``: every layer of that type) or
+  ``*`` (every KV layer not named otherwise); negative indices count from the end (``-1`` is the
+  last layer, ``-2--1`` the last two). ``SPEC`` is a format for K and V alike, or
+  ``k=FMT,v=FMT`` for different ones (``5:k=fp8,v=nvfp4``). Precedence: an index or range beats a
+  type, a type beats ``*``; two indices or ranges naming the same layer, or a type named twice,
+  are errors. Layers without a KV cache take no format: a range skips them (it must contain at
+  least one KV layer), a single index naming one is an error. Every KV layer must get a format.
 
 Resolution at serve time (:func:`resolve_policy`), first match wins:
 
 1. ``$VLLM_NVFP4_POLICY``: a path to a JSON policy file, or a compact string.
 2. ``nvfp4_policy.json`` inside the model directory.
-3. The default rule: first and last layer FP8 for K and V, every other layer NVFP4 (logged).
+3. The default rule (:func:`default_policy`, logged): sliding-window layers FP8 (their cache is
+   bounded by the window, so NVFP4 would save little there, and every token passes through
+   them); of the full-attention layers the first and the last FP8, the others NVFP4. A model
+   whose KV layers are all sliding-window (Mistral with a window) applies the first/last rule to
+   those instead.
 
 Layers without calibrated scales use the defaults :data:`DEFAULT_FP8_SCALE` (1.0, vLLM's own
 default) and :data:`DEFAULT_NVFP4_GLOBAL_SCALE` (1/6: the same representable range, |x| <= 448,
@@ -62,6 +88,7 @@ POLICY_FILENAME = "nvfp4_policy.json"
 DEFAULT_FP8_SCALE = KVFormat.FP8.default_scale
 DEFAULT_NVFP4_GLOBAL_SCALE = KVFormat.NVFP4.default_scale
 SCALE_FIELDS = ("k_scale", "v_scale", "k_global_scale", "v_global_scale")
+TYPE_FIELDS = ("type", "window", "sinks")
 #: per KV head and channel: K smoothing factors, K centering offsets
 CHANNEL_FIELDS = ("k_smooth", "k_center")
 
@@ -71,6 +98,93 @@ Smooth = tuple[tuple[float, ...], ...]  # [kv_heads][head_dim]
 
 class PolicyError(ValueError):
     """A policy that is malformed or does not fit the model; the message says what to fix."""
+
+
+LAYER_KINDS = ("full", "sliding", "none")
+#: compact-string selectors of a layer kind
+KIND_SELECTORS = {"full": "full", "swa": "sliding", "sliding": "sliding"}
+#: config ``layer_types`` entries -> kind (transformers' names; ``attention`` is MiniMax's)
+CONFIG_LAYER_KINDS = {
+    "full_attention": "full", "attention": "full",
+    "sliding_attention": "sliding",
+    "linear_attention": "none", "mamba": "none", "conv": "none",
+}
+#: model types whose attention layers all carry sinks (a config has no flag for them)
+SINK_MODEL_TYPES = ("gpt_oss",)
+
+
+@dataclass(frozen=True)
+class LayerType:
+    """What one decoder layer keeps in the KV cache (see the module doc)."""
+
+    kind: str = "full"
+    window: Optional[int] = None  # sliding: tokens attended, the current one included
+    sinks: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in LAYER_KINDS:
+            raise PolicyError(f"unknown layer type {self.kind!r}; expected one of {', '.join(LAYER_KINDS)}")
+        if self.kind == "sliding":
+            if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window <= 0:
+                raise PolicyError(f"a sliding layer needs a window (int > 0), got {self.window!r}")
+        elif self.window is not None:
+            raise PolicyError(f"a {self.kind} layer has no window (got {self.window!r})")
+        if self.sinks and self.kind == "none":
+            raise PolicyError("a layer without KV cache cannot have attention sinks")
+
+    @property
+    def holds_kv(self) -> bool:
+        return self.kind != "none"
+
+    def label(self) -> str:
+        """``full``, ``sliding(512)``, ``full+sinks``, ``none``."""
+        base = f"sliding({self.window})" if self.kind == "sliding" else self.kind
+        return base + ("+sinks" if self.sinks else "")
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.kind}
+        if self.window is not None:
+            out["window"] = self.window
+        if self.sinks:
+            out["sinks"] = True
+        return out
+
+
+FULL_ATTENTION = LayerType()
+NO_KV = LayerType("none")
+
+
+def layer_types_from_config(config: Any) -> tuple[LayerType, ...]:
+    """Per decoder layer, its :class:`LayerType`, from a (text) model config.
+
+    Reads ``num_hidden_layers``, ``layer_types`` (transformers' per-layer list), ``sliding_window``
+    (with ``use_sliding_window``) and ``model_type``. Without ``layer_types`` every layer is
+    sliding if the config sets a window (Mistral), else full attention.
+    """
+    n = getattr(config, "num_hidden_layers", None)
+    if not isinstance(n, int) or n <= 0:
+        raise PolicyError(f"model config has no valid num_hidden_layers ({n!r})")
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
+    sinks = getattr(config, "model_type", None) in SINK_MODEL_TYPES
+    names = getattr(config, "layer_types", None)
+    if names is None:
+        kind = "sliding" if window else "full"
+        return tuple(LayerType(kind, window if window else None, sinks) for _ in range(n))
+    if len(names) != n:
+        raise PolicyError(f"model config lists {len(names)} layer_types for {n} layers")
+    out = []
+    for i, name in enumerate(names):
+        kind = CONFIG_LAYER_KINDS.get(name)
+        if kind is None:
+            raise PolicyError(
+                f"layer {i} of the model has type {name!r}, which vllm-nvfp4 does not know; "
+                f"supported: {', '.join(sorted(CONFIG_LAYER_KINDS))}")
+        if kind == "sliding" and not window:
+            raise PolicyError(f"layer {i} is sliding_attention but the config sets no sliding_window")
+        out.append(LayerType(kind, window if kind == "sliding" else None, sinks and kind != "none"))
+    return tuple(out)
 
 
 def _check_scale(value: Any, where: str) -> Optional[Scale]:
@@ -113,18 +227,28 @@ def _check_channels(value: Any, name: str, positive: bool) -> Optional[Smooth]:
 
 @dataclass(frozen=True)
 class LayerPolicy:
-    """Formats and (optional) calibrated scales of one attention layer's K and V."""
+    """Formats and (optional) calibrated scales of one decoder layer's K and V.
 
-    k: KVFormat
-    v: KVFormat
+    A row of type ``none`` (no KV cache) has ``k = v = None`` and nothing else."""
+
+    k: Optional[KVFormat]
+    v: Optional[KVFormat]
     k_scale: Optional[Scale] = None
     v_scale: Optional[Scale] = None
     k_global_scale: Optional[Scale] = None
     v_global_scale: Optional[Scale] = None
     k_smooth: Optional[Smooth] = None
     k_center: Optional[Smooth] = None
+    layer_type: LayerType = FULL_ATTENTION
 
     def __post_init__(self) -> None:
+        if not isinstance(self.layer_type, LayerType):
+            raise PolicyError(f"layer_type must be a LayerType, got {self.layer_type!r}")
+        if not self.layer_type.holds_kv:
+            extra = [n for n in ("k", "v", *SCALE_FIELDS, *CHANNEL_FIELDS) if getattr(self, n) is not None]
+            if extra:
+                raise PolicyError(f"a layer without KV cache (type none) takes no {', '.join(extra)}")
+            return
         for name in ("k", "v"):
             try:
                 object.__setattr__(self, name, check_kv_format(getattr(self, name)))
@@ -160,47 +284,88 @@ class KVPolicy:
 
     @property
     def num_layers(self) -> int:
+        """Decoder layers (rows), KV-holding or not."""
         return len(self.layers)
+
+    @property
+    def layer_types(self) -> tuple[LayerType, ...]:
+        return tuple(lp.layer_type for lp in self.layers)
+
+    def kv_layers(self) -> list[tuple[int, LayerPolicy]]:
+        """``(index, row)`` of every layer that holds a KV cache, in layer order."""
+        return [(i, lp) for i, lp in enumerate(self.layers) if lp.layer_type.holds_kv]
 
     # ------------------------------------------------------------------ compact string form
     @classmethod
-    def from_compact(cls, text: str, num_layers: int, source: str = "<string>") -> "KVPolicy":
-        """Parse ``0-1:fp8,2-27:nvfp4`` style text for a model of ``num_layers`` layers."""
+    def from_compact(cls, text: str, num_layers: int, source: str = "<string>",
+                     layer_types: Optional[Sequence[LayerType]] = None) -> "KVPolicy":
+        """Parse ``0-1:fp8,2-27:nvfp4`` / ``swa:fp8,full:nvfp4`` style text for a model of
+        ``num_layers`` decoder layers of ``layer_types`` (default: all full attention)."""
         if num_layers <= 0:
             raise PolicyError(f"num_layers must be positive, got {num_layers}")
-        entries = _split_compact(text)
-        assigned: list[Optional[tuple[str, str]]] = [None] * num_layers
+        types = tuple(layer_types) if layer_types is not None else (FULL_ATTENTION,) * num_layers
+        if len(types) != num_layers:
+            raise PolicyError(f"{len(types)} layer types given for {num_layers} layers")
+        by_index: list[Optional[tuple[str, str]]] = [None] * num_layers
+        by_kind: dict[str, tuple[str, str]] = {}
         wildcard: Optional[tuple[str, str]] = None
-        for rng, spec in entries:
+        for rng, spec in _split_compact(text):
             if rng == "*":
                 if wildcard is not None:
                     raise PolicyError(f"'*' appears twice in policy {text!r}")
                 wildcard = spec
+            elif rng in KIND_SELECTORS:
+                kind = KIND_SELECTORS[rng]
+                if kind in by_kind:
+                    raise PolicyError(f"layer type {rng!r} is named twice in {text!r}")
+                if not any(t.kind == kind for t in types):
+                    raise PolicyError(f"policy {text!r} names {rng!r} layers, but the model has none "
+                                      f"(its layers: {_format_types(types)})")
+                by_kind[kind] = spec
+            else:
+                indices = [i for i in _expand_range(rng, num_layers, text) if types[i].holds_kv]
+                if not indices:
+                    raise PolicyError(f"{rng!r} in {text!r} names only layers without KV cache "
+                                      f"({_format_types(types)}); they take no format")
+                for i in indices:
+                    if by_index[i] is not None:
+                        raise PolicyError(f"layer {i} is named twice (overlapping ranges) in {text!r}")
+                    by_index[i] = spec
+        layers, missing = [], []
+        for i, t in enumerate(types):
+            if not t.holds_kv:
+                layers.append(LayerPolicy(None, None, layer_type=t))
                 continue
-            for i in _expand_range(rng, num_layers, text):
-                if assigned[i] is not None:
-                    raise PolicyError(f"layer {i} is named twice (overlapping ranges) in {text!r}")
-                assigned[i] = spec
-        missing = [i for i, a in enumerate(assigned) if a is None]
-        if missing and wildcard is None:
+            spec = by_index[i] or by_kind.get(t.kind) or wildcard
+            if spec is None:
+                missing.append(i)
+                continue
+            layers.append(LayerPolicy(*spec, layer_type=t))
+        if missing:
             raise PolicyError(
                 f"policy {text!r} leaves layers {_format_indices(missing)} of {num_layers} "
                 "without a format (add them, or a '*:FMT' item for the rest)"
             )
-        layers = tuple(LayerPolicy(*(a or wildcard)) for a in assigned)  # type: ignore[misc]
-        return cls(layers=layers, source=source)
+        return cls(layers=tuple(layers), source=source)
 
     def to_compact(self) -> str:
-        """The formats as a compact string (scales are not part of this form)."""
+        """The formats as a compact string of index ranges (scales and types are not part of
+        this form); a range spans the layers without KV cache between equal rows."""
         items: list[str] = []
-        start = 0
-        for i in range(1, self.num_layers + 1):
-            if i < self.num_layers and _fmt_key(self.layers[i]) == _fmt_key(self.layers[start]):
-                continue
-            rng = str(start) if i - 1 == start else f"{start}-{i - 1}"
-            k, v = _fmt_key(self.layers[start])
-            items.append(f"{rng}:{k}" if k == v else f"{rng}:k={k},v={v}")
-            start = i
+        run: list[int] = []  # KV layers of the current run of equal formats
+
+        def flush() -> None:
+            if run:
+                rng = str(run[0]) if run[0] == run[-1] else f"{run[0]}-{run[-1]}"
+                k, v = _fmt_key(self.layers[run[0]])
+                items.append(f"{rng}:{k}" if k == v else f"{rng}:k={k},v={v}")
+
+        for i, lp in self.kv_layers():
+            if run and _fmt_key(lp) != _fmt_key(self.layers[run[0]]):
+                flush()
+                run = []
+            run.append(i)
+        flush()
         return ",".join(items)
 
     # ------------------------------------------------------------------ JSON form
@@ -229,13 +394,19 @@ class KVPolicy:
                 raise PolicyError(f"{where}: must be an object")
             if entry.get("index", pos) != pos:
                 raise PolicyError(f"{where}: index {entry.get('index')} out of order (expected {pos})")
-            unknown = set(entry) - {"index", "k", "v", *SCALE_FIELDS, *CHANNEL_FIELDS}
+            unknown = set(entry) - {"index", *TYPE_FIELDS, "k", "v", *SCALE_FIELDS, *CHANNEL_FIELDS}
             if unknown:
                 raise PolicyError(f"{where}: unknown keys {sorted(unknown)}")
-            if "k" not in entry or "v" not in entry:
-                raise PolicyError(f"{where}: needs 'k' and 'v' formats ({'/'.join(KV_FORMATS)})")
             try:
-                parsed.append(LayerPolicy(**{k: val for k, val in entry.items() if k != "index"}))
+                layer_type = LayerType(entry.get("type", "full"), entry.get("window"),
+                                       entry.get("sinks", False) is True)
+                if entry.get("sinks", False) not in (True, False):
+                    raise PolicyError(f"'sinks' must be true or false, got {entry['sinks']!r}")
+                if layer_type.holds_kv and ("k" not in entry or "v" not in entry):
+                    raise PolicyError(f"needs 'k' and 'v' formats ({'/'.join(KV_FORMATS)})")
+                fields = {"k": None, "v": None,
+                          **{k: val for k, val in entry.items() if k not in ("index", *TYPE_FIELDS)}}
+                parsed.append(LayerPolicy(**fields, layer_type=layer_type))
             except PolicyError as e:
                 raise PolicyError(f"{where}: {e}") from None
         prov = data.get("provenance", {})
@@ -246,9 +417,9 @@ class KVPolicy:
     def to_dict(self) -> dict[str, Any]:
         layers = []
         for i, lp in enumerate(self.layers):
-            entry: dict[str, Any] = {"index": i}
+            entry: dict[str, Any] = {"index": i, **lp.layer_type.to_json()}
             for key, val in asdict(lp).items():
-                if val is not None:
+                if val is not None and key != "layer_type":
                     entry[key] = _to_json(val)
             layers.append(entry)
         return {
@@ -290,8 +461,10 @@ class KVPolicy:
 
     # ------------------------------------------------------------------ model checks and summary
     def check_model(self, num_layers: int, num_kv_heads: Optional[int] = None,
-                    head_dim: Optional[int] = None) -> None:
-        """Raise :class:`PolicyError` unless the policy fits a model of this shape."""
+                    head_dim: Optional[int] = None,
+                    layer_types: Optional[Sequence[LayerType]] = None) -> None:
+        """Raise :class:`PolicyError` unless the policy fits a model of this shape and, if given,
+        these per-layer types (window and sinks included)."""
         if head_dim is not None:
             for i, lp in enumerate(self.layers):
                 for name in CHANNEL_FIELDS:
@@ -305,6 +478,18 @@ class KVPolicy:
                 f"policy {self.source} describes {self.num_layers} attention layers, but the "
                 f"model has {num_layers}; calibrate for this model or fix the policy"
             )
+        if layer_types is not None:
+            if len(layer_types) != num_layers:
+                raise PolicyError(f"{len(layer_types)} layer types given for {num_layers} layers")
+            wrong = [i for i, (a, b) in enumerate(zip(self.layer_types, layer_types)) if a != b]
+            if wrong:
+                i = wrong[0]
+                raise PolicyError(
+                    f"policy {self.source} does not match the model's layer types: layer {i} is "
+                    f"{self.layers[i].layer_type.label()} in the policy but "
+                    f"{layer_types[i].label()} in the model ({len(wrong)} layers differ; the "
+                    f"model's layers: {_format_types(layer_types)}); calibrate for this model or "
+                    "fix the policy")
         if num_kv_heads is None:
             return
         for i, lp in enumerate(self.layers):
@@ -322,27 +507,36 @@ class KVPolicy:
         layers[index] = replace(layers[index], **changes)
         return replace(self, layers=tuple(layers))
 
-    def kv_bytes_per_token(self, num_kv_heads: int, head_dim: int) -> int:
-        """Cache bytes one token occupies across all layers (K + V, scales included)."""
+    def kv_bytes_per_token(self, num_kv_heads: int, head_dim: int, kinds: Sequence[str] = ("full", "sliding")) -> int:
+        """Cache bytes one token occupies across the KV layers of ``kinds`` (K + V, scales
+        included); ``kinds=("full",)``: the layers whose cache grows with the context."""
         return sum(
             num_kv_heads * (bytes_per_head(lp.k, head_dim) + bytes_per_head(lp.v, head_dim))
-            for lp in self.layers
+            for _, lp in self.kv_layers() if lp.layer_type.kind in kinds
         )
 
     def fraction_of_fp8(self) -> float:
-        """KV bytes relative to an all-FP8 cache (head_dim independent)."""
-        per_fp8 = KVFormat.FP8.bytes_per_element
-        total = sum(lp.k.bytes_per_element + lp.v.bytes_per_element for lp in self.layers)
-        return total / (2 * self.num_layers * per_fp8)
+        """KV bytes relative to an all-FP8 cache over the KV layers (head_dim independent); for a
+        model with full-attention layers, over those (the cache that grows with the context;
+        sliding layers hold at most a window)."""
+        rows = [lp for _, lp in self.kv_layers()]
+        growing = [lp for lp in rows if lp.layer_type.kind == "full"] or rows
+        total = sum(lp.k.bytes_per_element + lp.v.bytes_per_element for lp in growing)
+        return total / (2 * len(growing) * KVFormat.FP8.bytes_per_element)
 
     def describe(self) -> str:
         """A multi-line table of the policy, for the start-up log."""
         lines = [f"KV policy from {self.source}: {self.to_compact()} "
                  f"({self.fraction_of_fp8():.3f}x FP8 bytes)"]
+        typed = any(t != FULL_ATTENTION for t in self.layer_types)  # dense: no type column
         for i, lp in enumerate(self.layers):
+            kind = f"{lp.layer_type.label():18s} " if typed else ""
+            if not lp.layer_type.holds_kv:
+                lines.append(f"  layer {i:3d}: {kind}(no KV cache)")
+                continue
             ks, vs = lp.quant_scale("k"), lp.quant_scale("v")
             extra = ("  K centered" if lp.k_center else "") + ("  K smoothed" if lp.k_smooth else "")
-            lines.append(f"  layer {i:3d}: K {lp.k:5s} scale {_fmt_scale(ks)}  V {lp.v:5s} "
+            lines.append(f"  layer {i:3d}: {kind}K {lp.k:5s} scale {_fmt_scale(ks)}  V {lp.v:5s} "
                          f"scale {_fmt_scale(vs)}{extra}")
         return "\n".join(lines)
 
@@ -354,31 +548,44 @@ def _to_json(val: Any) -> Any:
     return [_to_json(v) for v in val] if isinstance(val, tuple) else val
 
 
-def default_policy(num_layers: int) -> KVPolicy:
-    """The default rule: first and last layer FP8 (K and V), the rest NVFP4."""
-    if num_layers <= 2:
-        return KVPolicy.from_compact("*:fp8", num_layers, source="default rule")
-    return KVPolicy.from_compact(
-        f"0:fp8,{num_layers - 1}:fp8,*:nvfp4", num_layers, source="default rule (first/last FP8)"
-    )
+def default_policy(num_layers: int, layer_types: Optional[Sequence[LayerType]] = None) -> KVPolicy:
+    """The default rule (module doc): sliding layers FP8; of the growing layers (the
+    full-attention ones, or all KV layers if none is full) the first and last FP8, the others
+    NVFP4; everything FP8 when there are at most two growing layers."""
+    types = tuple(layer_types) if layer_types is not None else (FULL_ATTENTION,) * num_layers
+    kv = [i for i, t in enumerate(types) if t.holds_kv]
+    if not kv:
+        raise PolicyError("the model has no layer with a KV cache; nvfp4_mixed has nothing to store")
+    growing = [i for i in kv if types[i].kind == "full"] or kv
+    if len(growing) <= 2:
+        text, source = "*:fp8", "default rule"
+    elif len(growing) == len(kv):
+        text, source = f"{growing[0]}:fp8,{growing[-1]}:fp8,*:nvfp4", "default rule (first/last FP8)"
+    else:
+        text = f"{growing[0]}:fp8,{growing[-1]}:fp8,swa:fp8,full:nvfp4"
+        source = "default rule (sliding FP8, first/last full-attention FP8)"
+    return KVPolicy.from_compact(text, num_layers, source=source, layer_types=types)
 
 
 def resolve_policy(
     num_layers: int,
     model_dir: Optional[Union[str, Path]] = None,
     env: Optional[Mapping[str, str]] = None,
+    layer_types: Optional[Sequence[LayerType]] = None,
 ) -> KVPolicy:
     """Find the policy for a model: ``$VLLM_NVFP4_POLICY``, then the model dir, then the default.
 
     The policy's ``source`` says where it came from (the start-up log line prints it). A variable
     that is set but empty (or blank) counts as unset, and ``source`` says so.
+
+    ``layer_types``: the model's (default: all full attention); the policy found must match them.
     """
     env = os.environ if env is None else env
     raw = env.get(POLICY_ENV)
     setting = (raw or "").strip()
     if setting:
-        policy = _policy_from_env(setting, num_layers)
-        policy.check_model(num_layers)
+        policy = _policy_from_env(setting, num_layers, layer_types)
+        policy.check_model(num_layers, layer_types=layer_types)
         return policy
     ignored = f"; ${POLICY_ENV} is set but empty, so it was ignored" if raw is not None else ""
     if model_dir is not None:
@@ -386,17 +593,18 @@ def resolve_policy(
         if candidate.is_file():
             policy = KVPolicy.load(candidate)
             policy = replace(policy, source=policy.source + ignored)
-            policy.check_model(num_layers)
+            policy.check_model(num_layers, layer_types=layer_types)
             return policy
-    policy = default_policy(num_layers)
+    policy = default_policy(num_layers, layer_types)
     logger.info(
-        "vllm-nvfp4: no $%s and no %s in the model directory; using the default rule: %s",
-        POLICY_ENV, POLICY_FILENAME, policy.to_compact(),
+        "vllm-nvfp4: no $%s and no %s in the model directory; using the %s: %s",
+        POLICY_ENV, POLICY_FILENAME, policy.source, policy.to_compact(),
     )
     return replace(policy, source=policy.source + ignored)
 
 
-def _policy_from_env(setting: str, num_layers: int) -> KVPolicy:
+def _policy_from_env(setting: str, num_layers: int,
+                     layer_types: Optional[Sequence[LayerType]] = None) -> KVPolicy:
     """The policy ``$VLLM_NVFP4_POLICY`` names: a JSON file, else a compact string."""
     path = Path(setting).expanduser()
     if path.is_dir():
@@ -406,7 +614,7 @@ def _policy_from_env(setting: str, num_layers: int) -> KVPolicy:
         return replace(KVPolicy.load(path), source=f"{path} (${POLICY_ENV})")
     if setting.endswith(".json") or os.sep in setting:
         raise PolicyError(f"policy file {setting} (from ${POLICY_ENV}) does not exist")
-    return KVPolicy.from_compact(setting, num_layers, source=f"${POLICY_ENV}")
+    return KVPolicy.from_compact(setting, num_layers, source=f"${POLICY_ENV}", layer_types=layer_types)
 
 
 # ---------------------------------------------------------------------- compact-form helpers
@@ -475,6 +683,19 @@ def _expand_range(rng: str, num_layers: int, text: str) -> range:
 
 def _fmt_key(lp: LayerPolicy) -> tuple[str, str]:
     return lp.k, lp.v
+
+
+def _format_types(types: Sequence[LayerType]) -> str:
+    """``0-4 sliding(512), 5 full, ...``: runs of equal types."""
+    runs: list[str] = []
+    start = 0
+    for i in range(1, len(types) + 1):
+        if i < len(types) and types[i] == types[start]:
+            continue
+        rng = str(start) if i - 1 == start else f"{start}-{i - 1}"
+        runs.append(f"{rng} {types[start].label()}")
+        start = i
+    return ", ".join(runs[:8]) + (" ..." if len(runs) > 8 else "")
 
 
 def _format_indices(indices: Sequence[int]) -> str:

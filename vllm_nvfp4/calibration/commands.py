@@ -19,6 +19,7 @@ from vllm_nvfp4.calibration.selection import (
     count_fp8_slots,
     fraction_for_slots,
     naive_formats,
+    report_layer_types,
     predict,
     select_formats,
 )
@@ -39,10 +40,11 @@ def run_calibrate(model_dir: Path, data: Sequence[Path], formats: Optional[str] 
     """Calibrate K/V scales on ``windows`` windows; formats from the compact ``formats`` string
     (default rule when ``None``). Returns the policy with scales and provenance (not saved)."""
     model, tokenizer, info = load_model(model_dir, dtype)
-    fmt = (KVPolicy.from_compact(formats, info.num_layers, source="--policy") if formats
-           else default_policy(info.num_layers))
+    fmt = (KVPolicy.from_compact(formats, info.num_layers, source="--policy",
+                                 layer_types=info.layer_types) if formats
+           else default_policy(info.num_layers, info.layer_types))
     toks = load_windows(data, tokenizer, window, count=0, calib=windows, max_positions=info.max_positions)
-    observer = observe_amax(model, toks.calib, info.num_layers)
+    observer = observe_amax(model, toks.calib, info.num_layers, kv_layers=info.kv_layers)
     prov = {"tool": _tool("calibrate"), "created": utc_now(), "model": info.to_dict(),
             "data": toks.describe(), "formats_from": "--policy" if formats else "default rule",
             "scales": "per KV head" if per_head else "per layer",
@@ -75,10 +77,10 @@ def run_select(report_dir: Path, fp8_slots: int, metric: str = "kl", measure: bo
     ``(policy with scales and provenance, selection summary)``.
     """
     report, scales = load_report(report_dir)
-    num_layers = len(report["layers"])
+    num_layers = len(report["layers"])  # KV layers (one analysis entry each)
     chosen = select_formats(report, fp8_slots, metric)
     used = count_fp8_slots(chosen)  # < fp8_slots when fewer slots lose anything in NVFP4
-    naive = naive_formats(num_layers, used)
+    naive = naive_formats(num_layers, used, report_layer_types(report))
     summary: dict[str, Any] = {
         "fp8_slots": used, "fp8_slots_allowed": fp8_slots, "budget": budget, "metric": metric,
         "fraction_of_fp8": round(fraction_for_slots(num_layers, used), 6),

@@ -54,7 +54,7 @@ from vllm_nvfp4.formats import (
     nvfp4_quantize,
 )
 from vllm_nvfp4.key_transform import stored_keys
-from vllm_nvfp4.policy import KVPolicy, PolicyError
+from vllm_nvfp4.policy import KVPolicy, LayerType, PolicyError, layer_types_from_config
 
 HOOK_PREFIX = "vllm_nvfp4_kv|"
 _BASE_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -104,10 +104,12 @@ def fake_quantize(
 class KVObserver:
     """Running per-layer, per-KV-head amax of K and V (FP32 tensors ``[kv_heads]``), and per K
     channel (``[kv_heads, head_dim]``): amax (the input of K smoothing), max, min and sum (K
-    centering: the mean and the amax of ``K - mean``)."""
+    centering: the mean and the amax of ``K - mean``). Indexed by decoder layer; ``kv_layers``
+    (default: all) are the layers that hold a KV cache and must be observed."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, kv_layers: Optional[Sequence[int]] = None) -> None:
         self.num_layers = num_layers
+        self.kv_layers = list(range(num_layers)) if kv_layers is None else list(kv_layers)
         self.k_amax: list[Optional[torch.Tensor]] = [None] * num_layers
         self.v_amax: list[Optional[torch.Tensor]] = [None] * num_layers
         self.k_channel_amax: list[Optional[torch.Tensor]] = [None] * num_layers
@@ -146,7 +148,7 @@ class KVObserver:
 
     def missing_layers(self) -> list[int]:
         """Layers never observed (a model whose attention did not go through the hook)."""
-        return [i for i in range(self.num_layers) if self.k_amax[i] is None]
+        return [i for i in self.kv_layers if self.k_amax[i] is None]
 
 
 # ---------------------------------------------------------------------------- per-layer state
@@ -160,10 +162,14 @@ class _LayerQuant:
     k_center: Optional[torch.Tensor] = None  # FP32 [kv_heads, head_dim]
 
 
-def _layer_quants(policy: KVPolicy) -> list[_LayerQuant]:
-    """Resolve every layer's formats and the scale its format uses (defaults where missing)."""
-    out = []
+def _layer_quants(policy: KVPolicy) -> list[Optional[_LayerQuant]]:
+    """Per decoder layer, its formats and the scale its format uses (defaults where missing);
+    None for a layer without KV cache."""
+    out: list[Optional[_LayerQuant]] = []
     for lp in policy.layers:
+        if not lp.layer_type.holds_kv:
+            out.append(None)
+            continue
         scales = []
         for kv in ("k", "v"):
             s = lp.quant_scale(kv)
@@ -223,14 +229,25 @@ def _make_wrapper(base_name: str) -> Callable[..., Any]:
                     query, key = transform_qk(query, key, lq.k_smooth, lq.k_center)
                 key = fake_quantize(key, lq.k_fmt, lq.k_scale, state.nonfinite).to(query.dtype)
                 value = fake_quantize(value, lq.v_fmt, lq.v_scale, state.nonfinite).to(query.dtype)
-        if base_name == "eager":  # not in the registry: every model ships its own; Llama's is generic
-            from transformers.models.llama.modeling_llama import eager_attention_forward
-
-            return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        if base_name == "eager":  # not in the registry: every model ships its own (sinks, soft-cap)
+            return _model_eager(module)(module, query, key, value, attention_mask, **kwargs)
         return ALL_ATTENTION_FUNCTIONS[base_name](module, query, key, value, attention_mask, **kwargs)
 
     attention.__name__ = f"vllm_nvfp4_kv_{base_name}"
     return attention
+
+
+def _model_eager(module: torch.nn.Module) -> Callable[..., Any]:
+    """The ``eager_attention_forward`` of the module's own modeling file (gpt-oss's adds its
+    sinks, Gemma's its soft-cap), else Llama's generic one."""
+    import sys
+
+    own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if own is not None:
+        return own
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    return eager_attention_forward
 
 
 def register_hooks() -> None:
@@ -255,9 +272,24 @@ def text_config(model: torch.nn.Module) -> Any:
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Attention modules in layer order (modules with ``layer_idx`` and ``k_proj``/``v_proj``)."""
+    """Attention modules of the KV-holding layers in layer order (modules with ``layer_idx`` and
+    ``k_proj``/``v_proj``; linear-attention / Mamba layers have neither)."""
     mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")]
     return sorted(mods, key=lambda m: m.layer_idx)
+
+
+def model_layer_types(model: torch.nn.Module) -> tuple[LayerType, ...]:
+    """Per decoder layer, its :class:`~vllm_nvfp4.policy.LayerType` (from the config), checked
+    against the attention modules found: the KV layers must be exactly those with K/V
+    projections (``RuntimeError`` otherwise)."""
+    types = layer_types_from_config(text_config(model))
+    found = [m.layer_idx for m in attention_modules(model)]
+    expected = [i for i, t in enumerate(types) if t.holds_kv]
+    if found != expected:
+        raise RuntimeError(
+            f"{type(model).__name__}: attention modules with K/V projections sit at layers "
+            f"{found}, but the config's layer types put the KV cache at layers {expected}")
+    return types
 
 
 def _set_impl(model: torch.nn.Module, name: str) -> None:
@@ -288,9 +320,10 @@ def kv_cache_quantization(
             "only Llama/Qwen2/Mistral-style transformers models are supported"
         )
     cfg = text_config(model)
-    num_layers = len(mods)
+    types = model_layer_types(model)
+    num_layers = len(types)
     if policy is not None:
-        policy.check_model(num_layers, getattr(cfg, "num_key_value_heads", None))
+        policy.check_model(num_layers, getattr(cfg, "num_key_value_heads", None), layer_types=types)
     if observer is not None and observer.num_layers != num_layers:
         raise ValueError(f"observer is for {observer.num_layers} layers, the model has {num_layers}")
     base = cfg._attn_implementation or "sdpa"

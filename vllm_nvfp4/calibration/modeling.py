@@ -10,7 +10,8 @@ from typing import Any, Optional
 
 import torch
 
-from vllm_nvfp4.calibration.kv_hooks import attention_modules, text_config
+from vllm_nvfp4.calibration.kv_hooks import attention_modules, model_layer_types, text_config
+from vllm_nvfp4.policy import LayerType
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -21,18 +22,27 @@ class ModelError(ValueError):
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What a policy depends on: layer count, KV heads, head size, and the config it came from."""
+    """What a policy depends on: decoder layers and their types, KV heads, head size, and the
+    config it came from."""
 
     path: str
-    num_layers: int
+    num_layers: int  # decoder layers = policy rows (KV-holding or not)
     num_kv_heads: int
     head_dim: int
     dtype: str
     config_sha256: str
     max_positions: int
+    layer_types: tuple[LayerType, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["layer_types"] = [t.to_json() for t in self.layer_types]
+        return out
+
+    @property
+    def kv_layers(self) -> list[int]:
+        """Decoder layers that hold a KV cache (all of them in a dense model)."""
+        return [i for i, t in enumerate(self.layer_types) if t.holds_kv]
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -61,7 +71,8 @@ def config_shape(model_dir: Path) -> tuple[Optional[int], Optional[int]]:
 
 
 def load_model(model_dir: str | Path, dtype: str = "bfloat16") -> tuple[torch.nn.Module, Any, ModelInfo]:
-    """Load ``(model, tokenizer, info)`` from a local HF directory, eval mode, SDPA attention."""
+    """Load ``(model, tokenizer, info)`` from a local HF directory, eval mode, SDPA attention
+    (eager where the architecture has no SDPA path, e.g. gpt-oss with its sinks)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(model_dir)
@@ -72,7 +83,14 @@ def load_model(model_dir: str | Path, dtype: str = "bfloat16") -> tuple[torch.nn
         raise ModelError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], attn_implementation="sdpa")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype],
+                                                         attn_implementation="sdpa")
+        except ValueError as e:  # gpt-oss: eager only (its sinks)
+            if "scaled_dot_product_attention" not in str(e):
+                raise
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype],
+                                                         attn_implementation="eager")
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"cannot load {path} with transformers: {e}") from None
     model.eval()
@@ -80,14 +98,19 @@ def load_model(model_dir: str | Path, dtype: str = "bfloat16") -> tuple[torch.nn
     if not mods:
         raise ModelError(f"{path}: no Llama/Qwen2/Mistral-style attention layers found")
     cfg = text_config(model)
+    try:
+        types = model_layer_types(model)
+    except (RuntimeError, ValueError) as e:
+        raise ModelError(f"{path}: {e}") from None
     info = ModelInfo(
         path=str(path.resolve()),
-        num_layers=len(mods),
+        num_layers=len(types),
         num_kv_heads=int(cfg.num_key_value_heads),
         head_dim=int(mods[0].head_dim),
         dtype=dtype,
         config_sha256=config_sha256(path),
         max_positions=int(getattr(cfg, "max_position_embeddings", 0) or 0) or 1 << 30,
+        layer_types=types,
     )
     if info.head_dim % 16:
         raise ModelError(f"{path}: head_dim {info.head_dim} is not a multiple of 16; NVFP4 needs 16-blocks")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -34,9 +34,10 @@ logger = logging.getLogger(__name__)
 
 @torch.no_grad()
 def observe_amax(model: torch.nn.Module, windows: torch.Tensor, num_layers: int,
-                 desc: str = "calibrate") -> KVObserver:
-    """Run ``windows [n, T]`` one at a time and return the per-layer, per-head K/V amax."""
-    observer = KVObserver(num_layers)
+                 desc: str = "calibrate", kv_layers: Optional[Sequence[int]] = None) -> KVObserver:
+    """Run ``windows [n, T]`` one at a time and return the per-layer, per-head K/V amax
+    (``num_layers`` decoder layers, of which ``kv_layers`` (default: all) hold a KV cache)."""
+    observer = KVObserver(num_layers, kv_layers)
     with kv_cache_quantization(model, observer=observer):
         for row in progress(windows, desc=desc, unit="window"):
             model(row.unsqueeze(0), use_cache=False)
@@ -81,6 +82,9 @@ def scaled_policy(formats: KVPolicy, observer: KVObserver, per_head: bool = Fals
         raise ValueError(f"formats cover {formats.num_layers} layers, amax {observer.num_layers}")
     layers = []
     for i, lp in enumerate(formats.layers):
+        if not lp.layer_type.holds_kv:
+            layers.append(lp)
+            continue
         k_amax, smooth, center = observer.k_amax[i], None, None
         channel_amax = observer.k_channel_amax[i]
         if k_center:
@@ -96,19 +100,21 @@ def scaled_policy(formats: KVPolicy, observer: KVObserver, per_head: bool = Fals
         if None in (k8, v8):
             logger.warning("layer %d: K or V was all zeros during calibration; keeping default scales", i)
         layers.append(LayerPolicy(lp.k, lp.v, k_scale=k8, v_scale=v8, k_global_scale=k4,
-                                  v_global_scale=v4, k_smooth=smooth, k_center=center))
+                                  v_global_scale=v4, k_smooth=smooth, k_center=center,
+                                  layer_type=lp.layer_type))
     return KVPolicy(tuple(layers), provenance=dict(provenance or {}), source="calibration")
 
 
 def amax_table(observer: KVObserver) -> list[dict[str, list[float]]]:
     """Per-layer ``{"k": [amax per head], "v": [...]}`` for reports."""
     return [{"k": [round(float(a), 6) for a in k], "v": [round(float(a), 6) for a in v]}  # type: ignore[union-attr]
-            for k, v in zip(observer.k_amax, observer.v_amax)]
+            if k is not None else {} for k, v in zip(observer.k_amax, observer.v_amax)]
 
 
 def formats_only(policy: KVPolicy) -> KVPolicy:
     """The formats of ``policy`` without any scales."""
-    return KVPolicy(tuple(LayerPolicy(lp.k, lp.v) for lp in policy.layers), source=policy.source)
+    return KVPolicy(tuple(LayerPolicy(lp.k, lp.v, layer_type=lp.layer_type) for lp in policy.layers),
+                    source=policy.source)
 
 
 def with_formats(scaled: KVPolicy, formats: KVPolicy, provenance: Optional[Mapping[str, Any]] = None,
@@ -116,5 +122,7 @@ def with_formats(scaled: KVPolicy, formats: KVPolicy, provenance: Optional[Mappi
     """``formats``' per-layer formats combined with ``scaled``'s calibrated scales."""
     if scaled.num_layers != formats.num_layers:
         raise ValueError(f"scales cover {scaled.num_layers} layers, formats {formats.num_layers}")
+    if scaled.layer_types != formats.layer_types:
+        raise ValueError("the scales and the formats were made for different layer types")
     layers = tuple(replace(s, k=f.k, v=f.v) for s, f in zip(scaled.layers, formats.layers))
     return KVPolicy(layers, provenance=dict(provenance or {}), source=source)

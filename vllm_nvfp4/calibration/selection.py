@@ -18,10 +18,10 @@ layer when ``n`` is odd.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional, Sequence
 
 from vllm_nvfp4.formats import KVFormat
-from vllm_nvfp4.policy import KVPolicy, LayerPolicy
+from vllm_nvfp4.policy import FULL_ATTENTION, KVPolicy, LayerPolicy, LayerType
 
 #: bytes of an NVFP4 slot relative to an FP8 slot (D/2 + D/16 vs D)
 NVFP4_SLOT = KVFormat.NVFP4.bytes_per_element / KVFormat.FP8.bytes_per_element
@@ -64,11 +64,22 @@ def marginals(report: dict[str, Any], metric: str) -> list[tuple[float, int, str
     return sorted(slots, key=lambda s: (-s[0], s[1], s[2]))
 
 
-def _policy_from_fp8(num_layers: int, fp8: Iterable[tuple[int, str]], source: str) -> KVPolicy:
+def report_layer_types(report: dict[str, Any]) -> tuple[LayerType, ...]:
+    """The decoder layers' types an analysis was made for (reports of dense models written
+    before the types: all full attention, one per analysed layer)."""
+    types = report.get("model", {}).get("layer_types")
+    if not types:
+        return (FULL_ATTENTION,) * len(report["layers"])
+    return tuple(LayerType(t["type"], t.get("window"), t.get("sinks", False)) for t in types)
+
+
+def _policy_from_fp8(layer_types: Sequence[LayerType], fp8: Iterable[tuple[int, str]],
+                     source: str) -> KVPolicy:
     keep = set(fp8)
     layers = tuple(
-        LayerPolicy(*(KVFormat.FP8 if (i, kv) in keep else KVFormat.NVFP4 for kv in ("k", "v")))
-        for i in range(num_layers)
+        LayerPolicy(*(KVFormat.FP8 if (i, kv) in keep else KVFormat.NVFP4 for kv in ("k", "v")),
+                    layer_type=t) if t.holds_kv else LayerPolicy(None, None, layer_type=t)
+        for i, t in enumerate(layer_types)
     )
     return KVPolicy(layers, source=source)
 
@@ -76,27 +87,31 @@ def _policy_from_fp8(num_layers: int, fp8: Iterable[tuple[int, str]], source: st
 def select_formats(report: dict[str, Any], fp8_slots: int, metric: str = "kl") -> KVPolicy:
     """Formats minimising the predicted damage with at most ``fp8_slots`` FP8 slots: the slots of
     largest positive marginal damage (fewer when fewer slots lose anything in NVFP4)."""
-    num_layers = len(report["layers"])
-    check_slots(num_layers, fp8_slots)
+    check_slots(len(report["layers"]), fp8_slots)  # one entry per KV layer
     chosen = [(layer, kv) for d, layer, kv in marginals(report, metric)[:fp8_slots] if d > 0]
-    return _policy_from_fp8(num_layers, chosen,
+    return _policy_from_fp8(report_layer_types(report), chosen,
                             source=f"selected ({len(chosen)} of {fp8_slots} FP8 slots, {metric})")
 
 
 def count_fp8_slots(formats: KVPolicy) -> int:
     """Number of FP8 slots (a layer's K or V) in ``formats``."""
-    return sum(lp.format_of(kv) is KVFormat.FP8 for lp in formats.layers for kv in ("k", "v"))
+    return sum(lp.format_of(kv) is KVFormat.FP8 for _, lp in formats.kv_layers() for kv in ("k", "v"))
 
 
-def naive_formats(num_layers: int, fp8_slots: int) -> KVPolicy:
-    """The first/last-N rule with ``fp8_slots`` FP8 slots (see module docstring)."""
-    check_slots(num_layers, fp8_slots)
+def naive_formats(num_layers: int, fp8_slots: int,
+                  layer_types: Optional[Sequence[LayerType]] = None) -> KVPolicy:
+    """The first/last-N rule with ``fp8_slots`` FP8 slots (see module docstring), over the layers
+    that hold a KV cache (``layer_types``; default: ``num_layers`` full-attention layers)."""
+    types = tuple(layer_types) if layer_types is not None else (FULL_ATTENTION,) * num_layers
+    kv_layers = [i for i, t in enumerate(types) if t.holds_kv]
+    n = len(kv_layers)
+    check_slots(n, fp8_slots)
     m = fp8_slots // 2
     front, back = (m + 1) // 2, m // 2
-    keep = [(i, kv) for i in [*range(front), *range(num_layers - back, num_layers)] for kv in ("k", "v")]
+    keep = [(kv_layers[j], kv) for j in [*range(front), *range(n - back, n)] for kv in ("k", "v")]
     if fp8_slots % 2:
-        keep.append((front, "k"))
-    return _policy_from_fp8(num_layers, keep, source=f"naive first/last ({fp8_slots} FP8 slots)")
+        keep.append((kv_layers[front], "k"))
+    return _policy_from_fp8(types, keep, source=f"naive first/last ({fp8_slots} FP8 slots)")
 
 
 def predict(report: dict[str, Any], formats: KVPolicy, metric: str) -> float:

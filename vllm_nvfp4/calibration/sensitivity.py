@@ -46,7 +46,8 @@ def downgrade(policy: KVPolicy, layer: int, kv: str) -> KVPolicy:
 
 def all_format(scaled: KVPolicy, fmt: str) -> KVPolicy:
     """Every K and V in ``fmt``, with ``scaled``'s scales."""
-    return with_formats(scaled, KVPolicy.from_compact(f"*:{fmt}", scaled.num_layers))
+    return with_formats(scaled, KVPolicy.from_compact(f"*:{fmt}", scaled.num_layers,
+                                                      layer_types=scaled.layer_types))
 
 
 def analyze(
@@ -81,19 +82,19 @@ def analyze(
     n_calib = 0 if scales is not None else calib_windows
     toks = load_windows(data, tokenizer, window, windows, n_calib, info.max_positions)
     if scales is None:
-        observer = observe_amax(model, toks.calib, info.num_layers)
-        formats = KVPolicy.from_compact("*:fp8", info.num_layers)
+        observer = observe_amax(model, toks.calib, info.num_layers, kv_layers=info.kv_layers)
+        formats = KVPolicy.from_compact("*:fp8", info.num_layers, layer_types=info.layer_types)
         scaled = scaled_policy(formats, observer, per_head, {"calibrated_on": toks.describe()},
                                k_smooth, k_center)
         amax = amax_table(observer)
     else:
-        scales.check_model(info.num_layers, info.num_kv_heads)
+        scales.check_model(info.num_layers, info.num_kv_heads, layer_types=info.layer_types)
         scaled = all_format(scales, "fp8")
         amax = None
 
     ev = Evaluator(model, toks.eval, reuse_prefix=reuse_prefix)
     n_win = len(toks.eval)
-    total = n_win * (4 + 2 * info.num_layers)
+    total = n_win * (4 + 2 * len(info.kv_layers))
     results: dict[str, Metrics] = {}
     layers: list[dict[str, Any]] = []
     with progress(total=total, desc="analyze", unit="fwd") as bar:
@@ -106,8 +107,8 @@ def analyze(
         results["all_fp8"] = ev.set_baseline(baseline, bar)
         bar.set_postfix_str("all-NVFP4")
         results["all_nvfp4"] = ev.measure(all_format(scaled, "nvfp4"), bar)
-        for i in range(info.num_layers):
-            entry: dict[str, Any] = {"index": i}
+        for i in info.kv_layers:
+            entry: dict[str, Any] = {"index": i, **info.layer_types[i].to_json()}
             for kv in ("k", "v"):
                 bar.set_postfix_str(f"layer {i} {kv.upper()}->NVFP4")
                 entry[kv] = ev.measure(downgrade(baseline, i, kv), bar).to_dict()

@@ -41,6 +41,7 @@ from vllm_nvfp4.integration.dense_prefill import (
     PrefillGroup,
     dense_prefill,
     dense_prefill_enabled,
+    dense_prefill_supports,
     flash_varlen,
     plan_prefill_groups,
     reserve_scratch,
@@ -87,6 +88,14 @@ class Nvfp4MixedBackend(AttentionBackend):
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True  # gpt-oss's per-head sink logits, passed to the kernels
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
 
     @classmethod
     def supports_kv_connector(cls) -> bool:
@@ -153,6 +162,9 @@ class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
         # kernels attend it on the pages instead of dequantizing its whole context.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
         self._dense_prefill = dense_prefill_enabled(device)
+        # one KV-cache group = one kind of layer: its sliding window (None: full attention)
+        layer_spec = getattr(kv_cache_spec, "first_spec", kv_cache_spec)  # UniformTypeKVCacheSpecs
+        self._sliding_window = getattr(layer_spec, "sliding_window", None)
         self._scratch_rows = scratch_rows(vllm_config)
         self._max_model_len = vllm_config.model_config.max_model_len
         forward_context = vllm_config.compilation_config.static_forward_context
@@ -187,7 +199,7 @@ class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
             seq_lens_cpu = m.seq_lens.cpu()
         groups = plan_prefill_groups(m.query_start_loc_cpu[: m.num_reqs + 1],
                                      seq_lens_cpu[: m.num_reqs], num_decodes,
-                                     self._scratch_rows, self.device)
+                                     self._scratch_rows, self.device, self._sliding_window)
         return replace(meta, num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
                        decode_max_query_len=threshold,
                        decode_max_seq_len=decode_bound if threshold == 1 else m.max_seq_len,
@@ -243,22 +255,32 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
                  num_kv_heads: Optional[int] = None, alibi_slopes: Optional[list[float]] = None,
                  sliding_window: Optional[int] = None, kv_cache_dtype: str = CACHE_DTYPE,
                  logits_soft_cap: Optional[float] = None, attn_type: str = AttentionType.DECODER,
-                 kv_sharing_target_layer_name: Optional[str] = None, **unsupported: Any) -> None:
+                 kv_sharing_target_layer_name: Optional[str] = None,
+                 sinks: Optional[torch.Tensor] = None, **unsupported: Any) -> None:
         problems = [name for name, bad in (
             ("ALiBi", alibi_slopes is not None),
-            ("sliding window", sliding_window is not None),
             (f"attention type {attn_type}", attn_type != AttentionType.DECODER),
             ("KV sharing across layers", kv_sharing_target_layer_name is not None),
             (f"options {sorted(unsupported)}", bool(unsupported)),
         ) if bad]
         if problems:
             raise NotImplementedError(f"{CACHE_DTYPE} attention does not support {', '.join(problems)}")
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise ValueError(f"attention sinks must be one logit per query head [{num_heads}], "
+                             f"got shape {tuple(sinks.shape)}")
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be > 0, got {sliding_window}")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.logits_soft_cap = logits_soft_cap or None
+        self.sliding_window = sliding_window  # keys at positions > pos - window (None: all)
+        # gpt-oss's learned per-head logits: vLLM's parameter (model dtype, loaded after this
+        # constructor) and its fp32 copy for the kernels, made by bind() after loading
+        self.sinks = sinks
+        self.sink_logits: Optional[torch.Tensor] = None  # float32 [num_heads], persistent
         self.attn_type = attn_type
         self.layer_name: Optional[str] = None
         self.layout: Optional[KVPageLayout] = None
@@ -285,6 +307,11 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         if layout.num_kv_heads != self.num_kv_heads or layout.head_dim != self.head_size:
             raise RuntimeError(f"{layer_name}: layout {layout} does not match the layer "
                                f"({self.num_kv_heads} KV heads, head size {self.head_size})")
+        if row.layer_type.sinks != (self.sinks is not None):
+            raise RuntimeError(
+                f"{layer_name}: the policy row (from the model config) says layer {index} is "
+                f"{row.layer_type.label()}, but vLLM built it "
+                f"{'with' if self.sinks is not None else 'without'} attention sinks")
         total = vllm_config.model_config.get_total_num_kv_heads()
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         tp_rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
@@ -315,6 +342,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
                 raise RuntimeError(f"{layer_name}: the policy's {name} has {len(rows[0])} values "
                                    f"per head, the layer's head size is {self.head_size}")
             tensors[name] = rows
+        if self.sinks is not None:
+            tensors["sink_logits"] = self.sinks.detach().float().cpu().tolist()
         if "k_smooth" in tensors:  # each query head takes the factors of its KV head
             group = self.num_heads // self.num_kv_heads
             tensors["q_smooth"] = [r for r in tensors["k_smooth"] for _ in range(group)]
@@ -365,7 +394,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         pages = self._page_view(kv_cache)
         if self.q_smooth is not None:  # q . (K / lam) with q * lam: the smoothing cancels
             query = (query.float() * self.q_smooth).to(query.dtype)
-        if not m.prefill_groups or query.dtype not in DENSE_DTYPES:
+        if (not m.prefill_groups or query.dtype not in DENSE_DTYPES
+                or not dense_prefill_supports(self.head_size, self.sinks is not None)):
             n = m.num_actual_tokens
             self._paged(query[:n], pages, m.block_table, m.seq_lens, m.query_start_loc,
                         m.max_query_len, m.max_seq_len, output[:n])
@@ -379,13 +409,16 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         for group in m.prefill_groups:
             dense_prefill(query, output, pages, self.layout, self.k_scale, self.v_scale,
                           m.block_table, m.seq_lens, group, self.scale, self.logits_soft_cap,
-                          attention, fa_version=fa_version)
+                          attention, sliding_window=self.sliding_window, sinks=self.sink_logits,
+                          fa_version=fa_version)
         return output
 
     def _paged(self, query: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
                max_seq_len: int, out: torch.Tensor) -> None:
         """Paged attention kernels (decode, or the fused prefill) for ``query [T, Hq, D]``."""
+        extra = {} if self.sink_logits is None else {"sinks": self.sink_logits}
         ops.paged_attention(query, pages, self.layout, self.k_scale, self.v_scale, block_table,
                             seq_lens, query_start_loc, max_query_len, max_seq_len, self.scale,
-                            out, logits_soft_cap=self.logits_soft_cap)
+                            out, sliding_window=self.sliding_window,
+                            logits_soft_cap=self.logits_soft_cap, **extra)

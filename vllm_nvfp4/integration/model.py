@@ -18,7 +18,15 @@ from typing import Any, Optional
 from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, KVFormat
 from vllm_nvfp4.layout import PAGE_ALIGN, KVPageLayout
 from vllm_nvfp4.model_shape import ModelShape
-from vllm_nvfp4.policy import POLICY_ENV, KVPolicy, LayerPolicy, PolicyError, resolve_policy
+from vllm_nvfp4.policy import (
+    POLICY_ENV,
+    KVPolicy,
+    LayerPolicy,
+    LayerType,
+    PolicyError,
+    layer_types_from_config,
+    resolve_policy,
+)
 
 from vllm_nvfp4.integration.connectors import check_kv_connectors
 from vllm_nvfp4.integration.dtype import CACHE_DTYPE, PLUGIN_NAME
@@ -31,27 +39,27 @@ class Nvfp4MixedConfigError(ValueError):
 
 
 @functools.lru_cache(maxsize=8)
-def _resolve(num_layers: int, num_kv_heads: int, head_dim: int, model_dir: Optional[str],
-             env_value: str) -> KVPolicy:
+def _resolve(num_layers: int, layer_types: tuple[LayerType, ...], num_kv_heads: int,
+             head_dim: int, model_dir: Optional[str], env_value: str) -> KVPolicy:
     del env_value  # part of the cache key only: resolve_policy reads the environment itself
-    policy = resolve_policy(num_layers, model_dir)
-    policy.check_model(num_layers, num_kv_heads, head_dim)
+    policy = resolve_policy(num_layers, model_dir, layer_types=layer_types)
+    policy.check_model(num_layers, num_kv_heads, head_dim, layer_types)
     return policy
 
 
 def model_policy(vllm_config: Any) -> KVPolicy:
     """The policy in force for this engine config (resolved once per process and setting)."""
     shape = ModelShape.from_vllm_config(vllm_config)
-    return _resolve(shape.num_layers, shape.total_num_kv_heads, shape.head_dim, shape.model_dir,
-                    os.environ.get(POLICY_ENV, ""))
+    return _resolve(shape.num_layers, shape.layer_types, shape.total_num_kv_heads,
+                    shape.head_dim, shape.model_dir, os.environ.get(POLICY_ENV, ""))
 
 
 def layer_index(layer_name: str, num_layers: int) -> int:
     """Policy row of an attention layer: the decoder-layer number in its name.
 
     ``model.layers.7.self_attn.attn`` -> 7. Decoder layers are numbered in model order, also
-    under pipeline parallelism (each stage keeps the global numbers), so this matches the
-    policy's "attention layer order in the model" for the dense models we accept.
+    under pipeline parallelism (each stage keeps the global numbers), as the policy numbers
+    its rows (layers without KV cache keep their numbers and rows).
     """
     numbers = [int(part) for part in layer_name.split(".") if part.isdigit()]
     if len(numbers) != 1 or not 0 <= numbers[0] < num_layers:
@@ -60,6 +68,46 @@ def layer_index(layer_name: str, num_layers: int) -> int:
             f"{num_layers}-layer policy (expected one layer number in the name)"
         )
     return numbers[0]
+
+
+#: block sizes a sliding-window layer may take (the kernels tile a block with tl.arange)
+SLIDING_BLOCK_SIZES = (16, 32, 64, 128, 256)
+
+
+def packing_fill(full_block_bytes: int, sliding_page_bytes: int, num_sliding: int) -> tuple[float, float]:
+    """``(full, sliding)``: the used fraction of a block of the full-attention group and of the
+    fullest sliding-window group, as vLLM 0.32 packs hybrid groups under a block-outermost layout
+    (``_get_packed_kv_cache_groups``): a block holds the larger of the full group's pages and one
+    sliding page; sliding layers go ``block // page`` to a group, spread evenly over
+    ``cdiv(n, that)`` groups."""
+    block = max(full_block_bytes, sliding_page_bytes)
+    per_group = block // sliding_page_bytes
+    groups = -(-num_sliding // per_group)
+    sliding_bytes = -(-num_sliding // groups) * sliding_page_bytes
+    return full_block_bytes / block, sliding_bytes / block
+
+
+def sliding_block_size(policy: KVPolicy, shape: ModelShape) -> int:
+    """Block size of the sliding-window layers (one of :data:`SLIDING_BLOCK_SIZES`): the one that
+    fills the full-attention blocks best (the cache that grows with the context), then the
+    sliding blocks (:func:`packing_fill`), then the smallest.
+
+    All groups of a hybrid model share one block size in *bytes*. A sliding page larger than
+    the full-attention group's block would pad every full-attention block up to it; a small one
+    leaves part of each sliding block empty, which costs at most the window's tokens per
+    request. Models without full-attention layers, or with sliding layers of different formats
+    or windows, keep the configured block size.
+    """
+    rows = [lp for _, lp in policy.kv_layers()]
+    sliding = [lp for lp in rows if lp.layer_type.kind == "sliding"]
+    full = [lp for lp in rows if lp.layer_type.kind == "full"]
+    if not sliding or not full or len({(lp.k, lp.v, lp.layer_type.window) for lp in sliding}) > 1:
+        return shape.block_size
+    heads, dim = shape.num_kv_heads, shape.head_dim
+    full_bytes = shape.block_size * policy.kv_bytes_per_token(heads, dim, ("full",))
+    per_token = policy.kv_bytes_per_token(heads, dim, ("sliding",)) // len(sliding)
+    return max(SLIDING_BLOCK_SIZES,
+               key=lambda b: (*packing_fill(full_bytes, b * per_token, len(sliding)), -b))
 
 
 #: vLLM's name prefix for the layers of a separate draft model (``method="draft_model"``)
@@ -89,8 +137,10 @@ def layer_plan(vllm_config: Any, layer: Any) -> tuple[Optional[int], LayerPolicy
     """Policy index (None for a draft layer), policy row and page layout of one attention layer.
 
     ``layer`` is vLLM's ``Attention`` module (``layer_name``, ``num_kv_heads`` on this rank,
-    ``head_size``). Target layers take their row of the policy; draft layers take
-    :data:`DRAFT_LAYER_POLICY` and their own head shape.
+    ``head_size``, ``sliding_window``: the layer's own, they may differ between layers). Target
+    layers take their row of the policy and must be what its type says (else
+    :class:`Nvfp4MixedConfigError`); sliding layers take :func:`sliding_block_size`. Draft
+    layers take :data:`DRAFT_LAYER_POLICY` and their own head shape.
     """
     shape = ModelShape.from_vllm_config(vllm_config)
     if is_draft_layer(vllm_config, layer.layer_name, shape.num_layers):
@@ -100,7 +150,15 @@ def layer_plan(vllm_config: Any, layer: Any) -> tuple[Optional[int], LayerPolicy
     policy = model_policy(vllm_config)
     index = layer_index(layer.layer_name, shape.num_layers)
     row = policy.layers[index]
-    layout = KVPageLayout(shape.num_kv_heads, shape.head_dim, shape.block_size, row.k, row.v)
+    kind, window = row.layer_type, getattr(layer, "sliding_window", None)
+    if not kind.holds_kv or (window or None) != kind.window:
+        seen = f"sliding({window})" if window else "full"
+        raise Nvfp4MixedConfigError(
+            f"{layer.layer_name}: vLLM builds this layer as {seen} attention, but the model config "
+            f"(and the policy) say layer {index} is {kind.label()}; this model's layer types "
+            "cannot be read from its config, so nvfp4_mixed cannot serve it")
+    block_size = sliding_block_size(policy, shape) if kind.kind == "sliding" else shape.block_size
+    layout = KVPageLayout(layer.num_kv_heads, layer.head_size, block_size, row.k, row.v)
     return index, row, layout
 
 
@@ -129,40 +187,86 @@ def check_plugin_enabled() -> None:
         )
 
 
+#: what nvfp4_mixed serves, for the refusals of everything else
+SUPPORTED_MODELS = (
+    "decoder models whose layers are full attention, sliding-window attention (either with "
+    "attention sinks) or layers without KV cache (linear attention / Mamba / Gated DeltaNet, "
+    "left to vLLM): Llama, Qwen2/3, Mistral (with or without a window), Gemma 3, gpt-oss, "
+    "Qwen3-Next / Qwen3.5-style hybrids"
+)
+#: block-outermost layouts: pages of different sizes pack side by side in every block
+PACKED_LAYOUTS = ("BLNHC", "BLHNC")
+
+
+def _unsupported(what: str) -> Nvfp4MixedConfigError:
+    return Nvfp4MixedConfigError(
+        f"kv_cache_dtype={CACHE_DTYPE} does not support {what}. It supports {SUPPORTED_MODELS}. "
+        "Use --kv-cache-dtype fp8 (or auto) for this model.")
+
+
+def choose_kv_cache_layout(vllm_config: Any, shape: ModelShape) -> Optional[str]:
+    """Pin a block-outermost KV-cache layout when vLLM will form several kinds of KV-cache
+    groups (returns it; None: vLLM's own choice is fine).
+
+    vLLM 0.32 gives every group the same bytes per block. In a layer-outermost layout it
+    equalizes pages across groups by padding each smaller page to the largest (the NVFP4 pages
+    would be padded to FP8 size: the saving gone); in a block-outermost layout it packs each
+    group's pages side by side in a block (``_get_packed_kv_cache_groups``, as for
+    DeepSeek-V4's heterogeneous pages), so each layer keeps its own page size.
+    """
+    from vllm import envs
+
+    if not shape.needs_packed_groups:
+        return None
+    cc = vllm_config.cache_config
+    requested = cc.kv_cache_layout or envs.VLLM_KV_CACHE_LAYOUT
+    if requested is not None and requested not in PACKED_LAYOUTS:
+        raise Nvfp4MixedConfigError(
+            f"KV-cache layout {requested} pads the pages of this hybrid model's KV-cache groups to "
+            f"one size, which would undo the NVFP4 saving; {CACHE_DTYPE} needs a block-outermost "
+            f"layout here ({' or '.join(PACKED_LAYOUTS)}): unset VLLM_KV_CACHE_LAYOUT or set it "
+            f"to {PACKED_LAYOUTS[0]}")
+    cc.kv_cache_layout = requested or PACKED_LAYOUTS[0]
+    return cc.kv_cache_layout
+
+
 def check_engine_config(vllm_config: Any) -> KVPolicy:
     """Start-up validation of an ``nvfp4_mixed`` engine config; returns the policy in force.
 
     Raises :class:`Nvfp4MixedConfigError` (or :class:`~vllm_nvfp4.policy.PolicyError`) naming
-    the problem: MLA / sliding-window / hybrid models,
-    head_dim or block size the page layout cannot hold, an explicit other attention backend,
-    ``--kv-cache-dtype-skip-layers``, a KV connector that does not copy whole blocks, or a
-    policy that does not fit the model.
+    the problem: MLA (DeepSeek, incl. V4's compressed layers), cross-layer KV sharing, hybrid
+    models whose layer types the config does not list, head_dim or block size the page layout
+    cannot hold, an explicit other attention backend, ``--kv-cache-dtype-skip-layers``, a KV
+    connector that does not copy whole blocks, a non-block-outermost KV-cache layout for a
+    hybrid model, or a policy that does not fit the model. Pins the KV-cache layout for hybrid
+    models (:func:`choose_kv_cache_layout`).
     """
     mc, cc = vllm_config.model_config, vllm_config.cache_config
+    text_config = mc.hf_text_config
     if mc.use_mla:
-        raise Nvfp4MixedConfigError(
-            f"kv_cache_dtype={CACHE_DTYPE} does not support MLA models ({mc.architecture}); "
-            "it stores per-head K and V. Use --kv-cache-dtype fp8 or auto for MLA models."
-        )
-    layer_types = getattr(mc.hf_text_config, "layer_types", None) or ()
-    odd_layers = sorted({t for t in layer_types if t not in ("attention", "full_attention")})
-    if mc.get_sliding_window() is not None or odd_layers or mc.is_hybrid:
-        what = ", ".join(odd_layers) or "sliding-window attention"
-        raise Nvfp4MixedConfigError(
-            f"kv_cache_dtype={CACHE_DTYPE} supports dense full-attention decoder models only; "
-            f"{mc.architecture} has {what} layers, which would need a second KV-cache group "
-            "(padded pages). Use --kv-cache-dtype fp8 for this model."
-        )
+        raise _unsupported(f"MLA models ({mc.architecture}; DeepSeek's latent KV and "
+                           "DeepSeek-V4's compressed layers are not per-head K and V)")
+    if getattr(text_config, "num_kv_shared_layers", 0):
+        raise _unsupported(f"cross-layer KV sharing ({mc.architecture}: "
+                           f"{text_config.num_kv_shared_layers} layers reuse another layer's KV)")
+    if mc.is_hybrid and getattr(text_config, "layer_types", None) is None:
+        raise _unsupported(f"{mc.architecture}: a hybrid model whose config has no layer_types "
+                           "(the policy cannot tell its attention layers from its state layers)")
+    try:
+        layer_types_from_config(text_config)
+    except PolicyError as e:
+        raise _unsupported(f"this model's layers ({e})") from None
+    shape = ModelShape.from_vllm_config(vllm_config)
     if cc.kv_cache_dtype_skip_layers:
         raise Nvfp4MixedConfigError(
             f"--kv-cache-dtype-skip-layers cannot be combined with {CACHE_DTYPE}: the per-layer "
-            "choice comes from the policy (see $VLLM_NVFP4_POLICY / nvfp4_policy.json)"
+            "choice comes from the policy (see $VLLM_NVFP4_POLICY / nvfp4_policy.json; sliding "
+            "layers can be selected by type, e.g. 'swa:fp8,full:nvfp4')"
         )
     check_kv_connectors(vllm_config)
     backend = vllm_config.attention_config.backend
     if backend is not None and backend.name != "CUSTOM":  # early here; per layer in selection
         raise other_backend_error(backend.name)
-    shape = ModelShape.from_vllm_config(vllm_config)
     if shape.head_dim % NVFP4_BLOCK_SIZE:
         raise Nvfp4MixedConfigError(
             f"kv_cache_dtype={CACHE_DTYPE} needs head_dim to be a multiple of "
@@ -177,5 +281,10 @@ def check_engine_config(vllm_config: Any) -> KVPolicy:
         policy = model_policy(vllm_config)
     except PolicyError as e:
         raise PolicyError(f"kv_cache_dtype={CACHE_DTYPE}: no usable KV policy for {mc.model}: {e}") from None
+    layout = choose_kv_cache_layout(vllm_config, shape)
     logger.info("vllm-nvfp4: %s", policy.describe())
+    if layout is not None:
+        logger.info("vllm-nvfp4: hybrid model: KV-cache layout %s, so each KV-cache group packs "
+                    "its layers' own page sizes into the shared blocks (no padding to one size)",
+                    layout)
     return policy

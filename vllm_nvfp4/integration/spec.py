@@ -3,8 +3,14 @@
 The spec describes the page as vLLM's generic allocator sees it, ``[blocks, 1, block_size, C]``
 uint8 with ``C`` = bytes per token of this layer (``num_head_slots=1``, ``state_content_bytes=C``).
 The bytes inside a page follow :class:`vllm_nvfp4.layout.KVPageLayout`; vLLM never reads them.
-Layers whose specs differ only in ``C`` form one ``UniformTypeKVCacheSpecs`` group: one block
-table, bytes per block = the sum of the layers' pages, no padding.
+
+Full-attention layers get a ``FullAttentionSpec``, sliding-window layers a ``SlidingWindowSpec``
+with their window, so vLLM keeps them in its sliding-window group(s) and frees their blocks
+outside the window as it does for any dtype. Layers of one kind whose specs differ only in ``C``
+form one ``UniformTypeKVCacheSpecs`` group: one block table, bytes per block = the sum of the
+layers' pages, no padding. Several kinds (full + sliding, attention + Mamba state) pack into
+the shared blocks side by side under the block-outermost layout that
+:func:`~vllm_nvfp4.integration.model.choose_kv_cache_layout` pins for such models.
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ from vllm_nvfp4.integration.model import Nvfp4MixedConfigError, layer_plan
 
 
 def kv_cache_spec(layer: Any, vllm_config: Any) -> Any:
-    """The ``FullAttentionSpec`` of one ``nvfp4_mixed`` attention layer (None for encoders)."""
+    """The ``FullAttentionSpec`` / ``SlidingWindowSpec`` of one ``nvfp4_mixed`` attention layer
+    (None for encoders)."""
     from vllm.v1.attention.backend import AttentionType
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, SlidingWindowSpec
 
     if layer.attn_type in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER):
         return None  # as vLLM: no KV cache
@@ -27,18 +34,13 @@ def kv_cache_spec(layer: Any, vllm_config: Any) -> Any:
             f"{layer.layer_name}: {CACHE_DTYPE} supports decoder self-attention only, "
             f"not {layer.attn_type}"
         )
-    if layer.sliding_window is not None:
-        raise Nvfp4MixedConfigError(
-            f"{layer.layer_name}: {CACHE_DTYPE} does not support sliding-window layers "
-            f"(window {layer.sliding_window}); use --kv-cache-dtype fp8 for this model"
-        )
     if layer.head_size_v != layer.head_size:
         raise Nvfp4MixedConfigError(
             f"{layer.layer_name}: {CACHE_DTYPE} needs equal K and V head sizes, got "
             f"{layer.head_size} and {layer.head_size_v}"
         )
     _, _, layout = layer_plan(vllm_config, layer)
-    spec = FullAttentionSpec(
+    fields = dict(
         block_size=layout.block_size,
         num_kv_heads=layer.num_kv_heads,
         head_size=layer.head_size,
@@ -49,5 +51,9 @@ def kv_cache_spec(layer: Any, vllm_config: Any) -> Any:
         num_head_slots=1,
         state_content_bytes=layout.bytes_per_token,
     )
+    if layer.sliding_window is not None:
+        spec = SlidingWindowSpec(**fields, sliding_window=layer.sliding_window)
+    else:
+        spec = FullAttentionSpec(**fields)
     assert spec.page_size_bytes == layout.page_bytes, (spec.page_size_bytes, layout)
     return spec

@@ -6,6 +6,21 @@
 * :func:`build_weightless_model` writes only ``config.json`` and a byte-level tokenizer of a
   preset geometry (:data:`PRESETS`, e.g. Llama-3.1-8B); vLLM runs it with
   ``load_format="dummy"`` (random weights initialised on the device), for speed benchmarks.
+* :func:`build_tiny_hybrid` writes a tiny random-weight hybrid or sliding-window model
+  (Gemma 3, gpt-oss, Mistral with a window, Qwen3-Next) from the transformers config classes:
+  the architecture's own initializer with ``initializer_range = 1/sqrt(hidden)``, the q/k
+  projections times ``qk_gain``, the head times 4 with zero special-token rows. Layer
+  patterns, chosen so that the default policy puts some full-attention layers in NVFP4 and a
+  prompt of a few hundred tokens is longer than the window:
+
+  * ``gemma3``:  12 layers, two sliding (window 32) then one full, four times (vLLM's Gemma 3
+    reads ``layer_types``), head_dim 32, 4 / 2 heads;
+  * ``gpt_oss``: 12 layers, sliding (window 32) on even layers, full on odd (vLLM's gpt-oss fixes
+    this pattern), attention sinks, 4 experts top-2, head_dim 64, 4 / 2 heads;
+  * ``mistral``: 6 layers, all sliding (window 48), head_dim 32, 4 / 2 heads;
+  * ``qwen3_next``: 8 layers, Gated DeltaNet on 3 of 4 (head dims 128: the CPU kernel's),
+    full attention on layers 3 and 7, head_dim 64, 4 / 2 heads, 4 experts (vLLM's CPU build
+    runs it in bfloat16 only).
 
 The architectures' ``config.json`` writers are :data:`CONFIGS` (``llama``, ``qwen2``); a new
 architecture adds its writer there (and its parameter names to :func:`_random_weights`). Nothing
@@ -107,6 +122,21 @@ CONFIGS: dict[str, Callable[..., dict[str, Any]]] = {"llama": llama_config, "qwe
 ARCHS = tuple(CONFIGS)
 
 
+def save_tokenizer(model_dir: Path, tok_path: Path, max_pos: int) -> None:
+    """Write the trained tokenizer (``tok_path``) into ``model_dir`` with the chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    ftok = PreTrainedTokenizerFast(
+        tokenizer_file=str(tok_path), unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        pad_token="<pad>", model_max_length=max_pos)
+    ftok.chat_template = CHAT_TEMPLATE
+    ftok.save_pretrained(str(model_dir))
+    # transformers 5 writes "TokenizersBackend"; this name loads in 4.x and 5.x alike
+    tc = json.loads((model_dir / "tokenizer_config.json").read_text())
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(tc, indent=2))
+
+
 def _random_weights(cfg: dict, arch: str, seed: int, qk_gain: float, dtype: str) -> dict:
     """State dict of a Llama/Qwen2 causal LM (HF parameter names), scaled as the module doc says."""
     import torch
@@ -191,9 +221,27 @@ def build_tiny_llama(
     args = dict(cfg, arch=arch, dtype=dtype, seed=seed, max_pos=max_pos, qk_gain=qk_gain,
                 build_version=BUILD_VERSION)
 
+    def build(tmp: Path) -> None:
+        from safetensors.torch import save_file
+
+        (tmp / "config.json").write_text(json.dumps(CONFIGS[arch](cfg, dtype, max_pos), indent=2))
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}, indent=2))
+        save_file(_random_weights(cfg, arch, seed, qk_gain, dtype), str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        save_tokenizer(tmp, train_tokenizer(vocab), max_pos)
+
+    return _cached_build(out_dir, args, f"tiny-{arch}-{num_layers}l-{hidden}h", build)
+
+
+def _cached_build(out_dir: Optional[Union[str, os.PathLike]], args: dict[str, Any], name: str,
+                  build: Callable[[Path], None]) -> Path:
+    """The model directory for the build arguments ``args``: reused when its marker matches,
+    else (re)built by ``build(tmp_dir)``; ``out_dir=None``: ``name-<hash of args>`` under
+    :func:`cache_root`. Refuses to replace a non-empty directory it did not make."""
     if out_dir is None:
         digest = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()[:10]
-        out = cache_root() / "models" / f"tiny-{arch}-{num_layers}l-{hidden}h-{digest}"
+        out = cache_root() / "models" / f"{name}-{digest}"
     else:
         out = Path(out_dir)
     marker = out / MARKER
@@ -204,33 +252,15 @@ def build_tiny_llama(
         except (OSError, ValueError):
             pass
     if out.exists() and any(out.iterdir()) and not marker.exists():
-        raise FileExistsError(f"{out} exists, is not empty and was not made by build_tiny_llama")
+        raise FileExistsError(f"{out} exists, is not empty and was not made by a tiny-model builder")
 
-    tok_path = train_tokenizer(vocab)
-
-    def build(tmp: Path) -> None:
-        from safetensors.torch import save_file
-        from transformers import PreTrainedTokenizerFast
-
-        (tmp / "config.json").write_text(json.dumps(CONFIGS[arch](cfg, dtype, max_pos), indent=2))
-        (tmp / "generation_config.json").write_text(json.dumps(
-            {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}, indent=2))
-        save_file(_random_weights(cfg, arch, seed, qk_gain, dtype), str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        ftok = PreTrainedTokenizerFast(
-            tokenizer_file=str(tok_path), unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-            pad_token="<pad>", model_max_length=max_pos)
-        ftok.chat_template = CHAT_TEMPLATE
-        ftok.save_pretrained(str(tmp))
-        # transformers 5 writes "TokenizersBackend"; this name loads in 4.x and 5.x alike
-        tc = json.loads((tmp / "tokenizer_config.json").read_text())
-        tc["tokenizer_class"] = "PreTrainedTokenizerFast"
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tc, indent=2))
+    def build_marked(tmp: Path) -> None:
+        build(tmp)
         (tmp / MARKER).write_text(json.dumps(args, indent=2, sort_keys=True))
 
     if out.exists():  # stale build with other arguments: rebuild in place
         shutil.rmtree(out)
-    return atomic_dir(out, build, MARKER)
+    return atomic_dir(out, build_marked, MARKER)
 
 
 def build_weightless_model(out_dir: Union[str, os.PathLike], preset: str = "llama8b",
@@ -276,6 +306,97 @@ def weight_bytes(preset: str) -> int:
     attn = h * hd * (p["heads"] * 2 + p["kv_heads"] * 2)
     per_layer = attn + 3 * h * i + 2 * h
     return 2 * (2 * v * h + p["layers"] * per_layer + h)
+
+
+HYBRID_ARCHS = ("gemma3", "gpt_oss", "mistral", "qwen3_next")
+HYBRID_BUILD = 2  # bump when the output of a given argument set changes
+_ALTERNATING = ["sliding_attention", "full_attention"] * 6
+_GEMMA_PATTERN = ["sliding_attention", "sliding_attention", "full_attention"] * 4
+
+
+def _hybrid_config(arch: str, vocab: int, max_pos: int) -> Any:
+    """The transformers config of the tiny ``arch`` model (float32)."""
+    common: dict[str, Any] = dict(vocab_size=vocab, hidden_size=128, intermediate_size=256,
+                                  num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=max_pos, bos_token_id=1,
+                                  eos_token_id=2, pad_token_id=3, tie_word_embeddings=False,
+                                  initializer_range=1.0 / math.sqrt(128))
+    if arch == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        cfg = Gemma3TextConfig(**common, num_hidden_layers=12, head_dim=32, sliding_window=32,
+                               layer_types=list(_GEMMA_PATTERN), query_pre_attn_scalar=32,
+                               architectures=["Gemma3ForCausalLM"])
+    elif arch == "gpt_oss":
+        from transformers import GptOssConfig
+
+        common["intermediate_size"] = 128
+        cfg = GptOssConfig(**common, num_hidden_layers=12, head_dim=64, sliding_window=32,
+                           layer_types=list(_ALTERNATING), num_local_experts=4,
+                           num_experts_per_tok=2, architectures=["GptOssForCausalLM"])
+    elif arch == "mistral":
+        from transformers import MistralConfig
+
+        cfg = MistralConfig(**common, num_hidden_layers=6, head_dim=32, sliding_window=48,
+                            architectures=["MistralForCausalLM"])
+    elif arch == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        cfg = Qwen3NextConfig(**common, num_hidden_layers=8, head_dim=64,
+                              layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+                              linear_num_key_heads=1, linear_num_value_heads=2,
+                              linear_key_head_dim=128, linear_value_head_dim=128,
+                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                              shared_expert_intermediate_size=64, decoder_sparse_step=1,
+                              architectures=["Qwen3NextForCausalLM"])
+    else:
+        raise ValueError(f"arch must be one of {HYBRID_ARCHS}, got {arch!r}")
+    cfg.dtype = "float32"
+    return cfg
+
+
+def _scale_hybrid_weights(model: Any, qk_gain: float, seed: int) -> None:
+    """In place: q/k projections x ``qk_gain``, head x 4 with zero special-token rows, sinks
+    and norm weights drawn around their defaults."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(qk_gain)
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif "norm" in name and p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+        head = model.get_output_embeddings().weight
+        head.mul_(4.0)
+        head[:4] = 0.0
+
+
+def build_tiny_hybrid(arch: str, out_dir: Optional[Union[str, os.PathLike]] = None,
+                      vocab: int = 4096, seed: int = 0, max_pos: int = 4096,
+                      qk_gain: float = 2.0) -> Path:
+    """Write (or reuse) the tiny random-weight hybrid ``arch`` model (:data:`HYBRID_ARCHS`, see
+    the module doc) and return its path; ``out_dir=None``: under :func:`cache_root`."""
+    import torch
+
+    if arch not in HYBRID_ARCHS:
+        raise ValueError(f"arch must be one of {HYBRID_ARCHS}, got {arch!r}")
+    args = dict(arch=arch, vocab=vocab, seed=seed, max_pos=max_pos, qk_gain=qk_gain,
+                build_version=BUILD_VERSION, hybrid_build=HYBRID_BUILD)
+
+    def build(tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(_hybrid_config(arch, vocab, max_pos),
+                                                 dtype=torch.float32)
+        _scale_hybrid_weights(model, qk_gain, seed)
+        model.save_pretrained(str(tmp))
+        save_tokenizer(tmp, train_tokenizer(vocab), max_pos)
+
+    return _cached_build(out_dir, args, f"tiny-{arch}", build)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -1,0 +1,235 @@
+"""``LLM(kv_cache_dtype="nvfp4_mixed")`` on CPU (vLLM 0.32) with tiny hybrid / sliding-window models.
+
+Per architecture (:func:`vllm_nvfp4.testing.models.build_tiny_hybrid`: Gemma 3 with two sliding
+layers to one full, gpt-oss with alternating sliding / full layers and attention sinks, Mistral
+with a window on every layer), a module fixture runs two engines:
+
+* ``main``    - prefix caching on, whole-prompt prefill: prompt log-probs, greedy twice and one by
+                one, prefix hits, the KV-cache groups and pages as the worker allocated them;
+* ``chunked`` - prefix caching off, ``max_num_batched_tokens=32``: prompts prefill in chunks
+                smaller than the window, over cached pages.
+
+The policy is written into the model directory in the compact form by layer type, with one index
+beating its type (``swa:fp8,full:nvfp4,<last full>:fp8``; Mistral, all sliding:
+``*:nvfp4,0:fp8``), so types, precedence and the type check reach the engine. Every prompt is
+longer than the window. Models are float32; the log-prob check is the one of
+``test_integration_engine.py`` (most tokens within ``LOGPROB_TOL`` of transformers run with the
+same fake quantization, and far closer to it than to the unquantized reference).
+
+Qwen3-Next-style hybrids (Gated DeltaNet) run through vLLM's CPU build in bfloat16 only; they are
+checked in ``test_hybrid_qwen3_next_*`` for the groups and determinism. Their GPU run and the
+CUDA-graph checks of every architecture are in ``scripts/gpu_hybrid_check.py``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from vllm_nvfp4.testing.reference import reference_logprobs
+
+pytestmark = pytest.mark.vllm
+
+LOGPROB_TOL = 1e-3
+BLOCK = 16
+NEW = 8  # greedy tokens per prompt
+KV_BYTES = int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) << 30  # conftest sets 1 GiB
+ARCHS = ("gemma3", "gpt_oss", "mistral")
+
+
+def _policy_text(types: Any) -> str:
+    full = [i for i, t in enumerate(types) if t.kind == "full"]
+    if not full:
+        return "*:nvfp4,0:fp8"
+    return f"swa:fp8,full:nvfp4,{full[-1]}:fp8"
+
+
+def _prompts(tokenizer: Any) -> dict[str, list[list[int]]]:
+    import inspect
+    import textwrap as src
+
+    ids = tokenizer(inspect.getsource(src))["input_ids"]
+    prefix = ids[:96]
+    return {
+        "logprob": [ids[500 + 150 * i:500 + 150 * i + 100 + 20 * i] for i in range(2)],
+        "short": [ids[1200 + 100 * i:1200 + 100 * i + 100 + 4 * i] for i in range(3)],
+        "prefix": [prefix + ids[2000 + 30 * i:2000 + 30 * i + 20] for i in range(3)],
+    }
+
+
+def _greedy(n: int, **kw: Any) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def _tokens(llm: Any, prompts: list[list[int]], one_by_one: bool = False) -> list[list[int]]:
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    if one_by_one:
+        outs = [llm.generate([x], _greedy(NEW), use_tqdm=False)[0] for x in inputs]
+    else:
+        outs = llm.generate(inputs, _greedy(NEW), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _engine(model_dir: Path, dtype: str = "float32", **overrides: Any) -> Any:
+    from vllm import LLM
+
+    kwargs = dict(model=str(model_dir), kv_cache_dtype="nvfp4_mixed", dtype=dtype,
+                  block_size=BLOCK, max_model_len=512, max_num_batched_tokens=1024,
+                  max_num_seqs=4, enforce_eager=True, distributed_executor_backend="uni", seed=0)
+    kwargs.update(overrides)
+    return LLM(**kwargs)
+
+
+def _run(model_dir: Path) -> dict[str, Any]:
+    from vllm_nvfp4.testing.kv_report import kv_cache_report
+
+    out: dict[str, Any] = {}
+    llm = _engine(model_dir, enable_prefix_caching=True)
+    prompts = out["prompts"] = _prompts(llm.get_tokenizer())
+    lp = llm.generate([{"prompt_token_ids": p} for p in prompts["logprob"]],
+                      _greedy(1, prompt_logprobs=0), use_tqdm=False)
+    out["vllm_logprobs"] = torch.tensor([o.prompt_logprobs[i][t].logprob
+                                         for o, p in zip(lp, prompts["logprob"])
+                                         for i, t in enumerate(p) if i > 0])
+    prefix_outs = [llm.generate([{"prompt_token_ids": p}], _greedy(NEW), use_tqdm=False)[0]
+                   for p in prompts["prefix"]]
+    out["main"] = {"short": _tokens(llm, prompts["short"]),
+                   "short_again": _tokens(llm, prompts["short"]),
+                   "short_single": _tokens(llm, prompts["short"][:2], one_by_one=True),
+                   "prefix": [list(o.outputs[0].token_ids) for o in prefix_outs],
+                   "prefix_hits": [o.num_cached_tokens for o in prefix_outs],
+                   "report": llm.collective_rpc(kv_cache_report)[0]}
+    del llm
+    gc.collect()
+    llm = _engine(model_dir, enable_prefix_caching=False, max_num_batched_tokens=32)
+    out["chunked"] = {"short": _tokens(llm, prompts["short"]),
+                      "prefix": _tokens(llm, prompts["prefix"])}
+    del llm
+    gc.collect()
+    return out
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from transformers import AutoConfig
+
+    from vllm_nvfp4.policy import KVPolicy, layer_types_from_config
+    from vllm_nvfp4.testing.models import build_tiny_hybrid
+
+    # gpt-oss's random MoE with sinks is chaotic at the default q/k gain (2.8 nats between the
+    # quantized and the unquantized reference): a milder one keeps the comparison meaningful
+    model_dir = build_tiny_hybrid(request.param, tmp_path_factory.mktemp("hy") / request.param,
+                                  qk_gain=1.0 if request.param == "gpt_oss" else 2.0)
+    types = layer_types_from_config(AutoConfig.from_pretrained(model_dir).get_text_config())
+    policy = KVPolicy.from_compact(_policy_text(types), len(types), layer_types=types)
+    (model_dir / "nvfp4_policy.json").write_text(json.dumps(policy.to_dict()))
+    return {"arch": request.param, "model_dir": model_dir, "policy": policy, **_run(model_dir)}
+
+
+def test_prompts_are_longer_than_every_window(runs):
+    windows = {t.window for t in runs["policy"].layer_types if t.window}
+    assert windows and all(len(p) > 2 * max(windows) for ps in runs["prompts"].values() for p in ps)
+
+
+def test_prompt_logprobs_match_the_quantized_reference(runs):
+    """vLLM's log-probs are far nearer to the reference with the same policy than to the
+    unquantized model or to the all-FP8 policy. Fewer tokens agree to ``LOGPROB_TOL`` than for
+    the 4-layer Llama: with 8-12 layers a 1e-6 difference in a layer's input (summation order;
+    measured: the K entering Gemma layer 1 differs by 1.5e-6, after an attention output that
+    matches the FP8 reference to 8e-7) flips a few stored FP8/NVFP4 values, and the random
+    model's peaked attention carries that into the later layers and positions."""
+    from vllm_nvfp4.policy import KVPolicy
+
+    prompts = runs["prompts"]["logprob"]
+    got = runs["vllm_logprobs"]
+    ref = reference_logprobs(runs["model_dir"], prompts, runs["policy"])
+    assert got.shape == ref.shape
+    err = (got - ref).abs()
+    close = (err < LOGPROB_TOL).float().mean()
+    gap = (got - reference_logprobs(runs["model_dir"], prompts, None)).abs().mean()
+    fp8 = KVPolicy.from_compact("*:fp8", runs["policy"].num_layers, layer_types=runs["policy"].layer_types)
+    gap_fp8 = (got - reference_logprobs(runs["model_dir"], prompts, fp8)).abs().mean()
+    print(f"{runs['arch']}: {close:.0%} within {LOGPROB_TOL}, mean err {err.mean():.2e}, vs "
+          f"unquantized {gap:.2e}, vs all-FP8 {gap_fp8:.2e}")
+    assert close >= 0.5, f"only {close:.0%} of tokens within {LOGPROB_TOL} (mean err {err.mean():.2e})"
+    assert err.mean() < 0.1 * gap, f"mean error {err.mean():.3e} vs unquantized gap {gap:.3e}"
+    assert err.mean() < 0.5 * gap_fp8, f"mean error {err.mean():.3e} vs all-FP8 gap {gap_fp8:.3e}"
+
+
+def test_greedy_generation_is_deterministic_and_batch_independent(runs):
+    main = runs["main"]
+    assert main["short"] == main["short_again"]
+    assert main["short"][:2] == main["short_single"]
+    assert len({tuple(t) for t in main["short"]}) == len(main["short"])
+
+
+def test_prefix_caching_and_chunked_prefill_give_the_same_tokens(runs):
+    hits = runs["main"]["prefix_hits"]
+    # vLLM's own fp8 on the Gemma model hits [0, 96, 96]; here the second request misses (the
+    # sliding layers sit in four groups; open), later ones hit
+    if any(t.kind == "full" for t in runs["policy"].layer_types):
+        assert hits[0] == 0 and max(hits[1:]) >= 64, f"prefix cache hits {hits}"
+    for key in ("short", "prefix"):
+        assert runs["main"][key] == runs["chunked"][key], key
+
+
+def test_layers_keep_their_kind_window_and_sinks(runs):
+    """Sliding layers sit in vLLM's sliding-window groups with their window, full layers in the
+    full-attention group; gpt-oss's sinks reach every impl; the formats follow the policy."""
+    report, policy = runs["main"]["report"], runs["policy"]
+    kinds = {}
+    for g in report["groups"]:
+        for name in g["layer_pages"]:
+            kinds[int(name.split(".")[2])] = g["kind"]
+    for i, lp in policy.kv_layers():
+        assert kinds[i] == ("SlidingWindowSpec" if lp.layer_type.kind == "sliding" else "FullAttentionSpec")
+    assert len(report["impls"]) == len(policy.kv_layers())
+    for name, impl in report["impls"].items():
+        row = policy.layers[int(name.split(".")[2])]
+        assert impl["impl"] == "Nvfp4MixedImpl" and impl["formats"] == (row.k, row.v)
+        assert impl["window"] == row.layer_type.window and impl["sinks"] == row.layer_type.sinks
+
+
+def test_pages_are_the_policy_arithmetic_and_the_growing_layers_unpadded(runs):
+    """Every layer's page is its formats' bytes; the full-attention group's pages fill the shared
+    block exactly (no padding where the cache grows with the context); the KV memory is
+    ``num_blocks`` such blocks; the sliding groups fill their blocks as :func:`packing_fill`
+    predicts. Printed: what a request at max_model_len needs over what vLLM allocates for it
+    (the sliding groups' partly filled blocks are the only overhead)."""
+    from vllm_nvfp4.integration.model import packing_fill
+    from vllm_nvfp4.layout import KVPageLayout
+
+    report, policy = runs["main"]["report"], runs["policy"]
+    heads, dim = 2, (64 if runs["arch"] == "gpt_oss" else 32)
+    for g in report["groups"]:
+        for name, page in g["layer_pages"].items():
+            row = policy.layers[int(name.split(".")[2])]
+            assert page == KVPageLayout(heads, dim, g["block_size"], row.k, row.v).page_bytes, name
+    assert report["num_blocks"] == KV_BYTES // report["block_bytes"]
+    full = [g for g in report["groups"] if g["kind"] == "FullAttentionSpec"]
+    sliding = [g for g in report["groups"] if g["kind"] == "SlidingWindowSpec"]
+    if full:
+        (group,) = full
+        assert report["layout"] == "BLNHC"
+        assert group["page_bytes"] == report["block_bytes"] == BLOCK * policy.kv_bytes_per_token(heads, dim, ("full",))
+        b = sliding[0]["block_size"]
+        n = sum(len(g["layer_pages"]) for g in sliding)
+        _, fill = packing_fill(group["page_bytes"], next(iter(sliding[0]["layer_pages"].values())), n)
+        assert max(g["page_bytes"] for g in sliding) == pytest.approx(fill * report["block_bytes"])
+        assert b in (16, 32, 64, 128, 256)
+    else:  # one sliding group, no other kind: one uniform block of all pages
+        (group,) = sliding
+        assert group["page_bytes"] == report["block_bytes"] == BLOCK * policy.kv_bytes_per_token(heads, dim)
+        assert report["allocated_per_request"] == report["needed_per_request"]
+    ratio = report["needed_per_request"] / report["allocated_per_request"]
+    print(f"{runs['arch']}: per request at max_model_len needed/allocated = {ratio:.3f}, "
+          f"block {report['block_bytes']} B, groups "
+          f"{[(g['kind'], g['block_size'], g['page_bytes']) for g in report['groups']]}")
