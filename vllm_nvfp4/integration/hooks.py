@@ -21,6 +21,9 @@ custom_backend     ``AttentionBackendEnum.CUSTOM`` -> our backend          selec
 backend_selection  v1/attention/selector.py ``_cached_get_attn_backend``  selection.select_backend
 spec               Attention.get_kv_cache_spec (per-layer page size)      spec.kv_cache_spec
 startup_check      EngineArgs.create_engine_config (front-end checks)     model.check_engine_config
+startup_           v1/executor/abstract.py                                startup_calibration.
+calibration        ``Executor.compile_or_warm_up_model``: first            calibrate_engine
+                   calibrate on every worker (no policy given)
 =================  ====================================================  ==========================
 
 vLLM APIs the backend *uses* without patching them (they must keep working across versions):
@@ -130,6 +133,22 @@ def _install_startup_check() -> None:
     _replace(EngineArgs, "create_engine_config", make)
 
 
+def _install_startup_calibration() -> None:
+    from vllm.v1.executor.abstract import Executor
+
+    from vllm_nvfp4.integration.startup_calibration import calibrate_engine
+
+    def make(original: Callable) -> Callable:
+        def compile_or_warm_up_model(self: Any) -> None:
+            if is_ours(self.vllm_config.cache_config.cache_dtype):
+                calibrate_engine(self)
+            return original(self)
+
+        return compile_or_warm_up_model
+
+    _replace(Executor, "compile_or_warm_up_model", make)
+
+
 HOOKS: tuple[Hook, ...] = (
     Hook("cache_dtype", "vllm.config.cache:CacheDType",
          "vLLM 0.32 validates --kv-cache-dtype against a closed Literal (argparse choices, "
@@ -151,6 +170,11 @@ HOOKS: tuple[Hook, ...] = (
          "runs in the front-end process of serve / LLM() / lm-eval, so a bad policy or an "
          "unsupported model fails before any worker starts, with a message naming the problem",
          "check_engine_config", ("vllm/engine/arg_utils.py",), _install_startup_check),
+    Hook("startup_calibration", "vllm.v1.executor.abstract:Executor.compile_or_warm_up_model",
+         "the engine core calls it on every executor once the KV cache is allocated and before "
+         "warm-up and CUDA-graph capture: the one point where the loaded model can run real text "
+         "on every TP rank and the scales can still change in place before graphs are captured",
+         "calibrate_engine", ("vllm/v1/executor/abstract.py",), _install_startup_calibration),
 )
 
 _installed = False
