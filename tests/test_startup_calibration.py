@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import inspect
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -172,8 +173,6 @@ def _prompt_logprobs(llm: Any, prompts: list[list[int]]) -> torch.Tensor:
 def test_startup_calibration_recovers_a_k_biased_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Mean |prompt log-prob - unquantized| (fake quantization measured 0.96 nats with the
     default scales, 0.24 calibrated + K-centered)."""
-    import textwrap
-
     from transformers import AutoTokenizer
 
     model_dir = _k_biased_qwen2(tmp_path / "qwen2")
@@ -192,3 +191,56 @@ def test_startup_calibration_recovers_a_k_biased_model(tmp_path: Path, monkeypat
     err_default = (results["default"] - results["unquantized"]).abs().mean()
     err_startup = (results["startup"] - results["unquantized"]).abs().mean()
     assert err_startup < 0.4 * err_default, (float(err_startup), float(err_default))
+
+
+# ---------------------------------------------------------------------------- tensor parallel
+TP_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    from vllm import LLM
+
+    def bound(worker):
+        ctx = worker.model_runner.compilation_config.static_forward_context
+        return {n: [l.impl.k_scale.tolist(), l.impl.v_scale.tolist(), l.impl.k_center.tolist()]
+                for n, l in ctx.items() if hasattr(l.impl, "layout")}
+
+    if __name__ == "__main__":
+        out = {}
+        for tp in (1, 2):
+            os.environ["VLLM_NVFP4_CACHE"] = os.path.join(sys.argv[2], f"tp{tp}")
+            llm = LLM(model=sys.argv[1], kv_cache_dtype="nvfp4_mixed", dtype="float32",
+                      max_model_len=256, enforce_eager=True, tensor_parallel_size=tp,
+                      distributed_executor_backend="mp", seed=0)
+            out[tp] = llm.collective_rpc(bound)
+            del llm
+        print("RESULT " + json.dumps(out))
+""")
+
+
+def test_tp2_ranks_calibrate_their_heads_into_one_policy(tmp_path: Path):
+    import subprocess
+    import sys
+
+    from conftest import vllm_subprocess_env
+    from vllm_nvfp4.policy import KVPolicy
+    from vllm_nvfp4.tiny_model import build_tiny_llama
+
+    model = build_tiny_llama(tmp_path / "m", dtype="float32")  # 2 KV heads: one per rank
+    (tmp_path / "run.py").write_text(TP_SCRIPT)
+    env = vllm_subprocess_env(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    env.pop("VLLM_NVFP4_POLICY", None)
+    run = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(model), str(tmp_path)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, (run.stdout + run.stderr)[-4000:]
+    out = json.loads(lines[0][len("RESULT "):])
+    (tp1,), (rank0, rank1) = out["1"], out["2"]
+    for name, (k1, v1, c1) in tp1.items():
+        assert rank0[name][0] == pytest.approx(k1[:1], rel=1e-4)  # per-layer scale, both ranks
+        assert rank1[name][1] == pytest.approx(v1[1:], rel=1e-4)
+        torch.testing.assert_close(torch.tensor(rank0[name][2] + rank1[name][2]), torch.tensor(c1),
+                                   rtol=0, atol=1e-5)  # each rank its head's centering offsets
+    (f1,), (f2,) = ((tmp_path / f"tp{tp}" / "startup-calibration").glob("*.json") for tp in (1, 2))
+    assert f1.name == f2.name  # same key: the TP degree is not part of it
+    p1, p2 = KVPolicy.load(f1), KVPolicy.load(f2)
+    for a, b in zip(p1.layers, p2.layers):
+        assert (a.k_scale, a.v_global_scale) == pytest.approx((b.k_scale, b.v_global_scale), rel=1e-4)
