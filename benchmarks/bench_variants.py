@@ -14,6 +14,7 @@ Writes JSON and prints a table last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -33,7 +34,7 @@ import bench_decode as bd  # noqa: E402
 from vllm_nvfp4.kernels import attention as new_mod  # noqa: E402
 from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
 
-#: name -> paged_attention overrides, per launch kind; each runs for every format pair
+#: name -> LaunchShape fields replacing the defaults, per launch kind; each runs for every format pair
 VARIANTS = {
     "decode": {
         "t32": dict(tile_n=32),
@@ -66,12 +67,18 @@ def load_module(path: str):
 
 
 def timed(mod, lay, b, cache, out, smoke=False, **cfg) -> float:
+    """Time ``mod.paged_attention``; ``cfg`` replaces fields of the current module's default
+    launch shape (empty: the module's own default, so a BEFORE module of any API works)."""
     ks = torch.full((bd.HKV,), 0.01, device=cache.device)
     vs = torch.full((bd.HKV,), 0.02, device=cache.device)
+    launch = {}
+    if cfg:
+        shape = dataclasses.replace(mod.launch_defaults(lay, b.q_len == 1), **cfg)
+        launch = {"launch": shape}
 
     def fn():
         mod.paged_attention(b.query, cache, lay, ks, vs, b.block_table, b.seq_lens, b.qsl,
-                            b.q_len, b.ctx, bd.SOFTMAX_SCALE, out, **cfg)
+                            b.q_len, b.ctx, bd.SOFTMAX_SCALE, out, **launch)
     return bd.timer(fn, smoke)
 
 

@@ -29,7 +29,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from vllm_nvfp4.kernels import attention as A  # noqa: E402
-from vllm_nvfp4.kernels.cache_write import format_code  # noqa: E402
+from vllm_nvfp4.kernels.constants import format_code  # noqa: E402
 from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -65,7 +65,7 @@ def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: st
     const.update(USE_WINDOW=False, USE_SOFTCAP=False, F32=False)
     fn = (getattr(A, "_prefill_keys_kernel", A._prefill_kernel) if prefill
           else getattr(A, "_decode_keys_kernel", A._decode_kernel))
-    if "PREFETCH" in fn.arg_names:  # a module before session 5 (--module): its own default
+    if "PREFETCH" in fn.arg_names:  # an older module (--module) with register prefetch: its own default
         const.update(PREFETCH="nvfp4" in (lay.k_format, lay.v_format))
     for k, v in const.items():
         sig[k] = "constexpr"
@@ -82,7 +82,7 @@ _INSTR = re.compile(r"/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)[
 def tile_loops(sass: str) -> list[collections.Counter]:
     """Opcode counts of the tile loops (backward-branch loops of over 100 instructions) in
     program order: the whole-tile loop first, then the masked tail loop (one loop in modules
-    before session 7)."""
+    without the unmasked whole-tile path)."""
     ins = [(int(m.group(1), 16), m.group(2), m.group(0)) for m in _INSTR.finditer(sass)]
     loops = []
     for addr, op, text in ins:

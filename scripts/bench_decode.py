@@ -7,7 +7,7 @@ and fp8 KV with an fp8 query as vLLM runs it). Timing: each call captured in a C
 replays timed by ``triton.testing.do_bench`` (median, L2 flushed between runs, after warm-up).
 Writes one JSON file (records + copy bandwidth + versions) and prints a table.
 
-    python3 scripts/bench_decode.py --out benchmarks/results/decode_h200.json
+    python3 scripts/bench_decode.py --out results/DATE-decode-kernels-GPU/decode_h200.json
     python3 scripts/bench_decode.py --smoke     # CPU + TRITON_INTERPRET, tiny shapes, no timing
 """
 
@@ -99,7 +99,7 @@ def our_cache(lay: KVPageLayout, b: Batch, device: str, gen: torch.Generator) ->
                 if device == "cpu" else torch.randint(0, 256, cache.shape, dtype=torch.uint8,
                                                       device=device))
     for which in ("k", "v"):
-        if lay.format_of(which) == "fp8":
+        if not lay.has_scales(which):  # FP8
             lay.data_plane(cache, which).bitwise_and_(0xBF)
         else:
             sp = lay.scale_plane(cache, which)
@@ -111,13 +111,13 @@ def kv_bytes(b: Batch, per_token_head: int) -> int:
     return b.batch * b.ctx * HKV * per_token_head
 
 
-def run_ours(lay, b, cache, out, smoke, **cfg) -> float:
+def run_ours(lay, b, cache, out, smoke, launch: "kattn.LaunchShape | None" = None) -> float:
     ks = torch.full((HKV,), 0.01, device=cache.device)
     vs = torch.full((HKV,), 0.02, device=cache.device)
 
     def fn():
         kattn.paged_attention(b.query, cache, lay, ks, vs, b.block_table, b.seq_lens, b.qsl,
-                              b.q_len, b.ctx, SOFTMAX_SCALE, out, **cfg)
+                              b.q_len, b.ctx, SOFTMAX_SCALE, out, launch=launch)
     return timer(fn, smoke)
 
 
@@ -211,8 +211,8 @@ def bench_shape(batch: int, ctx: int, q_len: int, args, gen) -> list[dict]:
             for splits, tile, warps in configs if name in args.sweep_formats else []:
                 cfg = f"splits={splits},tile={tile},warps={warps}"
                 try:
-                    us = run_ours(lay, b, cache, out, args.smoke, num_splits=splits,
-                                  tile_n=tile, num_warps=warps)
+                    us = run_ours(lay, b, cache, out, args.smoke,
+                                  kattn.LaunchShape(tile, warps, num_splits=splits))
                 except Exception as e:  # noqa: BLE001
                     print(f"  config {cfg} failed: {e!r}"[:300])
                     continue
@@ -287,7 +287,7 @@ def versions() -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="benchmarks/results/decode_h200.json")
+    ap.add_argument("--out", default="decode_h200.json")
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--prefill", type=int, nargs=2, default=[8, 4096], metavar=("BATCH", "LEN"))

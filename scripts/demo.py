@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = a.model
     if model is None:
-        from vllm_nvfp4.tiny_model import build_tiny_llama
+        from vllm_nvfp4.testing.models import build_tiny_llama
 
         model = str(build_tiny_llama(**DEFAULT_MODEL))
         print(f"[demo] tiny random-weight model: {model}", flush=True)

@@ -58,7 +58,7 @@ def calibrated_policy(model_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from vllm_nvfp4.calibration.kv_hooks import KVObserver, kv_cache_quantization
-    from vllm_nvfp4.formats import fp8_scale_from_amax, nvfp4_global_scale
+    from vllm_nvfp4.formats import KVFormat, fp8_scale_from_amax, nvfp4_global_scale
     from vllm_nvfp4.calibration.scales import smoothing_factors
     from vllm_nvfp4.policy import KVPolicy
 
@@ -80,7 +80,7 @@ def calibrated_policy(model_dir: Path) -> dict:
             changes["k_center"] = tuple(tuple(float(x) for x in row) for row in observer.k_channel_mean(i))
         for kv, amax in (("k", k_amax), ("v", observer.v_amax[i])):
             amax = amax.float().cpu() * 1.25
-            if row.format_of(kv) == "fp8":
+            if row.format_of(kv) is KVFormat.FP8:
                 changes[f"{kv}_scale"] = float(fp8_scale_from_amax(amax.max()))
             else:
                 changes[f"{kv}_global_scale"] = tuple(float(s) for s in nvfp4_global_scale(amax))
@@ -136,7 +136,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/nvfp4-tiny-h128"))
-    ap.add_argument("--out", type=Path, default=Path("integration_h200.json"))
+    ap.add_argument("--out", type=Path, default=Path("integration_check.json"))
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--quick", action="store_true", help="fewer/shorter prompts (CPU dry run)")
     a = ap.parse_args()
@@ -153,7 +153,7 @@ def main() -> int:
         a.out.write_text(json.dumps({**res, "checks": checks}, indent=1))
 
     from vllm_nvfp4.policy import KVPolicy
-    from vllm_nvfp4.tiny_model import build_tiny_llama
+    from vllm_nvfp4.testing.models import build_tiny_llama
 
     model_dir = build_tiny_llama(a.model_dir, num_layers=8, hidden=512 // q, heads=8, kv_heads=2,
                                  head_dim=128 // q, dtype="float16", max_pos=8192, qk_gain=0.5)

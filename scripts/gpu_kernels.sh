@@ -1,37 +1,42 @@
 #!/usr/bin/env bash
-# One device call on the H200: CUDA tests of the kernels, then the decode/prefill benchmark.
-#   bash scripts/gpu_kernels.sh [all|tests|bench] [bench_decode.py args...]
-#   bash scripts/gpu_kernels.sh variants [bench_variants.py args...]   # ours only, no peers:
-#     BEFORE=<old attention.py> (default benchmarks/_before_attention.py, e.g. from
-#     `git show <commit>:vllm_nvfp4/kernels/attention.py`), timed first, then the kernel tests;
-#     time limits VARIANTS_TIMEOUT_S (230) and TESTS_TIMEOUT_S (140 for variants, 240 for tests)
-# Needs .gpu-bundle (bash ../shared/gpu/build_vllm_bundle.sh .gpu-bundle) for the vLLM peers.
-# Logs and the JSON go to $OUT (default /tmp/out).
+# Kernels on a CUDA GPU: their CUDA tests, then the decode/prefill benchmark.
+#
+#   pip install vllm==0.32.0 && pip install -e .[test]  (once; vLLM only for the peer kernels)
+#   bash scripts/gpu_kernels.sh [all|tests|bench] [scripts/bench_decode.py arguments ...]
+#   bash scripts/gpu_kernels.sh variants [benchmarks/bench_variants.py arguments ...]
+#
+# variants: our kernels only, against BEFORE (an older attention.py, default
+# benchmarks/_before_attention.py, e.g. from `git show COMMIT:vllm_nvfp4/kernels/attention.py`,
+# labelled BEFORE_LABEL), then the kernel tests.
+# Environment: OUT (default out/kernels), TESTS_TIMEOUT_S (900), VARIANTS_TIMEOUT_S (900),
+# VLLM_BUNDLE / VLLM_SITE / PYTHON (see scripts/gpu_env.sh). Logs and JSON go to OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+OUT=${OUT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/out/kernels}
+REQUIRE_VLLM=0 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
+cd "$REPO"
 what=${1:-all}
 shift || true
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used,temperature.gpu \
-  --format=csv | tee "$OUT/gpu.txt"
-python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+XDIST=()
+"$PYTHON" -c 'import xdist' 2>/dev/null && XDIST=(-n 8)
+kernel_tests() {  # TEST FILES...
+  timeout "${TESTS_TIMEOUT_S:-900}" "$PYTHON" -m pytest -q -x "${XDIST[@]}" -p no:cacheprovider "$@" 2>&1 \
+    | tee "$OUT/tests.log" | tail -25
+}
+case $what in
+  all|tests|bench) ;;
+  variants)
+    timeout "${VARIANTS_TIMEOUT_S:-900}" "$PYTHON" benchmarks/bench_variants.py \
+      --before "${BEFORE:-benchmarks/_before_attention.py}" --before-label "${BEFORE_LABEL:-before}" \
+      --out "$OUT/decode_variants.json" "$@" > "$OUT/variants.log" 2>&1
+    say "bench_variants rc $?"
+    kernel_tests tests/test_kernels.py
+    sed -n '/==== variants/,$p' "$OUT/variants.log"
+    exit 0 ;;
+  *) die "unknown mode $what (all, tests, bench, variants)" ;;
+esac
 if [[ $what == all || $what == tests ]]; then
-  timeout ${TESTS_TIMEOUT_S:-240} python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_kernels.py \
-    tests/test_layout.py tests/test_paged_torch.py 2>&1 | tee "$OUT/tests.log" | tail -25
+  kernel_tests tests/test_kernels.py tests/test_layout.py tests/test_paged_torch.py
 fi
 if [[ $what == all || $what == bench ]]; then
-  if [[ -f .gpu-bundle/install.sh ]]; then
-    eval "$(bash .gpu-bundle/install.sh /tmp/vllm-site | tail -n1)"
-  fi
-  python3 scripts/bench_decode.py --out "$OUT/decode_h200.json" "$@" 2>&1 | tee "$OUT/bench.log"
-fi
-if [[ $what == variants ]]; then
-  timeout ${VARIANTS_TIMEOUT_S:-230} python3 benchmarks/bench_variants.py --before "${BEFORE:-benchmarks/_before_attention.py}" \
-    --before-label "${BEFORE_LABEL:-before}" --out "$OUT/decode_variants_h200.json" "$@" \
-    > "$OUT/variants.log" 2>&1
-  echo "bench rc $?"; grep -v '^{' "$OUT/variants.log" | grep -v '^\s*$' | head -40 | cut -c1-300
-  timeout ${TESTS_TIMEOUT_S:-140} python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_kernels.py 2>&1 \
-    | tee "$OUT/tests.log" | tail -8
-  sed -n '/==== variants/,$p' "$OUT/variants.log"
+  "$PYTHON" scripts/bench_decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/bench.log"
 fi

@@ -76,7 +76,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Built once per session into a temp dir (~2 s; the tokenizer is cached under
     ``~/.cache/vllm-nvfp4``), so tests may add files such as ``nvfp4_policy.json`` to it.
     """
-    from vllm_nvfp4.tiny_model import build_tiny_llama
+    from vllm_nvfp4.testing.models import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
 

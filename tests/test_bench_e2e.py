@@ -1,163 +1,192 @@
-"""Fast CPU tests of the end-to-end benchmark's pieces (issue 7): no engine is started.
+"""CPU tests of the end-to-end benchmark package ``benchmarks.e2e`` (no engine is started).
 
-Covers argument parsing, the KV-capacity arithmetic (bytes per token, largest batch, stage
-plan), the ratio targets and the table from synthetic records, the profile-trace classification,
-the weight-less model directory and the driver's plugin metadata (entry-point discovery from a
-clean PYTHONPATH-only interpreter). The full path (engines, stepping, serve) is exercised by
-``python scripts/bench_e2e.py --out DIR --cpu-tiny`` (~2-3 min on 2 cores, too slow for here).
+Covers the command line (and a ``--dry-run`` of the entry point), the capacity arithmetic against
+the library's, the stage plan, the optional budget, records and their merging, ratios, targets
+from the shipped TOML file, the table, the kernel split of a generated trace, the ``vllm bench
+serve`` command (parsed by vLLM's own parser) and result fields, the model shape of a weight-less
+model directory, the plugin dist-info for a vLLM without pip, the plots, engine stepping against a
+scripted engine, and the server health poll and process-group stop. The real engine path is
+exercised by ``python -m benchmarks.e2e --out DIR --cpu-tiny`` (minutes on 2 cores).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import gzip
 import json
+import math
 import os
-import shutil
 import subprocess
 import sys
+import time
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
 
+from benchmarks.e2e import budget, capacity, configs, orchestrate, records, report, serve, trace
+from benchmarks.e2e.cli import DEFAULT_TARGETS, parse_args
+from benchmarks.e2e.worker import engine_kwargs
+from vllm_nvfp4.policy import KVPolicy
+from vllm_nvfp4.testing.models import build_weightless_model
+
 REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = REPO / "scripts"
+L8B = capacity.ModelShape(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, hidden=4096,
+                          vocab=128256, dtype="bfloat16")
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-mrm = _load("make_random_model")
-be = _load("bench_e2e")
-
-L8B = dict(num_layers=32, kv_heads=8, head_dim=128)
-
-
-# ---------------------------------------------------------------- arguments
+# ---------------------------------------------------------------- command line
 
 def test_parse_contexts_and_dtypes():
-    assert be.parse_contexts("32k, 8192") == [32768, 8192]
-    assert be.parse_contexts("0.5k") == [512]
-    with pytest.raises(ValueError):
-        be.parse_contexts("")
-    with pytest.raises(ValueError):
-        be.parse_contexts("-5")
-    assert be.parse_dtypes("fp8,nvfp4-mixed") == ["fp8", "nvfp4-mixed"]
-    assert be.parse_dtypes("all")[0] == be.REFERENCE
-    with pytest.raises(ValueError, match="unknown"):
-        be.parse_dtypes("fp4")
+    assert configs.parse_contexts("32k, 8192") == [32768, 8192]
+    assert configs.parse_contexts("0.5k") == [512]
+    for bad in ("", "-5", "abc"):
+        with pytest.raises(ValueError):
+            configs.parse_contexts(bad)
+    assert configs.parse_dtypes("fp8,nvfp4-mixed") == ["fp8", "nvfp4-mixed"]
+    assert configs.parse_dtypes("all")[0] == configs.REFERENCE
+    assert configs.parse_dtypes("none") == []
+    with pytest.raises(ValueError, match="unknown configuration"):
+        configs.parse_dtypes("fp4")
 
 
-def test_parse_args_defaults_and_cpu_tiny():
-    a = be.parse_args(["--out", "/tmp/x"])
-    assert a.contexts == [32768, 8192] and a.dtypes[0] == "fp8"
-    assert a.max_model_len == 32768 + a.headroom
-    assert a.serve == [] and not a.cpu
-    t = be.parse_args(["--out", "/tmp/x", "--cpu-tiny", "--steps", "7"])
-    assert t.cpu and t.eager and t.preset == "tiny" and t.contexts == [64]
+def test_parse_args_defaults_and_cpu_tiny(capsys):
+    a = parse_args(["--out", "/tmp/x"])
+    assert a.contexts == [32768, 8192] and a.dtypes == ["fp8", "nvfp4-mixed", "auto"]
+    assert a.max_model_len == 32768 + a.headroom and a.serve == [] and not a.cpu
+    assert a.budget_s is None and a.targets == str(DEFAULT_TARGETS)
+    t = parse_args(["--out", "/tmp/x", "--cpu-tiny", "--steps", "7"])
+    assert t.cpu and t.eager and t.preset == "tiny" and t.contexts == [64] and t.gpu_mem == 0.3
     assert t.steps == 7  # an explicit flag wins over the smoke defaults
-    assert be.parse_args(["--out", "/x", "--serve", "none"]).serve == []
-    assert be.parse_args(["--out", "/x", "--serve", "fp8,nvfp4-mixed"]).serve == ["fp8", "nvfp4-mixed"]
-    with pytest.raises(SystemExit):
-        be.parse_args(["--out", "/x", "--max-model-len", "1000"])
-    b = be.parse_args(["--out", "/x", "--contexts", "8k", "--ttft-contexts", "32k"])
+    assert parse_args(["--out", "/x", "--serve", "fp8,nvfp4-mixed"]).serve == ["fp8", "nvfp4-mixed"]
+    assert parse_args(["--out", "/x", "--targets", "none"]).targets is None
+    b = parse_args(["--out", "/x", "--contexts", "8k", "--ttft-contexts", "32k"])
     assert b.max_model_len == 32768 + b.headroom  # TTFT-only contexts count too
+    for argv, msg in ((["--out", "/x", "--max-model-len", "1000"], "largest context"),
+                      (["--out", "/x", "--dtypes", "fp4"], "unknown configuration"),
+                      ([], "--out is required")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert msg in capsys.readouterr().err
 
 
-def test_worker_command_round_trips():
-    a = be.parse_args(["--out", "/tmp/x", "--contexts", "8k", "--profile", "--steps", "9",
-                       "--mixed-policy", "0-1:fp8,*:nvfp4", "--model", "/m", "--ttft-contexts", "32k"])
-    cmd = be.worker_command(a, "nvfp4-mixed", 123.0, {"8192": 40}, soft=100.0)
-    assert cmd[1].endswith("bench_e2e.py")
-    w = be.parse_args(cmd[2:])
-    assert w.worker == "nvfp4-mixed" and w.deadline == 123.0 and w.ref_batches == {"8192": 40}
-    assert w.soft_deadline == 100.0
-    for k in ("contexts", "ttft_contexts", "steps", "profile", "mixed_policy", "model",
-              "max_model_len", "headroom", "gpu_mem", "max_batch"):
+def test_worker_spec_round_trips_through_json(tmp_path):
+    a = parse_args(["--out", str(tmp_path), "--contexts", "8k", "--profile", "--mixed-policy",
+                    "0-1:fp8,*:nvfp4", "--model", "/m", "--ttft-contexts", "32k"])
+    spec = orchestrate.worker_spec(a, "nvfp4-mixed", math.inf, 100.0, {"8192": 40})
+    w = Namespace(**json.loads(json.dumps(spec)))
+    assert w.config == "nvfp4-mixed" and w.deadline == math.inf and w.soft_deadline == 100.0
+    assert w.ref_batches == {"8192": 40}
+    for k in ("contexts", "ttft_contexts", "steps", "profile", "mixed_policy", "model", "max_model_len",
+              "headroom", "gpu_mem", "max_batch", "out"):
         assert getattr(w, k) == getattr(a, k), k
+    assert orchestrate.worker_command(tmp_path / "s.json")[1:3] == ["-m", "benchmarks.e2e.worker"]
+
+
+def test_engine_kwargs():
+    a = parse_args(["--out", "/x", "--model", "/m", "--max-batch", "80", "--profile"])
+    kw = engine_kwargs(a, "fp8", "FLASH_ATTN")
+    assert kw["compilation_config"]["cudagraph_capture_sizes"][-1] == 80
+    assert kw["attention_backend"] == "FLASH_ATTN" and kw["load_format"] == "dummy"
+    assert kw["profiler_config"]["profiler"] == "torch" and not kw["enable_prefix_caching"]
+    cpu = engine_kwargs(parse_args(["--out", "/x", "--model", "/m", "--cpu-tiny"]), "fp8", "FLASH_ATTN")
+    assert cpu["enforce_eager"] and "attention_backend" not in cpu and "compilation_config" not in cpu
+
+
+def test_dry_run_prints_the_plan(tmp_path):
+    """The entry point end to end without an engine: model written, bytes per token, commands."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.e2e", "--out", str(tmp_path / "o"),
+                          "--cpu-tiny", "--model-dir", str(tmp_path / "m"), "--serve", "nvfp4-mixed",
+                          "--dry-run"], cwd=REPO, capture_output=True, text=True, check=True)
+    plan = json.loads(out.stdout)
+    assert plan["model"]["num_layers"] == 2 and plan["model"]["head_dim"] == 32
+    mixed = plan["configs"]["nvfp4-mixed"]
+    assert mixed["policy"] == "0:fp8,*:nvfp4"
+    assert mixed["kv_bytes_per_token"] == 2 * (2 * 32 + 2 * 18)  # layer 0 FP8, layer 1 NVFP4
+    assert plan["configs"]["auto"]["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 2
+    assert "--kv-cache-dtype nvfp4_mixed" in plan["serve"]["nvfp4-mixed"]["server"]
+    assert not (tmp_path / "o" / records.RECORDS).exists()
 
 
 # ---------------------------------------------------------------- capacity arithmetic
 
-def test_kv_bytes_per_token_llama8b():
-    fp8 = be.kv_bytes_per_token("fp8", **L8B)
-    assert fp8 == 64 * 1024  # the issue's 64 KiB per token
-    assert be.kv_bytes_per_token("auto", **L8B) == 128 * 1024
-    pol = be.mixed_policy(32)
+def test_kv_bytes_per_token_llama8b_matches_the_library():
+    fp8 = capacity.kv_bytes_per_token("fp8", L8B)
+    assert fp8 == 64 * 1024
+    assert capacity.kv_bytes_per_token("auto", L8B) == 128 * 1024  # bf16
+    pol = configs.mixed_policy(32)
     assert pol == "0-3:fp8,*:nvfp4"
-    mixed = be.kv_bytes_per_token("nvfp4_mixed", formats=be.layer_formats(pol, 32), **L8B)
-    assert mixed == 8 * (4 * 256 + 28 * 144)
-    # 2 / (0.125 * 2 + 0.875 * 1.125) = 1.620 (the issue's "1.67" is an arithmetic slip)
-    assert fp8 / mixed == pytest.approx(1.6203, abs=1e-4)
-    allnv = be.kv_bytes_per_token("nvfp4_mixed", formats=be.layer_formats("*:nvfp4", 32), **L8B)
-    assert fp8 / allnv == pytest.approx(1 / 0.5625)
-    with pytest.raises(ValueError):
-        be.kv_bytes_per_token("nvfp4_mixed", **L8B)
+    mixed = capacity.kv_bytes_per_token("nvfp4_mixed", L8B, pol)
+    assert mixed == 8 * (4 * 256 + 28 * 144)  # 8 KV heads x (FP8 2 x 128, NVFP4 2 x (64 + 8)) B
+    lib = KVPolicy.from_compact(pol, 32)
+    assert mixed == lib.kv_bytes_per_token(num_kv_heads=8, head_dim=128)
+    assert mixed / fp8 == pytest.approx(lib.fraction_of_fp8())
+    allnv = capacity.kv_bytes_per_token("nvfp4_mixed", L8B, "*:nvfp4")
+    assert allnv / fp8 == pytest.approx(KVPolicy.from_compact("*:nvfp4", 32).fraction_of_fp8())
+    by = capacity.bytes_per_token_by_config(L8B)
+    assert by == {"fp8": fp8, "nvfp4-mixed": mixed, "auto": 2 * fp8, "fp8-triton": fp8, "nvfp4-all": allnv}
+    with pytest.raises(ValueError, match="needs a policy"):
+        capacity.kv_bytes_per_token("nvfp4_mixed", L8B)
+    with pytest.raises(ValueError, match="no bytes-per-token rule"):
+        capacity.kv_bytes_per_token("fp8_e5m2", L8B)
 
 
-def test_mixed_policy_small_models():
-    assert be.mixed_policy(2) == "0:fp8,*:nvfp4"
-    assert be.mixed_policy(8) == "0:fp8,*:nvfp4"
-    assert be.mixed_policy(16) == "0-1:fp8,*:nvfp4"
-    cfg = be.CONFIGS["nvfp4-mixed"]
-    assert be.policy_for(cfg, 32) == "0-3:fp8,*:nvfp4"
-    assert be.policy_for(cfg, 32, "0:fp8,31:fp8,*:nvfp4") == "0:fp8,31:fp8,*:nvfp4"
-    assert be.policy_for(be.CONFIGS["fp8"], 32) is None
-    assert be.policy_for(be.CONFIGS["nvfp4-all"], 32) == "*:nvfp4"
+def test_mixed_policy_and_policy_for():
+    assert configs.mixed_policy(2) == "0:fp8,*:nvfp4" and configs.mixed_policy(8) == "0:fp8,*:nvfp4"
+    assert configs.mixed_policy(16) == "0-1:fp8,*:nvfp4"
+    mixed = configs.CONFIGS["nvfp4-mixed"]
+    assert configs.policy_for(mixed, 32, "0:fp8,31:fp8,*:nvfp4") == "0:fp8,31:fp8,*:nvfp4"
+    assert configs.policy_for(configs.CONFIGS["fp8"], 32) is None
+    assert configs.policy_for(configs.CONFIGS["nvfp4-all"], 32) == "*:nvfp4"
 
 
-def test_max_batch_and_estimate():
-    tokens = 100 * 2**30 // (64 * 1024)  # ~100 GiB of fp8 KV on the H200
-    assert be.max_batch(tokens, 32768, 512, 16) == 49  # "about 48 sequences" (issue 7)
-    assert be.max_batch(tokens, 8192, 512, 16) == 188
-    assert be.max_batch(tokens, 8192, 512, 16, cap=128) == 128
-    assert be.max_batch(100, 32768, 512, 16) == 0
-    # the same KV bytes seen from an nvfp4_mixed engine give the same fp8 batch
-    mixed_bpt = 40448
-    kv = int(tokens * 1.6203) * mixed_bpt
-    assert be.estimate_batch(kv, 64 * 1024, 32768, 512, 16) == 49
+def test_max_batch_estimate_and_stages():
+    tokens = 100 * 2**30 // (64 * 1024)  # ~100 GiB of fp8 KV
+    assert capacity.max_batch(tokens, 32768, 512, 16) == 49
+    assert capacity.max_batch(tokens, 8192, 512, 16) == 188
+    assert capacity.max_batch(tokens, 8192, 512, 16, cap=128) == 128
+    assert capacity.max_batch(100, 32768, 512, 16) == 0
+    kv = int(tokens * 1.6203) * 40448  # the same bytes seen from an nvfp4_mixed engine
+    assert capacity.estimate_batch(kv, 64 * 1024, 32768, 512, 16) == 49
+    assert capacity.plan_stages(80, 48) == [("16", 16), ("ref", 48), ("max", 80)]
+    assert capacity.plan_stages(48, 48) == [("16", 16), ("ref+max", 48)]
+    assert capacity.plan_stages(24, 48) == [("16", 16), ("max", 24)]
+    assert capacity.plan_stages(10, 48) == [("max", 10)]
+    assert capacity.plan_stages(16, None) == [("16+max", 16)]
+    assert capacity.plan_stages(0, 48) == []
+    assert configs.capture_sizes_for(512) == configs.CAPTURE_SIZES
+    assert configs.capture_sizes_for(80)[-1] == 80 and configs.capture_sizes_for(0) == [1]
 
 
-def test_plan_stages():
-    assert be.plan_stages(80, 48) == [("16", 16), ("ref", 48), ("max", 80)]
-    assert be.plan_stages(48, 48) == [("16", 16), ("ref+max", 48)]
-    assert be.plan_stages(24, 48) == [("16", 16), ("max", 24)]
-    assert be.plan_stages(10, 48) == [("max", 10)]
-    assert be.plan_stages(16, None) == [("16+max", 16)]
-    assert be.plan_stages(0, 48) == []
+def test_model_shape_from_a_written_model(tmp_path):
+    assert capacity.ModelShape.from_model_dir(build_weightless_model(tmp_path / "m", "llama8b")) == L8B
 
 
-def test_capture_sizes_cover_every_stage_batch():
-    sizes = be.capture_sizes_for(512)
-    assert sizes == be.CAPTURE_SIZES and sizes == sorted(set(sizes))
-    assert be.capture_sizes_for(80)[-1] == 80 and be.capture_sizes_for(0) == [1]
+# ---------------------------------------------------------------- budget
+
+def test_budget_deadlines():
+    assert budget.deadline_share(0.0, 100.0, [1.0, 1.0, 2.0]) == pytest.approx(25.0)
+    assert budget.deadline_share(50.0, 40.0, [1.0]) == 50.0  # nothing left
+    assert budget.deadlines(0.0, 500.0, [1.0, 1.5, 0.7], 100.0) == (300.0, pytest.approx(156.25))
+    assert budget.deadlines(0.0, 500.0, [1.0], 100.0) == (500.0, 500.0)
+    assert budget.deadlines(0.0, 150.0, [1.0, 1.0, 1.0], 100.0) == (0.0, 0.0)
+    free = budget.Budget.start(None, 150.0, 100.0)
+    assert not free.limited and free.config_deadlines([1.0, 2.0], True) == (math.inf, math.inf)
+    b = budget.Budget.start(600.0, 150.0, 100.0)
+    hard, soft = b.config_deadlines([1.0, 1.0], reserve_serve=True)
+    assert b.limited and soft <= hard and hard - b.end == pytest.approx(-250.0, abs=1.0)
 
 
-def test_deadline_share_and_percentile():
-    assert be.deadline_share(0.0, 100.0, [1.0, 1.0, 2.0]) == pytest.approx(25.0)
-    assert be.deadline_share(50.0, 40.0, [1.0]) == 50.0  # nothing left
-    # hard: all but 100 s per later configuration; soft: the proportional share
-    assert be.deadlines(0.0, 500.0, [1.0, 1.5, 0.7], 100.0) == (300.0, pytest.approx(156.25))
-    assert be.deadlines(0.0, 500.0, [1.0], 100.0) == (500.0, 500.0)
-    assert be.deadlines(0.0, 150.0, [1.0, 1.0, 1.0], 100.0) == (0.0, 0.0)
-    assert be.percentile([], 50) is None
-    assert be.percentile([3.0, 1.0, 2.0], 50) == 2.0
-    assert be.percentile([0.0, 10.0], 99) == pytest.approx(9.9)
-
-
-# ---------------------------------------------------------------- records, targets, table
+# ---------------------------------------------------------------- records, ratios, targets, table
 
 def _records() -> list[dict]:
-    def eng(c, cap, start=70.0):
-        return dict(kind="engine", config=c, capacity_tokens=cap, engine_start_s=start,
+    def eng(c, cap):
+        return dict(kind="engine", config=c, capacity_tokens=cap, engine_start_s=70.0,
                     max_batch={"32768": cap // 33280, "8192": cap // 8704})
+
     def dec(c, ctx, b, label, tps):
         return dict(kind="decode", config=c, context=ctx, batch=b, label=label, tok_per_s=tps,
                     tpot_ms=1000 * b / tps)
+
     return [
         eng("fp8", 1_600_000), eng("nvfp4-mixed", 2_592_000), eng("fp8-triton", 1_600_000),
         dict(kind="ttft", config="fp8", context=32768, ttft_s=2.0),
@@ -168,155 +197,274 @@ def _records() -> list[dict]:
         dec("fp8-triton", 32768, 48, "ref+max", 800.0),
         dec("nvfp4-mixed", 32768, 48, "ref", 1400.0), dec("nvfp4-mixed", 32768, 77, "max", 1900.0),
         dict(kind="error", config="auto", what="worker", error="boom"),
-        dict(kind="serve", config="fp8", output_tok_per_s=5000.0, requests_done=64,
-             latency_p50_s=1.0, latency_p99_s=2.0, ttft_p50_s=0.1, ttft_p99_s=0.3),
+        dict(kind="bench_serve", config="fp8", completed=64, output_throughput=5000.0,
+             median_ttft_ms=100.0, p99_ttft_ms=300.0, median_tpot_ms=12.0, median_e2el_ms=1600.0),
     ]
 
 
-def test_compute_targets():
-    t = be.compute_targets(_records(), [32768, 8192])
-    assert t["capacity_vs_fp8"]["nvfp4-mixed"] == pytest.approx(1.62)
-    assert t["target_capacity"]["met"] is False
-    row = t["decode_vs_best_fp8"]["32768"]
-    assert row["batch"] == 48 and row["best_fp8"] == "fp8" and row["nvfp4-mixed"] == 1.4
-    assert row["nvfp4-mixed_at_own_max_batch"]["batch"] == 77
-    assert row["nvfp4-mixed_at_own_max_batch"]["vs_best_fp8"] == 1.9
-    assert t["target_decode_32k"] == dict(target=1.3, value=1.4, met=True)
-    assert t["ttft_vs_fp8"]["8192"]["nvfp4-mixed"] == 1.2
-    assert t["target_ttft"]["value"] == 1.2 and t["target_ttft"]["met"] is False
-
-
-def test_compute_targets_without_fp8():
-    recs = [r for r in _records() if r.get("config") not in ("fp8", "fp8-triton")]
-    t = be.compute_targets(recs, [32768])
-    assert t["target_capacity"]["value"] is None and t["target_decode_32k"]["met"] is None
-    assert t["target_ttft"]["met"] is None
-
-
-def test_summary_table_mentions_everything():
-    recs = _records()
-    text = be.summary_table(recs, be.compute_targets(recs, [32768, 8192]))
-    assert "nvfp4-mixed" in text and "48:1400" in text and "ERROR" in text
-    assert "serve fp8" in text and "target_decode_32k" in text
-
-
-def test_summary_table_shows_the_newest_ttft():
-    """A configuration re-measured after a prior run: the table (like the targets) takes the
-    newest TTFT record, not the first one."""
-    recs = [dict(kind="ttft", config="nvfp4-mixed", context=8192, ttft_s=5.195)] + _records()
-    text = be.summary_table(recs, be.compute_targets(recs, [32768, 8192]))
-    assert "   600.0" in text and "5195.0" not in text
-
-
-def test_compute_targets_take_the_newest_decode():
-    """A merged summary (an older run's records first): the decode ratios come from the newest
-    fp8 reference and the newest nvfp4-mixed records, not the first ones."""
-    old = [dict(kind="decode", config=c, context=32768, batch=48, label=lab, tok_per_s=tps,
-                tpot_ms=1.0) for c, lab, tps in (("fp8", "ref+max", 2000.0),
-                                                  ("nvfp4-mixed", "ref", 1000.0),
-                                                  ("nvfp4-mixed", "max", 1100.0))]
-    row = be.compute_targets(old + _records(), [32768])["decode_vs_best_fp8"]["32768"]
-    assert row["nvfp4-mixed"] == 1.4 and row["nvfp4-mixed_at_own_max_batch"]["vs_best_fp8"] == 1.9
-
-
 def test_recorder_round_trip_skips_cut_line(tmp_path):
-    rec = be.Recorder(tmp_path / "r.jsonl", config="fp8")
+    rec = records.Recorder(tmp_path / "r.jsonl", config="fp8")
     rec.write("ttft", context=8, ttft_s=0.1)
     with open(tmp_path / "r.jsonl", "a") as f:
         f.write('{"kind": "decode", "conf')  # a line cut by a kill
-    got = be.read_records(tmp_path / "r.jsonl")
+    got = records.read_records(tmp_path / "r.jsonl")
     assert len(got) == 1 and got[0]["config"] == "fp8" and got[0]["kind"] == "ttft"
-    assert be.read_records(tmp_path / "missing.jsonl") == []
+    assert records.read_records(tmp_path / "missing.jsonl") == []
+    assert records.prior_records([tmp_path / "r.jsonl"])[0]["prior"] == str(tmp_path / "r.jsonl")
 
 
-# ---------------------------------------------------------------- profile classification
-
-def test_kernel_categories(tmp_path):
-    names = {
-        "flash_fwd_splitkv_kernel": "attention", "_decode_kernel": "attention",
-        "kernel_unified_attention_2d": "attention", "_reduce_kernel": "attention",
-        "_decode_keys_kernel": "attention", "_dequant_kv_kernel": "attention",
-        "reshape_and_cache_flash_kernel": "kv_write", "_write_kv_kernel": "kv_write",
-        "nvjet_tst_128x256_64x4_2x1_v_bz_TNT": "gemm", "sm90_xmma_gemm_bf16bf16": "gemm",
-        "triton_red_fused_rms_norm_0": "other", "act_and_mul_kernel": "other",
-    }
-    for n, cat in names.items():
-        assert be.kernel_category(n) == cat, n
-    events = [dict(ph="X", cat="kernel", name=n, dur=10.0) for n in names]
-    events.append(dict(ph="X", cat="cpu_op", name="aten::mm", dur=99.0))
-    path = tmp_path / "t.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    cats = be.kernel_time_by_category(be.load_trace_events(path))
-    assert cats == dict(attention=60.0, kv_write=20.0, gemm=20.0, other=20.0, total=120.0)
+def test_latest_and_merge_records():
+    old = [dict(kind="ttft", config="fp8", context=1, ttft_s=9.0),
+           dict(kind="ttft", config="auto", context=1, ttft_s=8.0),
+           dict(kind="bench_serve", config="fp8", completed=1),
+           dict(kind="bench_serve", config="auto", completed=2)]
+    now = [dict(kind="engine", config="fp8", capacity_tokens=5),
+           dict(kind="ttft", config="fp8", context=1, ttft_s=1.0)]
+    merged = records.merge_records(old, now, measured_now=["fp8"], served_now=["auto"])
+    assert [r for r in merged if r["kind"] == "ttft"] == [old[1], now[1]]  # fp8's old TTFT replaced
+    assert [r["config"] for r in merged if r["kind"] == "bench_serve"] == ["fp8"]  # auto served again
+    assert records.latest(merged + [dict(kind="ttft", config="fp8", context=1, ttft_s=2.0)],
+                          kind="ttft", config="fp8")["ttft_s"] == 2.0
+    assert records.latest(merged, kind="decode") is None
 
 
-# ---------------------------------------------------------------- model directory
-
-def test_make_random_model_llama8b(tmp_path):
-    out = mrm.make_random_model(tmp_path / "m", "llama8b")
-    cfg = json.loads((out / "config.json").read_text())
-    assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
-            cfg["head_dim"], cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]) == \
-        (32, 32, 8, 128, 4096, 14336, 128256)
-    assert not list(out.glob("*.safetensors"))  # weights come from load_format="dummy"
-    assert mrm.weight_bytes("llama8b") == pytest.approx(16.06e9, rel=1e-3)
-    assert mrm.make_random_model(out, "llama8b") == out  # reused
-
-
-def test_random_model_tokenizer_decodes_every_id(tmp_path):
-    from tokenizers import Tokenizer
-
-    out = mrm.make_random_model(tmp_path / "t", "tiny")
-    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
-    assert tok.get_vocab_size() == vocab
-    ids = tok.encode("def f(x): return x + 1").ids
-    assert tok.decode(ids) == "def f(x): return x + 1"
-    assert tok.decode([vocab - 1]).startswith("tok")
-    assert tok.token_to_id("</s>") == 2
+def test_compute_ratios_and_shipped_targets():
+    ratios = report.compute_ratios(_records(), [32768, 8192])
+    assert ratios["capacity_vs_fp8"]["nvfp4-mixed"] == pytest.approx(1.62)
+    row = ratios["decode_vs_fp8"]["32768"]
+    assert row["batch"] == 48 and row["best_fp8"] == "fp8" and row["nvfp4-mixed"] == 1.4
+    assert row["nvfp4-mixed_at_own_max_batch"] == dict(batch=77, tok_per_s=1900.0, vs_best_fp8=1.9)
+    assert ratios["ttft_vs_fp8"]["8192"] == {"fp8": 1.0, "nvfp4-mixed": 1.2}
+    targets = report.check_targets(ratios, report.load_targets(DEFAULT_TARGETS))
+    assert targets == {"capacity": dict(min=1.65, value=1.62, met=False),
+                       "decode_32k": dict(min=1.3, value=1.4, met=True),
+                       "ttft": dict(max=1.1, value=1.2, met=False)}
 
 
-# ---------------------------------------------------------------- driver: plugin metadata
+def test_ratios_take_the_newest_records_and_a_different_ref_batch():
+    old = [dict(kind="decode", config=c, context=32768, batch=48, label=lab, tok_per_s=tps, tpot_ms=1.0)
+           for c, lab, tps in (("fp8", "ref+max", 2000.0), ("nvfp4-mixed", "ref", 1000.0),
+                               ("nvfp4-mixed", "max", 1100.0))]
+    row = report.compute_ratios(old + _records(), [32768])["decode_vs_fp8"]["32768"]
+    assert row["nvfp4-mixed"] == 1.4 and row["nvfp4-mixed_at_own_max_batch"]["vs_best_fp8"] == 1.9
+    recs = [r for r in _records() if not (r.get("config") == "nvfp4-mixed" and r["kind"] == "decode")]
+    recs.append(dict(kind="decode", config="nvfp4-mixed", context=32768, batch=49, label="ref",
+                     tok_per_s=1500.0, tpot_ms=32.0))
+    row = report.compute_ratios(recs, [32768])["decode_vs_fp8"]["32768"]
+    assert row["nvfp4-mixed"] == 1.5 and row["nvfp4-mixed_batch"] == 49
 
-def test_driver_plugin_metadata_is_discovered(tmp_path):
-    """The dist-info the GPU driver writes makes the entry point visible from PYTHONPATH alone."""
-    script = (SCRIPTS / "gpu_bench_e2e.sh").read_text()
-    start = script.index("write_plugin_meta() {")
-    func = script[start:script.index("\n}\n", start) + 3]
-    meta, clean = tmp_path / "meta", tmp_path / "repo"
-    shutil.copytree(REPO / "vllm_nvfp4", clean / "vllm_nvfp4",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    env = dict(PATH=os.environ.get("PATH", "/usr/bin:/bin"), REPO=str(REPO), PYTHON=sys.executable)
-    subprocess.run(["bash", "-c", func + f'\nwrite_plugin_meta "{meta}"'], check=True, env=env)
+
+def test_targets_without_fp8_and_bad_targets_files(tmp_path):
+    recs = [r for r in _records() if r.get("config") not in ("fp8", "fp8-triton")]
+    targets = report.check_targets(report.compute_ratios(recs, [32768]), report.load_targets(DEFAULT_TARGETS))
+    assert all(t["met"] is None and t["value"] is None for t in targets.values())
+    assert report.load_targets(None) == []
+    for body, msg in (('[[target]]\nmetric = "speed"\nconfig = "x"\nmin = 1', "metric must be"),
+                      ('[[target]]\nmetric = "decode_vs_fp8"\nconfig = "x"\nmin = 1', "needs a 'context'"),
+                      ('[[target]]\nmetric = "ttft_vs_fp8"\nconfig = "x"', "at least one of")):
+        (tmp_path / "t.toml").write_text(body)
+        with pytest.raises(ValueError, match=msg):
+            report.load_targets(tmp_path / "t.toml")
+
+
+def test_summary_table_mentions_everything():
+    recs = [dict(kind="ttft", config="nvfp4-mixed", context=8192, ttft_s=5.195)] + _records()
+    ratios = report.compute_ratios(recs, [32768, 8192])
+    targets = report.check_targets(ratios, report.load_targets(DEFAULT_TARGETS))
+    text = report.summary_table(recs, ratios, targets)
+    assert "nvfp4-mixed" in text and "48:1400(34.3)" in text and "ERROR: worker boom" in text
+    assert "serve fp8: 64 requests, 5000.0 output tok/s, TTFT median/p99 100.0/300.0 ms" in text
+    assert "target decode_32k: value 1.4 (min 1.3) met True" in text
+    assert "   600.0" in text and "5195.0" not in text  # the newest TTFT, not the first
+
+
+# ---------------------------------------------------------------- kernel split of a trace
+
+KERNELS = {
+    "flash_fwd_splitkv_kernel": "attention", "_decode_kernel": "attention",
+    "kernel_unified_attention_2d": "attention", "_reduce_kernel": "attention",
+    "_dequant_kv_kernel": "attention", "reshape_and_cache_flash_kernel": "kv_write",
+    "_write_kv_kernel": "kv_write", "nvjet_tst_128x256_64x4_2x1_v_bz_TNT": "gemm",
+    "sm90_xmma_gemm_bf16bf16": "gemm", "triton_red_fused_rms_norm_0": "other",
+    "act_and_mul_kernel": "other",
+}
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_kernel_split_of_a_generated_trace(tmp_path, gz):
+    for name, cat in KERNELS.items():
+        assert trace.kernel_category(name) == cat, name
+    events = [dict(ph="X", cat="kernel", name=n, dur=10.0 * (i + 1)) for i, n in enumerate(KERNELS)]
+    events += [dict(ph="X", cat="cpu_op", name="aten::mm", dur=99.0), dict(ph="i", cat="kernel", name="x")]
+    body = json.dumps({"traceEvents": events})
+    path = tmp_path / ("t.json.gz" if gz else "t.json")
+    if gz:
+        with gzip.open(path, "wt") as f:
+            f.write(body)
+    else:
+        path.write_text(body)
+    us = trace.kernel_time_by_category(trace.load_trace_events(path))
+    assert us == dict(attention=10.0 + 20 + 30 + 40 + 50, kv_write=60.0 + 70, gemm=80.0 + 90,
+                      other=100.0 + 110, total=660.0)
+    assert trace.wait_for_trace(tmp_path, set(), timeout=5) == path
+    frac, per_step = trace.split_per_step(us, tpot_ms=33.0)
+    assert frac["attention"] == pytest.approx(150 / 660, abs=1e-4)
+    assert per_step["gemm"] == pytest.approx(33.0 * 170 / 660, abs=1e-3)
+
+
+# ---------------------------------------------------------------- vllm bench serve
+
+def test_bench_serve_command_parses_with_vllms_own_parser():
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    a = parse_args(["--out", "/tmp/o", "--model", "/m", "--clients", "7", "--serve-requests", "21",
+                    "--bench-serve-args", "--num-warmups 2"])
+    cmd = serve.bench_serve_command(a, configs.CONFIGS["nvfp4-mixed"], "bench_serve_x.json")
+    assert cmd[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    ns = parser.parse_args(cmd[5:])
+    assert (ns.max_concurrency, ns.num_prompts) == (7, 21)
+    assert (ns.random_input_len, ns.random_output_len) == (2048, 128)
+    assert ns.ignore_eos and ns.save_result and ns.result_filename == "bench_serve_x.json"
+    assert ns.request_rate == math.inf and ns.num_warmups == 2 and ns.base_url == "http://127.0.0.1:8123"
+    server = serve.serve_command(a, configs.CONFIGS["fp8"])
+    assert server[3:5] == ["serve", "/m"] and "--attention-backend" in server
+
+
+def test_result_record_keeps_vllms_fields():
+    result = dict(duration=10.0, completed=128, failed=0, output_throughput=1234.5, date="x",
+                  mean_ttft_ms=50.0, median_ttft_ms=45.0, p99_ttft_ms=90.0, p99_9_ttft_ms=1.0,
+                  std_itl_ms=2.0, median_e2el_ms=800.0, ttfts=[0.1], model_id="m")
+    rec = serve.result_record(result)
+    assert rec == dict(duration=10.0, completed=128, failed=0, output_throughput=1234.5,
+                       mean_ttft_ms=50.0, median_ttft_ms=45.0, p99_ttft_ms=90.0, std_itl_ms=2.0,
+                       median_e2el_ms=800.0)
+
+
+# ---------------------------------------------------------------- plugin metadata, plots
+
+def test_plugin_dist_info_is_discovered_from_pythonpath_alone(tmp_path):
+    """scripts/plugin_dist_info.py makes the entry point visible where vllm-nvfp4 is not installed."""
+    meta = tmp_path / "meta"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "plugin_dist_info.py"), str(meta)], check=True,
+                   capture_output=True)
     probe = ("from importlib.metadata import entry_points, version\n"
              "eps = [e for e in entry_points(group='vllm.general_plugins')]\n"
              "print([(e.name, e.value) for e in eps])\n"
              "fn = eps[0].load() if eps else None\n"
              "print(fn.__module__ if fn else None, version('vllm-nvfp4') if eps else None)\n")
-    for path, expect in ((f"{clean}", "[]"),
-                         (f"{clean}{os.pathsep}{meta}", "[('nvfp4_mixed', 'vllm_nvfp4.plugin:register')]")):
-        # -S: no site-packages (the dev venv has the package installed); cwd: a folder without metadata
+    env = dict(PATH=os.environ.get("PATH", "/usr/bin:/bin"))
+    for path, expect in ((str(REPO), "[]"),
+                         (f"{REPO}{os.pathsep}{meta}", "[('nvfp4_mixed', 'vllm_nvfp4.plugin:register')]")):
+        # -S: no site-packages (the dev venv has the package installed); cwd without metadata
         res = subprocess.run([sys.executable, "-S", "-c", probe], env=dict(env, PYTHONPATH=path),
                              cwd=tmp_path, capture_output=True, text=True, check=True)
         assert res.stdout.splitlines()[0] == expect, res.stdout + res.stderr
     assert res.stdout.splitlines()[1] == "vllm_nvfp4.plugin 0.1.0"
 
 
+def test_gpu_scripts_name_no_private_paths():
+    for name in ("gpu_env.sh", "gpu_bench_e2e.sh", "gpu_integration_check.sh", "gpu_kernels.sh"):
+        text = (REPO / "scripts" / name).read_text()
+        assert "shared/gpu" not in text and ".gpu-bundle" not in text, name
+        subprocess.run(["bash", "-n", str(REPO / "scripts" / name)], check=True)
+
+
 def test_plot_summary(tmp_path):
     pytest.importorskip("matplotlib")
+    from benchmarks.e2e.plots import plot_summary, title_suffix
+
     path = tmp_path / "s.json"
-    path.write_text(json.dumps({"records": _records()}))
-    files = be.plot_summary(path, tmp_path / "img")
+    summary = {"records": _records(), "versions": {"gpu": "NVIDIA H200, 143771 MiB"},
+               "model": {"preset": "llama8b"}}
+    path.write_text(json.dumps(summary))
+    assert title_suffix(summary) == " (H200, llama8b shape)" and title_suffix({}) == ""
+    files = plot_summary(path, tmp_path / "img")
     assert [f.name for f in files] == ["e2e_capacity.png", "e2e_decode.png"]
     assert all(f.stat().st_size > 1000 for f in files)
-    assert be.parse_args(["--plot", str(path)]).plot == str(path)
-    with pytest.raises(SystemExit):
-        be.parse_args([])  # --out is required without --plot
+    assert parse_args(["--plot", str(path)]).plot == str(path)
 
 
-def test_compute_targets_ref_batch_estimated_differently():
-    recs = [r for r in _records() if not (r.get("config") == "nvfp4-mixed" and r["kind"] == "decode")]
-    recs.append(dict(kind="decode", config="nvfp4-mixed", context=32768, batch=49, label="ref",
-                     tok_per_s=1500.0, tpot_ms=32.0))
-    row = be.compute_targets(recs, [32768])["decode_vs_best_fp8"]["32768"]
-    assert row["nvfp4-mixed"] == 1.5 and row["nvfp4-mixed_batch"] == 49
+# ---------------------------------------------------------------- engine stepping, server handling
+
+class _ScriptedEngine:
+    """An engine double with LLMEngine's stepping interface: a request gets its first token two
+    steps after it was added, then one token per step until ``max_tokens``."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, list[int]] = {}  # id -> [steps seen, tokens made, max_tokens]
+
+    def add_request(self, rid, prompt, params) -> None:
+        assert len(prompt["prompt_token_ids"]) == 12 and params.ignore_eos
+        self.requests[rid] = [0, 0, params.max_tokens]
+
+    def step(self) -> list:
+        outs = []
+        for rid, r in list(self.requests.items()):
+            r[0] += 1
+            new = 1 if r[0] >= 2 else 0
+            r[1] += new
+            done = r[1] >= r[2]
+            outs.append(Namespace(request_id=rid, finished=done,
+                                  outputs=[Namespace(token_ids=[7] * new)]))
+            if done:
+                del self.requests[rid]
+        return outs
+
+    def abort_request(self, ids) -> None:
+        for rid in ids:
+            self.requests.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+
+def test_stepper_prefill_stage_and_decode_window():
+    pytest.importorskip("vllm")
+    from benchmarks.e2e.stepping import Stepper, decode_window, measure_ttft, prefill_stage
+
+    st = Stepper(_ScriptedEngine(), vocab=100, seed=0)
+    assert measure_ttft(st, 12) > 0 and not st.running()  # max_tokens=1: finished with its token
+    ids, _, steps = prefill_stage(st, 3, 12, max_tokens=50, deadline=math.inf)
+    assert steps == 2 and st.all_started(ids)
+    more, _, _ = prefill_stage(st, 2, 12, max_tokens=50, deadline=math.inf)
+    assert [st.tokens[i] for i in ids] == [3, 3, 3] and [st.tokens[i] for i in more] == [1, 1]
+    w = decode_window(st, warm=1, steps=4)
+    assert (w["steps"], w["tokens"], w["min_batch"], w["max_batch"]) == (4, 20, 5, 5)
+    assert w["tpot_ms"] > 0 and w["tok_per_s"] > 0
+    st.abort_all()
+    assert not st.running() and not st.engine.has_unfinished_requests()
+    with pytest.raises(TimeoutError):
+        prefill_stage(st, 1, 12, max_tokens=5, deadline=0.0)
+
+
+HEALTH_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_wait_healthy_and_stop_group(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-c", HEALTH_SERVER, str(port)], start_new_session=True)
+    try:
+        assert serve.wait_healthy(port, proc, deadline=time.time() + 60)
+    finally:
+        serve.stop_group(proc, grace=5)
+    assert proc.poll() is not None
+    gone = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    gone.wait()
+    t0 = time.time()
+    assert not serve.wait_healthy(port, gone, deadline=time.time() + 60) and time.time() - t0 < 5

@@ -27,7 +27,7 @@ from vllm_nvfp4.calibration.selection import (
 )
 from vllm_nvfp4.calibration.sensitivity import all_format, analyze, downgrade, load_report
 from vllm_nvfp4.policy import KVPolicy
-from vllm_nvfp4.tiny_model import build_tiny_llama
+from vllm_nvfp4.testing.models import build_tiny_llama
 
 OUTLIER_LAYER = 2
 WINDOW = 128

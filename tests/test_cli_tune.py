@@ -17,7 +17,7 @@ SMALL = ["--window", "64", "--windows", "1", "--dtype", "float32", "--device", "
 
 @pytest.fixture()
 def model(tmp_path: Path) -> Path:
-    from vllm_nvfp4.tiny_model import build_tiny_llama
+    from vllm_nvfp4.testing.models import build_tiny_llama
 
     return build_tiny_llama(tmp_path / "llama", dtype="float32")
 

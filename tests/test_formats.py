@@ -1,10 +1,13 @@
 """Bit-exact tests of the NVFP4 / FP8 reference against hand-computed vectors."""
 
+import json
+
 import pytest
 import torch
 
 from vllm_nvfp4.formats import (
     E2M1_VALUES,
+    KVFormat,
     bytes_per_head,
     e2m1_code,
     fp8_dequantize,
@@ -178,6 +181,25 @@ def test_bad_inputs_raise_clear_errors():
         bytes_per_head("int4", 128)
     with pytest.raises(ValueError, match="amax"):
         nvfp4_global_scale(0.0)
+
+
+def test_kv_format_facts():
+    assert KVFormat.parse("fp8") is KVFormat.FP8 and KVFormat.parse("nvfp4") is KVFormat.NVFP4
+    assert KVFormat.FP8 == "fp8" and f"{KVFormat.NVFP4}" == "nvfp4" and str(KVFormat.FP8) == "fp8"
+    assert json.dumps([KVFormat.NVFP4]) == '["nvfp4"]'
+    assert KVFormat.FP8.bytes_per_element == 1.0 and KVFormat.NVFP4.bytes_per_element == 0.5625
+    for head_dim in (16, 80, 128, 256):
+        for fmt in KVFormat:
+            assert fmt.bytes_per_head(head_dim) == head_dim * fmt.bytes_per_element
+    assert KVFormat.FP8.default_scale == 1.0 and KVFormat.NVFP4.default_scale == 1.0 / 6.0
+    # both defaults represent the same range: the largest code times the largest block scale
+    x = torch.tensor([[448.0] + [1.0] * 15])
+    assert fp8_dequantize(fp8_quantize(x, KVFormat.FP8.default_scale), 1.0)[0, 0] == 448.0
+    g = KVFormat.NVFP4.default_scale
+    assert float(nvfp4_dequantize(*nvfp4_quantize(x, g), g)[0, 0]) == pytest.approx(448.0, rel=1e-6)
+    assert not KVFormat.FP8.has_block_scales and KVFormat.NVFP4.has_block_scales
+    with pytest.raises(ValueError, match="unknown KV format 'fp4'; expected one of fp8, nvfp4"):
+        KVFormat.parse("fp4")
 
 
 def test_bytes_per_head_and_vllm_row_layout():

@@ -108,7 +108,7 @@ def test_backend_selection():
 
 
 def test_rank_scales_split_and_replicate_per_head_lists():
-    from vllm_nvfp4.integration.impl import rank_scales
+    from vllm_nvfp4.integration.backend import rank_scales
 
     assert rank_scales(None, "fp8", 4, 2, 0, 2) == [1.0, 1.0]
     assert rank_scales(None, "nvfp4", 4, 4, 0, 1) == [pytest.approx(1 / 6)] * 4
@@ -121,7 +121,7 @@ def test_rebind_after_inference_mode_updates_scales_in_place():
     """vLLM binds once inside inference mode (CUDA-graph memory sizing), then again outside it."""
     from types import SimpleNamespace
 
-    from vllm_nvfp4.integration.impl import Nvfp4MixedImpl
+    from vllm_nvfp4.integration.backend import Nvfp4MixedImpl
     from vllm_nvfp4.layout import KVPageLayout
     from vllm_nvfp4.policy import LayerPolicy
 
@@ -145,8 +145,7 @@ def _impl_step(row, kf: str, vf: str, query, key, value):
     of a single sequence and return its attention output for ``query [T, 4, 64]`` (CPU path)."""
     from types import SimpleNamespace
 
-    from vllm_nvfp4.integration.backend import Nvfp4MixedMetadata
-    from vllm_nvfp4.integration.impl import Nvfp4MixedImpl
+    from vllm_nvfp4.integration.backend import Nvfp4MixedImpl, Nvfp4MixedMetadata
     from vllm_nvfp4.layout import KVPageLayout
 
     config = SimpleNamespace(model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2),
@@ -215,7 +214,7 @@ def test_k_centering_through_the_impl(kf):
     token-dependent parts lose those parts when quantized as they are; centered (scales from the
     centered amax) the attention output is far closer to float64. A model with a logits soft-cap
     refuses a centering policy at bind time."""
-    from vllm_nvfp4.integration.impl import Nvfp4MixedImpl
+    from vllm_nvfp4.integration.backend import Nvfp4MixedImpl
     from vllm_nvfp4.paged_torch import attend_one_sequence
     from vllm_nvfp4.policy import LayerPolicy
 
@@ -250,7 +249,7 @@ def test_k_centering_through_the_impl(kf):
 
 
 def test_page_view_refuses_split_or_strided_blocks():
-    from vllm_nvfp4.integration.impl import page_view
+    from vllm_nvfp4.integration.backend import page_view
     from vllm_nvfp4.layout import KVPageLayout
 
     layout = KVPageLayout(2, 32, 16, "fp8", "nvfp4")

@@ -154,7 +154,7 @@ def _engine(model_dir: Path, **overrides: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from vllm_nvfp4.tiny_model import build_tiny_llama
+    from vllm_nvfp4.testing.models import build_tiny_llama
 
     model_dir = build_tiny_llama(tmp_path_factory.mktemp("nv") / "llama32", dtype="float32")
     policy = _policy_dict(model_dir)

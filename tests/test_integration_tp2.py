@@ -41,7 +41,7 @@ SCRIPT = textwrap.dedent("""
 
 def test_tp2_matches_tp1_and_splits_per_head_scales(tmp_path: Path):
     from vllm_nvfp4.policy import KVPolicy
-    from vllm_nvfp4.tiny_model import build_tiny_llama
+    from vllm_nvfp4.testing.models import build_tiny_llama
 
     model = build_tiny_llama(tmp_path / "m", dtype="float32")  # 2 KV heads
     policy = KVPolicy.from_compact("0:fp8,1:k=fp8,v=nvfp4,*:nvfp4", 4)

@@ -4,6 +4,7 @@ Without a GPU the kernels run small under ``TRITON_INTERPRET=1`` (set here befor
 imported; fp32 math); with CUDA they run full size in fp16/bf16.
 """
 
+import dataclasses
 import itertools
 import math
 import os
@@ -133,6 +134,12 @@ def test_attention_matches_float64(kf, vf, kind, hkv, group, d, b):
 
 
 
+def _launch(lay: KVPageLayout, decode: bool, **fixed) -> "attn_kernels.LaunchShape":
+    """The default launch shape of ``lay`` with the ``fixed`` fields that are not None replaced."""
+    fixed = {k: v for k, v in fixed.items() if v is not None}
+    return dataclasses.replace(attn_kernels.launch_defaults(lay, decode), **fixed)
+
+
 @pytest.mark.parametrize("splits,stages", [(2, None), (1, 1), (8, 3)])
 @pytest.mark.parametrize("kf,vf", FMT_PAIRS)
 def test_decode_splits_and_stages_agree(splits, stages, kf, vf):
@@ -143,8 +150,8 @@ def test_decode_splits_and_stages_agree(splits, stages, kf, vf):
     out = torch.empty_like(batch.query)
     attn_kernels.paged_attention(
         batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
-        batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.1, out, num_splits=splits,
-        num_stages=stages)
+        batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.1, out,
+        launch=_launch(lay, True, num_splits=splits, num_stages=stages))
     assert_close_rel(out, fast_reference(batch, 0.1), 2e-3 if CUDA else 1e-5)
 
 
@@ -159,8 +166,8 @@ def test_decode_launch_shapes_agree(tile_n, warps, kf, vf):
     out = torch.empty_like(batch.query)
     attn_kernels.paged_attention(
         batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
-        batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.1, out, num_splits=2,
-        tile_n=tile_n, num_warps=warps)
+        batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.1, out,
+        launch=_launch(lay, True, num_splits=2, tile_n=tile_n, num_warps=warps))
     assert_close_rel(out, fast_reference(batch, 0.1), 2e-3 if CUDA else 1e-5)
 
 
@@ -238,7 +245,7 @@ def test_prefill_launch_shapes_agree(rows, tile_n, warps, kf, vf):
     attn_kernels.paged_attention(
         batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
         batch.seq_lens, batch.query_start_loc, batch.max_query_len, batch.max_seq_len, 0.2, out,
-        query_rows=rows, tile_n=tile_n, num_warps=warps)
+        launch=_launch(lay, False, query_rows=rows, tile_n=tile_n, num_warps=warps))
     assert_close_rel(out, fast_reference(batch, 0.2), 2e-3 if CUDA else 1e-5)
 
 
@@ -247,12 +254,8 @@ def test_prefill_launch_shapes_agree(rows, tile_n, warps, kf, vf):
 def test_launch_rejects_bad_launch_shapes(bad, what):
     """A row or split count that is not a power of 2: a ValueError that says so."""
     lay = KVPageLayout(1, 64, 16, "nvfp4", "fp8")
-    batch = make_batch(lay, [(5, 5)], 1, device=DEV, seed=0, write_backend=WRITE)
     with pytest.raises(ValueError, match=what):
-        attn_kernels.paged_attention(
-            batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
-            batch.seq_lens, batch.query_start_loc, 5, batch.max_seq_len, 0.1,
-            torch.empty_like(batch.query), **bad)
+        _launch(lay, False, **bad)
 
 
 @pytest.mark.parametrize("kind", ["decode", "prefill"])

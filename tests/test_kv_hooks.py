@@ -12,7 +12,7 @@ from vllm_nvfp4.calibration.kv_hooks import (
     fake_quantize,
     kv_cache_quantization,
 )
-from vllm_nvfp4.tiny_model import build_tiny_llama
+from vllm_nvfp4.testing.models import build_tiny_llama
 from vllm_nvfp4.formats import fp8_dequantize, fp8_quantize, nvfp4_dequantize, nvfp4_quantize
 from vllm_nvfp4.policy import (
     DEFAULT_FP8_SCALE,

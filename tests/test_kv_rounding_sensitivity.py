@@ -14,7 +14,7 @@ import kv_rounding_sensitivity as krs  # noqa: E402
 
 from vllm_nvfp4.calibration.modeling import load_model  # noqa: E402
 from vllm_nvfp4.policy import KVPolicy  # noqa: E402
-from vllm_nvfp4.tiny_model import build_tiny_llama  # noqa: E402
+from vllm_nvfp4.testing.models import build_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")

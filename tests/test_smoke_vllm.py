@@ -70,7 +70,7 @@ def test_vllm_matches_transformers_greedy(tmp_path_factory, fast_llm_kwargs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import LLM
 
-    from vllm_nvfp4.tiny_model import build_tiny_llama
+    from vllm_nvfp4.testing.models import build_tiny_llama
 
     path = build_tiny_llama(tmp_path_factory.mktemp("tiny32") / "llama", dtype="float32", seed=1)
     n = 8

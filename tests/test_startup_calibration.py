@@ -57,7 +57,7 @@ def _start(model_dir: Path, **overrides: Any) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     import vllm_nvfp4.integration.startup_calibration as sc
-    from vllm_nvfp4.tiny_model import build_tiny_llama
+    from vllm_nvfp4.testing.models import build_tiny_llama
 
     root = tmp_path_factory.mktemp("startup")
     model_dir = build_tiny_llama(root / "llama", dtype="float32")
@@ -127,7 +127,7 @@ def test_off_switch_keeps_default_scales(runs):
 
 def test_a_policy_file_is_never_overridden(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     from vllm_nvfp4.policy import KVPolicy
-    from vllm_nvfp4.tiny_model import build_tiny_llama
+    from vllm_nvfp4.testing.models import build_tiny_llama
 
     model_dir = build_tiny_llama(tmp_path / "llama", dtype="float32")
     KVPolicy.from_compact("*:fp8", 4).with_layer(1, k_scale=0.5).save(model_dir / "nvfp4_policy.json")
@@ -145,7 +145,7 @@ def _k_biased_qwen2(out: Path) -> Path:
     few channels of every NVFP4 16-block."""
     from safetensors.torch import load_file, save_file
 
-    from vllm_nvfp4.tiny_model import build_tiny_llama
+    from vllm_nvfp4.testing.models import build_tiny_llama
 
     model_dir = build_tiny_llama(out, arch="qwen2", dtype="float32", qk_gain=1.0)
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -222,7 +222,7 @@ def test_tp2_ranks_calibrate_their_heads_into_one_policy(tmp_path: Path):
 
     from conftest import vllm_subprocess_env
     from vllm_nvfp4.policy import KVPolicy
-    from vllm_nvfp4.tiny_model import build_tiny_llama
+    from vllm_nvfp4.testing.models import build_tiny_llama
 
     model = build_tiny_llama(tmp_path / "m", dtype="float32")  # 2 KV heads: one per rank
     (tmp_path / "run.py").write_text(TP_SCRIPT)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vllm_nvfp4.tiny_model import build_tiny_llama, main
+from vllm_nvfp4.testing.models import PRESETS, build_tiny_llama, build_weightless_model, main
 
 
 def test_cached_rebuild_is_instant_and_identical(tmp_path):
@@ -91,3 +91,28 @@ def test_cli_prints_the_path(tmp_path, capsys):
     assert json.loads((tmp_path / "c" / "config.json").read_text())["num_hidden_layers"] == 1
     with pytest.raises(SystemExit):
         main([str(tmp_path / "d"), "--head-dim", "24"])
+
+
+def test_weightless_preset_has_its_geometry_and_a_byte_tokenizer(tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    out = build_weightless_model(tmp_path / "w", "small", max_pos=8192)
+    cfg = AutoConfig.from_pretrained(out)
+    p = PRESETS["small"]
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.vocab_size, cfg.max_position_embeddings) == (p["layers"], p["hidden"],
+                                                              p["kv_heads"], p["head_dim"],
+                                                              p["vocab"], 8192)
+    assert sorted(f.name for f in out.iterdir()) == [
+        "config.json", "generation_config.json", "random_model.json", "special_tokens_map.json",
+        "tokenizer.json", "tokenizer_config.json"]  # no weights: load_format="dummy"
+    tok = AutoTokenizer.from_pretrained(out)
+    text = "x = [i ** 2 for i in range(7)]  # \u00e9"
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert len(ids) == len(text.encode()) and tok.decode(ids) == text  # one token per byte
+    assert tok.convert_ids_to_tokens(p["vocab"] - 1).startswith("tok")
+    stamp = (out / "config.json").stat().st_mtime_ns
+    assert build_weightless_model(out, "small", max_pos=8192) == out
+    assert (out / "config.json").stat().st_mtime_ns == stamp, "same arguments: reused"
+    with pytest.raises(ValueError, match="preset must be one of"):
+        build_weightless_model(tmp_path / "x", "huge")

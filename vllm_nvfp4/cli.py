@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from vllm_nvfp4 import __version__
+from vllm_nvfp4.formats import KVFormat
 from vllm_nvfp4.policy import POLICY_FILENAME, KVPolicy, PolicyError
 
 
@@ -105,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("select", help="pick FP8/NVFP4 per layer under a KV-bytes budget; writes the policy")
     p.add_argument("report", type=Path, help="report directory written by analyze")
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--budget", type=float, help="KV bytes as a fraction of all-FP8 (0.5625 .. 1.0), e.g. 0.62")
+    g.add_argument("--budget", type=float, help=f"KV bytes as a fraction of all-FP8 ({KVFormat.NVFP4.bytes_per_element} .. 1.0), e.g. 0.62")
     g.add_argument("--fp8-slots", type=int, help="number of K/V layer slots kept in FP8")
     p.add_argument("--metric", choices=("kl", "dnll"), default="kl",
                    help="single-slot damage to minimise (default kl: non-negative, less noisy)")

@@ -44,6 +44,7 @@ module also offers so tests can check them bit for bit:
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Literal, Union
 
 import torch
@@ -54,8 +55,64 @@ E4M3_MAX = 448.0
 NVFP4_BLOCK_SIZE = 16
 NVFP4_SCALE_NAN_BYTE = 0x7F
 
-KVFormat = Literal["fp8", "nvfp4"]
-KV_FORMATS: tuple[str, ...] = ("fp8", "nvfp4")
+
+
+class KVFormat(str, Enum):
+    """A KV-cache element format. The value is its spelling in policies and logs.
+
+    A ``str`` subclass: ``KVFormat.FP8 == "fp8"``, and it serializes to JSON as its value.
+    """
+
+    FP8 = "fp8"
+    NVFP4 = "nvfp4"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def parse(cls, fmt: str) -> "KVFormat":
+        """The format named ``fmt``; ``ValueError`` listing the valid names otherwise."""
+        try:
+            return cls(fmt)
+        except ValueError:
+            raise ValueError(
+                f"unknown KV format {fmt!r}; expected one of {', '.join(KV_FORMATS)}"
+            ) from None
+
+    @property
+    def has_block_scales(self) -> bool:
+        """True for NVFP4, whose head vectors carry one E4M3 scale per 16 elements."""
+        return self is KVFormat.NVFP4
+
+    @property
+    def bytes_per_element(self) -> float:
+        """Cache bytes per K/V element, block scales included: 1.0 (FP8) or 0.5625 (NVFP4)."""
+        return 1.0 if self is KVFormat.FP8 else 0.5 + 1.0 / NVFP4_BLOCK_SIZE
+
+    @property
+    def default_scale(self) -> float:
+        """Scale used without calibration: FP8 scale 1.0 (vLLM's default) or NVFP4 global 1/6.
+
+        Both represent |x| <= 448: 448 * 1.0 for FP8, 6 * 448 * (1/6) for NVFP4.
+        """
+        return 1.0 if self is KVFormat.FP8 else 1.0 / E2M1_MAX
+
+    def data_width(self, head_dim: int) -> int:
+        """Bytes of one head vector's element data (scales excluded): D or D/2."""
+        return head_dim if self is KVFormat.FP8 else head_dim // 2
+
+    def bytes_per_head(self, head_dim: int) -> int:
+        """Cache bytes for one head vector (K or V) of ``head_dim`` elements, scales included."""
+        if head_dim <= 0 or head_dim % NVFP4_BLOCK_SIZE != 0:
+            raise ValueError(f"head_dim must be a positive multiple of 16, got {head_dim}")
+        scales = head_dim // NVFP4_BLOCK_SIZE if self.has_block_scales else 0
+        return self.data_width(head_dim) + scales
+
+
+KV_FORMATS: tuple[str, ...] = tuple(f.value for f in KVFormat)
 NonFinite = Literal["raise", "propagate"]
 ScaleLike = Union[float, torch.Tensor]
 
@@ -222,20 +279,13 @@ def fp8_dequantize(
 
 
 def check_kv_format(fmt: str) -> KVFormat:
-    """Return ``fmt`` if it names a KV format, else raise ``ValueError`` listing the valid ones."""
-    if fmt not in KV_FORMATS:
-        raise ValueError(f"unknown KV format {fmt!r}; expected one of {', '.join(KV_FORMATS)}")
-    return fmt  # type: ignore[return-value]
+    """The :class:`KVFormat` named ``fmt``; ``ValueError`` listing the valid ones otherwise."""
+    return KVFormat.parse(fmt)
 
 
 def bytes_per_head(fmt: str, head_dim: int) -> int:
     """Cache bytes for one head vector (K or V) of ``head_dim`` elements, scales included."""
-    check_kv_format(fmt)
-    if head_dim <= 0 or head_dim % NVFP4_BLOCK_SIZE != 0:
-        raise ValueError(f"head_dim must be a positive multiple of 16, got {head_dim}")
-    if fmt == "fp8":
-        return head_dim
-    return head_dim // 2 + head_dim // NVFP4_BLOCK_SIZE
+    return KVFormat.parse(fmt).bytes_per_head(head_dim)
 
 
 def pack_nvfp4_head(packed: torch.Tensor, block_scales: torch.Tensor) -> torch.Tensor:
@@ -250,7 +300,7 @@ def pack_nvfp4_head(packed: torch.Tensor, block_scales: torch.Tensor) -> torch.T
 
 def unpack_nvfp4_head(row: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Split a vLLM ``nvfp4`` row ``uint8 [..., D/2 + D/16]`` into ``(packed, block_scales)``."""
-    width = bytes_per_head("nvfp4", head_dim)
+    width = KVFormat.NVFP4.bytes_per_head(head_dim)
     if row.dtype != torch.uint8 or row.shape[-1] != width:
         raise ValueError(
             f"expected uint8 rows of {width} bytes for head_dim {head_dim}, "

@@ -23,13 +23,12 @@ Why this arrangement (for the decode kernel, which walks one KV head through a b
   (1 KiB of NVFP4 for B=16, D=128) - a single fully coalesced, 16-byte-aligned load.
 * The data plane holds only data, so every row starts 16-byte aligned (``D/2`` is a multiple of
   8 and ``B`` of 16), unlike vLLM's inline ``[D/2 | D/16]`` rows of 72 bytes that are only 8-byte
-  aligned and measured slower on the H200.
+  aligned and so need narrower loads.
 * Token-major scales: the attention kernels hold a token's partial scores (one per 16-element
   chunk) in the registers of one thread, which then needs all ``D/16`` scales of that token: one
-  8-byte shared-memory load for D=128 instead of one byte load per chunk (the chunk-major plane
-  of sessions 4-6; sm_90 compile check: 201 -> 91 shared-memory instructions and 30.3 -> 27.5
-  instructions per token-head in the decode loop). A (block, head) scale tile is still ``B * D/16``
-  contiguous bytes, one asynchronous copy.
+  8-byte shared-memory load for D=128 instead of one byte load per chunk, as a chunk-major
+  scale plane would need. A (block, head) scale tile is still ``B * D/16`` contiguous bytes, one
+  asynchronous copy.
 
 Chunk-planar nibble order of an NVFP4 data row (``D/2`` bytes of one token and head): the head
 vector is cut into groups of 64 elements (4 chunks of 16; a last group of ``D % 64`` elements has
@@ -54,7 +53,7 @@ from typing import Literal
 
 import torch
 
-from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, bytes_per_head, check_kv_format
+from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, KVFormat, bytes_per_head, check_kv_format
 
 KV = Literal["k", "v"]
 PAGE_ALIGN = 16
@@ -112,12 +111,12 @@ class KVPageLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    k_format: str
-    v_format: str
+    k_format: KVFormat
+    v_format: KVFormat
 
     def __post_init__(self) -> None:
-        check_kv_format(self.k_format)
-        check_kv_format(self.v_format)
+        object.__setattr__(self, "k_format", check_kv_format(self.k_format))
+        object.__setattr__(self, "v_format", check_kv_format(self.v_format))
         if self.num_kv_heads <= 0:
             raise ValueError(f"num_kv_heads must be > 0, got {self.num_kv_heads}")
         if self.head_dim <= 0 or self.head_dim % NVFP4_BLOCK_SIZE != 0:
@@ -139,7 +138,7 @@ class KVPageLayout:
 
     def data_width(self, which: KV) -> int:
         """Bytes of one head vector in the data plane: D (fp8) or D/2 (nvfp4)."""
-        return self.head_dim if self.format_of(which) == "fp8" else self.head_dim // 2
+        return self.format_of(which).data_width(self.head_dim)
 
     @property
     def scales_per_head(self) -> int:
@@ -148,7 +147,7 @@ class KVPageLayout:
 
     def has_scales(self, which: KV) -> bool:
         """True when the plane is NVFP4 (it then has a block-scale plane)."""
-        return self.format_of(which) == "nvfp4"
+        return self.format_of(which).has_block_scales
 
     # ---- plane sizes and offsets (bytes) -----------------------------------------------------
     def data_bytes(self, which: KV) -> int:

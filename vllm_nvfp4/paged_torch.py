@@ -16,12 +16,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, e2m1_value, fp8_quantize, nvfp4_quantize
+from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, KVFormat, e2m1_value, fp8_quantize, nvfp4_quantize
 from vllm_nvfp4.layout import KV, KVPageLayout, nvfp4_element_order, nvfp4_rows_from_packed
 
 
 def quantize_heads(
-    x: torch.Tensor, fmt: str, scale: torch.Tensor
+    x: torch.Tensor, fmt: KVFormat, scale: torch.Tensor
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Quantize ``x [T, H, D]`` with per-head ``scale [H]`` (FP8 scale or NVFP4 global scale).
 
@@ -29,7 +29,7 @@ def quantize_heads(
     D/2 (nvfp4); bytes exactly as :mod:`vllm_nvfp4.formats` with ``nonfinite="propagate"``, NVFP4
     nibbles in the layout's chunk-planar order (:func:`~vllm_nvfp4.layout.nvfp4_rows_from_packed`).
     """
-    if fmt == "fp8":
+    if KVFormat.parse(fmt) is KVFormat.FP8:
         q = fp8_quantize(x, scale.view(-1, 1), nonfinite="propagate")
         return q.view(torch.uint8), None
     packed, scales = nvfp4_quantize(x, scale, nonfinite="propagate")
@@ -101,7 +101,7 @@ def dequantize_tokens(
     data = layout.data_plane(cache, which)[ids]  # uint8 [S * n, H, B, W]
     data = data.view(n_seq, n_blk, h, b, -1).transpose(1, 2).reshape(n_seq, h, length, -1)
     sc = None
-    if layout.format_of(which) == "nvfp4":
+    if layout.has_scales(which):
         sc = layout.scale_plane(cache, which)[ids]  # uint8 [S * n, H, B, D/16]
         sc = sc.view(n_seq, n_blk, h, b, -1).transpose(1, 2).reshape(n_seq, h, length, -1)
     if seq_lens is not None:  # zero bytes decode to exactly 0 in both formats

@@ -50,7 +50,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from vllm_nvfp4.formats import KV_FORMATS, bytes_per_head, check_kv_format
+from vllm_nvfp4 import compact_json
+from vllm_nvfp4.formats import KV_FORMATS, KVFormat, bytes_per_head, check_kv_format
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,8 @@ POLICY_FORMAT = "vllm-nvfp4-policy"
 POLICY_VERSION = 1
 POLICY_ENV = "VLLM_NVFP4_POLICY"
 POLICY_FILENAME = "nvfp4_policy.json"
-DEFAULT_FP8_SCALE = 1.0
-DEFAULT_NVFP4_GLOBAL_SCALE = 1.0 / 6.0
+DEFAULT_FP8_SCALE = KVFormat.FP8.default_scale
+DEFAULT_NVFP4_GLOBAL_SCALE = KVFormat.NVFP4.default_scale
 SCALE_FIELDS = ("k_scale", "v_scale", "k_global_scale", "v_global_scale")
 #: per KV head and channel: K smoothing factors, K centering offsets
 CHANNEL_FIELDS = ("k_smooth", "k_center")
@@ -114,8 +115,8 @@ def _check_channels(value: Any, name: str, positive: bool) -> Optional[Smooth]:
 class LayerPolicy:
     """Formats and (optional) calibrated scales of one attention layer's K and V."""
 
-    k: str
-    v: str
+    k: KVFormat
+    v: KVFormat
     k_scale: Optional[Scale] = None
     v_scale: Optional[Scale] = None
     k_global_scale: Optional[Scale] = None
@@ -126,7 +127,7 @@ class LayerPolicy:
     def __post_init__(self) -> None:
         for name in ("k", "v"):
             try:
-                check_kv_format(getattr(self, name))
+                object.__setattr__(self, name, check_kv_format(getattr(self, name)))
             except ValueError as e:
                 raise PolicyError(str(e)) from None
         for name in SCALE_FIELDS:
@@ -134,13 +135,13 @@ class LayerPolicy:
         object.__setattr__(self, "k_smooth", _check_channels(self.k_smooth, "k_smooth", True))
         object.__setattr__(self, "k_center", _check_channels(self.k_center, "k_center", False))
 
-    def format_of(self, kv: str) -> str:
+    def format_of(self, kv: str) -> KVFormat:
         """Format of ``"k"`` or ``"v"``."""
         return self.k if kv == "k" else self.v
 
     def quant_scale(self, kv: str) -> Optional[Scale]:
         """The scale the layer's format uses for ``kv``: FP8 scale or NVFP4 global scale."""
-        if self.format_of(kv) == "fp8":
+        if self.format_of(kv) is KVFormat.FP8:
             return self.k_scale if kv == "k" else self.v_scale
         return self.k_global_scale if kv == "k" else self.v_global_scale
 
@@ -273,11 +274,12 @@ class KVPolicy:
         return cls.from_dict(data, source=str(p))
 
     def save(self, path: Union[str, Path], overwrite: bool = False) -> Path:
-        """Write as JSON; refuses to replace an existing file unless ``overwrite``."""
+        """Write as JSON (:func:`compact_json.dumps`: one line per vector); refuses to replace an
+        existing file unless ``overwrite``."""
         p = Path(path)
         if p.exists() and not overwrite:
             raise FileExistsError(f"{p} exists; refusing to overwrite it (use --force / overwrite=True)")
-        p.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        p.write_text(compact_json.dumps(self.to_dict()) + "\n", encoding="utf-8")
         return p
 
     # ------------------------------------------------------------------ model checks and summary
@@ -322,9 +324,10 @@ class KVPolicy:
         )
 
     def fraction_of_fp8(self) -> float:
-        """KV bytes relative to an all-FP8 cache (head_dim independent: 1.0 or 0.5625 per slot)."""
-        per = {"fp8": 1.0, "nvfp4": 0.5625}
-        return sum(per[lp.k] + per[lp.v] for lp in self.layers) / (2 * self.num_layers)
+        """KV bytes relative to an all-FP8 cache (head_dim independent)."""
+        per_fp8 = KVFormat.FP8.bytes_per_element
+        total = sum(lp.k.bytes_per_element + lp.v.bytes_per_element for lp in self.layers)
+        return total / (2 * self.num_layers * per_fp8)
 
     def describe(self) -> str:
         """A multi-line table of the policy, for the start-up log."""
@@ -339,7 +342,9 @@ class KVPolicy:
 
 
 def _to_json(val: Any) -> Any:
-    """Tuples (per-head scales, k_smooth rows) as JSON lists, recursively."""
+    """Tuples (per-head scales, k_smooth rows) as JSON lists, recursively; formats as names."""
+    if isinstance(val, KVFormat):
+        return val.value
     return [_to_json(v) for v in val] if isinstance(val, tuple) else val
 
 
@@ -426,10 +431,11 @@ def _finish_kv(pending: tuple[str, dict[str, str]], text: str) -> tuple[str, tup
     return rng, (_fmt(kv["k"], text), _fmt(kv["v"], text))
 
 
-def _fmt(name: str, text: str) -> str:
-    if name not in KV_FORMATS:
-        raise PolicyError(f"unknown KV format {name!r} in {text!r}; expected one of {', '.join(KV_FORMATS)}")
-    return name
+def _fmt(name: str, text: str) -> KVFormat:
+    try:
+        return KVFormat.parse(name)
+    except ValueError as e:
+        raise PolicyError(f"{e} (in {text!r})") from None
 
 
 def _expand_range(rng: str, num_layers: int, text: str) -> range:

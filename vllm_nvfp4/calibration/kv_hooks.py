@@ -16,7 +16,7 @@ What "as served" means (vLLM 0.32 semantics)
   :mod:`vllm_nvfp4.formats` - FP8: ``fp8_quantize(x, scale)``; NVFP4:
   ``nvfp4_quantize(x, global_scale)`` - using the layer's format and its scale from the
   :class:`~vllm_nvfp4.policy.KVPolicy` (a float, or one per KV head). Missing scales use
-  :data:`~vllm_nvfp4.policy.DEFAULT_FP8_SCALE` / :data:`~vllm_nvfp4.policy.DEFAULT_NVFP4_GLOBAL_SCALE`,
+  :attr:`~vllm_nvfp4.formats.KVFormat.default_scale`,
   like the serving integration.
 * Dequantization is done in FP32 and the result is cast to the query dtype (the model dtype), as
   vLLM's Triton attention does (``(data.to(fp32) * scale).to(Q.dtype)`` in
@@ -46,6 +46,7 @@ import torch
 
 from vllm_nvfp4.formats import (
     NonFinite,
+    KVFormat,
     check_kv_format,
     fp8_dequantize,
     fp8_quantize,
@@ -53,7 +54,7 @@ from vllm_nvfp4.formats import (
     nvfp4_quantize,
 )
 from vllm_nvfp4.key_transform import stored_keys
-from vllm_nvfp4.policy import DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE, KVPolicy, PolicyError
+from vllm_nvfp4.policy import KVPolicy, PolicyError
 
 HOOK_PREFIX = "vllm_nvfp4_kv|"
 _BASE_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -87,11 +88,11 @@ def fake_quantize(
     Returns:
         Tensor of ``x.shape`` and ``x.dtype``: FP32 dequantization cast to ``x.dtype``.
     """
-    check_kv_format(fmt)
+    fmt = check_kv_format(fmt)
     if x.dim() < 3:
         raise ValueError(f"expected [..., kv_heads, seq, head_dim], got shape {tuple(x.shape)}")
     heads = x.shape[-3]
-    if fmt == "fp8":
+    if fmt is KVFormat.FP8:
         s = _head_scale(scale, heads, extra_dims=2).to(x.device)
         return fp8_dequantize(fp8_quantize(x, s, nonfinite=nonfinite), s, dtype=x.dtype)
     g = _head_scale(scale, heads, extra_dims=1).to(x.device)
@@ -167,7 +168,7 @@ def _layer_quants(policy: KVPolicy) -> list[_LayerQuant]:
         for kv in ("k", "v"):
             s = lp.quant_scale(kv)
             if s is None:
-                s = DEFAULT_FP8_SCALE if lp.format_of(kv) == "fp8" else DEFAULT_NVFP4_GLOBAL_SCALE
+                s = lp.format_of(kv).default_scale
             scales.append(s)
         smooth, center = (None if rows is None else torch.tensor(rows, dtype=torch.float32)
                           for rows in (lp.k_smooth, lp.k_center))

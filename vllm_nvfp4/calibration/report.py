@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vllm_nvfp4.calibration.selection import predicted_curve
+from vllm_nvfp4.calibration.selection import NVFP4_SLOT, predicted_curve
 
 SENSITIVITY_PNG = "sensitivity.png"
 DAMAGE_PNG = "damage_vs_bytes.png"
@@ -78,12 +78,12 @@ def plot_damage_vs_bytes(report: dict[str, Any], selections: list[dict[str, Any]
             xs, ys = zip(*predicted_curve(report, metric, rank_by))
             ax.plot(xs, ys, color="grey", lw=1, ls="--", label="selected, predicted (additive)")
         ax.scatter([1.0], [cfg["all_fp8"][metric]], marker="s", color="black", label="all-FP8 (analysis windows)", zorder=3)
-        ax.scatter([0.5625], [cfg["all_nvfp4"][metric]], marker="X", color="tab:red", s=70, label="all-NVFP4 (analysis windows)", zorder=3)
+        ax.scatter([NVFP4_SLOT], [cfg["all_nvfp4"][metric]], marker="X", color="tab:red", s=70, label="all-NVFP4 (analysis windows)", zorder=3)
         for n, sel in enumerate(selections):
             if "measured" not in sel["selected"]:
                 continue
             if not sel["measured_on"]["same_windows_as_analysis"]:
-                ax.scatter([1.0, 0.5625], [sel["all_fp8"][metric], sel["all_nvfp4"][metric]], marker="D",
+                ax.scatter([1.0, NVFP4_SLOT], [sel["all_fp8"][metric], sel["all_nvfp4"][metric]], marker="D",
                            facecolors="none", edgecolors="black",
                            label="all-FP8 / all-NVFP4 on the selection's windows" if n == 0 else None, zorder=3)
             x = sel["fraction_of_fp8"]
@@ -153,7 +153,7 @@ def markdown(report: dict[str, Any], selections: list[dict[str, Any]]) -> str:
         "|---|---|---|---|",
         _row("reference repeat (noise floor)", 2.0, cfg["reference_repeat"]),
         _row("all-FP8 (calibrated)", 1.0, cfg["all_fp8"]),
-        _row("all-NVFP4 (calibrated)", 0.5625, cfg["all_nvfp4"]),
+        _row("all-NVFP4 (calibrated)", NVFP4_SLOT, cfg["all_nvfp4"]),
     ]
     top = sorted(((e[kv]["kl_marginal"], e["index"], kv) for e in report["layers"] for kv in ("k", "v")),
                  reverse=True)[:8]
@@ -176,7 +176,7 @@ def markdown(report: dict[str, Any], selections: list[dict[str, Any]]) -> str:
             "| policy | KV bytes / FP8 | delta NLL | KL |",
             "|---|---|---|---|",
             _row("all-FP8", 1.0, sel["all_fp8"]),
-            _row("all-NVFP4", 0.5625, sel["all_nvfp4"]),
+            _row("all-NVFP4", NVFP4_SLOT, sel["all_nvfp4"]),
             _row(f"selected `{s['policy']}`", sel["fraction_of_fp8"], s["measured"]),
             _row(f"naive `{n['policy']}`", sel["fraction_of_fp8"], n["measured"]),
             "",

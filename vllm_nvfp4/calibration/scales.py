@@ -1,6 +1,6 @@
 """Calibration: per-layer (optionally per-head) K/V amax -> FP8 scales and NVFP4 global scales.
 
-Conventions (DESIGN.md section 3, :mod:`vllm_nvfp4.formats`): FP8 ``scale = amax / 448``, NVFP4
+Conventions (:mod:`vllm_nvfp4.formats`): FP8 ``scale = amax / 448``, NVFP4
 ``global_scale = amax / (6 * 448)``. Every layer gets both kinds for K and V, whatever its format,
 so a policy can switch a layer's format later without recalibrating. ``amax`` is the largest
 ``|K|`` (post-RoPE) or ``|V|`` seen over the calibration windows - per KV head with ``per_head``,

@@ -20,9 +20,11 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable
 
+from vllm_nvfp4.formats import KVFormat
 from vllm_nvfp4.policy import KVPolicy, LayerPolicy
 
-NVFP4_SLOT = 0.5625  # bytes of an NVFP4 slot relative to FP8 (D/2 + D/16 vs D)
+#: bytes of an NVFP4 slot relative to an FP8 slot (D/2 + D/16 vs D)
+NVFP4_SLOT = KVFormat.NVFP4.bytes_per_element / KVFormat.FP8.bytes_per_element
 METRICS = ("kl", "dnll")
 
 
@@ -65,7 +67,7 @@ def marginals(report: dict[str, Any], metric: str) -> list[tuple[float, int, str
 def _policy_from_fp8(num_layers: int, fp8: Iterable[tuple[int, str]], source: str) -> KVPolicy:
     keep = set(fp8)
     layers = tuple(
-        LayerPolicy("fp8" if (i, "k") in keep else "nvfp4", "fp8" if (i, "v") in keep else "nvfp4")
+        LayerPolicy(*(KVFormat.FP8 if (i, kv) in keep else KVFormat.NVFP4 for kv in ("k", "v")))
         for i in range(num_layers)
     )
     return KVPolicy(layers, source=source)
@@ -83,7 +85,7 @@ def select_formats(report: dict[str, Any], fp8_slots: int, metric: str = "kl") -
 
 def count_fp8_slots(formats: KVPolicy) -> int:
     """Number of FP8 slots (a layer's K or V) in ``formats``."""
-    return sum(lp.format_of(kv) == "fp8" for lp in formats.layers for kv in ("k", "v"))
+    return sum(lp.format_of(kv) is KVFormat.FP8 for lp in formats.layers for kv in ("k", "v"))
 
 
 def naive_formats(num_layers: int, fp8_slots: int) -> KVPolicy:
@@ -102,7 +104,7 @@ def predict(report: dict[str, Any], formats: KVPolicy, metric: str) -> float:
     table = {(layer, kv): d for d, layer, kv in marginals(report, metric)}
     base = report["configs"]["all_fp8"][metric]
     return base + sum(table[(i, kv)] for i, lp in enumerate(formats.layers)
-                      for kv in ("k", "v") if lp.format_of(kv) == "nvfp4")
+                      for kv in ("k", "v") if lp.format_of(kv) is KVFormat.NVFP4)
 
 
 def predicted_curve(report: dict[str, Any], metric: str, rank_by: str = "kl") -> list[tuple[float, float]]:

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from vllm_nvfp4 import compact_json
 from vllm_nvfp4.policy import KVPolicy, PolicyError
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
@@ -106,7 +107,7 @@ def save_cached(policy: KVPolicy, path: Path) -> Optional[Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(policy.to_dict(), indent=2) + "\n")
+            f.write(compact_json.dumps(policy.to_dict()) + "\n")  # as KVPolicy.save writes it
         os.replace(tmp, path)
     except OSError as e:
         logger.warning("vllm-nvfp4: cannot cache the start-up calibration in %s (%s); the next "

@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 
 from vllm_nvfp4.calibration.scales import with_formats
 from vllm_nvfp4.calibration.selection import count_fp8_slots, fp8_slots_for_budget, naive_formats
-from vllm_nvfp4.formats import bytes_per_head
+from vllm_nvfp4.formats import KVFormat
 from vllm_nvfp4.integration.startup_calibration import STARTUP_CALIBRATION_ENV
 from vllm_nvfp4.policy import POLICY_ENV, POLICY_FILENAME, KVPolicy, LayerPolicy, default_policy
 
@@ -90,7 +90,7 @@ class KVConfig:
         return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * per_elem
 
     def fraction_of_fp8(self, shape: ModelShape) -> float:
-        fp8 = 2 * shape.num_layers * shape.num_kv_heads * bytes_per_head("fp8", shape.head_dim)
+        fp8 = 2 * shape.num_layers * shape.num_kv_heads * KVFormat.FP8.bytes_per_head(shape.head_dim)
         return self.expected_bytes_per_token(shape) / fp8
 
     def write_policy(self, directory: Path) -> Optional[Path]:

@@ -53,7 +53,7 @@ def markdown_table(results: Mapping[str, Any]) -> str:
 
 
 def check_targets(results: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets for ``mixed_calibrated``, each with ``status`` pass / FAIL / n/a and why.
+    """The accuracy targets for ``mixed_calibrated``, each with ``status`` pass / FAIL / n/a and why.
 
     The FP8 comparisons (GSM8K, passkey) are made against every FP8 reference that was run
     (:data:`FP8_REFERENCES`), one row each.

@@ -1,21 +1,27 @@
-"""The ``nvfp4_mixed`` attention backend: class, metadata and metadata builder.
+"""The ``nvfp4_mixed`` attention backend: backend class, metadata, metadata builder and impl.
 
-The builder is also where each layer gets its page layout and scales (``Nvfp4MixedImpl.bind``):
-it is constructed after the model is loaded and after ``Attention.process_weights_after_loading``
-has reset vLLM's own ``_k_scale``/``_v_scale`` to 1.0 for unquantized checkpoints, and before any
-CUDA graph is captured. Our scales are separate persistent device tensors on the impl, updated in
-place, so a later rebuild of the builder cannot invalidate captured graphs.
+The impl writes K/V into the layer's pages and attends over them, both through
+:mod:`vllm_nvfp4.ops` (Triton kernels on CUDA, the torch reference on CPU). vLLM builds the impl
+without telling it its layer; the metadata builder binds each layer's page layout and scales
+(:meth:`Nvfp4MixedImpl.bind`). The builder is constructed after the model is loaded and after
+``Attention.process_weights_after_loading`` has reset vLLM's own ``_k_scale``/``_v_scale`` to 1.0
+for unquantized checkpoints, and before any CUDA graph is captured. Our scales are separate
+persistent device tensors on the impl, updated in place, so a later rebuild of the builder cannot
+invalidate captured graphs.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional, Sequence, TypeVar
 
 import torch
+from vllm.config.vllm import get_current_vllm_config_or_none
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
+    AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
@@ -23,17 +29,29 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
-from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE
-from vllm_nvfp4.layout import PAGE_ALIGN
+from vllm_nvfp4 import ops
+from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, KVFormat
+from vllm_nvfp4.key_transform import stored_keys
+from vllm_nvfp4.layout import PAGE_ALIGN, KVPageLayout
+from vllm_nvfp4.policy import DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE, LayerPolicy, Scale
 
 from vllm_nvfp4.integration.dense_prefill import (
+    DENSE_DTYPES,
     PrefillGroup,
+    dense_prefill,
     dense_prefill_enabled,
+    flash_varlen,
     plan_prefill_groups,
+    reserve_scratch,
     scratch_rows,
 )
 from vllm_nvfp4.integration.dtype import CACHE_DTYPE
 from vllm_nvfp4.integration.model import layer_plan
+from vllm_nvfp4.integration.startup_calibration import CalibrationBatch, planned
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
+T = TypeVar("T")
+_warned_default_scales = False
 
 
 class Nvfp4MixedBackend(AttentionBackend):
@@ -50,8 +68,6 @@ class Nvfp4MixedBackend(AttentionBackend):
 
     @staticmethod
     def get_impl_cls() -> type:
-        from vllm_nvfp4.integration.impl import Nvfp4MixedImpl
-
         return Nvfp4MixedImpl
 
     @staticmethod
@@ -166,3 +182,190 @@ class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
         meta = self.build(0, common_attn_metadata)
         return replace(meta, max_seq_len=self._max_model_len)
 
+
+def rank_heads(per_head: Sequence[T], total_heads: int, num_heads: int, tp_rank: int,
+               tp_size: int) -> list[T]:
+    """This rank's entries of a per-KV-head list (heads split across ranks, or replicated)."""
+    if total_heads >= tp_size:
+        return list(per_head[tp_rank * num_heads:(tp_rank + 1) * num_heads])
+    return [per_head[tp_rank * total_heads // tp_size]] * num_heads
+
+
+def rank_scales(scale: Optional[Scale], fmt: KVFormat, total_heads: int, num_heads: int,
+                tp_rank: int, tp_size: int) -> list[float]:
+    """This rank's per-KV-head scales from a policy entry (None: the documented default)."""
+    if scale is None:
+        return [KVFormat.parse(fmt).default_scale] * num_heads
+    if not isinstance(scale, tuple):
+        return [float(scale)] * num_heads
+    return rank_heads(scale, total_heads, num_heads, tp_rank, tp_size)
+
+
+def page_view(kv_cache: torch.Tensor, layout: KVPageLayout) -> torch.Tensor:
+    """vLLM's ``[blocks, 1, block_size, C]`` layer view as the ops' ``[blocks, page_bytes]``."""
+    expected = (1, layout.block_size, layout.bytes_per_token)
+    if tuple(kv_cache.shape[1:]) != expected or kv_cache.stride(3) != 1 or (
+            kv_cache.stride(2) != layout.bytes_per_token):
+        raise RuntimeError(
+            f"{CACHE_DTYPE}: vLLM handed a KV cache view of shape {tuple(kv_cache.shape)} strides "
+            f"{kv_cache.stride()}, expected dense pages [blocks, {', '.join(map(str, expected))}] "
+            "(was the block split into kernel blocks, or a non-block-contiguous layout forced?)"
+        )
+    return torch.as_strided(kv_cache, (kv_cache.shape[0], layout.page_bytes),
+                            (kv_cache.stride(0), 1), kv_cache.storage_offset())
+
+
+class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
+    """Attention for one layer whose K/V pages are FP8 or NVFP4 per the policy."""
+
+    # Queries stay in the model dtype: Attention.__init__ would otherwise build an FP8 query
+    # quantizer for any kv_cache_dtype starting with "nvfp4".
+    supports_quant_query_input = False
+
+    def __init__(self, num_heads: int, head_size: int, scale: float,
+                 num_kv_heads: Optional[int] = None, alibi_slopes: Optional[list[float]] = None,
+                 sliding_window: Optional[int] = None, kv_cache_dtype: str = CACHE_DTYPE,
+                 logits_soft_cap: Optional[float] = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: Optional[str] = None, **unsupported: Any) -> None:
+        problems = [name for name, bad in (
+            ("ALiBi", alibi_slopes is not None),
+            ("sliding window", sliding_window is not None),
+            (f"attention type {attn_type}", attn_type != AttentionType.DECODER),
+            ("KV sharing across layers", kv_sharing_target_layer_name is not None),
+            (f"options {sorted(unsupported)}", bool(unsupported)),
+        ) if bad]
+        if problems:
+            raise NotImplementedError(f"{CACHE_DTYPE} attention does not support {', '.join(problems)}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.logits_soft_cap = logits_soft_cap or None
+        self.attn_type = attn_type
+        self.layer_name: Optional[str] = None
+        self.layout: Optional[KVPageLayout] = None
+        self.k_scale: Optional[torch.Tensor] = None  # float32 [num_kv_heads], persistent
+        self.v_scale: Optional[torch.Tensor] = None
+        self.k_smooth: Optional[torch.Tensor] = None  # float32 [num_kv_heads, D]: cache holds K / it
+        self.q_smooth: Optional[torch.Tensor] = None  # float32 [num_heads, D]: queries times it
+        self.k_center: Optional[torch.Tensor] = None  # float32 [num_kv_heads, D]: cache holds K - it
+        self._pages: Optional[torch.Tensor] = None
+        self._pages_of: Optional[torch.Tensor] = None
+        config = get_current_vllm_config_or_none()  # set while vLLM builds the model's layers
+        self._scratch_rows = scratch_rows(config) if config and config.model_config else 0
+
+    def bind(self, layer_name: str, index: int, row: LayerPolicy, layout: KVPageLayout,
+             vllm_config: Any, device: torch.device) -> None:
+        """Attach the layer's page layout and policy scales (in place if already bound)."""
+        global _warned_default_scales
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        if layout.num_kv_heads != self.num_kv_heads or layout.head_dim != self.head_size:
+            raise RuntimeError(f"{layer_name}: layout {layout} does not match the layer "
+                               f"({self.num_kv_heads} KV heads, head size {self.head_size})")
+        total = vllm_config.model_config.get_total_num_kv_heads()
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        tp_rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
+        values = {kv: rank_scales(row.quant_scale(kv), row.format_of(kv), total,
+                                  self.num_kv_heads, tp_rank, tp_size) for kv in ("k", "v")}
+        if not _warned_default_scales and (row.quant_scale("k") is None or row.quant_scale("v") is None) \
+                and not planned(vllm_config):  # start-up calibration replaces them before serving
+            _warned_default_scales = True
+            logger.warning(
+                "vllm-nvfp4: the policy has no calibrated scale for some K/V planes (first: layer "
+                "%d); using the defaults FP8 scale %.4g and NVFP4 global scale %.4g (|x| <= 448 "
+                "representable). Calibrate the model for accuracy.",
+                index, DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE)
+        tensors = {f"{kv}_scale": vals for kv, vals in values.items()}
+        if row.k_center is not None and self.logits_soft_cap is not None:
+            raise RuntimeError(
+                f"{layer_name}: the policy centers K (k_center), which shifts every logit of a "
+                f"query by q . mu; the model's logits soft-cap ({self.logits_soft_cap}) is not "
+                f"shift-invariant. Calibrate without --k-center for this model")
+        for name in ("k_smooth", "k_center"):  # per KV head x channel: this rank's heads
+            rows = getattr(row, name)
+            if rows is None:
+                if getattr(self, name) is not None:
+                    raise RuntimeError(f"{layer_name}: rebinding cannot drop {name}")
+                continue
+            rows = rank_heads(rows, total, self.num_kv_heads, tp_rank, tp_size)
+            if len(rows[0]) != self.head_size:
+                raise RuntimeError(f"{layer_name}: the policy's {name} has {len(rows[0])} values "
+                                   f"per head, the layer's head size is {self.head_size}")
+            tensors[name] = rows
+        if "k_smooth" in tensors:  # each query head takes the factors of its KV head
+            group = self.num_heads // self.num_kv_heads
+            tensors["q_smooth"] = [r for r in tensors["k_smooth"] for _ in range(group)]
+        # vLLM binds twice (once inside inference mode while it sizes CUDA-graph memory, then
+        # outside it for the real cache): keep these normal tensors so the in-place update
+        # is legal in both places.
+        with torch.inference_mode(False):
+            for attr, vals in tensors.items():
+                new = torch.tensor(vals, dtype=torch.float32)
+                current = getattr(self, attr)
+                if current is None or current.shape != new.shape:
+                    setattr(self, attr, new.to(device))
+                else:
+                    current.copy_(new)  # in place: CUDA graphs keep pointing at it
+        self.layer_name, self.layout = layer_name, layout
+
+    def _page_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        if self._pages_of is not kv_cache:
+            self._pages = page_view(kv_cache, self.layout)
+            self._pages_of = kv_cache
+        return self._pages
+
+    def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Quantize this step's K/V into the layer's pages (slot < 0: padding, skipped)."""
+        if self.layout is None or kv_cache.numel() == 0:
+            return  # profiling run before the KV cache exists
+        n = min(key.shape[0], slot_mapping.shape[0])
+        key = key[:n]
+        if self.k_smooth is not None or self.k_center is not None:
+            key = stored_keys(key, self.k_center, self.k_smooth)
+        ops.write_kv_cache(key, value[:n], self._page_view(kv_cache), slot_mapping[:n],
+                           self.layout, self.k_scale, self.v_scale)
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Optional[Nvfp4MixedMetadata],
+                output: torch.Tensor, output_scale: Optional[torch.Tensor] = None,
+                output_block_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Causal paged attention of ``query [tokens, heads, D]`` into ``output``."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(f"{CACHE_DTYPE} attention has no fused output quantization")
+        if attn_metadata is None:  # profiling run: count the dense-prefill scratch in the peak
+            if query.dtype in DENSE_DTYPES and dense_prefill_enabled(query.device):
+                reserve_scratch(self._scratch_rows, self.num_kv_heads, self.head_size,
+                                query.dtype, query.device)
+            return output.fill_(0)
+        if isinstance(attn_metadata, CalibrationBatch):  # start-up calibration: exact attention
+            return attn_metadata.attend(self, query, key, value, output)
+        m = attn_metadata
+        pages = self._page_view(kv_cache)
+        if self.q_smooth is not None:  # q . (K / lam) with q * lam: the smoothing cancels
+            query = (query.float() * self.q_smooth).to(query.dtype)
+        if not m.prefill_groups or query.dtype not in DENSE_DTYPES:
+            n = m.num_actual_tokens
+            self._paged(query[:n], pages, m.block_table, m.seq_lens, m.query_start_loc,
+                        m.max_query_len, m.max_seq_len, output[:n])
+            return output
+        d, nd = m.num_decodes, m.num_decode_tokens
+        if d:
+            self._paged(query[:nd], pages, m.block_table[:d], m.seq_lens[:d],
+                        m.query_start_loc[: d + 1], 1, m.decode_max_seq_len, output[:nd])
+        attention, fa_version = flash_varlen()
+        for group in m.prefill_groups:
+            dense_prefill(query, output, pages, self.layout, self.k_scale, self.v_scale,
+                          m.block_table, m.seq_lens, group, self.scale, self.logits_soft_cap,
+                          attention, fa_version=fa_version)
+        return output
+
+    def _paged(self, query: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+               max_seq_len: int, out: torch.Tensor) -> None:
+        """Paged attention kernels (decode, or the fused prefill) for ``query [T, Hq, D]``."""
+        ops.paged_attention(query, pages, self.layout, self.k_scale, self.v_scale, block_table,
+                            seq_lens, query_start_loc, max_query_len, max_seq_len, self.scale,
+                            out, logits_soft_cap=self.logits_soft_cap)

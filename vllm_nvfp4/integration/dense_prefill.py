@@ -2,8 +2,8 @@
 
 A prefill chunk of ``q`` tokens over a context of ``L`` tokens costs ``O(q * L)`` tensor-core work
 but only ``O(L)`` cache bytes. The fused Triton prefill kernel re-decodes every NVFP4 key tile for
-each 16-row query block, so at 8k-32k context it spent more time decoding nibbles than doing
-attention (TTFT 4.7x FP8's at 32k on the H200, ``benchmarks/results/e2e_run2``). Here the layer's
+each 16-row query block, so at long context it spends more time decoding nibbles than doing
+attention. Here the layer's
 context is dequantized ONCE per step into dense ``[rows, kv_heads, head_dim]`` tensors of the model
 dtype (:func:`vllm_nvfp4.ops.dequantize_kv`, FP32 values rounded once) and vLLM's own
 FlashAttention varlen kernel (FA3 on Hopper) runs causal attention over them, bottom-right

@@ -118,6 +118,14 @@ def layer_plan(vllm_config: Any, layer_name: str) -> tuple[int, LayerPolicy, KVP
     return index, row, layout
 
 
+def other_backend_error(name: str) -> ValueError:
+    """The error for an explicitly requested attention backend that is not ours."""
+    return ValueError(
+        f"attention backend {name} cannot serve kv_cache_dtype={CACHE_DTYPE}; leave "
+        "--attention-backend unset (the nvfp4_mixed backend is chosen automatically)"
+    )
+
+
 def check_plugin_enabled() -> None:
     """Plugin mode: raise unless ``VLLM_PLUGINS`` lets every vLLM process load our plugin.
 
@@ -165,8 +173,6 @@ def check_engine_config(vllm_config: Any) -> KVPolicy:
         )
     backend = vllm_config.attention_config.backend
     if backend is not None and backend.name != "CUSTOM":  # early here; per layer in selection
-        from vllm_nvfp4.integration.selection import other_backend_error
-
         raise other_backend_error(backend.name)
     shape = ModelShape.of(vllm_config)
     if shape.head_dim % NVFP4_BLOCK_SIZE:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from vllm_nvfp4.integration.dtype import CACHE_DTYPE, is_ours
+from vllm_nvfp4.integration.model import other_backend_error
 
 BACKEND_PATH = "vllm_nvfp4.integration.backend.Nvfp4MixedBackend"
 
@@ -23,14 +24,6 @@ def register_custom_backend() -> None:
     custom = AttentionBackendEnum.CUSTOM
     if not custom.is_overridden():
         register_backend(custom, BACKEND_PATH)
-
-
-def other_backend_error(name: str) -> ValueError:
-    """The error for an explicitly requested attention backend that is not ours."""
-    return ValueError(
-        f"attention backend {name} cannot serve kv_cache_dtype={CACHE_DTYPE}; leave "
-        "--attention-backend unset (the nvfp4_mixed backend is chosen automatically)"
-    )
 
 
 def select_backend(selected_backend: Optional[Any], selector_config: Any) -> Optional[str]:

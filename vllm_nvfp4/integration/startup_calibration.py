@@ -235,14 +235,16 @@ def _model_files_dir(model_config: Any) -> Optional[Path]:
         return None
 
 
-def _key_parts(model_config: Any, recipe: Recipe) -> dict[str, Any]:
+def _key_parts(vllm_config: Any, recipe: Recipe) -> dict[str, Any]:
     from vllm_nvfp4.calibration.modeling import config_sha256
 
+    model_config = vllm_config.model_config
     files = _model_files_dir(model_config)
     model = ({"config_sha256": config_sha256(files), "weights": weights_fingerprint(files)}
              if files is not None and (files / "config.json").is_file()
              else {"name": str(model_config.model), "revision": model_config.revision})
     return {"model": model, "dtype": str(model_config.dtype).replace("torch.", ""),
+            "load_format": str(vllm_config.load_config.load_format),  # "dummy": random weights
             "text_sha256": builtin_text_sha256(), "recipe": recipe.describe()}
 
 
@@ -272,7 +274,7 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
     text_tokens = len(tokenizer(BUILTIN_TEXT.read_text(encoding="utf-8"),
                                 add_special_tokens=False, verbose=False)["input_ids"])
     recipe = recipe_for(vllm_config, text_tokens, soft_cap)
-    parts = _key_parts(mc, recipe)
+    parts = _key_parts(vllm_config, recipe)
     path = cache_path(cache_key(parts))
     rank0 = get_tp_group().rank_in_group == 0
     cached = load_cached(path, shape.num_layers, shape.total_num_kv_heads, shape.head_dim) if rank0 else None

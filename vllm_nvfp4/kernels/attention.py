@@ -11,8 +11,7 @@ words (11 integer ops per four f16x2 registers), which lets Triton copy the raw 
 the token-major scale rows asynchronously into shared memory and decode them in the MMA operand
 registers. An FP8 K or V takes the same route: its 16-bit words split
 into the even and odd elements' byte planes (one native conversion each), one dot per plane and
-tile. (A second family with the query rows on M, converting whole E4M3 tiles, was measured
-slower than this one at every shape on the H200 and removed: benchmarks/README.md.)
+tile.
 
 Decode grid ``(seqs, kv_heads, splits)``: one program takes the query heads of one KV head over
 one contiguous share of the context (flash-decoding); with ``splits > 1`` it writes a partial
@@ -26,7 +25,8 @@ placement alone, ``(n & 8) << 12 | (n & 7) << 9`` == e2m1(n) * 2^-14 (subnormal 
 included); the global scale g and 2^14 go into the softmax scale / output scale. The
 interpreter runs the same bit placement in Triton integer ops.
 
-Launch shapes and the measurements behind them: :func:`launch_defaults`, ``benchmarks/README.md``.
+Launch shapes: :func:`launch_defaults` and :func:`decode_splits`; :class:`LaunchShape` fixes them
+for benchmarks and tests.
 
 All launch parameters derive from host ints (shapes, ``max_query_len``, ``max_seq_len``), never
 from tensor contents, so the decode path is CUDA-graph capturable.
@@ -41,7 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_nvfp4.kernels.cache_write import FMT_FP8, format_code
+from vllm_nvfp4.formats import KVFormat
+from vllm_nvfp4.kernels.constants import E2M1_F16_UNSCALE, FMT_FP8, LOG2E, format_code
 
 
 
@@ -64,17 +65,17 @@ def _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT: 
                              V_FMT: tl.constexpr, USE_SOFTCAP: tl.constexpr):
     """``(qk_scale, vf)`` of KV head ``h``: the logit scale (with log2(e) unless soft-capped)
     and the output factor. Each includes its operand's dequant factor: the layer scale, times
-    2^14 for NVFP4 (the keys kernels' nibble planes are ``e2m1 * 2^-14``, block scales applied
+    2^14 for NVFP4 (the kernels' nibble planes are ``e2m1 * 2^-14``, block scales applied
     apart)."""
     kf = tl.load(k_scale_ptr + h)
     vf = tl.load(v_scale_ptr + h)
     if K_FMT != FMT_FP8:
-        kf = kf * 16384.0
+        kf = kf * E2M1_F16_UNSCALE
     if V_FMT != FMT_FP8:
-        vf = vf * 16384.0
+        vf = vf * E2M1_F16_UNSCALE
     qk_scale = softmax_scale * kf
     if not USE_SOFTCAP:
-        qk_scale = qk_scale * 1.4426950408889634
+        qk_scale = qk_scale * LOG2E
     return qk_scale, vf
 
 
@@ -189,7 +190,7 @@ _E4M3_PLANES_ASM = tl.constexpr(
 def _fp8_planes(x, F32: tl.constexpr):
     """E4M3 pairs in uint16 words ``x`` (any shape) -> ``(even, odd)``: the elements of the low
     and of the high bytes as fp16 (fp32 when ``F32``), exact. One pure inline asm of the loaded
-    words, so (as for :func:`_plane`) Triton copies the raw words asynchronously and converts them
+    words, so (as for :func:`_planes`) Triton copies the raw words asynchronously and converts them
     in the MMA operand registers - a whole-tile ``.to(float16)`` of the bytes instead reads them
     from shared memory one byte per instruction."""
     if F32:  # the interpreter
@@ -284,7 +285,7 @@ def _dot_f(a, b, acc, F32: tl.constexpr):
 
 @triton.jit
 def _part_cols(c, FMT: tl.constexpr, D: tl.constexpr):
-    """Head-dim columns of part ``c`` of a K or V operand in the keys kernels: NVFP4 chunk ``c``
+    """Head-dim columns of part ``c`` of a K or V operand of :func:`_attend_keys`: NVFP4 chunk ``c``
     (``16c .. 16c + 15``); FP8 byte plane ``c`` (the even columns for 0, the odd ones for 1)."""
     if FMT == FMT_FP8:
         return 2 * tl.arange(0, D // 2) + c
@@ -293,8 +294,8 @@ def _part_cols(c, FMT: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _keys_queries(q_cols, col_ok, K_FMT: tl.constexpr, D: tl.constexpr, F32: tl.constexpr):
-    """The query operand of the keys kernels, from one pointer per column ``q_cols [M]`` (a
+def _load_query_parts(q_cols, col_ok, K_FMT: tl.constexpr, D: tl.constexpr, F32: tl.constexpr):
+    """The query operand of :func:`_attend_keys`, from one pointer per column ``q_cols [M]`` (a
     query token's head, ``col_ok`` masks padding): a tuple of the transposed parts
     (:func:`_part_cols`) ``q_c^T [16, M]`` per NVFP4 chunk of K, or even and odd columns
     ``q_c^T [D/2, M]`` for an FP8 K."""
@@ -307,8 +308,8 @@ def _keys_queries(q_cols, col_ok, K_FMT: tl.constexpr, D: tl.constexpr, F32: tl.
 
 
 @triton.jit
-def _keys_accumulators(V_FMT: tl.constexpr, D: tl.constexpr, M: tl.constexpr):
-    """Zero output accumulators of the keys kernels, one per part of V (:func:`_part_cols`):
+def _zero_accumulators(V_FMT: tl.constexpr, D: tl.constexpr, M: tl.constexpr):
+    """Zero output accumulators of :func:`_attend_keys`, one per part of V (:func:`_part_cols`):
     ``acc_c^T [16, M]`` per NVFP4 chunk, or ``acc_c^T [D/2, M]`` for each FP8 byte plane."""
     accs = ()
     for c in tl.static_range(2 if V_FMT == FMT_FP8 else D // 16):
@@ -351,7 +352,7 @@ def _attend_tiles(
     MASKED: tl.constexpr,
 ):
     """Online-softmax attention with the KEYS on the MMA M dimension and the ``M`` query columns
-    (``qs`` from :func:`_keys_queries`, positions ``q_pos [M]``) on N, over the keys
+    (``qs`` from :func:`_load_query_parts`, positions ``q_pos [M]``) on N, over the keys
     ``[lo, hi)`` of one sequence (``MASKED``: masking tokens at or past ``t_end``, causal and
     window; else every token of every tile is visible to every column). NVFP4 block scales are
     applied per 16-element chunk, never per element: each chunk ``c`` is one nibble plane of 16
@@ -391,7 +392,7 @@ def _attend_tiles(
                     s += part * kss[4 * gi + j][:, None]
         if USE_SOFTCAP:
             z = s * (qk_scale / softcap)
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * 1.4426950408889634
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * LOG2E
         else:
             s = s * qk_scale
         if MASKED:
@@ -428,8 +429,8 @@ def _attend_tiles(
 
 
 @triton.jit
-def _store_keys(accs, scale, o_cols, col_ok, V_FMT: tl.constexpr, D: tl.constexpr):
-    """Store the keys kernels' transposed accumulators (:func:`_keys_accumulators`) times
+def _store_output(accs, scale, o_cols, col_ok, V_FMT: tl.constexpr, D: tl.constexpr):
+    """Store the attention output: the transposed accumulators (:func:`_zero_accumulators`) times
     ``scale [M]`` to one output row pointer per column ``o_cols [M]`` (cast to its type)."""
     for c in tl.static_range(2 if V_FMT == FMT_FP8 else D // 16):
         o = accs[c] * scale[None, :]
@@ -456,16 +457,16 @@ def _decode_kernel(
     seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_full, t_end = _decode_program(
         seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window, K_FMT, V_FMT,
         G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP)
-    qs = _keys_queries(query_ptr + tok * stride_qt + qh * stride_qh, row_ok, K_FMT, D, F32)
+    qs = _load_query_parts(query_ptr + tok * stride_qt + qh * stride_qh, row_ok, K_FMT, D, F32)
     accs, m_i, l_i = _attend_keys(
-        qs, tl.zeros([BG], dtype=tl.int32) + seq_len - 1, _keys_accumulators(V_FMT, D, BG),
+        qs, tl.zeros([BG], dtype=tl.int32) + seq_len - 1, _zero_accumulators(V_FMT, D, BG),
         tl.full([BG], float("-inf"), tl.float32), tl.zeros([BG], dtype=tl.float32),
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
         TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32)
     o_cols = _decode_out_rows(out_ptr, part_o_ptr, part_ml_ptr, m_i, l_i, tok, split, qh, row_ok,
                               stride_ot, stride_oh, HQ, D, NUM_SPLITS)
-    _store_keys(accs, vf / tl.where(l_i == 0.0, 1.0, l_i), o_cols, row_ok, V_FMT, D)
+    _store_output(accs, vf / tl.where(l_i == 0.0, 1.0, l_i), o_cols, row_ok, V_FMT, D)
 
 
 @triton.jit
@@ -549,14 +550,14 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     qk_scale, vf = _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT,
                                             V_FMT, USE_SOFTCAP)
-    qs = _keys_queries(query_ptr + tok * stride_qt + qh * stride_qh, row_ok, K_FMT, D, F32)
+    qs = _load_query_parts(query_ptr + tok * stride_qt + qh * stride_qh, row_ok, K_FMT, D, F32)
     accs, m_i, l_i = _attend_keys(
-        qs, q_pos, _keys_accumulators(V_FMT, D, BLOCK_M),
+        qs, q_pos, _zero_accumulators(V_FMT, D, BLOCK_M),
         tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
         TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32)
-    _store_keys(accs, vf / tl.where(l_i == 0.0, 1.0, l_i), out_ptr + tok * stride_ot
+    _store_output(accs, vf / tl.where(l_i == 0.0, 1.0, l_i), out_ptr + tok * stride_ot
                 + qh * stride_oh, row_ok, V_FMT, D)
 
 
@@ -569,10 +570,9 @@ def _num_sms(device: torch.device) -> int:
 def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int,
                   device: torch.device, num_warps: int = 1) -> int:
     """Split count (a power of 2) from host ints only: the larger of (a) enough programs to fill
-    the GPU, ``8 * SMs / num_warps``, but at most 8 splits (the partial writes and the reduce
-    cost more than the extra occupancy gains: H200, 2026-11-30, 8 splits at 16 x 4k took 0.46x
-    the time of 16) and (b) at most ~4096 keys per split; never more splits than tiles, at most
-    64. Tuned on the H200 sweeps in benchmarks/README.md."""
+    the GPU, ``8 * SMs / num_warps``, but at most 8 splits (beyond that the partial writes and
+    the reduce cost more than the extra occupancy gains) and (b) at most ~4096 keys per split;
+    never more splits than tiles, at most 64."""
     target = 8 * _num_sms(device) // num_warps
     max_splits = min(max(1, -(-max_seq_len // tile_n)), 64)
     splits = 1
@@ -586,27 +586,42 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: in
 
 @dataclasses.dataclass(frozen=True)
 class LaunchShape:
-    """Default launch shape: keys per tile, warps per program, prefill rows per program."""
+    """How :func:`paged_attention` launches its kernels (default: :func:`launch_defaults`).
+
+    ``tile_n``: keys per tile (at least the block size is used); ``num_warps``: warps per program;
+    ``query_rows``: prefill rows (query tokens x padded GQA group) per program, a power of 2.
+    The rest stay ``None`` in production and are fixed by benchmarks and tests: ``num_splits``,
+    the decode split count (a power of 2; default :func:`decode_splits`); ``num_stages``, the
+    kernel's pipeline stages (default 3 decode, 2 prefill; the tile loop always has 3);
+    ``maxnreg``, the decode kernel's register cap per thread (Triton's ``maxnreg``).
+    """
 
     tile_n: int
     num_warps: int
     query_rows: int = 16
+    num_splits: Optional[int] = None
+    num_stages: Optional[int] = None
+    maxnreg: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        splits = self.num_splits
+        if splits is not None and (splits < 1 or splits & (splits - 1)):
+            raise ValueError(f"num_splits must be a power of 2, got {self.num_splits}")
+        if self.query_rows < 1 or self.query_rows & (self.query_rows - 1):
+            raise ValueError(f"query_rows must be a power of 2, got {self.query_rows}")
 
 
 def launch_defaults(layout, decode: bool) -> LaunchShape:
-    """Launch shape from the H200 sweeps of 2026-11-30 (benchmarks/README.md, head_dim 128).
+    """The launch shape of ``layout`` (decode or prefill), chosen by timing on Hopper.
 
-    Decode: 64 keys per tile, 1 warp, or 2 for FP8 K and V (64 x 32k: 1002 us vs 1004 at 1 warp,
-    64 x 4k 143 vs 150); with an NVFP4 plane 32 keys at head_dim 256 (64 exceed the register
-    file; FP8 / FP8 at head_dim 256 keeps 64 keys x 2 warps: no spill in the sm_90 compile check,
-    where 32 keys x 1 warp spills; not timed). Prefill: 64 keys (32 at head_dim 256); with an
-    FP8 V 2 warps x 32 query rows (H200, 2026-12-01, 8 x 4k: FP8 / FP8 0.89x the time of 4 warps
-    x 32 rows, NVFP4 K / FP8 V 0.75x), else 1 warp x 16 rows (K FP8 / V NVFP4: 2 or 4 warps x 32
-    rows took 1.45x)."""
+    Decode: 64 keys per tile, 1 warp, or 2 for FP8 K and V; with an NVFP4 plane 32 keys at
+    head_dim 256 (64 exceed the register file; FP8 / FP8 at head_dim 256 keeps 64 keys x 2 warps,
+    which compiles for sm_90 without spills where 32 keys x 1 warp spills). Prefill: 64 keys
+    (32 at head_dim 256); with an FP8 V 2 warps x 32 query rows, else 1 warp x 16 rows."""
     tile = 32 if layout.head_dim >= 256 else 64
     if not decode:
-        return LaunchShape(tile, 2, 32) if layout.v_format == "fp8" else LaunchShape(tile, 1, 16)
-    if layout.k_format == "fp8" and layout.v_format == "fp8":
+        return LaunchShape(tile, 2, 32) if layout.v_format is KVFormat.FP8 else LaunchShape(tile, 1, 16)
+    if layout.k_format is KVFormat.FP8 and layout.v_format is KVFormat.FP8:
         return LaunchShape(64, 2)
     return LaunchShape(tile, 1)
 
@@ -638,23 +653,11 @@ def paged_attention(
     out: torch.Tensor,
     sliding_window: Optional[int] = None,
     logits_soft_cap: Optional[float] = None,
-    num_splits: Optional[int] = None,
-    tile_n: Optional[int] = None,
-    num_warps: Optional[int] = None,
-    num_stages: Optional[int] = None,
-    maxnreg: Optional[int] = None,
-    query_rows: Optional[int] = None,
+    launch: Optional[LaunchShape] = None,
 ) -> torch.Tensor:
     """Launch decode (``max_query_len == 1``) or prefill kernels; arguments as in
-    :func:`vllm_nvfp4.ops.paged_attention` (checked there). ``num_splits`` (a power of 2),
-    ``tile_n`` (keys per tile), ``num_warps``, ``num_stages`` override the heuristics
-    (benchmarks); ``num_stages`` applies to the kernel as a whole - the tile loop always has 3
-    pipeline stages.
-    ``maxnreg``: register cap per thread of the decode kernel (Triton's ``maxnreg``);
-    ``query_rows``: prefill rows (query tokens x padded GQA group) per program, a power of 2
-    (default :func:`launch_defaults`)."""
-    if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
-        raise ValueError(f"num_splits must be a power of 2, got {num_splits}")
+    :func:`vllm_nvfp4.ops.paged_attention` (checked there). ``launch`` fixes the launch shape
+    (benchmarks, tests); ``None`` takes :func:`launch_defaults`."""
     decode = max_query_len == 1
     num_seqs = seq_lens.shape[0]
     d = layout.head_dim
@@ -665,13 +668,13 @@ def paged_attention(
     g_pad = triton.next_power_of_2(g)
     common_args = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                    cache.stride(0), block_table.stride(0), softmax_scale, softcap, window)
-    shape = launch_defaults(layout, decode)
-    tn = max(tile_n or shape.tile_n, layout.block_size)
-    warps = num_warps or shape.num_warps
+    shape = launch or launch_defaults(layout, decode)
+    tn = max(shape.tile_n, layout.block_size)
+    warps = shape.num_warps
     if decode:
         num_tokens, hq = query.shape[0], query.shape[1]
         bg = max(8, g_pad)
-        splits = num_splits or decode_splits(num_seqs, layout.num_kv_heads, max_seq_len, tn,
+        splits = shape.num_splits or decode_splits(num_seqs, layout.num_kv_heads, max_seq_len, tn,
                                              query.device, warps)
         if splits > 1:
             part_o = torch.empty(num_tokens * hq * splits, d, dtype=torch.float32,
@@ -684,8 +687,8 @@ def paged_attention(
             query, out, cache, k_scale, v_scale, block_table, seq_lens, query_start_loc,
             part_o, part_ml, *common_args,
             HQ=hq, G=g, BG=bg, TILE_N=tn, NUM_SPLITS=splits, **meta,
-            num_warps=warps, num_stages=num_stages or 3,
-            **({"maxnreg": maxnreg} if maxnreg else {}),
+            num_warps=warps, num_stages=shape.num_stages or 3,
+            **({"maxnreg": shape.maxnreg} if shape.maxnreg else {}),
         )
         if splits > 1:
             _reduce_kernel[(num_tokens, hq)](
@@ -693,15 +696,13 @@ def paged_attention(
                 HQ=hq, D=d, NUM_SPLITS=splits, num_warps=4,
             )
         return out
-    block_m = max(query_rows or shape.query_rows, g_pad)
-    if block_m & (block_m - 1):
-        raise ValueError(f"query_rows must be a power of 2, got {query_rows}")
+    block_m = max(shape.query_rows, g_pad)
     block_q = block_m // g_pad
     grid = (query.shape[0] // block_q + num_seqs, layout.num_kv_heads)
     _prefill_kernel[grid](
         query, out, cache, k_scale, v_scale, block_table, seq_lens, query_start_loc, num_seqs,
         *common_args,
         G=g, G_PAD=g_pad, BLOCK_Q=block_q, TILE_N=tn, **meta,
-        num_warps=warps, num_stages=num_stages or 2,
+        num_warps=warps, num_stages=shape.num_stages or 2,
     )
     return out

@@ -12,8 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-FMT_FP8 = tl.constexpr(0)
-FMT_NVFP4 = tl.constexpr(1)
+from vllm_nvfp4.kernels.constants import FMT_FP8, format_code
 
 
 @triton.jit
@@ -142,11 +141,6 @@ def _write_kv_kernel(
     else:
         _store_nvfp4_row(v_src, page + V_DATA + (h * BLOCK + off) * (D // 2),
                          page + V_SCALE + (h * BLOCK + off) * C, tl.load(v_scale_ptr + h), D)
-
-
-def format_code(fmt: str) -> int:
-    """Kernel constexpr of a KV format name."""
-    return int(FMT_FP8.value) if fmt == "fp8" else int(FMT_NVFP4.value)
 
 
 def write_kv_cache(

@@ -7,7 +7,7 @@ integration therefore decodes each prefill sequence's context ONCE per layer int
 kernel (FlashAttention in vLLM). This kernel is that decode: one program per (sequence, tile of
 ``TILE_T`` positions, KV head), reading through the block table.
 
-Values equal :func:`vllm_nvfp4.paged_torch.dequantize_blocks` in FP32 bit for bit (same products
+Values equal :func:`vllm_nvfp4.paged_torch.dequantize_tokens` in FP32 bit for bit (same products
 in the same order: E4M3 scale times the per-head scale first, then the E2M1 value), then cast to
 the output dtype.
 """
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_nvfp4.kernels.cache_write import FMT_FP8, format_code
+from vllm_nvfp4.kernels.constants import E2M1_F16_UNSCALE, FMT_FP8, format_code
 
 
 @triton.jit
@@ -26,7 +26,7 @@ def _e2m1_f32(nib):
     """E2M1 nibbles (int32 0..15) -> their FP32 values: bit placement into fp16
     (``sign << 15 | code << 9`` is e2m1 * 2^-14, subnormal included), then times 2^14."""
     bits = ((nib & 8) << 12) | ((nib & 7) << 9)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * E2M1_F16_UNSCALE
 
 
 @triton.jit

@@ -1,0 +1,89 @@
+"""The configuration matrix: which engines a run compares, and the parsing of its list flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+SMALL_BATCH = 16
+#: CUDA-graph capture sizes when trimmed: every batch a stage can use is padded to one of these
+CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 128, 144, 160,
+                 176, 192, 224, 256, 288, 320, 352, 384, 448, 512]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One engine configuration of the matrix.
+
+    ``policy``: a compact KV policy, ``"mixed"`` (the first eighth of the layers FP8, the rest
+    NVFP4, or ``--mixed-policy``), or None for vLLM's own dtypes. ``weight``: relative share of a
+    time budget (bigger caches take longer to fill).
+    """
+
+    name: str
+    kv_cache_dtype: str
+    attention_backend: Optional[str]  # None: vLLM picks (ours for nvfp4_mixed)
+    policy: Optional[str]
+    weight: float
+
+
+CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
+    BenchConfig("fp8", "fp8", "FLASH_ATTN", None, 1.0),
+    BenchConfig("nvfp4-mixed", "nvfp4_mixed", None, "mixed", 1.6),
+    BenchConfig("auto", "auto", "FLASH_ATTN", None, 0.8),
+    BenchConfig("fp8-triton", "fp8", "TRITON_ATTN", None, 1.0),
+    BenchConfig("nvfp4-all", "nvfp4_mixed", None, "*:nvfp4", 1.7),
+)}
+#: its largest batch per context is the common batch of the decode comparison
+REFERENCE = "fp8"
+
+
+def mixed_policy(num_layers: int) -> str:
+    """The first eighth of the layers (at least one) FP8, the rest NVFP4: 4 of 32 for Llama-8B."""
+    k = max(1, round(num_layers / 8))
+    return f"0-{k - 1}:fp8,*:nvfp4" if k > 1 else "0:fp8,*:nvfp4"
+
+
+def policy_for(cfg: BenchConfig, num_layers: int, override: Optional[str] = None) -> Optional[str]:
+    """The compact policy string ``cfg`` runs with (None for vLLM's own dtypes)."""
+    if cfg.policy is None:
+        return None
+    if cfg.policy == "mixed":
+        return override or mixed_policy(num_layers)
+    return cfg.policy
+
+
+def capture_sizes_for(max_b: int) -> list[int]:
+    """Trimmed capture sizes up to the largest batch a stage can use."""
+    return [s for s in CAPTURE_SIZES if s <= max(max_b, 1)] or [1]
+
+
+def parse_contexts(text: str) -> list[int]:
+    """'32k,8192' -> [32768, 8192] (order kept: the first context is measured first)."""
+    out = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        try:
+            n = int(float(item[:-1]) * 1024) if item.endswith("k") else int(item)
+        except ValueError:
+            raise ValueError(f"context must be a token count like 8192 or 32k, got {item!r}") from None
+        if n <= 0:
+            raise ValueError(f"context must be positive, got {item!r}")
+        out.append(n)
+    if not out:
+        raise ValueError("no contexts given")
+    return out
+
+
+def parse_dtypes(text: str) -> list[str]:
+    """Comma-separated configuration names ('all': every one, reference first; 'none': [])."""
+    text = text.strip()
+    if text in ("none", ""):
+        return []
+    names = list(CONFIGS) if text == "all" else [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in CONFIGS]
+    if bad:
+        raise ValueError(f"unknown configuration(s) {bad}; choose from {list(CONFIGS)}")
+    return names

@@ -1,0 +1,245 @@
+"""The run: one worker process per configuration, then the serve runs, then the summary.
+
+Each configuration gets its own process (GPU memory is returned between them; a crash or a kill
+costs only that configuration). fp8 runs first where asked: its largest batch per context is
+handed to the later configurations as their ``ref`` decode stage.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from argparse import Namespace
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Optional
+
+from benchmarks.e2e import report
+from benchmarks.e2e.budget import Budget
+from benchmarks.e2e.capacity import ModelShape, bytes_per_token_by_config
+from benchmarks.e2e.configs import CONFIGS, REFERENCE, policy_for
+from benchmarks.e2e.records import RECORDS, Recorder, latest, merge_records, prior_records, read_records
+from benchmarks.e2e.serve import bench_serve_command, run_serve, serve_command
+from benchmarks.e2e.worker import log
+from vllm_nvfp4.testing.models import PRESETS, build_weightless_model
+
+REPO = Path(__file__).resolve().parents[2]
+SUMMARY = "e2e_summary.json"
+WORKER_LOG = "workers.log"
+#: worker log lines kept in a ``backend_log`` record: which backend and KV size vLLM chose
+BACKEND_LOG_KEYS = ("attention backend", "Using AttentionBackend", "vllm-nvfp4: KV policy",
+                    "GPU KV cache size", "Maximum concurrency")
+
+
+def worker_spec(a: Namespace, name: str, deadline: float, soft: float, ref: dict[str, int]) -> dict:
+    """Everything a worker reads (JSON-serializable; ``inf`` deadlines without a budget)."""
+    return dict(vars(a), config=name, deadline=deadline, soft_deadline=soft, ref_batches=ref)
+
+
+def worker_command(spec_path: Path) -> list[str]:
+    return [sys.executable, "-m", "benchmarks.e2e.worker", str(spec_path)]
+
+
+def child_env() -> dict[str, str]:
+    """This environment with the repository first on PYTHONPATH (vLLM's spawned processes too)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _pump(proc: subprocess.Popen, lf: Any, seen: list[str]) -> None:
+    """Copy a worker's output to the log, echo progress and error lines, keep backend lines."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lf.write(line)
+        if any(k in line for k in BACKEND_LOG_KEYS) and len(seen) < 12:
+            seen.append(line.strip()[-300:])
+        if line.startswith("[bench") or ("Error" in line[:200] and "Warning" not in line):
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of a worker's process group (engine core, GPU workers)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def run_config(a: Namespace, name: str, deadline: float, soft: float, ref: dict[str, int],
+               grace_s: float) -> int:
+    """One worker process, its whole group killed at ``deadline`` + ``grace_s``."""
+    out = Path(a.out)
+    spec_path = out / f"worker_{name}.json"
+    spec_path.write_text(json.dumps(worker_spec(a, name, deadline, soft, ref), indent=1))
+    cmd = worker_command(spec_path)
+    log(f"{name}: worker {shlex.join(cmd)}" + ("" if deadline == float("inf") else
+                                                f" ({deadline - time.time():.0f}s)"))
+    timeout = None if deadline == float("inf") else max(1.0, deadline - time.time() + grace_s)
+    with open(out / WORKER_LOG, "a") as lf:
+        lf.write(f"\n===== {name}: {shlex.join(cmd)}\n")
+        lf.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, bufsize=1, cwd=REPO, env=child_env())
+        seen: list[str] = []
+        pump = threading.Thread(target=_pump, args=(proc, lf, seen), daemon=True)
+        pump.start()
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log(f"{name}: past its deadline, killing the worker")
+            Recorder(out / RECORDS, config=name).write("killed", reason="deadline")
+            rc = -9
+        kill_group(proc)
+        pump.join(timeout=5)
+    if seen:
+        Recorder(out / RECORDS, config=name).write("backend_log", lines=seen[:6])
+    if not a.cpu:
+        wait_gpu_free()
+    return rc
+
+
+def gpu_memory_used_mib() -> Optional[int]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+        return int(out.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+def wait_gpu_free(limit_mib: int = 2048, timeout: float = 30.0) -> None:
+    """Wait (bounded) until the previous engine's GPU memory is back."""
+    t_end = time.time() + timeout
+    while time.time() < t_end:
+        used = gpu_memory_used_mib()
+        if used is None or used < limit_mib:
+            return
+        time.sleep(1)
+    log(f"warning: {gpu_memory_used_mib()} MiB still used on the GPU")
+
+
+def _run_text(cmd: list[str]) -> Optional[str]:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def versions() -> dict[str, Any]:
+    """Python, packages, GPU and the repository commit, for the summary."""
+    out: dict[str, Any] = dict(python=platform.python_version(), platform=platform.platform(),
+                               cpu_count=os.cpu_count())
+    for pkg in ("vllm", "torch", "triton", "transformers", "vllm-nvfp4"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    out["gpu"] = _run_text(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                            "--format=csv,noheader"])
+    out["git_commit"] = _run_text(["git", "-C", str(REPO), "rev-parse", "HEAD"])
+    return out
+
+
+def summarize(a: Namespace, meta: dict, t_start: float) -> dict:
+    """Merge earlier runs' records with this run's, compute ratios and targets, write the summary."""
+    now = read_records(Path(a.out) / RECORDS)
+    records = merge_records(prior_records(a.prior_records), now, a.dtypes, a.serve)
+    ctxs = sorted({r["context"] for r in records if "context" in r} | set(a.contexts + a.ttft_contexts),
+                  reverse=True)
+    ratios = report.compute_ratios(records, ctxs)
+    targets = report.check_targets(ratios, report.load_targets(a.targets))
+    summary = dict(meta, finished_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                   wall_s=round(time.time() - t_start, 1), ratios=ratios, targets=targets, records=records)
+    tmp = Path(a.out) / (SUMMARY + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=1, default=str))
+    tmp.replace(Path(a.out) / SUMMARY)
+    return summary
+
+
+def prepare_model(a: Namespace) -> None:
+    """Write the weight-less model of ``--preset`` unless ``--model`` names one (positions raised
+    only where the preset has fewer than the run needs)."""
+    if a.model is None:
+        need = a.max_model_len + 1024
+        a.model = str(build_weightless_model(a.model_dir, a.preset,
+                                             need if need > PRESETS[a.preset]["max_pos"] else None))
+
+
+def plan(a: Namespace) -> dict[str, Any]:
+    """What a run would do, without starting anything (``--dry-run`` prints it)."""
+    shape = ModelShape.from_model_dir(a.model)
+    bpt = bytes_per_token_by_config(shape, a.mixed_policy)
+    return dict(model=dict(vars(shape), path=a.model),
+                configs={n: dict(kv_cache_dtype=CONFIGS[n].kv_cache_dtype,
+                                 policy=policy_for(CONFIGS[n], shape.num_layers, a.mixed_policy),
+                                 kv_bytes_per_token=bpt[n], vs_fp8=round(bpt[REFERENCE] / bpt[n], 4))
+                         for n in dict.fromkeys(a.dtypes + a.serve)},
+                contexts=a.contexts, ttft_contexts=a.ttft_contexts,
+                worker=shlex.join(worker_command(Path(a.out) / "worker_CONFIG.json")),
+                serve={n: dict(server=shlex.join(serve_command(a, CONFIGS[n])),
+                               client=shlex.join(bench_serve_command(a, CONFIGS[n], f"bench_serve_{n}.json")))
+                       for n in a.serve})
+
+
+def run(a: Namespace) -> int:
+    t_start = time.time()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.fresh and (out / RECORDS).exists():
+        (out / RECORDS).unlink()
+    prepare_model(a)
+    budget = Budget.start(a.budget_s, a.serve_reserve_s if a.serve else 0.0, a.min_config_s)
+    p = plan(a)
+    meta = dict(started_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                command=shlex.join([sys.executable, "-m", "benchmarks.e2e"] + a.argv), args=vars(a),
+                versions=versions(), model=dict(p["model"], load_format="dummy"), configs=p["configs"],
+                method="benchmarks/e2e/__init__.py")
+    log(f"model {a.model}: {p['model']}; configs {a.dtypes}; contexts {a.contexts}; "
+        f"budget {a.budget_s or 'none'}")
+    ref: dict[str, int] = {}
+    e = latest(prior_records(a.prior_records), kind="engine", config=REFERENCE)
+    if e and REFERENCE not in a.dtypes:
+        ref = dict(e["max_batch"])
+        log(f"reference batches from {e['prior']}: {ref}")
+    for i, name in enumerate(a.dtypes):
+        if budget.limited and budget.left(reserve_serve=True) < a.min_config_s:
+            Recorder(out / RECORDS, config=name).write("skip", what="engine", reason="budget")
+            log(f"{name}: skipped (budget)")
+            continue
+        hard, soft = budget.config_deadlines([CONFIGS[n].weight for n in a.dtypes[i:]], reserve_serve=True)
+        run_config(a, name, hard, soft, ref, a.grace_s)
+        if name == REFERENCE:
+            e = latest(read_records(out / RECORDS), kind="engine", config=REFERENCE)
+            ref = dict(e["max_batch"]) if e else ref
+        summarize(a, meta, t_start)
+    for name in a.serve:
+        rec = Recorder(out / RECORDS, config=name)
+        if budget.limited and budget.left() < a.serve_min_s:
+            rec.write("skip", what="serve", reason=f"budget ({budget.left():.0f}s left)")
+            log(f"serve {name}: skipped, {budget.left():.0f}s left")
+            continue
+        try:
+            run_serve(a, CONFIGS[name], p["configs"][name]["policy"], budget.end, rec, log)
+        except Exception as exc:
+            rec.write("error", what="serve", error=repr(exc))
+        if not a.cpu:
+            wait_gpu_free()
+        summarize(a, meta, t_start)
+    summary = summarize(a, meta, t_start)
+    print("\n" + report.summary_table(summary["records"], summary["ratios"], summary["targets"]), flush=True)
+    log(f"done in {time.time() - t_start:.0f}s; results in {out / SUMMARY}")
+    return 0

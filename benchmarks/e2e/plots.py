@@ -1,0 +1,67 @@
+"""PNG plots of a summary: KV capacity per configuration; decode throughput against context."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def title_suffix(summary: dict) -> str:
+    """' (GPU, PRESET shape)' from a summary's versions and model, as far as it has them."""
+    gpu = ((summary.get("versions") or {}).get("gpu") or "").split(",")[0].replace("NVIDIA ", "")
+    preset = (summary.get("model") or {}).get("preset")
+    parts = [p for p in (gpu, f"{preset} shape" if preset else "") if p]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def plot_summary(summary_path: Path, plot_dir: Path) -> list[Path]:
+    """``e2e_capacity.png`` (KV tokens of the newest engine record of each configuration) and
+    ``e2e_decode.png`` (decode tokens/s at fp8's largest batch and at each configuration's own
+    largest batch). Returns the files written (none for a summary without such records)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = json.loads(Path(summary_path).read_text())
+    recs, suffix = summary["records"], title_suffix(summary)
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    eng = list({r["config"]: r for r in recs if r["kind"] == "engine"}.values())
+    if eng:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        names = [r["config"] for r in eng]
+        ax.bar(names, [r["capacity_tokens"] / 1e6 for r in eng], color="tab:blue")
+        for i, r in enumerate(eng):
+            ax.text(i, r["capacity_tokens"] / 1e6, f"{r['capacity_tokens'] / 1e6:.2f}M",
+                    ha="center", va="bottom", fontsize=8)
+        ax.set_ylabel("KV cache capacity (M tokens)")
+        ax.set_title("KV capacity at the same gpu_memory_utilization" + suffix, fontsize=9)
+        fig.tight_layout()
+        out.append(plot_dir / "e2e_capacity.png")
+        fig.savefig(out[-1], dpi=120)
+        plt.close(fig)
+    dec = [r for r in recs if r["kind"] == "decode"]
+    if dec:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        fig.suptitle("Decode throughput" + suffix, fontsize=10)
+        for ax, key, title in ((axes[0], "ref", "at fp8's largest batch"),
+                               (axes[1], "max", "at each configuration's largest batch")):
+            for name in dict.fromkeys(r["config"] for r in dec):
+                pts = sorted((r["context"], r["tok_per_s"], r["batch"]) for r in dec
+                             if r["config"] == name and key in r["label"].split("+"))
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+                    for c, t, b in pts:
+                        ax.annotate(f"b{b}", (c, t), fontsize=7, textcoords="offset points", xytext=(3, 3))
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(bottom=0)  # a zoomed axis would magnify a 2% gap into a cliff
+            ax.set_xlabel("prompt tokens")
+            ax.set_ylabel("decode output tokens/s")
+            ax.set_title(title, fontsize=9)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        out.append(plot_dir / "e2e_decode.png")
+        fig.savefig(out[-1], dpi=120)
+        plt.close(fig)
+    return out

@@ -1,0 +1,143 @@
+"""Online serving numbers from vLLM's own tools: ``vllm bench serve`` against ``vllm serve``.
+
+For each configuration: start ``vllm serve`` (same model, memory setting and KV dtype as the
+offline runs; the nvfp4 policy through ``VLLM_NVFP4_POLICY``), wait for ``/health``, run
+``vllm bench serve`` on its random dataset, keep its result JSON (``OUT/bench_serve_CONFIG.json``)
+and record its throughput / TTFT / TPOT / ITL / end-to-end latency fields, stop the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from argparse import Namespace
+from pathlib import Path
+from typing import Optional
+
+from benchmarks.e2e.configs import BenchConfig
+from benchmarks.e2e.records import Recorder
+
+SERVE_LOG = "serve.log"
+#: fields of vLLM's result JSON copied into the ``bench_serve`` record
+RESULT_FIELDS = ("duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+                 "request_throughput", "output_throughput", "total_token_throughput",
+                 "max_concurrency", "request_rate")
+PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
+LATENCY_FIELD = re.compile(r"^(mean|median|std|p[0-9.]+)_[a-z0-9]+_ms$")
+VLLM_CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
+def serve_command(a: Namespace, cfg: BenchConfig) -> list[str]:
+    """``vllm serve`` of one configuration on 127.0.0.1:``a.port``."""
+    cmd = VLLM_CLI + ["serve", a.model, "--port", str(a.port), "--host", "127.0.0.1",
+                      "--load-format", "dummy", "--kv-cache-dtype", cfg.kv_cache_dtype,
+                      "--max-model-len", str(a.max_model_len), "--gpu-memory-utilization",
+                      str(a.gpu_mem), "--no-enable-prefix-caching", "--seed", "0"]
+    if cfg.attention_backend and not a.cpu:
+        cmd += ["--attention-backend", cfg.attention_backend]
+    if a.eager:
+        cmd += ["--enforce-eager"]
+    return cmd
+
+
+def bench_serve_command(a: Namespace, cfg: BenchConfig, result_name: str) -> list[str]:
+    """``vllm bench serve`` with random prompts of ``serve_prompt_len`` tokens, ``ignore_eos``."""
+    cmd = VLLM_CLI + [
+        "bench", "serve", "--backend", "vllm", "--base-url", f"http://127.0.0.1:{a.port}",
+        "--model", a.model, "--dataset-name", "random",
+        "--random-input-len", str(a.serve_prompt_len), "--random-output-len", str(a.serve_output_len),
+        "--num-prompts", str(a.serve_requests), "--max-concurrency", str(a.clients),
+        "--request-rate", str(a.request_rate), "--ignore-eos", "--seed", "0",
+        "--percentile-metrics", PERCENTILE_METRICS, "--metric-percentiles", "50,99",
+        "--save-result", "--result-dir", str(Path(a.out).resolve()), "--result-filename", result_name,
+        "--label", cfg.name, "--disable-tqdm"]
+    return cmd + shlex.split(a.bench_serve_args or "")
+
+
+def result_record(result: dict) -> dict:
+    """The ``bench_serve`` record fields of one vLLM result JSON (plus every mean/median/p
+    latency field it has, e.g. ``median_ttft_ms``, ``p99_tpot_ms``)."""
+    out = {k: result[k] for k in RESULT_FIELDS if k in result}
+    out.update({k: v for k, v in result.items() if LATENCY_FIELD.match(k)})
+    return out
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, deadline: float) -> bool:
+    """Poll ``/health`` until it answers, the server exits or ``deadline`` (Unix s) passes."""
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return True
+        except OSError:
+            time.sleep(1)
+    return False
+
+
+def stop_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
+    """SIGTERM the process group ``proc`` leads, SIGKILL it after ``grace`` s, then stragglers."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        break
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # e.g. the engine core of a stopped API server
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_serve(a: Namespace, cfg: BenchConfig, policy: Optional[str], deadline: float,
+              rec: Recorder, log) -> None:
+    """One configuration: server up, ``vllm bench serve``, record, server down."""
+    env = dict(os.environ)
+    if policy:
+        env["VLLM_NVFP4_POLICY"] = policy
+    cmd = serve_command(a, cfg)
+    log(f"serve {cfg.name}: {shlex.join(cmd)}")
+    t0 = time.time()
+    with open(Path(a.out) / SERVE_LOG, "a") as lf:
+        lf.write(f"\n===== serve {cfg.name}: {shlex.join(cmd)}\n")
+        lf.flush()
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            if not wait_healthy(a.port, proc, min(deadline - 30, t0 + a.serve_start_s)):
+                why = "server exited" if proc.poll() is not None else "no /health before the deadline"
+                rec.write("error", what=f"serve {cfg.name}", error=why, start_s=round(time.time() - t0, 1))
+                log(f"serve {cfg.name}: {why} (see {SERVE_LOG})")
+                return
+            start_s = time.time() - t0
+            name = f"bench_serve_{cfg.name}.json"
+            bench = bench_serve_command(a, cfg, name)
+            log(f"serve {cfg.name}: /health after {start_s:.0f}s; {shlex.join(bench)}")
+            lf.write(f"\n===== vllm bench serve {cfg.name}: {shlex.join(bench)}\n")
+            lf.flush()
+            timeout = None if deadline == float("inf") else max(10.0, deadline - time.time())
+            try:
+                rc = subprocess.run(bench, stdout=lf, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            path = Path(a.out) / name
+            if rc != 0 or not path.exists():
+                rec.write("error", what=f"vllm bench serve {cfg.name}", error=f"exit {rc} (see {SERVE_LOG})")
+                log(f"serve {cfg.name}: vllm bench serve failed: exit {rc}")
+                return
+            fields = result_record(json.loads(path.read_text()))
+            rec.write("bench_serve", server_start_s=round(start_s, 1), result_file=name,
+                      prompt_len=a.serve_prompt_len, output_len=a.serve_output_len,
+                      command=shlex.join(bench), **fields)
+            log(f"serve {cfg.name}: {fields.get('completed')} requests, {fields.get('output_throughput')} "
+                f"output tok/s, TTFT median {fields.get('median_ttft_ms')} ms")
+        finally:
+            stop_group(proc)

@@ -1,0 +1,73 @@
+"""Kernel split of a decode step from a torch-profiler (Chrome) trace.
+
+GPU kernel time is summed per category - attention, KV write, GEMM, other - from the kernels'
+names; vLLM's ``bench`` tools report whole-step times only.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+CATEGORIES = ("attention", "kv_write", "gemm", "other")
+#: name fragments, checked in this order: KV write first (its kernels also say "cache")
+KV_WRITE_KEYS = ("reshape_and_cache", "_write_kv_kernel", "cache_kernel")
+ATTENTION_KEYS = ("flash", "fmha", "attn", "attention", "_decode_kernel", "_decode_keys_kernel",
+                  "_reduce_kernel", "_prefill_kernel", "_dequant_kv_kernel", "combine")
+GEMM_KEYS = ("gemm", "xmma", "cutlass", "nvjet", "matmul", "sm90_")
+
+
+def kernel_category(name: str) -> str:
+    """attention / kv_write / gemm / other, from a CUDA kernel's name."""
+    n = name.lower()
+    if any(k in n for k in KV_WRITE_KEYS):
+        return "kv_write"
+    if any(k in n for k in ATTENTION_KEYS):
+        return "attention"
+    if any(k in n for k in GEMM_KEYS):
+        return "gemm"
+    return "other"
+
+
+def load_trace_events(path: Path) -> list[dict]:
+    """``traceEvents`` of a Chrome trace (``.json`` or ``.json.gz``)."""
+    opener: Callable[..., Any] = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        data = json.load(f)
+    return data.get("traceEvents", []) if isinstance(data, dict) else data
+
+
+def kernel_time_by_category(events: list[dict]) -> dict[str, float]:
+    """Total GPU kernel microseconds per category, plus ``total``."""
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    for ev in events:
+        if ev.get("ph") == "X" and ev.get("cat") == "kernel":
+            out[kernel_category(str(ev.get("name", "")))] += float(ev.get("dur", 0.0))
+    out["total"] = sum(out.values())
+    return out
+
+
+def split_per_step(us: dict[str, float], tpot_ms: float) -> tuple[dict[str, float], dict[str, float]]:
+    """(fraction of kernel time, ms per decode step) per category.
+
+    ms per step = fraction x the measured time per output token, which stays right when the
+    trace holds one step more or less than asked.
+    """
+    total = us["total"] or float("nan")
+    frac = {k: round(us[k] / total, 4) for k in CATEGORIES}
+    return frac, {k: round(f * tpot_ms, 3) for k, f in frac.items()}
+
+
+def wait_for_trace(pdir: Path, before: set[Path], timeout: float) -> Path:
+    """The newest trace file the profiler wrote into ``pdir`` after ``before`` was listed."""
+    t_end = time.time() + timeout
+    while time.time() < t_end:
+        new = [p for p in pdir.rglob("*.json*") if p not in before and p.stat().st_size > 0]
+        if new:
+            time.sleep(2)  # let the writer finish
+            return max(new, key=lambda p: p.stat().st_mtime)
+        time.sleep(0.5)
+    raise TimeoutError(f"no profiler trace appeared in {pdir}")
