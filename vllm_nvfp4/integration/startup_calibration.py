@@ -270,7 +270,10 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
     shape = ModelShape.of(vllm_config)
     layers = _our_layers(vllm_config)
     soft_cap = any(layer.impl.logits_soft_cap is not None for layer in layers.values())
-    tokenizer = _load_tokenizer(mc)
+    try:
+        tokenizer = _load_tokenizer(mc)
+    except (OSError, ValueError, ImportError) as e:  # same outcome on every rank: no collective yet
+        return {"skipped": f"cannot load the tokenizer of {mc.tokenizer} with transformers ({e})"}
     text_tokens = len(tokenizer(BUILTIN_TEXT.read_text(encoding="utf-8"),
                                 add_special_tokens=False, verbose=False)["input_ids"])
     recipe = recipe_for(vllm_config, text_tokens, soft_cap)
@@ -320,7 +323,11 @@ def calibrate_engine(executor: Any) -> None:
                        "accuracy", reason)
         return
     summary = executor.collective_rpc(calibrate_worker)[0]
-    if summary["cached"]:
+    if "skipped" in summary:
+        logger.warning("vllm-nvfp4: no start-up calibration (%s): the default rule runs with "
+                       "default scales; calibrate with `vllm-nvfp4 calibrate` for accuracy",
+                       summary["skipped"])
+    elif summary["cached"]:
         logger.info("vllm-nvfp4: start-up calibration reused from %s (%d tokens; %.1f s)",
                     summary["path"], summary["tokens"], summary["seconds"])
     else:
