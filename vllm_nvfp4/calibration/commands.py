@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 import vllm_nvfp4
 from vllm_nvfp4.calibration.data import load_windows
 from vllm_nvfp4.calibration.evaluator import Evaluator
-from vllm_nvfp4.calibration.modeling import config_sha256, load_model, read_config
+from vllm_nvfp4.calibration.modeling import config_sha256, load_model, read_text_config
 from vllm_nvfp4.calibration.progress import progress, single_bar
 from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy, with_formats
 from vllm_nvfp4.calibration.selection import (
@@ -168,9 +168,7 @@ class TuneResult:
 
 def soft_capped(model_dir: Path) -> bool:
     """Whether the model's attention logits are soft-capped (K centering is then not exact)."""
-    cfg = read_config(model_dir)
-    text = cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
-    return bool(text.get("attn_logit_softcapping"))
+    return bool(read_text_config(model_dir).get("attn_logit_softcapping"))
 
 
 def run_tune(model_dir: Path, data: Sequence[Path], report_dir: Path, fp8_slots: int,

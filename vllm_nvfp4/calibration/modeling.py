@@ -57,6 +57,12 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     return cfg
 
 
+def read_text_config(model_dir: Path) -> dict[str, Any]:
+    """The decoder's part of ``config.json`` (``text_config`` of multimodal wrappers)."""
+    cfg = read_config(model_dir)
+    return cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+
+
 def config_sha256(model_dir: Path) -> str:
     """SHA-256 of ``config.json`` parsed and re-serialised with sorted keys (formatting-proof)."""
     return hashlib.sha256(json.dumps(read_config(model_dir), sort_keys=True).encode()).hexdigest()
@@ -65,8 +71,7 @@ def config_sha256(model_dir: Path) -> str:
 def config_shape(model_dir: Path) -> tuple[Optional[int], Optional[int]]:
     """``(num_hidden_layers, max_position_embeddings)`` from ``config.json`` (text config if
     nested), for checking arguments before loading weights; ``None`` where absent."""
-    cfg = read_config(model_dir)
-    cfg = cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
+    cfg = read_text_config(model_dir)
     layers, pos = cfg.get("num_hidden_layers"), cfg.get("max_position_embeddings")
     return (layers if isinstance(layers, int) else None, pos if isinstance(pos, int) else None)
 
@@ -91,8 +96,7 @@ def _weight_bytes(model_dir: Path, dtype: str) -> float:
     """Bytes of the weights in ``dtype``: the checkpoint files' size rescaled from their dtype."""
     files = [p for p in Path(model_dir).iterdir() if p.suffix in (".safetensors", ".bin")]
     stored = sum(p.stat().st_size for p in files)
-    cfg = read_config(model_dir)
-    text = cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
+    cfg, text = read_config(model_dir), read_text_config(model_dir)
     stored_dtype = str(text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype") or "float32")
     size = {"float32": 4, "bfloat16": 2, "float16": 2}
     return stored * size[dtype] / size.get(stored_dtype, 4)
@@ -101,8 +105,7 @@ def _weight_bytes(model_dir: Path, dtype: str) -> float:
 def memory_estimate(model_dir: Path, dtype: str, window: int, windows: int) -> dict[str, float]:
     """GiB the calibration commands need: ``weights`` (in ``dtype``) and ``work`` (the reference
     log-probs of ``windows`` windows, one forward's logits and hidden states kept for prefix reuse)."""
-    cfg = read_config(model_dir)
-    text = cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
+    text = read_text_config(model_dir)
     vocab, hidden = int(text.get("vocab_size", 0)), int(text.get("hidden_size", 0))
     layers = int(text.get("num_hidden_layers", 0))
     elem = DTYPES[dtype].itemsize
