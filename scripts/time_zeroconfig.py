@@ -112,6 +112,8 @@ def random_weight_model(out: Path, preset: str) -> Path:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(model_dir)
     del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the analysis runs in another process and needs the memory
     log(f"random {preset} weights in {time.perf_counter() - t0:.0f} s -> {model_dir}")
     return model_dir
 
