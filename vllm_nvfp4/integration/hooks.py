@@ -30,7 +30,11 @@ vLLM APIs the backend *uses* without patching them (they must keep working acros
 ``AttentionBackend`` / ``AttentionMetadataBuilder`` / ``AttentionImpl``, ``CommonAttentionMetadata``
 and ``split_decodes_and_prefills`` (v1/attention), the builder's ``reorder_batch_threshold = 1``
 (decodes first), and for prefill on CUDA ``vllm.vllm_flash_attn.flash_attn_varlen_func`` with
-``fa_utils.get_flash_attn_version`` (``dense_prefill.py``).
+``fa_utils.get_flash_attn_version`` (``dense_prefill.py``); for the start-up calibration
+(``startup_calibration.py``) ``Executor.collective_rpc`` with a function, the model runner's
+``get_model()`` / ``vllm_config`` / ``device``, ``forward_context.set_forward_context`` (attention
+metadata by layer name, an empty slot mapping) and the TP group's ``cpu_group`` /
+``broadcast_object``.
 """
 
 from __future__ import annotations
