@@ -58,12 +58,12 @@ from vllm_nvfp4.evaluation.kv_configs import (  # noqa: E402
     OURS,
     ConfigError,
     KVConfig,
-    ModelShape,
     build_configs,
 )
 from vllm_nvfp4.evaluation.logprobs import WindowScores, compare, ratio_to  # noqa: E402
 from vllm_nvfp4.evaluation.report import FP8_REFERENCES, check_targets, markdown_table, plot, targets_markdown  # noqa: E402
 from vllm_nvfp4.evaluation.windows import tail_windows  # noqa: E402
+from vllm_nvfp4.model_shape import ModelShape  # noqa: E402
 from vllm_nvfp4.policy import PolicyError  # noqa: E402
 
 DEFAULT_KV_SPACE_GIB = "1"
@@ -239,8 +239,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.environ.setdefault(k, v)
     try:
         shape = replace(ModelShape.from_model_dir(args.model), dtype=args.dtype)
-        configs = build_configs(args.configs, shape, args.policy, args.budget, args.fp8_policy,
-                                model_dir=args.model)
+        configs = build_configs(args.configs, shape, args.policy, args.budget, args.fp8_policy)
     except (ConfigError, PolicyError, ValueError) as e:
         print(f"eval_accuracy: error: {e}", file=sys.stderr)
         return 2

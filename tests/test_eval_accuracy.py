@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,14 +16,16 @@ import pytest
 
 from vllm_nvfp4.evaluation import gsm8k, passkey
 from vllm_nvfp4.calibration.selection import count_fp8_slots
-from vllm_nvfp4.evaluation.kv_configs import ConfigError, KVConfig, ModelShape, build_configs
+from vllm_nvfp4.evaluation.kv_configs import ConfigError, KVConfig, build_configs
 from vllm_nvfp4.evaluation.logprobs import WindowScores, compare, ratio_to, scores_from_prompt_logprobs
 from vllm_nvfp4.evaluation.report import check_targets, markdown_table, plot
 from vllm_nvfp4.evaluation.stats import bootstrap_ratio, mean_interval, t975
 from vllm_nvfp4.evaluation.windows import tail_windows
+from vllm_nvfp4.model_shape import ModelShape
 from vllm_nvfp4.policy import KVPolicy
 
-SHAPE = ModelShape(num_layers=6, num_kv_heads=2, head_dim=64, max_positions=4096, dtype="bfloat16")
+SHAPE = ModelShape(num_layers=6, total_num_kv_heads=2, num_kv_heads=2, head_dim=64, max_positions=4096,
+                   dtype="bfloat16")
 
 
 # ----------------------------------------------------------------------------- stats
@@ -165,7 +168,8 @@ def test_build_configs_errors(tmp_path: Path) -> None:
         build_configs(["mixed_naive"], SHAPE)
     naive = build_configs(["mixed_naive"], SHAPE, budget=0.62)[0]
     assert naive.fraction_of_fp8(SHAPE) <= 0.62 and naive.policy.layers[0].k_scale is None
-    other = ModelShape(num_layers=4, num_kv_heads=2, head_dim=64, max_positions=1, dtype="bfloat16")
+    other = ModelShape(num_layers=4, total_num_kv_heads=2, num_kv_heads=2, head_dim=64, max_positions=1,
+                       dtype="bfloat16")
     with pytest.raises(ValueError, match="4"):
         build_configs(["mixed_calibrated"], other, _calibrated(tmp_path))
 
@@ -173,24 +177,15 @@ def test_build_configs_errors(tmp_path: Path) -> None:
 def test_flag_only_is_the_zero_config_start(tmp_path: Path) -> None:
     """No policy file, VLLM_NVFP4_POLICY emptied (= unset), start-up calibration on; the default
     rule's bytes; refused when the model directory holds a policy the engine would serve."""
-    cfg = build_configs(["flag_only"], SHAPE, model_dir=tmp_path)[0]
+    shape = replace(SHAPE, model_dir=str(tmp_path))
+    cfg = build_configs(["flag_only"], shape)[0]
     assert cfg.kv_cache_dtype == "nvfp4_mixed" and cfg.policy.to_compact() == "0:fp8,1-4:nvfp4,5:fp8"
-    assert cfg.fraction_of_fp8(SHAPE) == pytest.approx((4 + 8 * 0.5625) / 12)
+    assert cfg.fraction_of_fp8(shape) == pytest.approx((4 + 8 * 0.5625) / 12)
     assert cfg.write_policy(tmp_path / "pol") is None and not (tmp_path / "pol").exists()
     assert cfg.env(None) == {"VLLM_NVFP4_POLICY": "", "VLLM_NVFP4_STARTUP_CALIBRATION": "1"}
     (tmp_path / "nvfp4_policy.json").write_text("{}")
     with pytest.raises(ConfigError, match="nvfp4_policy.json exists"):
-        build_configs(["flag_only"], SHAPE, model_dir=tmp_path)
-
-
-def test_model_shape_from_config(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({
-        "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 512,
-        "max_position_embeddings": 2048, "torch_dtype": "bfloat16"}))
-    s = ModelShape.from_model_dir(tmp_path)
-    assert (s.num_layers, s.num_kv_heads, s.head_dim, s.max_positions) == (3, 2, 64, 2048)
-    with pytest.raises(ConfigError, match="config.json"):
-        ModelShape.from_model_dir(tmp_path / "missing")
+        build_configs(["flag_only"], shape)
 
 
 # ----------------------------------------------------------------------------- lm-eval glue

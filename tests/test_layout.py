@@ -96,3 +96,16 @@ def test_nvfp4_chunk_planar_nibble_order():
     assert torch.equal(rows[..., 0] >> 4, elem16)
     with pytest.raises(ValueError, match="multiple of 16"):
         nvfp4_element_order(40)
+
+
+def test_kept_offsets_leave_equality_hash_and_pickling_alone():
+    import pickle
+
+    used = KVPageLayout(3, 64, 32, "nvfp4", "fp8")
+    offsets = (used.k_scale_offset, used.v_data_offset, used.v_scale_offset, used.page_bytes)
+    assert offsets == (3 * 32 * 32, 3 * 32 * 36, 3 * 32 * 100, 3 * 32 * 100)
+    fresh = KVPageLayout(3, 64, 32, "nvfp4", "fp8")
+    assert used == fresh and hash(used) == hash(fresh) and repr(used) == repr(fresh)
+    again = pickle.loads(pickle.dumps(used))
+    assert again == used and again.page_bytes == used.page_bytes == used.bytes_per_token * 32
+    assert used != KVPageLayout(3, 64, 32, "fp8", "nvfp4")

@@ -106,7 +106,11 @@ def nvfp4_packed_from_rows(rows: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class KVPageLayout:
-    """Byte offsets of the K/V data and scale planes inside one cache page (see module doc)."""
+    """Byte offsets of the K/V data and scale planes inside one cache page (see module doc).
+
+    Immutable; the offsets and sizes are computed on first use and kept (they are read on every
+    cache operation).
+    """
 
     num_kv_heads: int
     head_dim: int
@@ -164,19 +168,19 @@ class KVPageLayout:
     def k_data_offset(self) -> int:
         return 0
 
-    @property
+    @functools.cached_property
     def k_scale_offset(self) -> int:
         return self.k_data_offset + self.data_bytes("k")
 
-    @property
+    @functools.cached_property
     def v_data_offset(self) -> int:
         return self.k_scale_offset + self.scale_bytes("k")
 
-    @property
+    @functools.cached_property
     def v_scale_offset(self) -> int:
         return self.v_data_offset + self.data_bytes("v")
 
-    @property
+    @functools.cached_property
     def page_bytes(self) -> int:
         """Bytes of one cache block of one layer, K and V together, scales included."""
         return self.v_scale_offset + self.scale_bytes("v")
@@ -187,7 +191,7 @@ class KVPageLayout:
     def scale_offset(self, which: KV) -> int:
         return self.k_scale_offset if which == "k" else self.v_scale_offset
 
-    @property
+    @functools.cached_property
     def bytes_per_token(self) -> int:
         """Cache bytes per token (all heads, K and V): ``page_bytes / block_size``."""
         return self.num_kv_heads * (

@@ -23,7 +23,6 @@ vLLM processes inherit it), so the same file works for ``LLM()``, ``vllm serve``
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from vllm_nvfp4.calibration.scales import with_formats
 from vllm_nvfp4.calibration.selection import count_fp8_slots, fp8_slots_for_budget, naive_formats
 from vllm_nvfp4.formats import KVFormat
 from vllm_nvfp4.integration.startup_calibration import STARTUP_CALIBRATION_ENV
+from vllm_nvfp4.model_shape import ModelShape
 from vllm_nvfp4.policy import POLICY_ENV, POLICY_FILENAME, KVPolicy, LayerPolicy, default_policy
 
 logger = logging.getLogger(__name__)
@@ -40,36 +40,10 @@ logger = logging.getLogger(__name__)
 CONFIG_NAMES = ("auto", "fp8", "ours_fp8", "nvfp4_all", "mixed_calibrated", "mixed_naive", "flag_only")
 DEFAULT_CONFIGS = ("auto", "fp8", "nvfp4_all", "mixed_calibrated", "mixed_naive")
 OURS = "nvfp4_mixed"
-_MODEL_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 class ConfigError(ValueError):
     """A configuration that cannot be built from the arguments; the message says what is missing."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What KV bytes depend on, read from the model's ``config.json``."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    max_positions: int
-    dtype: str
-
-    @classmethod
-    def from_model_dir(cls, model_dir: Path) -> "ModelShape":
-        try:
-            cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{model_dir}: cannot read config.json ({e})") from None
-        cfg = cfg.get("text_config", cfg)
-        heads = int(cfg["num_attention_heads"])
-        return cls(num_layers=int(cfg["num_hidden_layers"]),
-                   num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
-                   head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-                   max_positions=int(cfg.get("max_position_embeddings", 2048)),
-                   dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"))
 
 
 @dataclass(frozen=True)
@@ -85,12 +59,12 @@ class KVConfig:
     def expected_bytes_per_token(self, shape: ModelShape) -> int:
         """KV-cache bytes per token by arithmetic (all layers, K and V, scales included)."""
         if self.policy is not None:
-            return self.policy.kv_bytes_per_token(shape.num_kv_heads, shape.head_dim)
-        per_elem = 1 if self.kv_cache_dtype.startswith("fp8") else _MODEL_DTYPE_BYTES.get(shape.dtype, 2)
-        return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * per_elem
+            return self.policy.kv_bytes_per_token(shape.total_num_kv_heads, shape.head_dim)
+        per_elem = 1 if self.kv_cache_dtype.startswith("fp8") else shape.dtype_bytes
+        return 2 * shape.num_layers * shape.total_num_kv_heads * shape.head_dim * per_elem
 
     def fraction_of_fp8(self, shape: ModelShape) -> float:
-        fp8 = 2 * shape.num_layers * shape.num_kv_heads * KVFormat.FP8.bytes_per_head(shape.head_dim)
+        fp8 = 2 * shape.num_layers * shape.total_num_kv_heads * KVFormat.FP8.bytes_per_head(shape.head_dim)
         return self.expected_bytes_per_token(shape) / fp8
 
     def write_policy(self, directory: Path) -> Optional[Path]:
@@ -123,16 +97,17 @@ def with_scales_of(formats: KVPolicy, scales: Optional[KVPolicy], source: str) -
 
 def _load_checked(path: Path, shape: ModelShape) -> KVPolicy:
     policy = KVPolicy.load(path)
-    policy.check_model(shape.num_layers, shape.num_kv_heads)
+    policy.check_model(shape.num_layers, shape.total_num_kv_heads)
     return policy
 
 
 def build_configs(names: Sequence[str], shape: ModelShape, policy_path: Optional[Path] = None,
                   budget: Optional[float] = None, fp8_policy_path: Optional[Path] = None,
-                  model_dir: Optional[Path] = None) -> list[KVConfig]:
+                  ) -> list[KVConfig]:
     """The configurations ``names`` (see the module table), in the order given.
 
-    ``flag_only`` refuses a ``model_dir`` holding ``nvfp4_policy.json`` (the engine would use it).
+    ``flag_only`` refuses a ``shape.model_dir`` holding ``nvfp4_policy.json`` (the engine would
+    serve it).
 
     ``fp8_policy_path``: a calibrated all-FP8 policy (e.g. ``vllm-nvfp4 calibrate --policy "*:fp8"
     --k-smooth 1``) that ``ours_fp8`` uses as is, scales and K smoothing included.
@@ -182,8 +157,8 @@ def build_configs(names: Sequence[str], shape: ModelShape, policy_path: Optional
             pol = with_scales_of(naive_formats(L, slots), calibrated, f"eval: naive first/last ({slots} FP8 slots)")
             out.append(KVConfig(name, OURS, f"nvfp4_mixed, first/last-N FP8 ({slots} FP8 slots), {scales_note}", pol))
         elif name == "flag_only":
-            if model_dir is not None and (Path(model_dir) / POLICY_FILENAME).is_file():
-                raise ConfigError(f"flag_only: {model_dir}/{POLICY_FILENAME} exists and an engine "
+            if shape.model_dir is not None and (Path(shape.model_dir) / POLICY_FILENAME).is_file():
+                raise ConfigError(f"flag_only: {shape.model_dir}/{POLICY_FILENAME} exists and an engine "
                                   "would serve it; move it away to measure the zero-config start")
             out.append(KVConfig(name, OURS, "nvfp4_mixed, no policy: default rule, start-up calibration",
                                 default_policy(L), zero_config=True))

@@ -14,11 +14,11 @@ import functools
 import logging
 import os
 import weakref
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE
 from vllm_nvfp4.layout import PAGE_ALIGN, KVPageLayout
+from vllm_nvfp4.model_shape import ModelShape
 from vllm_nvfp4.policy import POLICY_ENV, KVPolicy, LayerPolicy, PolicyError, resolve_policy
 
 from vllm_nvfp4.integration.dtype import CACHE_DTYPE, PLUGIN_NAME
@@ -28,31 +28,6 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handl
 
 class Nvfp4MixedConfigError(ValueError):
     """The engine configuration cannot run with ``kv_cache_dtype=nvfp4_mixed``; says why."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the policy and the page layout need to know about the model (per TP rank)."""
-
-    num_layers: int  # attention layers of the whole model = rows of the policy
-    total_num_kv_heads: int
-    num_kv_heads: int  # on this rank
-    head_dim: int
-    block_size: int
-    model_dir: Optional[str]
-
-    @classmethod
-    def of(cls, vllm_config: Any) -> "ModelShape":
-        mc, pc = vllm_config.model_config, vllm_config.parallel_config
-        model_dir = mc.model if os.path.isdir(str(mc.model)) else None
-        return cls(
-            num_layers=mc.get_total_num_hidden_layers(),
-            total_num_kv_heads=mc.get_total_num_kv_heads(),
-            num_kv_heads=mc.get_num_kv_heads(pc),
-            head_dim=mc.get_head_size(),
-            block_size=vllm_config.cache_config.block_size,
-            model_dir=model_dir,
-        )
 
 
 @functools.lru_cache(maxsize=8)
@@ -71,7 +46,7 @@ _STARTUP_POLICIES: dict[int, KVPolicy] = {}
 def set_startup_policy(vllm_config: Any, policy: KVPolicy) -> None:
     """Make ``policy`` (the default rule's formats with start-up calibrated scales) the policy in
     force for ``vllm_config`` in this process, for as long as that config object lives."""
-    shape = ModelShape.of(vllm_config)
+    shape = ModelShape.from_vllm_config(vllm_config)
     if policy.to_compact() != model_policy(vllm_config).to_compact():
         raise Nvfp4MixedConfigError(
             f"start-up calibration changed the layer formats ({policy.to_compact()}); the KV "
@@ -87,7 +62,7 @@ def model_policy(vllm_config: Any) -> KVPolicy:
     startup = _STARTUP_POLICIES.get(id(vllm_config))
     if startup is not None:
         return startup
-    shape = ModelShape.of(vllm_config)
+    shape = ModelShape.from_vllm_config(vllm_config)
     return _resolve(shape.num_layers, shape.total_num_kv_heads, shape.head_dim, shape.model_dir,
                     os.environ.get(POLICY_ENV, ""))
 
@@ -110,7 +85,7 @@ def layer_index(layer_name: str, num_layers: int) -> int:
 
 def layer_plan(vllm_config: Any, layer_name: str) -> tuple[int, LayerPolicy, KVPageLayout]:
     """Policy index, policy row and page layout of one attention layer on this rank."""
-    shape = ModelShape.of(vllm_config)
+    shape = ModelShape.from_vllm_config(vllm_config)
     policy = model_policy(vllm_config)
     index = layer_index(layer_name, shape.num_layers)
     row = policy.layers[index]
@@ -174,7 +149,7 @@ def check_engine_config(vllm_config: Any) -> KVPolicy:
     backend = vllm_config.attention_config.backend
     if backend is not None and backend.name != "CUSTOM":  # early here; per layer in selection
         raise other_backend_error(backend.name)
-    shape = ModelShape.of(vllm_config)
+    shape = ModelShape.from_vllm_config(vllm_config)
     if shape.head_dim % NVFP4_BLOCK_SIZE:
         raise Nvfp4MixedConfigError(
             f"kv_cache_dtype={CACHE_DTYPE} needs head_dim to be a multiple of "

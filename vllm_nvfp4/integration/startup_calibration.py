@@ -51,7 +51,8 @@ from vllm_nvfp4.calibration.startup_cache import (
 from vllm_nvfp4.policy import POLICY_ENV, POLICY_FILENAME, KVPolicy, default_policy
 
 from vllm_nvfp4.integration.dtype import is_ours
-from vllm_nvfp4.integration.model import ModelShape, layer_index, layer_plan, set_startup_policy
+from vllm_nvfp4.integration.model import layer_index, layer_plan, set_startup_policy
+from vllm_nvfp4.model_shape import ModelShape
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
 
@@ -70,7 +71,7 @@ def skip_reason(vllm_config: Any) -> Optional[str]:
         return "policy given"  # not our dtype: nothing to do
     if os.environ.get(POLICY_ENV, "").strip():
         return "policy given"
-    shape = ModelShape.of(vllm_config)
+    shape = ModelShape.from_vllm_config(vllm_config)
     if shape.model_dir is not None and (Path(shape.model_dir) / POLICY_FILENAME).is_file():
         return "policy given"
     if os.environ.get(STARTUP_CALIBRATION_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
@@ -267,7 +268,7 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
     start = time.perf_counter()
     runner = worker.model_runner
     vllm_config, mc = runner.vllm_config, runner.vllm_config.model_config
-    shape = ModelShape.of(vllm_config)
+    shape = ModelShape.from_vllm_config(vllm_config)
     layers = _our_layers(vllm_config)
     soft_cap = any(layer.impl.logits_soft_cap is not None for layer in layers.values())
     try:

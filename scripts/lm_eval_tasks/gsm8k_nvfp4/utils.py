@@ -7,8 +7,9 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from vllm_nvfp4.testing.assets import assets_dir
+
 GSM8K_ENV = "VLLM_NVFP4_GSM8K"
-ASSETS_ENV = "VLLM_NVFP4_ASSETS"
 
 
 def gsm8k_path(data_path: Optional[str] = None) -> Path:
@@ -17,9 +18,7 @@ def gsm8k_path(data_path: Optional[str] = None) -> Path:
         return Path(data_path).expanduser()
     if os.environ.get(GSM8K_ENV):
         return Path(os.environ[GSM8K_ENV]).expanduser()
-    root = Path(os.environ[ASSETS_ENV]).expanduser() if os.environ.get(ASSETS_ENV) else \
-        Path.home() / ".cache" / "vllm-nvfp4" / "assets"
-    return root / "gsm8k" / "test.jsonl"
+    return assets_dir() / "gsm8k" / "test.jsonl"
 
 
 def read_items(path: Path) -> list[dict[str, str]]:

