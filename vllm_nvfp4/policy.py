@@ -265,8 +265,14 @@ class KVPolicy:
         p = Path(path)
         try:
             text = p.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise PolicyError(f"policy file {p} does not exist") from None
+        except IsADirectoryError:
+            raise PolicyError(f"policy file {p} is a directory; give the JSON file") from None
         except OSError as e:
             raise PolicyError(f"cannot read policy file {p}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise PolicyError(f"policy file {p} is not UTF-8 text (not a JSON policy)") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
@@ -362,23 +368,24 @@ def resolve_policy(
     model_dir: Optional[Union[str, Path]] = None,
     env: Optional[Mapping[str, str]] = None,
 ) -> KVPolicy:
-    """Find the policy for a model: ``$VLLM_NVFP4_POLICY``, then the model dir, then the default."""
+    """Find the policy for a model: ``$VLLM_NVFP4_POLICY``, then the model dir, then the default.
+
+    The policy's ``source`` says where it came from (the start-up log line prints it). A variable
+    that is set but empty (or blank) counts as unset, and ``source`` says so.
+    """
     env = os.environ if env is None else env
-    setting = env.get(POLICY_ENV, "").strip()
+    raw = env.get(POLICY_ENV)
+    setting = (raw or "").strip()
     if setting:
-        path = Path(setting).expanduser()
-        if path.is_file():
-            policy = KVPolicy.load(path)
-        elif setting.endswith(".json") or os.sep in setting:
-            raise PolicyError(f"${POLICY_ENV}={setting!r} looks like a path, but no such file exists")
-        else:
-            policy = KVPolicy.from_compact(setting, num_layers, source=f"${POLICY_ENV}")
+        policy = _policy_from_env(setting, num_layers)
         policy.check_model(num_layers)
         return policy
+    ignored = f"; ${POLICY_ENV} is set but empty, so it was ignored" if raw is not None else ""
     if model_dir is not None:
         candidate = Path(model_dir) / POLICY_FILENAME
         if candidate.is_file():
             policy = KVPolicy.load(candidate)
+            policy = replace(policy, source=policy.source + ignored)
             policy.check_model(num_layers)
             return policy
     policy = default_policy(num_layers)
@@ -386,7 +393,20 @@ def resolve_policy(
         "vllm-nvfp4: no $%s and no %s in the model directory; using the default rule: %s",
         POLICY_ENV, POLICY_FILENAME, policy.to_compact(),
     )
-    return policy
+    return replace(policy, source=policy.source + ignored)
+
+
+def _policy_from_env(setting: str, num_layers: int) -> KVPolicy:
+    """The policy ``$VLLM_NVFP4_POLICY`` names: a JSON file, else a compact string."""
+    path = Path(setting).expanduser()
+    if path.is_dir():
+        raise PolicyError(f"${POLICY_ENV}={setting!r} is a directory; name the policy file "
+                          f"(e.g. {path / POLICY_FILENAME})")
+    if path.is_file():
+        return replace(KVPolicy.load(path), source=f"{path} (${POLICY_ENV})")
+    if setting.endswith(".json") or os.sep in setting:
+        raise PolicyError(f"policy file {setting} (from ${POLICY_ENV}) does not exist")
+    return KVPolicy.from_compact(setting, num_layers, source=f"${POLICY_ENV}")
 
 
 # ---------------------------------------------------------------------- compact-form helpers

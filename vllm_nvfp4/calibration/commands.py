@@ -16,6 +16,7 @@ from vllm_nvfp4.calibration.data import load_windows
 from vllm_nvfp4.calibration.evaluator import Evaluator
 from vllm_nvfp4.calibration.modeling import config_sha256, load_model, read_text_config
 from vllm_nvfp4.calibration.progress import progress, single_bar
+from vllm_nvfp4.calibration.report_files import ReportError
 from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy, with_formats
 from vllm_nvfp4.calibration.selection import (
     count_fp8_slots,
@@ -57,11 +58,11 @@ def _check_same_inputs(report: dict[str, Any]) -> None:
     """Refuse to measure when the model config or data changed since ``analyze``."""
     model_dir = Path(report["model"]["path"])
     if config_sha256(model_dir) != report["model"]["config_sha256"]:
-        raise ValueError(f"{model_dir}/config.json changed since the analysis; re-run analyze")
+        raise ReportError(f"{model_dir}/config.json changed since the analysis; re-run analyze")
     for f in report["data"]["files"]:
         p = Path(f["path"])
         if not p.is_file() or hashlib.sha256(p.read_bytes()).hexdigest() != f["sha256"]:
-            raise ValueError(f"data file {p} is missing or changed since the analysis; re-run analyze")
+            raise ReportError(f"data file {p} is missing or changed since the analysis; re-run analyze")
 
 
 def run_select(report_dir: Path, fp8_slots: int, metric: str = "kl", measure: bool = True,

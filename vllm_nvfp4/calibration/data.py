@@ -49,7 +49,7 @@ def read_text(path: Path) -> str:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{n}: malformed JSON ({e.msg})") from None
+            raise DataError(f"{path}:{n}: malformed JSON at column {e.colno}: {e.msg}") from None
         records.append(_jsonl_record(obj, f"{path}:{n}"))
     return "\n\n".join(records)
 

@@ -6,10 +6,10 @@ Everything is rendered from the JSON files of a report directory (``sensitivity.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from vllm_nvfp4.calibration.report_files import check_schema, read_json
 from vllm_nvfp4.calibration.selection import NVFP4_SLOT, predicted_curve
 
 SENSITIVITY_PNG = "sensitivity.png"
@@ -34,9 +34,29 @@ def _plt() -> Any:
     return plt
 
 
+#: what the report reads from a ``selection-N.json`` (``run_select`` writes it)
+_SELECTION_SCHEMA: dict[str, Any] = {
+    "fp8_slots": int, "metric": str, "fraction_of_fp8": float,
+    "selected": {"policy": str}, "naive": {"policy": str},
+    "all_fp8": {"kl": float, "dnll": float}, "all_nvfp4": {"kl": float, "dnll": float},
+}
+_MEASURED_SCHEMA: dict[str, Any] = {
+    "measured_on": {"same_windows_as_analysis": bool},
+    "selected": {"measured": {"kl": float, "dnll": float}},
+    "naive": {"measured": {"kl": float, "dnll": float}},
+}
+
+
 def load_selections(report_dir: Path) -> list[dict[str, Any]]:
-    """All ``selection-*.json`` of a report directory, by number of FP8 slots."""
-    out = [json.loads(p.read_text()) for p in Path(report_dir).glob("selection-*.json")]
+    """All ``selection-*.json`` of a report directory, by number of FP8 slots (checked:
+    :class:`ReportError` names a malformed or incomplete file)."""
+    out = []
+    for path in sorted(Path(report_dir).glob("selection-*.json")):
+        sel = read_json(path)
+        check_schema(sel, _SELECTION_SCHEMA, path)
+        if isinstance(sel["selected"], dict) and "measured" in sel["selected"]:
+            check_schema(sel, _MEASURED_SCHEMA, path)
+        out.append(sel)
     return sorted(out, key=lambda s: s["fp8_slots"])
 
 
@@ -194,10 +214,10 @@ def markdown(report: dict[str, Any], selections: list[dict[str, Any]]) -> str:
 
 def render(report_dir: Path) -> list[Path]:
     """(Re)write both PNGs and ``REPORT.md`` of a report directory; returns their paths."""
-    from vllm_nvfp4.calibration.sensitivity import REPORT_FILE
+    from vllm_nvfp4.calibration.sensitivity import load_report
 
     report_dir = Path(report_dir)
-    report = json.loads((report_dir / REPORT_FILE).read_text())
+    report, _ = load_report(report_dir)
     selections = load_selections(report_dir)
     outs = [report_dir / SENSITIVITY_PNG, report_dir / DAMAGE_PNG, report_dir / REPORT_MD]
     plot_sensitivity(report, outs[0])

@@ -25,6 +25,7 @@ from vllm_nvfp4.calibration.evaluator import Evaluator
 from vllm_nvfp4.calibration.metrics import Metrics
 from vllm_nvfp4.calibration.modeling import load_model
 from vllm_nvfp4.calibration.progress import progress
+from vllm_nvfp4.calibration.report_files import ReportError, check_schema, read_json
 from vllm_nvfp4.calibration.scales import amax_table, observe_amax, scaled_policy, with_formats
 from vllm_nvfp4.policy import KVPolicy
 
@@ -143,16 +144,44 @@ def analyze(
     return report
 
 
+#: what ``select`` and the report renderer read from ``sensitivity.json`` (key -> type or nested)
+_REPORT_SCHEMA: dict[str, Any] = {
+    "model": {"path": str, "config_sha256": str, "num_layers": int, "num_kv_heads": int,
+              "head_dim": int, "dtype": str},
+    "data": {"files": list, "window_tokens": int, "eval_windows": int},
+    "settings": {"window": int, "windows": int, "calib_windows": int},
+    "configs": {"all_fp8": {"kl": float, "dnll": float}, "all_nvfp4": {"kl": float, "dnll": float}},
+    "layers": list,
+}
+_SLOT_SCHEMA: dict[str, Any] = {"index": int, "k": {"kl": float, "dnll": float},
+                                "v": {"kl": float, "dnll": float}}
+
+
 def load_report(report_dir: Path) -> tuple[dict[str, Any], KVPolicy]:
-    """Read ``sensitivity.json`` and ``scales.json`` from a report directory (clear errors)."""
+    """Read and check ``sensitivity.json`` and ``scales.json`` of a report directory.
+
+    Raises :class:`ReportError` (file missing, malformed, a key absent or of the wrong type, layer
+    counts that disagree) or :class:`~vllm_nvfp4.policy.PolicyError` (``scales.json``).
+    """
     path = Path(report_dir) / REPORT_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found; run `vllm-nvfp4 analyze MODEL --out {report_dir}` first")
-    try:
-        report = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: malformed JSON ({e.msg} at line {e.lineno})") from None
+        raise ReportError(f"{path} not found; run `vllm-nvfp4 analyze MODEL --out {report_dir}` first")
+    report = read_json(path)
     if not isinstance(report, dict) or report.get("kind") != REPORT_KIND:
-        raise ValueError(f"{path} is not a vllm-nvfp4 sensitivity report")
+        raise ReportError(f"{path} is not a vllm-nvfp4 sensitivity report (no \"kind\": {REPORT_KIND!r})")
+    check_schema(report, _REPORT_SCHEMA, path)
+    for i, entry in enumerate(report["data"]["files"]):
+        check_schema(entry, {"path": str, "sha256": str}, path, f"data.files[{i}].")
+    for i, entry in enumerate(report["layers"]):
+        check_schema(entry, _SLOT_SCHEMA, path, f"layers[{i}].")
+        if entry["index"] != i:
+            raise ReportError(f"{path}: layers[{i}].index is {entry['index']}, expected {i}")
+    n = report["model"]["num_layers"]
+    if len(report["layers"]) != n:
+        raise ReportError(f"{path}: model.num_layers is {n} but {len(report['layers'])} layers are "
+                          "listed (truncated? re-run analyze)")
     scales = KVPolicy.load(Path(report_dir) / SCALES_FILE)
+    if scales.num_layers != n:
+        raise ReportError(f"{Path(report_dir) / SCALES_FILE} has {scales.num_layers} layers, "
+                          f"{path} {n}: the files are of different analyses; re-run analyze")
     return report, scales

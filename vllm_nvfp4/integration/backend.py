@@ -28,6 +28,7 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_nvfp4 import ops
 from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, KVFormat
@@ -90,7 +91,16 @@ class Nvfp4MixedBackend(AttentionBackend):
 
     @classmethod
     def supports_kv_connector(cls) -> bool:
-        return False  # connectors would move pages they cannot interpret
+        # Only connectors that copy whole blocks; the others are refused at start-up
+        # (connectors.check_kv_connectors).
+        return True
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # Block-contiguous ([H, N, C] of one layer contiguous inside a block; H = 1 here): a
+        # layer's page is one run of bytes, so offloading / transfer copies whole pages, scale
+        # planes included. Layer-major first (each layer's pages evenly strided).
+        return (KVCacheLayout.LBHNC, KVCacheLayout.BLHNC)
 
     @classmethod
     def supports_compute_capability(cls, capability: Any) -> bool:
@@ -120,10 +130,12 @@ class Nvfp4MixedMetadata:
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
     slot_mapping: torch.Tensor
     # dense prefill (CUDA + FlashAttention, see dense_prefill.py): requests [0, num_decodes) are
-    # single-token decodes (vLLM reorders them first); the rest are the groups
+    # decodes (vLLM reorders them first: one token, or 1 + k when verifying k speculative
+    # tokens), attended on the pages; the rest are the groups
     num_decodes: int = 0
     num_decode_tokens: int = 0
-    decode_max_seq_len: int = 0  # launch bound of those decodes
+    decode_max_query_len: int = 1  # launch bounds of those decodes
+    decode_max_seq_len: int = 0
     prefill_groups: tuple[PrefillGroup, ...] = ()
 
 
@@ -134,19 +146,21 @@ class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
     # prefill/decode batches run piecewise, attention eager. Captured launches are sized for
     # max_model_len (see build_for_cudagraph_capture), so replays stay correct for any context.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-    # decodes first, so a mixed batch splits into paged decode + dense prefill
-    reorder_batch_threshold: ClassVar[int] = 1
-
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # Decodes first, so a mixed batch splits into paged decode + dense prefill. With
+        # speculative decoding a verify step (1 + k query tokens) counts as a decode: the paged
+        # kernels attend it on the pages instead of dequantizing its whole context.
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
         self._dense_prefill = dense_prefill_enabled(device)
         self._scratch_rows = scratch_rows(vllm_config)
         self._max_model_len = vllm_config.model_config.max_model_len
         forward_context = vllm_config.compilation_config.static_forward_context
         for name in layer_names:
-            index, row, layout = layer_plan(vllm_config, name)
-            forward_context[name].impl.bind(name, index, row, layout, vllm_config, device)
+            layer = forward_context[name]
+            index, row, layout = layer_plan(vllm_config, layer)
+            layer.impl.bind(name, index, row, layout, vllm_config, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> Nvfp4MixedMetadata:
@@ -164,9 +178,11 @@ class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
             block_table=m.block_table_tensor,
             slot_mapping=m.slot_mapping,
         )
-        if not self._dense_prefill or m.max_query_len <= 1:
+        threshold = self.reorder_batch_threshold
+        if not self._dense_prefill or m.max_query_len <= threshold:
             return meta
-        num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(m, decode_threshold=1)
+        num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(
+            m, decode_threshold=threshold)
         seq_lens_cpu = m.seq_lens_cpu_upper_bound  # exact for prefill rows
         if seq_lens_cpu is None:
             seq_lens_cpu = m.seq_lens.cpu()
@@ -174,7 +190,9 @@ class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
                                      seq_lens_cpu[: m.num_reqs], num_decodes,
                                      self._scratch_rows, self.device)
         return replace(meta, num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
-                       decode_max_seq_len=decode_bound, prefill_groups=groups)
+                       decode_max_query_len=threshold,
+                       decode_max_seq_len=decode_bound if threshold == 1 else m.max_seq_len,
+                       prefill_groups=groups)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
                                     ) -> Nvfp4MixedMetadata:
@@ -255,9 +273,13 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         config = get_current_vllm_config_or_none()  # set while vLLM builds the model's layers
         self._scratch_rows = scratch_rows(config) if config and config.model_config else 0
 
-    def bind(self, layer_name: str, index: int, row: LayerPolicy, layout: KVPageLayout,
+    def bind(self, layer_name: str, index: Optional[int], row: LayerPolicy, layout: KVPageLayout,
              vllm_config: Any, device: torch.device) -> None:
-        """Attach the layer's page layout and policy scales (in place if already bound)."""
+        """Attach the layer's page layout and policy scales (in place if already bound).
+
+        ``index`` is the layer's policy row, None for a speculative draft's layer (whose row is
+        the fixed draft rule, so it does not trigger the uncalibrated-scales warning).
+        """
         global _warned_default_scales
         from vllm.distributed import get_tensor_model_parallel_rank
 
@@ -269,7 +291,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         tp_rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
         values = {kv: rank_scales(row.quant_scale(kv), row.format_of(kv), total,
                                   self.num_kv_heads, tp_rank, tp_size) for kv in ("k", "v")}
-        if not _warned_default_scales and (row.quant_scale("k") is None or row.quant_scale("v") is None) \
+        if index is not None and not _warned_default_scales and (
+                row.quant_scale("k") is None or row.quant_scale("v") is None) \
                 and not planned(vllm_config):  # start-up calibration replaces them before serving
             _warned_default_scales = True
             logger.warning(
@@ -354,7 +377,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         d, nd = m.num_decodes, m.num_decode_tokens
         if d:
             self._paged(query[:nd], pages, m.block_table[:d], m.seq_lens[:d],
-                        m.query_start_loc[: d + 1], 1, m.decode_max_seq_len, output[:nd])
+                        m.query_start_loc[: d + 1], m.decode_max_query_len, m.decode_max_seq_len,
+                        output[:nd])
         attention, fa_version = flash_varlen()
         for group in m.prefill_groups:
             dense_prefill(query, output, pages, self.layout, self.k_scale, self.v_scale,

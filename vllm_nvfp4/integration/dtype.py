@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
-from typing import Any, get_args
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, get_args
 
 import torch
 
@@ -63,31 +65,41 @@ class _DtypeHandler:
         return KVQuantMode.NONE
 
 
-def find_registry_api() -> Any:
-    """vLLM >= 0.33's ``register_kv_cache_dtype``, or None on releases without it (0.32)."""
-    import importlib
+#: where vLLM >= 0.33 defines ``register_kv_cache_dtype`` and ``get_kv_cache_dtype_handler``
+REGISTRY_MODULE = "vllm.config.cache"
 
-    for module in ("vllm.config.cache", "vllm.utils.torch_utils", "vllm.v1.kv_cache_interface"):
-        try:
-            fn = getattr(importlib.import_module(module), "register_kv_cache_dtype", None)
-        except ImportError:
-            continue
-        if callable(fn):
-            return fn
-    return None
+
+@dataclass(frozen=True)
+class DtypeRegistry:
+    """vLLM >= 0.33's custom KV-cache dtype registry (both functions of one module)."""
+
+    register: Callable[[str], Callable[[type], type]]  # register_kv_cache_dtype(name)(Handler)
+    lookup: Callable[[str], Any]  # get_kv_cache_dtype_handler(name) -> handler or None
+
+
+def find_registry_api() -> Optional[DtypeRegistry]:
+    """vLLM >= 0.33's dtype registry, or None on releases without it (0.32)."""
+    module = importlib.import_module(REGISTRY_MODULE)
+    register = getattr(module, "register_kv_cache_dtype", None)
+    lookup = getattr(module, "get_kv_cache_dtype_handler", None)
+    if register is None and lookup is None:
+        return None
+    if not (callable(register) and callable(lookup)):
+        raise RuntimeError(
+            f"{REGISTRY_MODULE} has only one of register_kv_cache_dtype / "
+            "get_kv_cache_dtype_handler; this vLLM release is not supported by vllm-nvfp4"
+        )
+    return DtypeRegistry(register, lookup)
 
 
 def register_dtype() -> str:
     """Register ``nvfp4_mixed`` through the API this vLLM offers; returns which one was used."""
-    api = find_registry_api()
-    if api is None:
+    registry = find_registry_api()
+    if registry is None:
         add_to_closed_literal()
         return "closed-literal (vLLM 0.32)"
-    from vllm.config import cache as cache_mod
-
     # 0.33's API is a decorator factory: register_kv_cache_dtype(name)(HandlerClass); it
     # instantiates the class. It warns (does not raise) on a second registration, so skip that.
-    lookup = getattr(cache_mod, "get_kv_cache_dtype_handler", None)
-    if lookup is None or not isinstance(lookup(CACHE_DTYPE), _DtypeHandler):
-        api(CACHE_DTYPE)(_DtypeHandler)
+    if not isinstance(registry.lookup(CACHE_DTYPE), _DtypeHandler):
+        registry.register(CACHE_DTYPE)(_DtypeHandler)
     return "register_kv_cache_dtype (vLLM >= 0.33)"

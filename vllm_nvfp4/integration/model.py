@@ -16,11 +16,12 @@ import os
 import weakref
 from typing import Any, Optional
 
-from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE
+from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, KVFormat
 from vllm_nvfp4.layout import PAGE_ALIGN, KVPageLayout
 from vllm_nvfp4.model_shape import ModelShape
 from vllm_nvfp4.policy import POLICY_ENV, KVPolicy, LayerPolicy, PolicyError, resolve_policy
 
+from vllm_nvfp4.integration.connectors import check_kv_connectors
 from vllm_nvfp4.integration.dtype import CACHE_DTYPE, PLUGIN_NAME
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
@@ -83,11 +84,43 @@ def layer_index(layer_name: str, num_layers: int) -> int:
     return numbers[0]
 
 
-def layer_plan(vllm_config: Any, layer_name: str) -> tuple[int, LayerPolicy, KVPageLayout]:
-    """Policy index, policy row and page layout of one attention layer on this rank."""
+#: vLLM's name prefix for the layers of a separate draft model (``method="draft_model"``)
+DRAFT_MODEL_PREFIX = "draft_model."
+#: The rule for a speculative draft's own attention layers (EAGLE heads, draft models): the
+#: policy describes the target model only, so draft layers store K and V in FP8 with the default
+#: scale. Drafts only propose tokens; the target's verify step decides every output token.
+DRAFT_LAYER_POLICY = LayerPolicy(KVFormat.FP8, KVFormat.FP8)
+
+
+def is_draft_layer(vllm_config: Any, layer_name: str, num_layers: int) -> bool:
+    """True for an attention layer of the speculative draft (not a row of the target's policy).
+
+    vLLM names a draft model's layers ``draft_model.model.layers.<i>...``; EAGLE heads number
+    their layers after the target's (``model.layers.<num_layers + i>...``).
+    """
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or getattr(spec, "draft_model_config", None) is None:
+        return False
+    if layer_name.startswith(DRAFT_MODEL_PREFIX):
+        return True
+    numbers = [int(part) for part in layer_name.split(".") if part.isdigit()]
+    return len(numbers) == 1 and numbers[0] >= num_layers
+
+
+def layer_plan(vllm_config: Any, layer: Any) -> tuple[Optional[int], LayerPolicy, KVPageLayout]:
+    """Policy index (None for a draft layer), policy row and page layout of one attention layer.
+
+    ``layer`` is vLLM's ``Attention`` module (``layer_name``, ``num_kv_heads`` on this rank,
+    ``head_size``). Target layers take their row of the policy; draft layers take
+    :data:`DRAFT_LAYER_POLICY` and their own head shape.
+    """
     shape = ModelShape.from_vllm_config(vllm_config)
+    if is_draft_layer(vllm_config, layer.layer_name, shape.num_layers):
+        layout = KVPageLayout(layer.num_kv_heads, layer.head_size, shape.block_size,
+                              DRAFT_LAYER_POLICY.k, DRAFT_LAYER_POLICY.v)
+        return None, DRAFT_LAYER_POLICY, layout
     policy = model_policy(vllm_config)
-    index = layer_index(layer_name, shape.num_layers)
+    index = layer_index(layer.layer_name, shape.num_layers)
     row = policy.layers[index]
     layout = KVPageLayout(shape.num_kv_heads, shape.head_dim, shape.block_size, row.k, row.v)
     return index, row, layout
@@ -124,7 +157,8 @@ def check_engine_config(vllm_config: Any) -> KVPolicy:
     Raises :class:`Nvfp4MixedConfigError` (or :class:`~vllm_nvfp4.policy.PolicyError`) naming
     the problem: MLA / sliding-window / hybrid models,
     head_dim or block size the page layout cannot hold, an explicit other attention backend,
-    ``--kv-cache-dtype-skip-layers``, or a policy that does not fit the model.
+    ``--kv-cache-dtype-skip-layers``, a KV connector that does not copy whole blocks, or a
+    policy that does not fit the model.
     """
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     if mc.use_mla:
@@ -146,6 +180,7 @@ def check_engine_config(vllm_config: Any) -> KVPolicy:
             f"--kv-cache-dtype-skip-layers cannot be combined with {CACHE_DTYPE}: the per-layer "
             "choice comes from the policy (see $VLLM_NVFP4_POLICY / nvfp4_policy.json)"
         )
+    check_kv_connectors(vllm_config)
     backend = vllm_config.attention_config.backend
     if backend is not None and backend.name != "CUSTOM":  # early here; per layer in selection
         raise other_backend_error(backend.name)
@@ -163,6 +198,6 @@ def check_engine_config(vllm_config: Any) -> KVPolicy:
     try:
         policy = model_policy(vllm_config)
     except PolicyError as e:
-        raise PolicyError(f"nvfp4_mixed policy does not fit {mc.model}: {e}") from None
+        raise PolicyError(f"kv_cache_dtype={CACHE_DTYPE}: no usable KV policy for {mc.model}: {e}") from None
     logger.info("vllm-nvfp4: %s", policy.describe())
     return policy

@@ -37,7 +37,7 @@ def kv_cache_spec(layer: Any, vllm_config: Any) -> Any:
             f"{layer.layer_name}: {CACHE_DTYPE} needs equal K and V head sizes, got "
             f"{layer.head_size} and {layer.head_size_v}"
         )
-    _, _, layout = layer_plan(vllm_config, layer.layer_name)
+    _, _, layout = layer_plan(vllm_config, layer)
     spec = FullAttentionSpec(
         block_size=layout.block_size,
         num_kv_heads=layer.num_kv_heads,

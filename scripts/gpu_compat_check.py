@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+"""``kv_cache_dtype="nvfp4_mixed"`` with the vLLM features that move or reuse KV blocks, on CUDA.
+
+The target is the tiny random fp16 Llama of ``gpu_integration_check.py`` (8 layers, 8/2 heads,
+head_dim 128) with its calibrated mixed policy; engines run eager (no CUDA-graph capture) to keep
+the whole check inside one device call. Phases (``--phases``, default all but ``pp``):
+
+* ``eagle``  EAGLE on the repetitive variant of the tiny Llama (tied LM head, residual branches
+             doubled, as in tests/test_spec_decode_engine.py) with a one-layer head that mostly
+             proposes the last token again (``echo_eagle`` of that test): greedy nvfp4_mixed + EAGLE ==
+             greedy nvfp4_mixed without speculation; acceptance rate against the same head with
+             ``kv_cache_dtype="fp8"``.
+* ``draft``  ``method="draft_model"`` with a copy of the target as the draft: same checks.
+* ``ngram``  ngram speculation on the repetitive model: same checks.
+* ``offload`` native CPU offloading (``kv_offloading_size``, OffloadingConnector) with a GPU cache
+             of 96 blocks: 64 requests share 4 long prefixes, so blocks are evicted to CPU and
+             loaded back; greedy tokens and the generated tokens' log-probs must equal an engine
+             with a cache large enough to keep everything.
+* ``pd``     disaggregated prefill through vLLM's ExampleConnector (shared storage): a producer
+             engine stores the prompts' blocks, a fresh consumer engine loads them; 64 requests,
+             tokens and log-probs equal to an engine without connector.
+* ``pp``     ``pipeline_parallel_size=2`` (needs 2 GPUs): greedy tokens equal PP=1.
+
+Writes ``--out`` JSON after every phase and prints ``RESULT {...}``; exit 0 when every check passed.
+``--device cpu`` runs the same code on a CPU build of vLLM (float32, block size 32 for vLLM's CPU
+fp8 cache; a dry run of the script: ``offload`` needs CUDA and fails there by design).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+NUM_SPEC = 3
+LOGPROB_TOL = 2e-2  # fp16 model: generated-token log-probs of two engines of the same cache
+DEVICE = "cuda"
+
+
+def _load(path: Path, name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def target_model(root: Path) -> Path:
+    """gpu_integration_check's model and calibrated policy (nvfp4_policy.json beside it)."""
+    check = _load(REPO / "scripts" / "gpu_integration_check.py", "gpu_integration_check")
+    from vllm_nvfp4.testing.models import build_tiny_llama
+
+    model = build_tiny_llama(root / "target", num_layers=8, hidden=512, heads=8, kv_heads=2,
+                             head_dim=128, dtype="float16", max_pos=8192, qk_gain=0.5)
+    if not (model / "nvfp4_policy.json").exists():
+        (model / "nvfp4_policy.json").write_text(json.dumps(check.calibrated_policy(model)))
+    return model
+
+
+def spec_models() -> Any:
+    """tests/test_spec_decode_engine.py: its repetitive model and EAGLE head builders."""
+    return _load(REPO / "tests" / "test_spec_decode_engine.py", "spec_test")
+
+
+def repetitive(work: Path) -> Path:
+    """The repetitive tiny Llama of the CPU test (built once under ``work``)."""
+    rep = work / "repetitive"
+    if not rep.exists():
+        spec_models().repetitive_llama(rep)
+    return rep
+
+
+def engine(model: Path, kv_cache_dtype: str, **kwargs: Any) -> Any:
+    from vllm import LLM
+
+    cuda = DEVICE == "cuda"
+    args = dict(model=str(model), kv_cache_dtype=kv_cache_dtype,
+                dtype="float16" if cuda else "float32", block_size=16 if cuda else 32,
+                max_model_len=4096, max_num_seqs=32, enforce_eager=True, seed=0,
+                disable_log_stats=False)
+    if cuda:
+        args["gpu_memory_utilization"] = 0.4
+    args.update(kwargs)
+    return LLM(**args)
+
+
+def run(llm: Any, prompts: list[list[int]], n: int) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0),
+                        use_tqdm=False)
+    res: dict[str, Any] = {
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                     for o in outs]}
+    metrics = {m.name: m for m in llm.get_metrics()}
+    if "vllm:spec_decode_num_draft_tokens" in metrics:
+        drafted = metrics["vllm:spec_decode_num_draft_tokens"].value
+        accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value
+        res.update(drafted=drafted, accepted=accepted, acceptance=accepted / max(1, drafted))
+    return res
+
+
+def close(llm: Any) -> None:
+    del llm
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def compare(a: dict, b: dict) -> dict[str, Any]:
+    """Exact-token agreement and the largest log-prob difference of two runs."""
+    same = sum(x == y for x, y in zip(a["tokens"], b["tokens"]))
+    diffs = [abs(p - q) for x, y in zip(a["logprobs"], b["logprobs"]) for p, q in zip(x, y)]
+    return {"requests": len(a["tokens"]), "same_tokens": same,
+            "mismatched_requests": len(a["tokens"]) - same,
+            "max_logprob_diff": max(diffs) if diffs else None}
+
+
+def prompts_from(tok: Any, count: int, length: int, offset: int = 0) -> list[list[int]]:
+    import inspect
+    import json.decoder as src
+
+    ids = tok(inspect.getsource(src) * 8)["input_ids"]
+    return [ids[offset + 53 * i: offset + 53 * i + length + (i % 5) * 7] for i in range(count)]
+
+
+def spec_phase(model: Path, speculative: dict, prompts: list[list[int]], n: int) -> dict:
+    """nvfp4_mixed without / with speculation, and fp8 with the same speculation."""
+    llm = engine(model, "nvfp4_mixed")
+    base = run(llm, prompts, n)
+    close(llm)
+    llm = engine(model, "nvfp4_mixed", speculative_config=speculative)
+    ours = run(llm, prompts, n)
+    close(llm)
+    llm = engine(model, "fp8", speculative_config=speculative)
+    fp8 = run(llm, prompts, n)
+    close(llm)
+    res = {"vs_non_speculative": compare(ours, base),
+           "acceptance": {"nvfp4_mixed": ours.get("acceptance"), "fp8": fp8.get("acceptance")},
+           "drafted": ours.get("drafted"), "accepted": ours.get("accepted")}
+    res["ok"] = (res["vs_non_speculative"]["mismatched_requests"] == 0
+                 and (ours.get("accepted") or 0) > 0
+                 and abs(ours["acceptance"] - fp8["acceptance"]) <= 0.02)
+    return res
+
+
+def transfer_phase(model: Path, prompts: list[list[int]], n: int,
+                   make_engines: list[Callable[[], Any]]) -> dict:
+    """Baseline engine, then each engine of ``make_engines`` on the same prompts (twice)."""
+    llm = engine(model, "nvfp4_mixed", enable_prefix_caching=False)
+    base = run(llm, prompts, n)
+    close(llm)
+    res: dict[str, Any] = {}
+    for i, make in enumerate(make_engines):
+        llm = make()
+        first = run(llm, prompts, n)
+        second = run(llm, prompts, n)  # the second pass reuses offloaded / stored blocks
+        close(llm)
+        res[f"engine{i}"] = {"first": compare(first, base), "second": compare(second, base)}
+    res["ok"] = all(r[p]["mismatched_requests"] == 0 and r[p]["max_logprob_diff"] <= LOGPROB_TOL
+                    for r in res.values() for p in ("first", "second"))
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--phases", default="eagle,draft,ngram,offload,pd")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/nvfp4-compat"))
+    ap.add_argument("--out", type=Path, default=Path("compat_h200.json"))
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    a = ap.parse_args()
+    global DEVICE
+    DEVICE = a.device
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import vllm
+
+    res: dict[str, Any] = {"vllm": vllm.__version__,
+                           "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu"}
+    a.work.mkdir(parents=True, exist_ok=True)
+    model = target_model(a.work)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    short = prompts_from(tok, 16, 48)
+    repeated = [p * 2 for p in prompts_from(tok, 16, 24)]
+    for phase in a.phases.split(","):
+        t = time.time()
+        try:
+            if phase == "eagle":
+                rep = repetitive(a.work)
+                head = spec_models().echo_eagle(rep, a.work / "eagle")
+                out = spec_phase(rep, {"method": "eagle", "model": str(head),
+                                       "num_speculative_tokens": NUM_SPEC}, repeated, 64)
+            elif phase == "draft":
+                draft = a.work / "draft"
+                if not draft.exists():
+                    shutil.copytree(model, draft)
+                out = spec_phase(model, {"method": "draft_model", "model": str(draft),
+                                         "num_speculative_tokens": NUM_SPEC}, short, 64)
+            elif phase == "ngram":
+                out = spec_phase(repetitive(a.work), {"method": "ngram",
+                                                      "num_speculative_tokens": NUM_SPEC,
+                                                      "prompt_lookup_min": 2,
+                                                      "prompt_lookup_max": 3}, repeated, 64)
+            elif phase == "offload":
+                # 16 suffixes x 4 prefixes of 25 blocks, interleaved: 64 requests; a 96-block GPU
+                # cache (2 running requests of ~27 blocks) evicts each prefix before its reuse
+                prefixes = prompts_from(tok, 4, 400, offset=7000)
+                prompts = [p + s[:24] for s in prompts_from(tok, 16, 24) for p in prefixes]
+                out = transfer_phase(model, prompts, 16, [
+                    lambda: engine(model, "nvfp4_mixed", num_gpu_blocks_override=96,
+                                   max_num_seqs=2, kv_offloading_size=1.0,
+                                   kv_offloading_backend="native")])
+            elif phase == "pd":
+                store = Path(tempfile.mkdtemp(prefix="nvfp4-pd-"))
+                conn = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+                prompts = prompts_from(tok, 64, 40, offset=3000)
+                out = transfer_phase(model, prompts, 16, [
+                    lambda: engine(model, "nvfp4_mixed", kv_transfer_config=conn,
+                                   enable_prefix_caching=False),  # producer: stores
+                    lambda: engine(model, "nvfp4_mixed", kv_transfer_config=conn,
+                                   enable_prefix_caching=False)])  # consumer: loads
+                out["stored_prompts"] = len(os.listdir(store))
+            elif phase == "pp":
+                llm = engine(model, "nvfp4_mixed", distributed_executor_backend="mp")
+                base = run(llm, short, 32)
+                close(llm)
+                llm = engine(model, "nvfp4_mixed", pipeline_parallel_size=2,
+                             distributed_executor_backend="mp")
+                out = {"vs_pp1": compare(run(llm, short, 32), base)}
+                close(llm)
+                out["ok"] = out["vs_pp1"]["mismatched_requests"] == 0
+            else:
+                raise ValueError(f"unknown phase {phase!r}")
+        except Exception as e:  # record and go on with the next phase
+            out = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
+        out["seconds"] = round(time.time() - t, 1)
+        res[phase] = out
+        a.out.write_text(json.dumps(res, indent=1))
+        print(f"PHASE {phase} {json.dumps(out)}", flush=True)
+    ok = all(res[p].get("ok") for p in a.phases.split(","))
+    print("RESULT " + json.dumps({p: res[p].get("ok") for p in a.phases.split(",")}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

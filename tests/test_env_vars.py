@@ -1,0 +1,60 @@
+"""Our environment variables are known to vLLM: no 'Unknown vLLM environment variable' for them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from vllm_nvfp4.env_vars import ENV_VARS, register_with_vllm, unknown_variables
+
+REPO = Path(__file__).resolve().parent.parent
+NAME = re.compile(r"\bVLLM_NVFP4_[A-Z0-9_]*[A-Z0-9]\b")
+
+
+def _names_in_sources() -> set[str]:
+    files = [*(REPO / "vllm_nvfp4").rglob("*.py"), *(REPO / "scripts").rglob("*.py"),
+             *(REPO / "benchmarks").rglob("*.py"), *(REPO / "benchmarks").rglob("*.sh"),
+             *(REPO / "scripts").rglob("*.sh"), *(REPO / "scripts").rglob("*.yaml")]
+    return {n for f in files if f.name != "env_vars.py" for n in NAME.findall(f.read_text())}
+
+
+def test_every_variable_the_package_reads_is_in_the_table_and_none_is_stale():
+    found = _names_in_sources()
+    assert found - set(ENV_VARS) == set(), "add these to vllm_nvfp4/env_vars.py ENV_VARS"
+    assert set(ENV_VARS) - found == set(), "ENV_VARS lists variables nothing reads"
+
+
+def test_registered_variables_pass_vllms_strict_environment_check(monkeypatch):
+    from vllm import envs
+    from vllm.platforms import current_platform
+
+    for name in ENV_VARS:
+        monkeypatch.setenv(name, f"value of {name}")
+    register_with_vllm()
+    register_with_vllm()  # idempotent
+    current_platform.validate_environ(hard_fail=True)  # raises on any unknown VLLM_* name
+    assert envs.VLLM_NVFP4_POLICY == "value of VLLM_NVFP4_POLICY"
+    monkeypatch.setenv("VLLM_NVFP4_POLICYY", "typo")  # the check is live: a typo still fails
+    with pytest.raises(ValueError, match="Unknown vLLM environment variable detected: VLLM_NVFP4_POLICYY"):
+        current_platform.validate_environ(hard_fail=True)
+    assert unknown_variables({"VLLM_NVFP4_POLICYY": "", "VLLM_NVFP4_POLICY": "", "HOME": ""}) == [
+        "VLLM_NVFP4_POLICYY"]
+
+
+def test_engine_config_with_policy_variable_passes_strict_validation(tiny_model_dir, tmp_path, monkeypatch):
+    """Through vLLM: EngineArgs loads the plugin, then create_engine_config validates the
+    environment (strictly here) and runs our start-up check; a missing policy file is named."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    def config(**kw):
+        return EngineArgs(model=str(tiny_model_dir), kv_cache_dtype="nvfp4_mixed", max_model_len=256,
+                          fail_on_environ_validation=True, **kw).create_engine_config()
+
+    monkeypatch.setenv("VLLM_NVFP4_POLICY", "0:fp8,*:nvfp4")
+    assert config().cache_config.cache_dtype == "nvfp4_mixed"
+    monkeypatch.setenv("VLLM_NVFP4_POLICY", str(tmp_path / "typo.json"))
+    with pytest.raises(ValueError, match=r"no usable KV policy for \S+: policy file \S+typo.json "
+                                         r"\(from \$VLLM_NVFP4_POLICY\) does not exist$"):
+        config()

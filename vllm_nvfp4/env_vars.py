@@ -1,0 +1,54 @@
+"""Every environment variable vllm-nvfp4 reads, in one table, and its registration with vLLM.
+
+vLLM warns ``Unknown vLLM environment variable detected: VLLM_...`` for every ``VLLM_*`` variable
+missing from ``vllm.envs.environment_variables`` (``Platform.validate_environ``, called from
+``EngineArgs.create_engine_config`` after the general plugins are loaded; it raises instead with
+``fail_on_environ_validation=True``), which reads as "your setting is ignored".
+:func:`register_with_vllm` (the ``env_vars`` hook) adds ours to that table.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from vllm_nvfp4.calibration.startup_cache import CACHE_ENV
+from vllm_nvfp4.integration.dense_prefill import FUSED_PREFILL_ENV
+from vllm_nvfp4.integration.startup_calibration import STARTUP_CALIBRATION_ENV
+from vllm_nvfp4.ops import FORCE_TORCH_ENV
+from vllm_nvfp4.policy import POLICY_ENV
+
+PREFIX = "VLLM_NVFP4_"
+#: name -> what it does (read by the package, its scripts or its lm-eval tasks)
+ENV_VARS: dict[str, str] = {
+    POLICY_ENV: "the KV policy: a JSON policy file or a compact string (overrides the model "
+                "directory's nvfp4_policy.json)",
+    FORCE_TORCH_ENV: "1: the torch path instead of the Triton kernels on CUDA",
+    FUSED_PREFILL_ENV: "1: the fused Triton prefill instead of dequantize + FlashAttention (CUDA)",
+    STARTUP_CALIBRATION_ENV: "0: no start-up calibration when no policy is given (default on)",
+    CACHE_ENV: "cache root: start-up calibrations, tiny test models and tokenizers (default "
+               "~/.cache/vllm-nvfp4)",
+    "VLLM_NVFP4_ASSETS": "asset directory of scripts/prepare_assets.py (default "
+                         "~/.cache/vllm-nvfp4/assets)",
+    "VLLM_NVFP4_GSM8K": "GSM8K JSONL file of the gsm8k_nvfp4 lm-eval task",
+    "VLLM_NVFP4_DEVICE": "cpu|cuda: scripts/install.sh skips GPU detection",
+}
+
+
+def _getter(name: str) -> Callable[[], Any]:
+    """vLLM's table holds zero-argument getters; ours return the raw string (or None)."""
+    return lambda: os.environ.get(name)
+
+
+def register_with_vllm() -> None:
+    """Add every variable of :data:`ENV_VARS` to ``vllm.envs.environment_variables`` (idempotent;
+    entries vLLM already has are left alone)."""
+    from vllm import envs
+
+    for name in ENV_VARS:
+        envs.environment_variables.setdefault(name, _getter(name))
+
+
+def unknown_variables(environ: dict[str, str]) -> list[str]:
+    """``VLLM_NVFP4_*`` names set in ``environ`` that vllm-nvfp4 does not read (typos)."""
+    return sorted(n for n in environ if n.startswith(PREFIX) and n not in ENV_VARS)
