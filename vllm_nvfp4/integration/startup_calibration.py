@@ -51,7 +51,7 @@ from vllm_nvfp4.calibration.startup_cache import (
 from vllm_nvfp4.policy import POLICY_ENV, POLICY_FILENAME, KVPolicy, default_policy
 
 from vllm_nvfp4.integration.dtype import is_ours
-from vllm_nvfp4.integration.model import layer_index, layer_plan, set_startup_policy
+from vllm_nvfp4.integration.model import is_draft_layer, layer_index, layer_plan, set_startup_policy
 from vllm_nvfp4.model_shape import ModelShape
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
@@ -150,11 +150,13 @@ class CalibrationBatch:
         return output
 
 
-def _our_layers(vllm_config: Any) -> dict[str, Any]:
-    """This rank's ``nvfp4_mixed`` attention layers by name."""
+def _our_layers(vllm_config: Any, num_layers: int) -> dict[str, Any]:
+    """This rank's ``nvfp4_mixed`` attention layers of the target model by name (a speculative
+    draft's layers keep their fixed rule and never see the calibration forward)."""
     ctx = vllm_config.compilation_config.static_forward_context
     return {name: layer for name, layer in ctx.items()
-            if is_ours(getattr(layer, "kv_cache_dtype", None)) and hasattr(layer, "impl")}
+            if is_ours(getattr(layer, "kv_cache_dtype", None)) and hasattr(layer, "impl")
+            and not is_draft_layer(vllm_config, name, num_layers)}
 
 
 @torch.inference_mode()
@@ -269,7 +271,7 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
     runner = worker.model_runner
     vllm_config, mc = runner.vllm_config, runner.vllm_config.model_config
     shape = ModelShape.from_vllm_config(vllm_config)
-    layers = _our_layers(vllm_config)
+    layers = _our_layers(vllm_config, shape.num_layers)
     soft_cap = any(layer.impl.logits_soft_cap is not None for layer in layers.values())
     try:
         tokenizer = _load_tokenizer(mc)
@@ -306,7 +308,7 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
             save_cached(policy, path)
     set_startup_policy(vllm_config, policy)
     for name, layer in layers.items():
-        index, row, layout = layer_plan(vllm_config, name)
+        index, row, layout = layer_plan(vllm_config, layer)
         layer.impl.bind(name, index, row, layout, vllm_config, runner.device)
     return {"tokens": tokens, "seconds": time.perf_counter() - start, "cached": cached_dict is not None,
             "path": str(path), "policy": policy.to_compact()}
