@@ -35,13 +35,17 @@ from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: str = "decode"):
-    """The decode or the prefill kernel (``kind``; prefill: 16 query rows per program) as Triton
-    source for ``triton.compile``. A ``--module`` of a commit that still had the rows family:
+def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: str = "decode",
+               sinks: bool = False, rows: int = 16):
+    """The decode or the prefill kernel (``kind``; prefill: ``rows`` query rows per program; with
+    attention ``sinks`` or without) as Triton source for ``triton.compile``. A ``--module`` of a commit that still had the rows family:
     its keys kernels."""
     prefill = kind == "prefill"
     sig = {n: "*bf16" for n in ("query_ptr", "out_ptr")}
-    sig.update(cache_ptr="*u8", k_scale_ptr="*fp32", v_scale_ptr="*fp32", block_table_ptr="*i32",
+    sig.update(cache_ptr="*u8", k_scale_ptr="*fp32", v_scale_ptr="*fp32")
+    if "sinks_ptr" in fn_of(kind).arg_names:
+        sig.update(sinks_ptr="*fp32")
+    sig.update(block_table_ptr="*i32",
                seq_lens_ptr="*i32", qsl_ptr="*i32")
     if prefill:
         sig.update(num_seqs="i32")
@@ -56,24 +60,34 @@ def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: st
         K_DATA=lay.k_data_offset, K_SCALE=lay.k_scale_offset, V_DATA=lay.v_data_offset,
         V_SCALE=lay.v_scale_offset)
     if prefill:
-        const.update(G=g, G_PAD=g, BLOCK_Q=16 // g)
+        const.update(G=g, G_PAD=g, BLOCK_Q=rows // g)
     else:
         const.update(HQ=g * lay.num_kv_heads, G=g, BG=max(8, g))
     const.update(D=lay.head_dim, BLOCK=lay.block_size, TILE_N=tile_n)
     if not prefill:
         const.update(NUM_SPLITS=splits)
     const.update(USE_WINDOW=False, USE_SOFTCAP=False, F32=False)
-    fn = (getattr(A, "_prefill_keys_kernel", A._prefill_kernel) if prefill
-          else getattr(A, "_decode_keys_kernel", A._decode_kernel))
+    fn = fn_of(kind)
+    if "USE_SINKS" in fn.arg_names:
+        const.update(USE_SINKS=sinks)
     if "PREFETCH" in fn.arg_names:  # an older module (--module) with register prefetch: its own default
         const.update(PREFETCH="nvfp4" in (lay.k_format, lay.v_format))
     for k, v in const.items():
         sig[k] = "constexpr"
+    sig = {n: sig[n] for n in fn.arg_names}  # the kernel's argument order (indices below)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
              if n.endswith("_ptr") or n in ("stride_qt", "stride_blk")}
     return ASTSource(fn=fn, signature=sig, constexprs={(list(sig).index(k),): v
                                                                      for k, v in const.items()},
                      attrs=attrs)
+
+
+def fn_of(kind: str):
+    """The kernel of ``kind`` (``--module`` of a commit that still had the rows family: its keys
+    kernels)."""
+    if kind == "prefill":
+        return getattr(A, "_prefill_keys_kernel", A._prefill_kernel)
+    return getattr(A, "_decode_keys_kernel", A._decode_kernel)
 
 
 _INSTR = re.compile(r"/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)[^;]*;")
@@ -103,6 +117,9 @@ def main() -> None:
     ap.add_argument("--maxnreg", type=int, help="register cap per thread")
     ap.add_argument("--splits", type=int, default=1, help="NUM_SPLITS (> 1: partial outputs)")
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--group", type=int, default=4, help="query heads per KV head (a power of 2)")
+    ap.add_argument("--rows", type=int, default=16, help="prefill query rows per program")
+    ap.add_argument("--sinks", action="store_true", help="with attention sinks (USE_SINKS)")
     ap.add_argument("--configs", nargs="*",
                     help="FMT:TILE[:KIND[:WARPS]] (FMT fp8|nvfp4|K+V; kind decode|prefill, "
                          "default decode; warps default 1; default configs: the decode "
@@ -127,7 +144,8 @@ def main() -> None:
     for fmt, tile, kind, warps in configs:
         kf, _, vf = fmt.partition("+")  # "fp8" or K+V, e.g. "fp8+nvfp4"
         lay = KVPageLayout(8, args.head_dim, 16, kf, vf or kf)
-        k = triton.compile(kernel_src(lay, tile, args.splits, kind=kind),
+        k = triton.compile(kernel_src(lay, tile, args.splits, args.group, kind, args.sinks,
+                                      args.rows),
                            target=TARGET,
                            options=dict(num_warps=warps, num_stages=args.stages,
                                         **({"maxnreg": args.maxnreg} if args.maxnreg else {})))
@@ -146,6 +164,7 @@ def main() -> None:
         smem_ops = sum(c for o, c in body.items() if o.startswith(("STS", "LDS", "LDSM", "BAR")))
         spills = sum(c for o, c in body.items() if o.startswith(("STL", "LDL")))
         print(f"triton {triton.__version__} D {args.head_dim} {fmt:11} {kind:7} tile {tile:3} "
+              f"group {args.group}{' sinks' if args.sinks else ''} "
               f"warps {warps} stages {args.stages}: "
               f"regs {regs.group(1) if regs else '?'} smem {k.metadata.shared} "
               f"loop {sum(body.values())} instr/warp "

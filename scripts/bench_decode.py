@@ -5,9 +5,12 @@ Shapes (issue 3): 32 query heads, 8 KV heads, head_dim 128, block 16, batch 16 a
 ``unified_attention`` (bf16 and fp8 KV) and FlashAttention-3 via ``vllm.vllm_flash_attn`` (bf16,
 and fp8 KV with an fp8 query as vLLM runs it). Timing: each call captured in a CUDA graph, its
 replays timed by ``triton.testing.do_bench`` (median, L2 flushed between runs, after warm-up).
-Writes one JSON file (records + copy bandwidth + versions) and prints a table.
+Writes one JSON file (records + copy bandwidth + versions) and prints a table. Other shapes
+(hybrid models): ``--q-heads/--kv-heads/--head-dim``, ``--sinks`` (random per-head sink logits
+for every kernel, vLLM's ``sinks`` / FA3's ``s_aux``).
 
     python3 scripts/bench_decode.py --out results/DATE-decode-kernels-GPU/decode_h200.json
+    python3 scripts/bench_decode.py --q-heads 16 --kv-heads 2 --head-dim 256 --sinks --out X.json
     python3 scripts/bench_decode.py --smoke     # CPU + TRITON_INTERPRET, tiny shapes, no timing
 """
 
@@ -35,6 +38,19 @@ from vllm_nvfp4.layout import KVPageLayout, allocate_cache  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 SOFTMAX_SCALE = 1.0 / math.sqrt(D)
+SINKS: "torch.Tensor | None" = None  # fp32 [HQ] on the device with --sinks
+
+
+def set_shape(q_heads: int, kv_heads: int, head_dim: int, sinks: bool, device: str) -> None:
+    """Set the benchmark's head shape (module constants, read by every kernel call here)."""
+    global HQ, HKV, D, SOFTMAX_SCALE, SINKS
+    if q_heads % kv_heads or head_dim % 64:
+        raise SystemExit(f"--q-heads {q_heads} must be a multiple of --kv-heads {kv_heads} and "
+                         f"--head-dim {head_dim} a multiple of 64")
+    HQ, HKV, D = q_heads, kv_heads, head_dim
+    SOFTMAX_SCALE = 1.0 / math.sqrt(D)
+    gen = torch.Generator().manual_seed(1)
+    SINKS = (torch.randn(HQ, generator=gen) * 2).to(device) if sinks else None
 
 
 def timer(fn: Callable[[], object], smoke: bool) -> float:
@@ -117,7 +133,7 @@ def run_ours(lay, b, cache, out, smoke, launch: "kattn.LaunchShape | None" = Non
 
     def fn():
         kattn.paged_attention(b.query, cache, lay, ks, vs, b.block_table, b.seq_lens, b.qsl,
-                              b.q_len, b.ctx, SOFTMAX_SCALE, out, launch=launch)
+                              b.q_len, b.ctx, SOFTMAX_SCALE, out, sinks=SINKS, launch=launch)
     return timer(fn, smoke)
 
 
@@ -160,7 +176,8 @@ def vllm_peers(b: Batch, smoke: bool) -> list[dict]:
                 q_descale=None, k_descale=desc if kv_dtype == "fp8" else None,
                 v_descale=desc if kv_dtype == "fp8" else None,
                 seq_threshold_3D=128 // HKV, num_par_softmax_segments=segs,
-                softmax_segm_output=seg_o, softmax_segm_max=seg_m, softmax_segm_expsum=seg_s)
+                softmax_segm_output=seg_o, softmax_segm_max=seg_m, softmax_segm_expsum=seg_s,
+                sinks=SINKS)
         try:
             recs.append({"kernel": "vllm_triton", "kv_dtype": kv_dtype, "us": timer(tri, False),
                          "kv_bytes": kv_bytes(b, per)})
@@ -176,7 +193,7 @@ def vllm_peers(b: Batch, smoke: bool) -> list[dict]:
                     block_table=b.block_table, out=out, fa_version=3,
                     q_descale=desc if kv_dtype == "fp8" else None,
                     k_descale=desc if kv_dtype == "fp8" else None,
-                    v_descale=desc if kv_dtype == "fp8" else None)
+                    v_descale=desc if kv_dtype == "fp8" else None, s_aux=SINKS)
             try:
                 recs.append({"kernel": "fa3", "kv_dtype": kv_dtype, "us": timer(fa3, False),
                              "kv_bytes": kv_bytes(b, per)})
@@ -299,13 +316,20 @@ def main() -> None:
     ap.add_argument("--sweep-formats", nargs="+", default=["fp8", "nvfp4"])
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--q-heads", type=int, default=HQ)
+    ap.add_argument("--kv-heads", type=int, default=HKV)
+    ap.add_argument("--head-dim", type=int, default=D)
+    ap.add_argument("--sinks", action="store_true", help="attention sinks in every kernel")
     args = ap.parse_args()
+    set_shape(args.q_heads, args.kv_heads, args.head_dim, args.sinks,
+              "cpu" if args.smoke else "cuda")
     if args.smoke:
         args.batches, args.contexts, args.prefill = [2], [64], [2, 32]
         args.splits, args.tiles = [1, 2], [16, 32]
     gen = torch.Generator().manual_seed(0)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "versions": versions(),
-              "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": BS},
+              "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": BS,
+                        "sinks": SINKS is not None},
               "timing": "CUDA graph replay timed by triton.testing.do_bench: median, L2 flushed, "
                         "warmup 30 ms, rep 200 ms",
               "copy_tb_s": copy_bandwidth(args.smoke), "records": []}

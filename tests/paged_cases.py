@@ -131,8 +131,13 @@ def reference_attention(
     softmax_scale: float,
     sliding_window: Optional[int] = None,
     logits_soft_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Float64 attention, one query token and head at a time, on formats-roundtripped K/V."""
+    """Float64 attention, one query token and head at a time, on formats-roundtripped K/V.
+
+    ``sinks [Hq]``: out = sum_j e^(l_j - m) v_j / (sum_j e^(l_j - m) + e^(sink - m)), m the max
+    over the real logits and the sink.
+    """
     lay = batch.layout
     q_all = batch.query.cpu().double()
     hq = q_all.shape[1]
@@ -150,8 +155,13 @@ def reference_attention(
                 logits = (kd[lo : pos + 1, kv] @ q_all[row + j, hh]) * softmax_scale
                 if logits_soft_cap:
                     logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
-                p = torch.softmax(logits, dim=0)
-                out[row + j, hh] = p @ vd[lo : pos + 1, kv]
+                if sinks is None:
+                    out[row + j, hh] = torch.softmax(logits, dim=0) @ vd[lo : pos + 1, kv]
+                    continue
+                sink = sinks[hh].double().cpu()
+                m = torch.maximum(logits.max(), sink)
+                e = torch.exp(logits - m)
+                out[row + j, hh] = (e @ vd[lo : pos + 1, kv]) / (e.sum() + torch.exp(sink - m))
         row += q_len
     return out
 
@@ -163,6 +173,7 @@ def run_attention(
     sliding_window: Optional[int] = None,
     logits_soft_cap: Optional[float] = None,
     softmax_scale: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Run :func:`ops.paged_attention` on the batch; returns ``out``."""
     d = batch.layout.head_dim
@@ -172,8 +183,19 @@ def run_attention(
         batch.block_table, batch.seq_lens, batch.query_start_loc,
         batch.max_query_len, batch.max_seq_len,
         softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d),
-        out, sliding_window, logits_soft_cap, backend=backend,
+        out, sliding_window, logits_soft_cap, sinks=sinks, backend=backend,
     )
+
+
+def random_sinks(num_q_heads: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    """FP32 ``[num_q_heads]`` sink logits of the size of the attention logits (some heads far
+    above them, so the sink takes most of the weight there, some far below)."""
+    gen = torch.Generator().manual_seed(seed)
+    sinks = torch.randn(num_q_heads, generator=gen) * 2.0 + 0.5
+    sinks[0] = 6.0
+    if num_q_heads > 1:
+        sinks[-1] = -8.0
+    return sinks.to(device)
 
 
 def write_case(layout, n_tok, dtype, seed, nan=False):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_cases import make_batch
+from paged_cases import make_batch, random_sinks
 from vllm_nvfp4 import ops
 from vllm_nvfp4.integration.dense_prefill import dense_prefill, plan_prefill_groups
 from vllm_nvfp4.layout import KVPageLayout
@@ -15,16 +15,18 @@ from vllm_nvfp4.paged_torch import attend_one_sequence
 
 
 def torch_varlen(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, softmax_scale,
-                 causal, softcap, out):
-    """``flash_attn_varlen_func``'s contract (causal, bottom-right aligned), in torch."""
-    assert causal
+                 causal, softcap, out, window_size=(-1, -1), s_aux=None):
+    """``flash_attn_varlen_func``'s contract (causal, bottom-right aligned, ``window_size``
+    ``(left, 0)``: keys ``pos - left .. pos``; ``s_aux``: sink logits), in torch."""
+    assert causal and window_size[1] in (-1, 0)
+    window = window_size[0] + 1 if window_size[0] >= 0 else None
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     assert max_seqlen_q == max(b - a for a, b in zip(cq, cq[1:]))
     assert max_seqlen_k == max(b - a for a, b in zip(ck, ck[1:]))
     for i in range(len(cq) - 1):
         out[cq[i]:cq[i + 1]] = attend_one_sequence(
-            q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]], softmax_scale, None,
-            softcap or None)
+            q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]], softmax_scale, window,
+            softcap or None, s_aux)
 
 
 def test_plan_groups_bounds_each_groups_context():
@@ -63,3 +65,70 @@ def test_mixed_batch_split_matches_paged_attention(kf, vf, cap):
         dense_prefill(batch.query, got, batch.cache, lay, batch.k_scale, batch.v_scale,
                       batch.block_table, batch.seq_lens, group, scale, cap, torch_varlen)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_plan_groups_with_a_window_counts_only_visible_keys():
+    """Under a window w a request of q queries over L keys needs keys from L - q - w + 1 on:
+    the groups bound (and dequantize) only those."""
+    qsl = torch.tensor([0, 1, 11, 13, 43])
+    lens = torch.tensor([100, 500, 8, 40])
+    groups = plan_prefill_groups(qsl, lens, 1, 40, torch.device("cpu"), sliding_window=16)
+    # request 1: 10 queries at 490..499 see keys 475..499 (25); request 2: all 8; request 3: 40
+    assert [(g.req_begin, g.req_end, g.total_kv) for g in groups] == [(1, 3, 33), (3, 4, 40)]
+    assert groups[0].kv_starts.tolist() == [475, 0] and groups[0].cu_seqlens_k.tolist() == [0, 25, 33]
+    assert groups[0].max_seq_len == 25
+    assert groups[1].kv_starts is None  # 40 keys, 30 queries: every key is visible to one
+
+
+def split_vs_whole(batch, scale, window, sinks, attention, max_rows, **attention_kwargs):
+    """``(got, want)``: the first request decoded paged + the rest through dense prefill groups
+    (planned with the window), against paged attention over the whole batch."""
+    lay = batch.layout
+    paged = (batch.cache, lay, batch.k_scale, batch.v_scale)
+    want = torch.empty_like(batch.query)
+    ops.paged_attention(batch.query, *paged, batch.block_table, batch.seq_lens,
+                        batch.query_start_loc, batch.max_query_len, batch.max_seq_len, scale, want,
+                        sliding_window=window, sinks=sinks)
+    got = torch.full_like(batch.query, float("nan"))
+    ops.paged_attention(batch.query[:1], *paged, batch.block_table[:1], batch.seq_lens[:1],
+                        batch.query_start_loc[:2], 1, batch.max_seq_len, scale, got[:1],
+                        sliding_window=window, sinks=sinks)
+    groups = plan_prefill_groups(batch.query_start_loc.cpu(), batch.seq_lens.cpu(), 1, max_rows,
+                                 batch.query.device, sliding_window=window)
+    if window is not None:
+        assert any(g.kv_starts is not None for g in groups)
+    for group in groups:
+        dense_prefill(batch.query, got, *paged, batch.block_table, batch.seq_lens, group, scale,
+                      None, attention, sliding_window=window, sinks=sinks, **attention_kwargs)
+    return got, want
+
+
+@pytest.mark.parametrize("kf,vf", [("nvfp4", "fp8"), ("fp8", "nvfp4")])
+@pytest.mark.parametrize("window,sinks", [(11, False), (None, True), (7, True)])
+def test_window_and_sinks_match_paged_attention(kf, vf, window, sinks):
+    """Sliding window (only the visible keys dequantized) and attention sinks through the dense
+    path give the paged attention's output."""
+    lay = KVPageLayout(2, 64, 16, kf, vf)
+    batch = make_batch(lay, [(40, 1), (57, 9), (20, 20), (70, 3)], num_q_heads=8, seed=7)
+    s_aux = random_sinks(8, seed=2) if sinks else None
+    got, want = split_vs_whole(batch, 0.2, window, s_aux, torch_varlen, 80)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window,sinks", [(None, False), (128, True), (1024, False)])
+def test_flash_attention_window_and_sinks_on_cuda(window, sinks):
+    """The real vLLM FlashAttention (FA3 on Hopper) through the dense path, bf16, against the
+    paged kernels: sliding window (visible keys only) and sinks (``s_aux``, FA3)."""
+    from vllm_nvfp4.integration.dense_prefill import dense_prefill_supports, flash_varlen
+
+    if flash_varlen() is None or not dense_prefill_supports(64, sinks):
+        pytest.skip("no vLLM FlashAttention (with sinks: version 3) here")
+    attention, version = flash_varlen()
+    lay = KVPageLayout(8, 64, 16, "nvfp4", "fp8")
+    batch = make_batch(lay, [(3000, 1), (2500, 700), (1500, 1500)], 64, q_dtype=torch.bfloat16,
+                       kv_dtype=torch.bfloat16, device="cuda", seed=4, write_backend="triton")
+    s_aux = random_sinks(64, seed=5, device="cuda") if sinks else None
+    got, want = split_vs_whole(batch, 0.125, window, s_aux, attention, 8192, fa_version=version)
+    rel = (got.float() - want.float()).norm() / want.float().norm()
+    assert torch.isfinite(got).all() and rel < 1e-2, f"relative error {rel:.2e}"

@@ -19,7 +19,8 @@ if not CUDA:
 triton = pytest.importorskip("triton")
 
 from paged_cases import (  # noqa: E402
-    check_written_bytes, make_batch, reference_attention, roundtrip, run_attention, write_case,
+    check_written_bytes, make_batch, random_sinks, reference_attention, roundtrip, run_attention,
+    write_case,
 )
 from vllm_nvfp4 import ops  # noqa: E402
 from vllm_nvfp4.kernels import attention as attn_kernels  # noqa: E402
@@ -39,16 +40,18 @@ SCALE = 37 if CUDA else 1
 WRITE = "triton" if CUDA else "torch"
 
 
-def fast_reference(batch, softmax_scale, window=None, cap=None):
+def fast_reference(batch, softmax_scale, window=None, cap=None, sinks=None):
     """Float64 attention on formats-roundtripped K/V (vectorised; checked against the per-token
     loop reference in test_paged_torch)."""
+    sinks = None if sinks is None else sinks.cpu().double()
     outs = []
     q = batch.query.cpu().double()
     row = 0
     for (l, q_len), k, v in zip(batch.seqs, batch.keys, batch.values):
         kd = roundtrip(k, batch.layout.k_format, batch.k_scale)
         vd = roundtrip(v, batch.layout.v_format, batch.v_scale)
-        outs.append(attend_one_sequence(q[row : row + q_len], kd, vd, softmax_scale, window, cap))
+        outs.append(attend_one_sequence(q[row : row + q_len], kd, vd, softmax_scale, window, cap,
+                                        sinks))
         row += q_len
     return torch.cat(outs)
 
@@ -271,6 +274,83 @@ def test_window_and_soft_cap(kind, window, cap, kf, vf):
     assert_close_rel(got, fast_reference(batch, 0.3, window, cap), 2e-3 if CUDA else 1e-5)
 
 
+def _short_mix(kind: str) -> list:
+    """A smaller batch than :func:`_seq_mix` (odd lengths, several blocks, a chunked prefill on a
+    cached prefix and a decode row in the prefill batch) for the many-case tests."""
+    s = SCALE
+    if kind == "decode":
+        return [(37 * s, 1), (5, 1), (20 * s + 3, 1)]
+    return [(19 * s, 19 * s), (30 * s + 1, 5), (9, 1)]
+
+
+#: (window, soft-cap) per format pair, so each kernel meets sinks alone and with both
+SINK_OPTIONS = [(None, None), (9, None), (None, 3.0), (9, 3.0)]
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("i", range(4))
+def test_sinks_every_format_pair(kind, i):
+    """Attention sinks (gpt-oss: a per-head logit in the softmax denominator) in the decode and
+    the prefill kernel, every K/V format pair, alone and with a sliding window and soft-cap,
+    GQA 8:1, against float64."""
+    (kf, vf), (window, cap) = FMT_PAIRS[i], SINK_OPTIONS[(i + (kind == "prefill")) % 4]
+    lay = KVPageLayout(2, 64, 16, kf, vf)
+    batch = make_batch(lay, _short_mix(kind), 16, device=DEV, seed=31 + i, write_backend=WRITE)
+    sinks = random_sinks(16, seed=i, device=DEV)
+    got = run_attention(batch, backend="triton", sliding_window=window, logits_soft_cap=cap,
+                        softmax_scale=0.3, sinks=sinks)
+    assert_close_rel(got, fast_reference(batch, 0.3, window, cap, sinks), 2e-3 if CUDA else 1e-5)
+
+
+@pytest.mark.parametrize("splits,window", [(4, None), (8, 21)])
+def test_sinks_split_decode(splits, window):
+    """With split-KV decode the sink enters the softmax once (the first split's partial), also
+    when a window leaves some splits empty; bf16 sinks read as their FP32 values."""
+    lay = KVPageLayout(2, 64, 16, "nvfp4", "nvfp4")
+    batch = make_batch(lay, _short_mix("decode"), 6, device=DEV, seed=splits, write_backend=WRITE)
+    sinks = random_sinks(6, seed=splits, device=DEV).bfloat16()
+    out = torch.empty_like(batch.query)
+    attn_kernels.paged_attention(
+        batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+        batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.3, out, window, None,
+        sinks, launch=_launch(lay, True, num_splits=splits, tile_n=16))
+    want = fast_reference(batch, 0.3, window, None, sinks.float())
+    assert_close_rel(out, want, 2e-3 if CUDA else 1e-5)
+
+
+# (num_kv_heads, query heads per KV head, head_dim) of the hybrid models: Qwen3.5/3.6 16:2 and
+# 24:4, gpt-oss 8:1 per KV head, Gemma 4's global layers at head_dim 512, MQA at head_dim 256
+HYBRID_SHAPES = [(2, 8, 64), (4, 6, 64), (1, 8, 512), (1, 5, 256)]
+
+
+#: GPU: every shape x every format pair; interpreter: one pair per shape and kind, rotating
+HYBRID_CASES = (
+    [(shape, j) for shape in range(len(HYBRID_SHAPES)) for j in range(4)]
+    if CUDA else [(shape, shape) for shape in range(len(HYBRID_SHAPES))]
+)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("i,j", HYBRID_CASES)
+def test_hybrid_model_shapes(kind, i, j):
+    """The GQA ratios and head dims of the hybrid / sliding-window models in both kernels (their
+    default launch shapes), sinks on every other case, a window on the others."""
+    hkv, group, d = HYBRID_SHAPES[i]
+    kf, vf = FMT_PAIRS[(j + (kind == "prefill")) % 4]
+    with_sinks = (j + (kind == "prefill")) % 2 == 0
+    window = None if with_sinks else 13
+    lay = KVPageLayout(hkv, d, 16, kf, vf)
+    seqs = _short_mix(kind)
+    if not CUDA and d > 256:  # the interpreter's head_dim 512 prefill runs a program per token
+        seqs = seqs[1:]
+    batch = make_batch(lay, seqs, hkv * group, device=DEV, seed=d + group, write_backend=WRITE)
+    sinks = random_sinks(hkv * group, seed=d, device=DEV) if with_sinks else None
+    scale = 1.0 / math.sqrt(d)
+    got = run_attention(batch, backend="triton", sliding_window=window, sinks=sinks)
+    assert_close_rel(got, fast_reference(batch, scale, window, None, sinks),
+                     2e-3 if CUDA else 1e-5)
+
+
 @pytest.mark.skipif(not CUDA, reason="half-precision kernel math needs the GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
@@ -284,6 +364,34 @@ def test_half_precision_full_size(dtype, kind):
     assert_close_rel(got, fast_reference(batch, 1.0 / math.sqrt(128)), 1e-2)
     torch_path = run_attention(batch, backend="torch")
     assert_close_rel(got, torch_path.double().cpu(), 1e-2)
+
+
+@pytest.mark.skipif(not CUDA, reason="half-precision kernel math needs the GPU")
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("d,kf,vf", [(256, "nvfp4", "nvfp4"), (512, "nvfp4", "nvfp4"),
+                                     (512, "fp8", "fp8"), (512, "nvfp4", "fp8")])
+def test_hybrid_full_size_bf16(kind, d, kf, vf):
+    """bf16 at full size, head_dim 256/512, GQA 8:1, sinks and a window of 1024 (Gemma 3's),
+    against float64 and the torch path; the decode also in a CUDA graph."""
+    lay = KVPageLayout(2, d, 16, kf, vf)
+    seqs = [(4099, 1)] * 3 + [(700, 1)] if kind == "decode" else [(2048, 2048), (3000, 300)]
+    batch = make_batch(lay, seqs, 16, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+                       device=DEV, seed=d, write_backend=WRITE)
+    sinks = random_sinks(16, seed=d, device=DEV)
+    got = run_attention(batch, backend="triton", sliding_window=1024, sinks=sinks)
+    assert_close_rel(got, fast_reference(batch, 1.0 / math.sqrt(d), 1024, None, sinks), 1e-2)
+    torch_path = run_attention(batch, backend="torch", sliding_window=1024, sinks=sinks)
+    assert_close_rel(got, torch_path.double().cpu(), 1e-2)
+    if kind == "decode":
+        out = torch.empty_like(batch.query)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ops.paged_attention(batch.query, batch.cache, lay, batch.k_scale, batch.v_scale,
+                                batch.block_table, batch.seq_lens, batch.query_start_loc, 1,
+                                batch.max_seq_len, 1.0 / math.sqrt(d), out, 1024, None, sinks)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, got)
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need the GPU")
@@ -358,6 +466,36 @@ def test_dequantize_kv_bit_exact(kf, vf, h, d, b):
     with pytest.raises(ValueError, match=r"sequences \[3, 5\) are not all in seq_lens"):
         ops.dequantize_kv(batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
                           batch.seq_lens, tail.to(DEV), int(lens.max()), k, v, first_seq=3)
+
+
+@pytest.mark.parametrize("kf,vf", [("nvfp4", "fp8"), ("fp8", "nvfp4")])
+def test_dequantize_kv_from_window_starts(kf, vf):
+    """``seq_starts`` (a sliding window's first visible key per sequence): positions from there
+    on, packed from each sequence's row, bit for bit the torch path's; nothing else written."""
+    lay = KVPageLayout(2, 64, 16, kf, vf)
+    batch = make_batch(lay, [(45 * SCALE, 3), (9, 1), (40 * SCALE + 3, 5)], 2, device=DEV,
+                       seed=9, write_backend=WRITE)
+    lens = batch.seq_lens.cpu()
+    starts = torch.tensor([17 * SCALE, 0, 31 * SCALE], dtype=torch.int32)
+    keys = lens - starts
+    cu = torch.zeros(4, dtype=torch.int32)
+    cu[1:] = keys.cumsum(0)
+    outs = {}
+    for backend in ("triton", "torch"):
+        k = torch.full((int(cu[-1]) + 5, 2, 64), 1234.5, device=DEV)
+        v = torch.full_like(k, 1234.5)
+        ops.dequantize_kv(batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+                          batch.seq_lens, cu.to(DEV), int(keys.max()), k, v,
+                          seq_starts=starts.to(DEV), backend=backend)
+        outs[backend] = (k.cpu(), v.cpu())
+    for got, want in zip(outs["triton"], outs["torch"]):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        assert (got[int(cu[-1]):] == 1234.5).all()
+    k_all = torch.empty(int(lens[2]), 2, 64, device=DEV)  # sequence 2 alone, from position 0
+    ops.dequantize_kv(batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+                      batch.seq_lens, torch.tensor([0, int(lens[2])], dtype=torch.int32, device=DEV),
+                      int(lens[2]), k_all, torch.empty_like(k_all), first_seq=2, backend="torch")
+    assert torch.equal(outs["triton"][0][int(cu[2]):int(cu[3])], k_all.cpu()[int(starts[2]):])
 
 
 @pytest.mark.skipif(not CUDA, reason="the interpreter truncates FP32 -> bf16 instead of rounding")

@@ -6,10 +6,12 @@ import math
 import pytest
 import torch
 
-from paged_cases import check_written_bytes, make_batch, reference_attention, run_attention, write_case
+from paged_cases import (
+    check_written_bytes, make_batch, random_sinks, reference_attention, run_attention, write_case,
+)
 from vllm_nvfp4 import formats, ops, paged_torch
 from vllm_nvfp4.layout import KVPageLayout, allocate_cache, nvfp4_packed_from_rows
-from vllm_nvfp4.paged_torch import dequantize_tokens, read_kv_from_cache
+from vllm_nvfp4.paged_torch import attend_one_sequence, dequantize_tokens, read_kv_from_cache
 
 FORMATS = ("fp8", "nvfp4")
 FMT_PAIRS = list(itertools.product(FORMATS, FORMATS))
@@ -87,6 +89,74 @@ def test_sliding_window_and_soft_cap(window, cap):
     got = run_attention(batch, sliding_window=window, logits_soft_cap=cap, softmax_scale=0.3)
     want = reference_attention(batch, 0.3, window, cap)
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
+
+
+# (num_kv_heads, query heads per KV head, head_dim): the ratios 16:2 and 24:4 (Qwen3.5/3.6), 8:1
+# (gpt-oss's 64:8 per KV head), MQA, and the head dims 256 (Gemma 3) and 512 (Gemma 4 global)
+SINK_SHAPES = [(2, 8, 64), (4, 6, 32), (1, 8, 256), (1, 5, 512)]
+
+
+@pytest.mark.parametrize("kf,vf", FMT_PAIRS)
+@pytest.mark.parametrize("window,cap", [(None, None), (11, None), (None, 4.0), (7, 3.0)])
+def test_sinks_match_float64(kf, vf, window, cap):
+    """Sinks with and without a window / soft-cap, decode + prefill + chunked prefill, GQA 8:1."""
+    lay = KVPageLayout(2, 64, 16, kf, vf)
+    batch = make_batch(lay, [(29, 29), (41, 6), (17, 1), (3, 1)], 16, seed=21)
+    sinks = random_sinks(16, seed=4)
+    got = run_attention(batch, sliding_window=window, logits_soft_cap=cap, softmax_scale=0.2,
+                        sinks=sinks)
+    want = reference_attention(batch, 0.2, window, cap, sinks)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
+    # the sinks change the result (they take weight off every real key)
+    plain = reference_attention(batch, 0.2, window, cap)
+    assert (want - plain).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("hkv,group,d", SINK_SHAPES)
+def test_sinks_gqa_ratios_and_head_dims(hkv, group, d):
+    lay = KVPageLayout(hkv, d, 16, "nvfp4", "nvfp4")
+    batch = make_batch(lay, [(21, 21), (35, 1), (19, 4)], hkv * group, seed=d + group)
+    sinks = random_sinks(hkv * group, seed=d)
+    got = run_attention(batch, sliding_window=9, sinks=sinks)
+    want = reference_attention(batch, 1.0 / math.sqrt(d), 9, None, sinks)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
+
+
+def test_sinks_are_those_of_gpt_oss():
+    """The definition is the model's own: transformers' gpt-oss eager attention (sink logit
+    concatenated to the masked logits, softmax, sink column dropped), with a sliding window."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    gen = torch.Generator().manual_seed(2)
+    hkv, group, n, d, window = 2, 4, 23, 64, 6
+    q = torch.randn(n, hkv * group, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(n, hkv, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(n, hkv, d, generator=gen, dtype=torch.float64)
+    sinks = random_sinks(hkv * group, seed=3).double()
+    pos = torch.arange(n)
+    visible = (pos.view(1, -1) <= pos.view(-1, 1)) & (pos.view(1, -1) > pos.view(-1, 1) - window)
+    mask = torch.zeros(n, n, dtype=torch.float64).masked_fill(~visible, float("-inf"))
+    module = SimpleNamespace(sinks=sinks, num_key_value_groups=group, training=False)
+    want, _ = eager_attention_forward(module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                      v.transpose(0, 1)[None], mask[None, None], scaling=0.125)
+    got = attend_one_sequence(q, k, v, 0.125, window, None, sinks)
+    torch.testing.assert_close(got, want[0], atol=1e-12, rtol=1e-12)
+
+
+def test_sinks_edge_errors_and_dtypes():
+    lay = KVPageLayout(2, 64, 16, "nvfp4", "fp8")
+    batch = make_batch(lay, [(20, 2), (9, 1)], 4, seed=1)
+    sinks = random_sinks(4, seed=1)
+    with pytest.raises(ValueError, match=r"sinks must have shape \(4,\)"):
+        run_attention(batch, sinks=sinks[:2])
+    with pytest.raises(TypeError, match="sinks"):
+        run_attention(batch, sinks=sinks.double())
+    # bf16 sinks (the model's parameter dtype) are read as FP32: same result as their FP32 values
+    half = sinks.bfloat16()
+    torch.testing.assert_close(run_attention(batch, sinks=half),
+                               run_attention(batch, sinks=half.float()), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

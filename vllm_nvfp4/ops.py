@@ -24,7 +24,7 @@ FORCE_TORCH_ENV = "VLLM_NVFP4_FORCE_TORCH"
 KV_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ATTN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: head dims the Triton kernels are built and tested for (the torch path takes any multiple of 16)
-TRITON_HEAD_DIMS = (64, 128, 256)
+TRITON_HEAD_DIMS = (64, 128, 256, 512)
 
 
 def _backend(device: torch.device, backend: Backend) -> str:
@@ -59,6 +59,22 @@ def _check_heads(name: str, x: torch.Tensor, layout: KVPageLayout, dtypes: tuple
         )
     if x.stride(-1) != 1:
         raise ValueError(f"{name} needs stride(-1) == 1, got strides {tuple(x.stride())}")
+
+
+SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_sinks(sinks: Optional[torch.Tensor], query: torch.Tensor) -> None:
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or sinks.dtype not in SINK_DTYPES:
+        raise TypeError(f"sinks must be a tensor of {SINK_DTYPES} [num_q_heads], "
+                        f"got {getattr(sinks, 'dtype', sinks)}")
+    if tuple(sinks.shape) != (query.shape[1],) or sinks.device != query.device:
+        raise ValueError(f"sinks must have shape ({query.shape[1]},) (one logit per query head) on "
+                         f"{query.device}, got {tuple(sinks.shape)} on {sinks.device}")
+    if sinks.stride(0) != 1:
+        raise ValueError(f"sinks must be contiguous, got stride {sinks.stride(0)}")
 
 
 def _check_triton_head_dim(layout: KVPageLayout) -> None:
@@ -134,6 +150,7 @@ def paged_attention(
     out: torch.Tensor,
     sliding_window: Optional[int] = None,
     logits_soft_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Causal paged attention of a batch of sequences, K/V read from the quantized cache.
@@ -149,6 +166,11 @@ def paged_attention(
         softmax_scale: multiplies ``q . k`` before the softmax.
         sliding_window: keys at positions ``> pos - sliding_window`` only (None: no window).
         logits_soft_cap: ``cap * tanh(logits / cap)`` on the scaled logits (None/0: off).
+        sinks: ``[num_q_heads]`` fp32 (bf16/fp16 read as fp32), or None: each head's attention-sink
+            logit (gpt-oss; vLLM's ``sinks`` / FlashAttention's ``s_aux``). It joins the softmax
+            as one more logit without a value: ``out = sum_j e^(l_j - m) v_j /
+            (sum_j e^(l_j - m) + e^(sink - m))``, ``m`` the max over the real logits ``l_j``
+            (scaled, soft-capped, masked) and the sink; the sink itself is neither scaled nor capped.
     Query token j of sequence s sits at position ``seq_lens[s] - q_len + j`` and attends
     causally. Returns ``out``.
     """
@@ -188,6 +210,7 @@ def paged_attention(
         raise ValueError(f"sliding_window must be None or > 0, got {sliding_window}")
     if logits_soft_cap is not None and logits_soft_cap < 0:
         raise ValueError(f"logits_soft_cap must be None or >= 0, got {logits_soft_cap}")
+    _check_sinks(sinks, query)
     if num_seqs == 0 or query.shape[0] == 0:
         return out
     args = (
@@ -196,11 +219,11 @@ def paged_attention(
         logits_soft_cap or None,
     )
     if _backend(query.device, backend) == "torch":
-        return paged_torch.paged_attention(*args)
+        return paged_torch.paged_attention(*args, sinks)
     _check_triton_head_dim(layout)
     from vllm_nvfp4.kernels import attention
 
-    return attention.paged_attention(*args)
+    return attention.paged_attention(*args, sinks)
 
 
 def dequantize_kv(
@@ -215,17 +238,20 @@ def dequantize_kv(
     k_out: torch.Tensor,
     v_out: torch.Tensor,
     first_seq: int = 0,
+    seq_starts: Optional[torch.Tensor] = None,
     backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense K/V of whole sequences: positions ``[0, seq_lens[s])`` of sequence
-    ``s = first_seq + i`` go to rows ``cu_seqlens[i] + pos`` of ``k_out``/``v_out``.
+    """Dense K/V of sequences: positions ``[a_i, seq_lens[s])`` of sequence ``s = first_seq + i``
+    go to rows ``cu_seqlens[i] + pos - a_i`` of ``k_out``/``v_out``; ``a_i = seq_starts[i]``
+    (a sliding window's first visible key), or 0 without ``seq_starts``.
 
     Args:
         cache, layout, k_scale, v_scale: as in :func:`write_kv_cache`.
         block_table: int32 ``[batch, max_blocks]``; seq_lens: int32 ``[batch]``;
         cu_seqlens: int32 ``[n + 1]``, the output row where each of the ``n`` sequences
             ``first_seq .. first_seq + n - 1`` starts.
-        max_seq_len: host int, ``>=`` their lengths.
+        max_seq_len: host int, ``>=`` every ``seq_lens[s] - a_i``.
+        seq_starts: int32 ``[n]`` with ``0 <= a_i <= seq_lens[s]``, or None (contents unchecked).
         k_out, v_out: ``[>= cu_seqlens[-1], num_kv_heads, head_dim]`` bf16/fp16/fp32,
             ``stride(-1) == 1``.
     Values are the FP32 dequantization (per-head scales applied) rounded once to the output
@@ -248,17 +274,22 @@ def dequantize_kv(
         raise ValueError(f"k_out/v_out must have {layout.num_kv_heads} KV heads, got "
                          f"{tuple(k_out.shape)} / {tuple(v_out.shape)}")
     _check_scales(layout, cache.device, k_scale=k_scale, v_scale=v_scale)
+    if seq_starts is not None and (seq_starts.dtype != torch.int32 or tuple(seq_starts.shape) != (
+            end - first_seq,) or seq_starts.device != cache.device):
+        raise ValueError(f"seq_starts must be int32 [{end - first_seq}] on {cache.device}, got "
+                         f"{seq_starts.dtype} {tuple(seq_starts.shape)} on {seq_starts.device}")
     if _backend(cache.device, backend) == "torch":
-        starts, lens = cu_seqlens.tolist(), seq_lens[first_seq:end].tolist()
-        for i, (start, n) in enumerate(zip(starts, lens)):
+        rows, lens = cu_seqlens.tolist(), seq_lens[first_seq:end].tolist()
+        firsts = [0] * len(lens) if seq_starts is None else seq_starts.tolist()
+        for i, (row, n, a) in enumerate(zip(rows, lens, firsts)):
             ids = block_table[first_seq + i, : -(-n // layout.block_size)]
             k, v = paged_torch.read_kv_from_cache(cache, layout, ids, k_scale, v_scale, n)
-            k_out[start:start + n] = k
-            v_out[start:start + n] = v
+            k_out[row:row + n - a] = k[a:]
+            v_out[row:row + n - a] = v[a:]
         return k_out, v_out
     _check_triton_head_dim(layout)
     from vllm_nvfp4.kernels import dequant
 
     dequant.dequantize_kv(cache, layout, k_scale, v_scale, block_table, seq_lens, cu_seqlens,
-                          int(max_seq_len), k_out, v_out, int(first_seq))
+                          int(max_seq_len), k_out, v_out, int(first_seq), seq_starts)
     return k_out, v_out

@@ -145,25 +145,33 @@ def _attend(
     allowed: torch.Tensor,
     softmax_scale: float,
     logits_soft_cap: Optional[float],
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Masked GQA attention: ``q [S, Hq, Q, D]``, ``k``/``v [S, Hkv, L, D]``, ``allowed`` bool
     ``[S, 1, Q, L]`` (every query row allows at least one key) -> ``[S, Hq, Q, D]``.
 
-    Query head ``h`` reads KV head ``h // (Hq / Hkv)``. Without a soft-cap this is torch's
-    ``scaled_dot_product_attention``; with one (``cap * tanh(s / cap)`` on the scaled logits) the
-    same math written out.
+    Query head ``h`` reads KV head ``h // (Hq / Hkv)``. Without a soft-cap or sinks this is torch's
+    ``scaled_dot_product_attention``; otherwise the same math written out: the soft-cap
+    (``cap * tanh(s / cap)``) on the scaled logits, then each head's sink logit ``sinks [Hq]``
+    (FP32) joins the softmax as one more logit that carries no value (it only adds
+    ``exp(sink - max)`` to the denominator; it is neither scaled nor capped).
     """
-    if not logits_soft_cap:
+    if not logits_soft_cap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=softmax_scale,
                                               enable_gqa=True)
     s_, hq, q_len, d = q.shape
     hkv, seq_len = k.shape[1], k.shape[2]
     group = hq // hkv
     logits = torch.matmul(q.reshape(s_, hkv, group * q_len, d), k.transpose(-1, -2)) * softmax_scale
-    logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+    if logits_soft_cap:
+        logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
     logits = logits.view(s_, hkv, group, q_len, seq_len).masked_fill(~allowed.unsqueeze(1), float("-inf"))
-    p = torch.softmax(logits, dim=-1).view(s_, hkv, group * q_len, seq_len)
-    return torch.matmul(p, v).view(s_, hq, q_len, d)
+    if sinks is not None:
+        sink = sinks.to(logits.dtype).view(1, hkv, group, 1, 1).expand(s_, hkv, group, q_len, 1)
+        p = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :seq_len]
+    else:
+        p = torch.softmax(logits, dim=-1)
+    return torch.matmul(p.reshape(s_, hkv, group * q_len, seq_len), v).view(s_, hq, q_len, d)
 
 
 def _allowed(
@@ -186,19 +194,21 @@ def attend_one_sequence(
     softmax_scale: float,
     sliding_window: Optional[int] = None,
     logits_soft_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal GQA attention of the last ``q_len`` positions of a sequence of length ``L``.
 
     ``q [q_len, Hq, D]``, ``k``/``v [L, Hkv, D]`` (same float dtype) -> ``[q_len, Hq, D]``.
     Query j sits at position ``L - q_len + j`` and sees keys at positions ``p`` with
     ``p <= pos`` and, with a window ``w``, ``p > pos - w``. Soft-cap: ``cap * tanh(s / cap)``
-    applied to the scaled logits.
+    applied to the scaled logits; ``sinks [Hq]``: a per-head logit in the softmax denominator
+    (see :func:`_attend`).
     """
     q_len, seq_len = q.shape[0], k.shape[0]
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).view(1, -1)
     allowed = _allowed(q_pos, torch.tensor([seq_len], device=q.device), seq_len, sliding_window)
     o = _attend(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                v.transpose(0, 1).unsqueeze(0), allowed, softmax_scale, logits_soft_cap)
+                v.transpose(0, 1).unsqueeze(0), allowed, softmax_scale, logits_soft_cap, sinks)
     return o[0].transpose(0, 1)
 
 
@@ -214,6 +224,7 @@ def _attend_paged(
     softmax_scale: float,
     sliding_window: Optional[int],
     logits_soft_cap: Optional[float],
+    sinks: Optional[torch.Tensor],
     query_chunk: Optional[int] = None,
 ) -> torch.Tensor:
     """``query [S, Q, Hq, D]`` at positions ``q_pos [S, Q]`` of sequences with blocks ``block_ids
@@ -235,7 +246,7 @@ def _attend_paged(
         keys = min(k.shape[2], int(pos.max()) + 1)
         allowed = _allowed(pos, seq_lens, keys, sliding_window)
         parts.append(_attend(q[:, :, c0:c0 + step], k[:, :, :keys], v[:, :, :keys], allowed,
-                             softmax_scale, logits_soft_cap))
+                             softmax_scale, logits_soft_cap, sinks))
     return torch.cat(parts, dim=2).transpose(1, 2)
 
 
@@ -254,6 +265,7 @@ def paged_attention(
     out: torch.Tensor,
     sliding_window: Optional[int] = None,
     logits_soft_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Paged causal attention reading K/V from the quantized cache (FP32 math). Writes ``out``.
 
@@ -273,7 +285,7 @@ def paged_attention(
         in_use = torch.arange(n_blk, device=lens.device).view(1, -1) < ((lens + bs - 1) // bs).view(-1, 1)
         ids = torch.where(in_use, block_table[single, :n_blk].long(), 0)  # padding -> block 0, zeroed
         o = _attend_paged(query[rows].unsqueeze(1), (lens - 1).view(-1, 1), cache, layout, k_scale,
-                          v_scale, ids, lens, softmax_scale, sliding_window, logits_soft_cap)
+                          v_scale, ids, lens, softmax_scale, sliding_window, logits_soft_cap, sinks)
         out[rows] = o.squeeze(1).to(out.dtype)
     starts, lens_list = query_start_loc.tolist(), seq_lens.tolist()
     for s in torch.nonzero(q_lens > 1).flatten().tolist():  # prefill / chunked prefill: one by one
@@ -281,6 +293,6 @@ def paged_attention(
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device).view(1, -1)
         o = _attend_paged(query[start:end].unsqueeze(0), q_pos, cache, layout, k_scale, v_scale,
                           block_table[s:s + 1, :-(-seq_len // bs)], seq_lens[s:s + 1], softmax_scale,
-                          sliding_window, logits_soft_cap, PREFILL_QUERY_CHUNK)
+                          sliding_window, logits_soft_cap, sinks, PREFILL_QUERY_CHUNK)
         out[start:end] = o[0].to(out.dtype)
     return out

@@ -15,8 +15,14 @@ at most ``max_rows`` tokens (``max(max_model_len, max_num_batched_tokens)``), so
 tensors are bounded; the profiling run allocates that bound once so vLLM's memory profile
 accounts for it.
 
+Sliding window: FlashAttention's ``window_size = (w - 1, 0)`` (keys ``p > pos - w``); with the
+window given to :func:`plan_prefill_groups` too, only the keys some query of the chunk can see
+(from ``L - q - w + 1`` on) are dequantized, so a long prompt costs a window's worth of scratch
+per sequence on a sliding-window layer. Attention sinks: FlashAttention 3's ``s_aux``.
+
 Off (the fused Triton prefill kernel instead): CPU, fp32 models, no vLLM FlashAttention, or
-``VLLM_NVFP4_FUSED_PREFILL=1``.
+``VLLM_NVFP4_FUSED_PREFILL=1``; per layer (:func:`dense_prefill_supports`): a head size over
+:data:`MAX_DENSE_HEAD_DIM` (FlashAttention 2/3) or sinks without FlashAttention 3.
 """
 
 from __future__ import annotations
@@ -36,14 +42,21 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handl
 
 FUSED_PREFILL_ENV = "VLLM_NVFP4_FUSED_PREFILL"
 DENSE_DTYPES = (torch.bfloat16, torch.float16)
+#: largest head size of FlashAttention 2/3 (Gemma 4's 512 takes the fused Triton prefill)
+MAX_DENSE_HEAD_DIM = 256
+#: FlashAttention version with attention sinks (``s_aux``)
+SINKS_FA_VERSION = 3
 
 
 @dataclass(frozen=True)
 class PrefillGroup:
     """Prefill requests ``[req_begin, req_end)`` of a batch, query tokens ``[tok_begin, tok_end)``.
 
-    ``cu_seqlens_q``/``cu_seqlens_k``: int32 device ``[n + 1]``, cumulative query / context lengths
-    of the group's ``n`` requests (both from 0); ``total_kv`` = ``cu_seqlens_k[-1]`` (host)."""
+    ``cu_seqlens_q``/``cu_seqlens_k``: int32 device ``[n + 1]``, cumulative query / dequantized
+    key counts of the group's ``n`` requests (both from 0); ``total_kv`` = ``cu_seqlens_k[-1]``
+    (host). ``kv_starts``: int32 device ``[n]``, each request's first dequantized position (> 0
+    only under a sliding window), or None (all from 0); ``max_seq_len`` bounds the keys per
+    request."""
 
     req_begin: int
     req_end: int
@@ -54,6 +67,7 @@ class PrefillGroup:
     total_kv: int
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
+    kv_starts: Optional[torch.Tensor] = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,35 +91,56 @@ def flash_varlen() -> Optional[tuple[Callable[..., Any], int]]:
 
 
 def dense_prefill_enabled(device: torch.device) -> bool:
-    """Whether prefills on ``device`` go through dequantize + FlashAttention."""
+    """Whether prefills on ``device`` go through dequantize + FlashAttention (see also
+    :func:`dense_prefill_supports` per layer)."""
     if device.type != "cuda" or os.environ.get(FUSED_PREFILL_ENV, "0") in ("1", "true", "True"):
         return False
     return flash_varlen() is not None
 
 
+def dense_prefill_supports(head_dim: int, has_sinks: bool) -> bool:
+    """Whether vLLM's FlashAttention here runs a layer of ``head_dim`` (with sinks or not); such a
+    layer's prefill otherwise takes the fused Triton kernel. Call after
+    :func:`dense_prefill_enabled`."""
+    fa = flash_varlen()
+    if fa is None or head_dim > MAX_DENSE_HEAD_DIM:
+        return False
+    return not has_sinks or fa[1] >= SINKS_FA_VERSION
+
+
 def plan_prefill_groups(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor,
-                        first_prefill: int, max_rows: int, device: torch.device
-                        ) -> tuple[PrefillGroup, ...]:
-    """Group requests ``[first_prefill, num_reqs)`` in order so each group's contexts sum to at
-    most ``max_rows`` tokens (a longer single context gets a group of its own).
+                        first_prefill: int, max_rows: int, device: torch.device,
+                        sliding_window: Optional[int] = None) -> tuple[PrefillGroup, ...]:
+    """Group requests ``[first_prefill, num_reqs)`` in order so each group's dequantized keys sum
+    to at most ``max_rows`` (a longer single context gets a group of its own).
 
     ``query_start_loc_cpu``: int ``[num_reqs + 1]``; ``seq_lens_cpu``: int ``[num_reqs]``
-    (exact for the prefill rows)."""
+    (exact for the prefill rows). With ``sliding_window`` ``w`` a request of ``q`` queries and
+    context ``L`` needs the keys from ``max(0, L - q - w + 1)`` on only."""
     qsl = query_start_loc_cpu.tolist()
     lens = seq_lens_cpu.tolist()
+    starts = [0] * len(lens)
+    if sliding_window is not None:
+        starts = [max(0, n - (qsl[r + 1] - qsl[r]) - sliding_window + 1)
+                  for r, n in enumerate(lens)]
+    keys = [n - s for n, s in zip(lens, starts)]
     groups: list[PrefillGroup] = []
     begin = first_prefill
     while begin < len(lens):
-        end, total = begin + 1, lens[begin]
-        while end < len(lens) and total + lens[end] <= max_rows:
-            total += lens[end]
+        end, total = begin + 1, keys[begin]
+        while end < len(lens) and total + keys[end] <= max_rows:
+            total += keys[end]
             end += 1
         q_lens = [qsl[r + 1] - qsl[r] for r in range(begin, end)]
         cu_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        cu_k = torch.tensor([0] + lens[begin:end], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        cu_k = torch.tensor([0] + keys[begin:end], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        kv_starts = None
+        if any(starts[begin:end]):
+            kv_starts = torch.tensor(starts[begin:end], dtype=torch.int32).to(device,
+                                                                               non_blocking=True)
         groups.append(PrefillGroup(
-            begin, end, qsl[begin], qsl[end], max(q_lens), max(lens[begin:end]), total,
-            cu_q.to(device, non_blocking=True), cu_k.to(device, non_blocking=True)))
+            begin, end, qsl[begin], qsl[end], max(q_lens), max(keys[begin:end]), total,
+            cu_q.to(device, non_blocking=True), cu_k.to(device, non_blocking=True), kv_starts))
         begin = end
     return tuple(groups)
 
@@ -128,17 +163,25 @@ def dense_prefill(query: torch.Tensor, out: torch.Tensor, pages: torch.Tensor,
                   layout: KVPageLayout, k_scale: torch.Tensor, v_scale: torch.Tensor,
                   block_table: torch.Tensor, seq_lens: torch.Tensor, group: PrefillGroup,
                   softmax_scale: float, logits_soft_cap: Optional[float],
-                  attention: Callable[..., Any], **attention_kwargs: Any) -> None:
+                  attention: Callable[..., Any], sliding_window: Optional[int] = None,
+                  sinks: Optional[torch.Tensor] = None, **attention_kwargs: Any) -> None:
     """Causal attention of ``query [tokens, q_heads, D]`` (the whole batch) for one group's
     tokens into ``out`` (same shape), K/V dequantized from ``pages`` into dense scratch.
 
-    ``attention`` is a FlashAttention-style ``flash_attn_varlen_func``."""
+    ``attention`` is a FlashAttention-style ``flash_attn_varlen_func``; ``sliding_window``
+    (keys ``p > pos - w``) becomes its ``window_size``, ``sinks [q_heads]`` (FP32 logits, see
+    :func:`vllm_nvfp4.ops.paged_attention`) its ``s_aux``."""
     toks = slice(group.tok_begin, group.tok_end)
     shape = (group.total_kv, layout.num_kv_heads, layout.head_dim)
     k = torch.empty(shape, dtype=query.dtype, device=query.device)
     v = torch.empty(shape, dtype=query.dtype, device=query.device)
     ops.dequantize_kv(pages, layout, k_scale, v_scale, block_table, seq_lens, group.cu_seqlens_k,
-                      group.max_seq_len, k, v, first_seq=group.req_begin)
+                      group.max_seq_len, k, v, first_seq=group.req_begin,
+                      seq_starts=group.kv_starts)
+    if sliding_window is not None:
+        attention_kwargs["window_size"] = (sliding_window - 1, 0)
+    if sinks is not None:
+        attention_kwargs["s_aux"] = sinks
     attention(q=query[toks], k=k, v=v, max_seqlen_q=group.max_query_len,
               cu_seqlens_q=group.cu_seqlens_q, max_seqlen_k=group.max_seq_len,
               cu_seqlens_k=group.cu_seqlens_k, softmax_scale=softmax_scale, causal=True,

@@ -80,6 +80,21 @@ def _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT: 
 
 
 @triton.jit
+def _fold_sinks(sinks_ptr, qh, take, m_i, l_i):
+    """Fold the attention sinks of the query heads ``qh [M]`` (where ``take``) into a finished
+    online softmax ``(m_i, l_i)`` (log2 units): the sink is one more logit without a value, so
+    ``m = max(m_i, sink)``, ``l = l_i * keep + exp2(sink - m)``; returns ``(m, l, keep)`` with
+    ``keep = exp2(m_i - m)`` the factor of the accumulated values. Applied once after the tile
+    loop, which stays the same with and without sinks; a decode split other than the first takes
+    no sink (``take`` False: ``(m_i, l_i, 1)``), its partial merges with the first's."""
+    sink = tl.load(sinks_ptr + qh, mask=take, other=float("-inf")).to(tl.float32) * LOG2E
+    m = tl.maximum(m_i, sink)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    keep = tl.exp2(m_i - m_safe)
+    return m, l_i * keep + tl.exp2(sink - m_safe), keep
+
+
+@triton.jit
 def _split_range(seq_len, window, split, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr,
                  USE_WINDOW: tl.constexpr):
     """Token range ``[t_begin, t_end)`` of one split-KV program of a decode query at
@@ -263,7 +278,7 @@ def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexp
     if MASKED and ZERO_PAST_END:
         sc = tl.where(((t0 + tl.arange(0, N)) < t_end)[:, None], sc, 0.0)
     parts = (sc,)
-    for lvl in tl.static_range(4):
+    for lvl in tl.static_range(5):  # C <= 32 chunks (head_dim 512)
         if (C >> lvl) > 1:
             halves = ()
             for p in tl.static_range(1 << lvl):
@@ -440,7 +455,7 @@ def _store_output(accs, scale, o_cols, col_ok, V_FMT: tl.constexpr, D: tl.conste
 
 @triton.jit
 def _decode_kernel(
-    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr,
+    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr,
     part_o_ptr, part_ml_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_bt,
@@ -449,11 +464,12 @@ def _decode_kernel(
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
+    F32: tl.constexpr,
 ):
     """Decode through :func:`_attend_keys`: the ``BG`` query columns are the GQA group of one
     KV head (padded, >= 8). Grid ``(seqs, kv_heads, splits)``; with splits, FP32 partials
-    ``(o, m, l)`` for :func:`_reduce_kernel`."""
+    ``(o, m, l)`` for :func:`_reduce_kernel`. Sinks: :func:`_fold_sinks`."""
     seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_full, t_end = _decode_program(
         seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window, K_FMT, V_FMT,
         G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP)
@@ -464,6 +480,10 @@ def _decode_kernel(
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
         TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32)
+    if USE_SINKS:  # into the first split's partial only
+        first_split = tl.full([BG], split, tl.int32) == 0
+        m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok & first_split, m_i, l_i)
+        vf = vf * keep
     o_cols = _decode_out_rows(out_ptr, part_o_ptr, part_ml_ptr, m_i, l_i, tok, split, qh, row_ok,
                               stride_ot, stride_oh, HQ, D, NUM_SPLITS)
     _store_output(accs, vf / tl.where(l_i == 0.0, 1.0, l_i), o_cols, row_ok, V_FMT, D)
@@ -530,7 +550,7 @@ def _prefill_program(seq_lens_ptr, qsl_ptr, num_seqs, window, G: tl.constexpr,
 
 @triton.jit
 def _prefill_kernel(
-    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr,
+    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_bt,
     softmax_scale, softcap, window,
@@ -538,11 +558,12 @@ def _prefill_kernel(
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
+    F32: tl.constexpr,
 ):
     """Prefill through :func:`_attend_keys` (keys on the MMA M dimension, the program's
     ``BLOCK_Q * G_PAD`` query rows as columns, causal); grid ``(query blocks + seqs,
-    kv_heads)``, see :func:`_prefill_program`."""
+    kv_heads)``, see :func:`_prefill_program`. Sinks: :func:`_fold_sinks`."""
     seq, h, active, tok, qh, row_ok, q_pos, t_begin, t_full, t_end = _prefill_program(
         seq_lens_ptr, qsl_ptr, num_seqs, window, G, G_PAD, BLOCK_Q, TILE_N, USE_WINDOW)
     if not active:
@@ -557,6 +578,9 @@ def _prefill_kernel(
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
         TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32)
+    if USE_SINKS:
+        m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok, m_i, l_i)
+        vf = vf * keep
     _store_output(accs, vf / tl.where(l_i == 0.0, 1.0, l_i), out_ptr + tok * stride_ot
                 + qh * stride_oh, row_ok, V_FMT, D)
 
@@ -611,13 +635,31 @@ class LaunchShape:
             raise ValueError(f"query_rows must be a power of 2, got {self.query_rows}")
 
 
+def _launch_defaults_512(layout, decode: bool) -> LaunchShape:
+    """Head_dim 512 (Gemma 4's global layers), chosen by the fewest spills in the sm_90 compile
+    check (``benchmarks/compile_sm90.py --head-dim 512 --group 8``), not timed: the output
+    accumulators alone take 128 registers per thread in one warp. Decode: FP8 / FP8 64 keys x 4
+    warps (no spill), with an NVFP4 plane 16 keys x 1 warp. Prefill: FP8 / FP8 32 keys x 4 warps
+    x 16 rows (no spill); NVFP4 K / FP8 V 16 keys x 2 warps x 8 rows (no spill); an NVFP4 V
+    16 keys x 1 warp x 8 rows."""
+    fp8_k, fp8_v = layout.k_format is KVFormat.FP8, layout.v_format is KVFormat.FP8
+    if decode:
+        return LaunchShape(64, 4) if fp8_k and fp8_v else LaunchShape(16, 1)
+    if fp8_v:
+        return LaunchShape(32, 4, 16) if fp8_k else LaunchShape(16, 2, 8)
+    return LaunchShape(16, 1, 8)
+
+
 def launch_defaults(layout, decode: bool) -> LaunchShape:
     """The launch shape of ``layout`` (decode or prefill), chosen by timing on Hopper.
 
     Decode: 64 keys per tile, 1 warp, or 2 for FP8 K and V; with an NVFP4 plane 32 keys at
     head_dim 256 (64 exceed the register file; FP8 / FP8 at head_dim 256 keeps 64 keys x 2 warps,
     which compiles for sm_90 without spills where 32 keys x 1 warp spills). Prefill: 64 keys
-    (32 at head_dim 256); with an FP8 V 2 warps x 32 query rows, else 1 warp x 16 rows."""
+    (32 at head_dim 256); with an FP8 V 2 warps x 32 query rows, else 1 warp x 16 rows.
+    Head_dim 512: :func:`_launch_defaults_512`."""
+    if layout.head_dim > 256:
+        return _launch_defaults_512(layout, decode)
     tile = 32 if layout.head_dim >= 256 else 64
     if not decode:
         return LaunchShape(tile, 2, 32) if layout.v_format is KVFormat.FP8 else LaunchShape(tile, 1, 16)
@@ -626,7 +668,7 @@ def launch_defaults(layout, decode: bool) -> LaunchShape:
     return LaunchShape(tile, 1)
 
 
-def _layout_constexprs(layout, device: torch.device, softcap, window) -> dict:
+def _layout_constexprs(layout, device: torch.device, softcap, window, sinks) -> dict:
     """Kernel constexprs shared by decode and prefill."""
     f32 = device.type != "cuda"  # the interpreter: fp32 math (its fp16/bf16 dots are unreliable)
     return dict(
@@ -634,7 +676,8 @@ def _layout_constexprs(layout, device: torch.device, softcap, window) -> dict:
         K_DATA=layout.k_data_offset, K_SCALE=layout.k_scale_offset,
         V_DATA=layout.v_data_offset, V_SCALE=layout.v_scale_offset,
         D=layout.head_dim, BLOCK=layout.block_size,
-        USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None, F32=f32,
+        USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None,
+        USE_SINKS=sinks is not None, F32=f32,
     )
 
 
@@ -653,6 +696,7 @@ def paged_attention(
     out: torch.Tensor,
     sliding_window: Optional[int] = None,
     logits_soft_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
     launch: Optional[LaunchShape] = None,
 ) -> torch.Tensor:
     """Launch decode (``max_query_len == 1``) or prefill kernels; arguments as in
@@ -661,11 +705,12 @@ def paged_attention(
     decode = max_query_len == 1
     num_seqs = seq_lens.shape[0]
     d = layout.head_dim
-    meta = _layout_constexprs(layout, query.device, logits_soft_cap, sliding_window)
+    meta = _layout_constexprs(layout, query.device, logits_soft_cap, sliding_window, sinks)
     g = query.shape[1] // layout.num_kv_heads
     softcap = float(logits_soft_cap or 1.0)
     window = int(sliding_window or 0)
     g_pad = triton.next_power_of_2(g)
+    sink_arg = k_scale if sinks is None else sinks  # never read without sinks (USE_SINKS)
     common_args = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                    cache.stride(0), block_table.stride(0), softmax_scale, softcap, window)
     shape = launch or launch_defaults(layout, decode)
@@ -684,7 +729,7 @@ def paged_attention(
         else:
             part_o = part_ml = out  # unused
         _decode_kernel[(num_seqs, layout.num_kv_heads, splits)](
-            query, out, cache, k_scale, v_scale, block_table, seq_lens, query_start_loc,
+            query, out, cache, k_scale, v_scale, sink_arg, block_table, seq_lens, query_start_loc,
             part_o, part_ml, *common_args,
             HQ=hq, G=g, BG=bg, TILE_N=tn, NUM_SPLITS=splits, **meta,
             num_warps=warps, num_stages=shape.num_stages or 3,
@@ -700,7 +745,8 @@ def paged_attention(
     block_q = block_m // g_pad
     grid = (query.shape[0] // block_q + num_seqs, layout.num_kv_heads)
     _prefill_kernel[grid](
-        query, out, cache, k_scale, v_scale, block_table, seq_lens, query_start_loc, num_seqs,
+        query, out, cache, k_scale, v_scale, sink_arg, block_table, seq_lens, query_start_loc,
+        num_seqs,
         *common_args,
         G=g, G_PAD=g_pad, BLOCK_Q=block_q, TILE_N=tn, **meta,
         num_warps=warps, num_stages=shape.num_stages or 2,

@@ -14,6 +14,8 @@ the output dtype.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -62,25 +64,29 @@ def _dequant_plane(page, off, valid, h, scale, out_rows,
 
 @triton.jit(do_not_specialize=["first_seq"])
 def _dequant_kv_kernel(
-    cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq_lens_ptr, cu_ptr, k_out, v_out,
+    cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq_lens_ptr, cu_ptr, starts_ptr,
+    k_out, v_out,
     first_seq, stride_blk, stride_bt, stride_kt, stride_kh, stride_vt, stride_vh,
     K_FMT: tl.constexpr, V_FMT: tl.constexpr,
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
-    D: tl.constexpr, BLOCK: tl.constexpr, TILE_T: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr, TILE_T: tl.constexpr, HAS_STARTS: tl.constexpr,
 ):
     i = tl.program_id(0)  # i-th sequence of the launch = sequence first_seq + i of the batch
     seq = first_seq + i
-    pos = tl.program_id(1) * TILE_T + tl.arange(0, TILE_T)
+    start = 0
+    if HAS_STARTS:
+        start = tl.load(starts_ptr + i)
+    pos = start + tl.program_id(1) * TILE_T + tl.arange(0, TILE_T)
     h = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    if tl.program_id(1) * TILE_T >= seq_len:
+    if start + tl.program_id(1) * TILE_T >= seq_len:
         return
     valid = pos < seq_len
     blk = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + pos // BLOCK, mask=valid,
                   other=0)
     page = cache_ptr + blk.to(tl.int64) * stride_blk
     off = pos % BLOCK
-    row = (tl.load(cu_ptr + i) + pos).to(tl.int64)
+    row = (tl.load(cu_ptr + i) + pos - start).to(tl.int64)
     _dequant_plane(page, off, valid, h, tl.load(k_scale_ptr + h), k_out + row * stride_kt
                    + h * stride_kh, K_FMT, K_DATA, K_SCALE, D, BLOCK)
     _dequant_plane(page, off, valid, h, tl.load(v_scale_ptr + h), v_out + row * stride_vt
@@ -90,10 +96,12 @@ def _dequant_kv_kernel(
 def dequantize_kv(cache: torch.Tensor, layout, k_scale: torch.Tensor, v_scale: torch.Tensor,
                   block_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens: torch.Tensor,
                   max_seq_len: int, k_out: torch.Tensor, v_out: torch.Tensor,
-                  first_seq: int = 0, tile_t: int = 32) -> None:
-    """Dequantize positions ``[0, seq_lens[s])`` of sequences ``s = first_seq + i`` into rows
-    ``cu_seqlens[i] + pos`` of ``k_out``/``v_out [rows, H, D]``; arguments checked by
-    :func:`vllm_nvfp4.ops.dequantize_kv`. ``max_seq_len``: host upper bound (launch grid).
+                  first_seq: int = 0, seq_starts: Optional[torch.Tensor] = None,
+                  tile_t: int = 32) -> None:
+    """Dequantize positions ``[a_i, seq_lens[s])`` of sequences ``s = first_seq + i`` into rows
+    ``cu_seqlens[i] + pos - a_i`` of ``k_out``/``v_out [rows, H, D]`` (``a_i = seq_starts[i]``,
+    or 0 without); arguments checked by :func:`vllm_nvfp4.ops.dequantize_kv`. ``max_seq_len``:
+    host upper bound of the positions per sequence (launch grid).
     The batch tensors are passed whole with ``first_seq`` (not specialized on), rather than
     sliced, so pointer alignment never triggers a new compilation while serving."""
     num_seqs = cu_seqlens.shape[0] - 1
@@ -101,11 +109,14 @@ def dequantize_kv(cache: torch.Tensor, layout, k_scale: torch.Tensor, v_scale: t
         return
     grid = (num_seqs, triton.cdiv(max_seq_len, tile_t), layout.num_kv_heads)
     _dequant_kv_kernel[grid](
-        cache, k_scale, v_scale, block_table, seq_lens, cu_seqlens, k_out, v_out, first_seq,
+        cache, k_scale, v_scale, block_table, seq_lens, cu_seqlens,
+        cu_seqlens if seq_starts is None else seq_starts,  # not read without starts
+        k_out, v_out, first_seq,
         cache.stride(0), block_table.stride(0), k_out.stride(0), k_out.stride(1),
         v_out.stride(0), v_out.stride(1),
         K_FMT=format_code(layout.k_format), V_FMT=format_code(layout.v_format),
         K_DATA=layout.k_data_offset, K_SCALE=layout.k_scale_offset,
         V_DATA=layout.v_data_offset, V_SCALE=layout.v_scale_offset,
-        D=layout.head_dim, BLOCK=layout.block_size, TILE_T=tile_t, num_warps=4,
+        D=layout.head_dim, BLOCK=layout.block_size, TILE_T=tile_t,
+        HAS_STARTS=seq_starts is not None, num_warps=4,
     )
