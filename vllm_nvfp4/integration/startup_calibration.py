@@ -273,6 +273,11 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
     shape = ModelShape.from_vllm_config(vllm_config)
     layers = _our_layers(vllm_config, shape.num_layers)
     soft_cap = any(layer.impl.logits_soft_cap is not None for layer in layers.values())
+    windowed = [n for n, layer in layers.items() if getattr(layer.impl, "sinks", None) is not None
+                or getattr(layer.impl, "sliding_window", None) is not None]
+    if windowed:  # CalibrationBatch.attend is plain causal attention
+        return {"skipped": f"{windowed[0]} has attention sinks or a sliding window, which the "
+                           "calibration forward does not reproduce"}
     try:
         tokenizer = _load_tokenizer(mc)
     except (OSError, ValueError, ImportError) as e:  # same outcome on every rank: no collective yet
