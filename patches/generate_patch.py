@@ -52,6 +52,11 @@ EDITS: tuple[Edit, ...] = (
          "        if config.cache_config.cache_dtype == \"nvfp4_mixed\":\n"
          "            from vllm_nvfp4.integration.model import check_engine_config\n\n"
          "            check_engine_config(config)\n\n"),
+    Edit("startup_calibration", "vllm/v1/executor/abstract.py",
+         '        """Compile/warm up the model and capture cudagraphs on workers."""\n',
+         "        if self.vllm_config.cache_config.cache_dtype == \"nvfp4_mixed\":\n"
+         "            from vllm_nvfp4.integration.startup_calibration import calibrate_engine\n\n"
+         "            calibrate_engine(self)\n"),
 )
 
 

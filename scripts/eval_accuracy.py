@@ -2,7 +2,8 @@
 """Accuracy of KV-cache configurations through vLLM: BF16 vs FP8 vs NVFP4 vs nvfp4_mixed.
 
     python scripts/eval_accuracy.py MODEL_DIR --policy POLICY.json --out DIR \\
-        [--configs auto,fp8,nvfp4_all,mixed_calibrated,mixed_naive] [--budget 0.62] \\
+        [--configs auto,fp8,nvfp4_all,mixed_calibrated,mixed_naive,flag_only] [--budget 0.62] \\
+        [--dtype bfloat16|float16|float32] \\
         [--nll-windows 8 --window-tokens 2048] [--passkey-context 4096 --passkey-trials 5] \\
         [--gsm8k-n 100]
 
@@ -21,6 +22,11 @@ Reported per configuration:
     reference run (``fp8``: vLLM's; ``ours_fp8``: ours, calibrated scales);
   * KV bytes per token from vLLM's capacity (KV space / (blocks x block size)) and by arithmetic.
 
+``--dtype`` is the model dtype of every engine (the reference ``auto`` included) and of the lm-eval
+runs: bf16 matmuls are several times slower than fp32 on CPUs without AVX-512 BF16, so ``float32``
+makes CPU tables much cheaper; the deltas are then against an fp32 reference.
+``flag_only`` is the zero-config start (no policy; start-up calibration on the built-in text).
+
 Environment: ``VLLM_CPU_KVCACHE_SPACE`` (GiB, default 1 here) on CPU builds of vLLM.
 Engine results are cached in ``DIR/engines/`` by their settings: re-running with the same
 settings (e.g. after a crash, or to add GSM8K) skips finished engines; ``--fresh`` disables that.
@@ -36,6 +42,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -102,6 +109,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--gsm8k-data", type=Path, default=None, help="GSM8K test JSONL (default: the prepared asset)")
     ap.add_argument("--gsm8k-max-model-len", type=int, default=4096, help="max_model_len of the lm-eval engines")
     ap.add_argument("--max-num-seqs", type=int, default=16, help="engine max_num_seqs (default 16)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                    help="model dtype of every engine and lm-eval run (default bfloat16; float32 is "
+                         "much faster on CPUs without AVX-512 BF16)")
     ap.add_argument("--fresh", action="store_true", help="ignore cached engine / lm-eval results in --out")
     args = ap.parse_args(argv)
     if not (args.model / "config.json").is_file():
@@ -195,7 +205,8 @@ def run_gsm8k(cfg: KVConfig, args: argparse.Namespace, env: dict[str, str], out:
     limit = None if n == -1 else n
     dest = out / "gsm8k" / cfg.name
     cmd = gsm8k.lm_eval_command(str(args.model.resolve()), cfg.kv_cache_dtype, dest, limit,
-                                data_path=args.gsm8k_data.resolve(), max_model_len=args.gsm8k_max_model_len)
+                                data_path=args.gsm8k_data.resolve(), max_model_len=args.gsm8k_max_model_len,
+                                dtype=args.dtype)
     shown_env = {**{k: os.environ[k] for k in ("VLLM_ENABLE_V1_MULTIPROCESSING",) if k in os.environ}, **env}
     line = gsm8k.printable(cmd, shown_env)
     stamp = dest / "command.txt"
@@ -227,7 +238,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for k, v in CPU_ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
     try:
-        shape = ModelShape.from_model_dir(args.model)
+        shape = replace(ModelShape.from_model_dir(args.model), dtype=args.dtype)
         configs = build_configs(args.configs, shape, args.policy, args.budget, args.fp8_policy)
     except (ConfigError, PolicyError, ValueError) as e:
         print(f"eval_accuracy: error: {e}", file=sys.stderr)
@@ -245,7 +256,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{shape.max_positions} positions (use at most {shape.max_positions - 1})", file=sys.stderr)
         return 2
     max_len = min(longest + 16, shape.max_positions)
-    engine_kwargs = dict(dtype="bfloat16", max_model_len=max_len, enforce_eager=True, enable_prefix_caching=False,
+    engine_kwargs = dict(dtype=args.dtype, max_model_len=max_len, enforce_eager=True, enable_prefix_caching=False,
                          seed=0, max_num_seqs=args.max_num_seqs, distributed_executor_backend="uni")
     kv_space = int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) << 30
     log(f"model {args.model} ({shape.num_layers} layers, {shape.num_kv_heads} KV heads, head_dim {shape.head_dim}); "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -173,6 +174,20 @@ def test_build_configs_errors(tmp_path: Path) -> None:
         build_configs(["mixed_calibrated"], other, _calibrated(tmp_path))
 
 
+def test_flag_only_is_the_zero_config_start(tmp_path: Path) -> None:
+    """No policy file, VLLM_NVFP4_POLICY emptied (= unset), start-up calibration on; the default
+    rule's bytes; refused when the model directory holds a policy the engine would serve."""
+    shape = replace(SHAPE, model_dir=str(tmp_path))
+    cfg = build_configs(["flag_only"], shape)[0]
+    assert cfg.kv_cache_dtype == "nvfp4_mixed" and cfg.policy.to_compact() == "0:fp8,1-4:nvfp4,5:fp8"
+    assert cfg.fraction_of_fp8(shape) == pytest.approx((4 + 8 * 0.5625) / 12)
+    assert cfg.write_policy(tmp_path / "pol") is None and not (tmp_path / "pol").exists()
+    assert cfg.env(None) == {"VLLM_NVFP4_POLICY": "", "VLLM_NVFP4_STARTUP_CALIBRATION": "1"}
+    (tmp_path / "nvfp4_policy.json").write_text("{}")
+    with pytest.raises(ConfigError, match="nvfp4_policy.json exists"):
+        build_configs(["flag_only"], shape)
+
+
 # ----------------------------------------------------------------------------- lm-eval glue
 def test_lm_eval_command_is_copyable(tmp_path: Path) -> None:
     cmd = gsm8k.lm_eval_command("/m", "nvfp4_mixed", tmp_path / "o", 50, data_path=Path("/d/test.jsonl"))
@@ -185,6 +200,9 @@ def test_lm_eval_command_is_copyable(tmp_path: Path) -> None:
     line = gsm8k.printable(cmd, {"VLLM_NVFP4_POLICY": "/p q.json"})
     assert line.startswith("VLLM_NVFP4_POLICY='/p q.json' lm_eval --model vllm ")
     assert "--limit" not in gsm8k.lm_eval_command("/m", "fp8", tmp_path, None)
+    assert "dtype=bfloat16" in cmd[i + 1].split(",")
+    fp32 = gsm8k.lm_eval_command("/m", "fp8", tmp_path, None, dtype="float32")
+    assert "dtype=float32" in fp32[fp32.index("--model_args") + 1].split(",")
 
 
 def test_parse_lm_eval_outputs(tmp_path: Path) -> None:

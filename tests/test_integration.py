@@ -68,12 +68,13 @@ def test_every_hook_is_installed_once():
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.executor.abstract import Executor
 
     from vllm_nvfp4.integration import hooks
     from vllm_nvfp4.integration.selection import BACKEND_PATH
 
     for fn in (EngineArgs.create_engine_config, Attention.get_kv_cache_spec,
-               selector._cached_get_attn_backend):
+               selector._cached_get_attn_backend, Executor.compile_or_warm_up_model):
         assert getattr(fn, hooks._MARK)
         assert not getattr(fn.__wrapped__, hooks._MARK, False)  # not wrapped twice
     assert AttentionBackendEnum.CUSTOM.get_path() == BACKEND_PATH
@@ -81,7 +82,8 @@ def test_every_hook_is_installed_once():
 
     assert "VLLM_NVFP4_POLICY" in envs.environment_variables
     assert [h.name for h in hooks.HOOKS] == [
-        "cache_dtype", "custom_backend", "backend_selection", "spec", "startup_check", "env_vars"]
+        "cache_dtype", "custom_backend", "backend_selection", "spec", "startup_check", "env_vars",
+        "startup_calibration"]
 
 
 def _selector_config(**changes):
@@ -127,7 +129,8 @@ def test_rebind_after_inference_mode_updates_scales_in_place():
     from vllm_nvfp4.policy import LayerPolicy
 
     config = SimpleNamespace(model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2),
-                             parallel_config=SimpleNamespace(tensor_parallel_size=1))
+                             parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                             cache_config=SimpleNamespace(cache_dtype="auto"))
     layout = KVPageLayout(2, 64, 16, "fp8", "nvfp4")
     impl = Nvfp4MixedImpl(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2)
     with torch.inference_mode():
@@ -149,7 +152,8 @@ def _impl_step(row, kf: str, vf: str, query, key, value):
     from vllm_nvfp4.layout import KVPageLayout
 
     config = SimpleNamespace(model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2),
-                             parallel_config=SimpleNamespace(tensor_parallel_size=1))
+                             parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                             cache_config=SimpleNamespace(cache_dtype="auto"))
     layout = KVPageLayout(2, 64, 16, kf, vf)
     impl = Nvfp4MixedImpl(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2)
     impl.bind("layers.0", 0, row, layout, config, torch.device("cpu"))
@@ -238,7 +242,8 @@ def test_k_centering_through_the_impl(kf):
 
     from vllm_nvfp4.layout import KVPageLayout
     config = SimpleNamespace(model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2),
-                             parallel_config=SimpleNamespace(tensor_parallel_size=1))
+                             parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                             cache_config=SimpleNamespace(cache_dtype="auto"))
     capped = Nvfp4MixedImpl(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2,
                             logits_soft_cap=30.0)
     with pytest.raises(RuntimeError, match="soft-cap"):

@@ -4,8 +4,13 @@
     vllm-nvfp4 analyze   MODEL --data FILE... --out REPORT_DIR [--window 2048 --windows 2]
     vllm-nvfp4 select    REPORT_DIR (--budget 0.62 | --fp8-slots N) [--out POLICY.json]
                          [--write-to-model DIR] [--force] [--no-measure]
+    vllm-nvfp4 tune      MODEL --data FILE... [--budget 0.62] [--force]
+                         (= analyze with calibration + select; writes MODEL/nvfp4_policy.json)
     vllm-nvfp4 doctor    [MODEL]    what is installed, whether vLLM loads the plugin and accepts
                                     nvfp4_mixed, the policy MODEL would get or why it is refused
+
+``calibrate``, ``analyze``, ``select`` and ``tune`` run the model on ``--device`` (default: every
+visible GPU when CUDA is available, else the CPU; see :mod:`vllm_nvfp4.calibration.modeling`).
 
 Exit status: 0 success, 2 bad arguments / inputs (one line on stderr), 1 unexpected failure,
 3 ``doctor`` found something that blocks ``nvfp4_mixed`` (its FAIL lines say what).
@@ -46,7 +51,13 @@ def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
-def _model_args(p: argparse.ArgumentParser, default_windows: int) -> None:
+def _device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", metavar="DEVICE",
+                   help="cpu, cuda (every visible GPU, the model split across them: "
+                        "device_map=auto), cuda:N, or auto (default: cuda when available, else cpu)")
+
+
+def _model_args(p: argparse.ArgumentParser, default_windows: int, k_center_default: bool = False) -> None:
     p.add_argument("model", type=Path, help="local Hugging Face model directory")
     p.add_argument("--data", type=Path, nargs="+", required=True, metavar="FILE",
                    help="text files or JSONL (fields 'text' or 'question'+'answer'), concatenated")
@@ -58,12 +69,18 @@ def _model_args(p: argparse.ArgumentParser, default_windows: int) -> None:
                    help="K smoothing: divide each K channel by max(1, (amax_c / mean amax)^ALPHA) "
                         "and multiply queries back (try 1.0 for models with outlier K channels, "
                         "e.g. Qwen2.5)")
-    p.add_argument("--k-center", action="store_true",
-                   help="K centering: store K minus each channel's calibration mean (exact for "
-                        "attention without a logits soft-cap; for models whose keys carry a large "
-                        "constant part, e.g. Qwen2.5's K bias)")
+    if k_center_default:
+        p.add_argument("--no-k-center", dest="k_center", action="store_false",
+                       help="no K centering (default: centering, except for models with a logits "
+                            "soft-cap)")
+    else:
+        p.add_argument("--k-center", action="store_true",
+                       help="K centering: store K minus each channel's calibration mean (exact for "
+                            "attention without a logits soft-cap; for models whose keys carry a large "
+                            "constant part, e.g. Qwen2.5's K bias)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="model dtype (default bfloat16, the reference for all damages)")
+    _device_arg(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,6 +123,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure on N windows from the analysis' first held-out window "
                         "(default: the analysis' windows; more = partly fresh text)")
     p.add_argument("--force", action="store_true", help="overwrite existing policy files")
+    _device_arg(p)
+
+    p = sub.add_parser("tune", help="calibrate + analyze + select in one run; writes MODEL/"
+                                    f"{POLICY_FILENAME}")
+    _model_args(p, default_windows=2, k_center_default=True)
+    p.add_argument("--budget", type=float, default=0.62,
+                   help="KV bytes as a fraction of all-FP8 (0.5625 .. 1.0; default 0.62)")
+    p.add_argument("--calib-windows", type=_positive(int), default=1,
+                   help="windows before the scored ones that calibrate the scales (default 1)")
+    p.add_argument("--metric", choices=("kl", "dnll"), default="kl",
+                   help="single-slot damage to minimise (default kl)")
+    p.add_argument("--measure-windows", type=_positive(int), default=None, metavar="N",
+                   help="measure the selection on N windows (default: the analysis' windows)")
+    p.add_argument("--no-measure", action="store_true",
+                   help="skip measuring the selected and the naive policy (one model run less)")
+    p.add_argument("--report", type=Path, default=None, metavar="DIR",
+                   help="where the analysis report goes (default MODEL/nvfp4_report)")
+    p.add_argument("--force", action="store_true",
+                   help=f"overwrite MODEL/{POLICY_FILENAME} and an existing report")
 
     p = sub.add_parser("doctor", help="why --kv-cache-dtype nvfp4_mixed works here, or not "
                                       "(exit status 3 when something blocks it)")
@@ -161,7 +197,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     _check_data(a.data)
     _check_writable_file(a.out, a.force, "--out")
     policy = run_calibrate(a.model, a.data, a.policy, a.window, a.windows, a.per_head, a.dtype,
-                           a.k_smooth, a.k_center)
+                           a.k_smooth, a.k_center, a.device)
     policy.save(a.out, overwrite=a.force)
     print(f"wrote {a.out}: {policy.to_compact()} ({policy.fraction_of_fp8():.4f}x FP8 bytes)")
     return 0
@@ -187,7 +223,7 @@ def cmd_analyze(a: argparse.Namespace) -> int:
         scales.check_model(num_layers)  # KV heads and head_dim are checked once the model is loaded
     report = analyze(a.model, a.data, a.out, a.window, a.windows, a.calib_windows, scales,
                      a.per_head, a.dtype, reuse_prefix=not a.no_prefix_reuse, k_smooth=a.k_smooth,
-                     k_center=a.k_center)
+                     k_center=a.k_center, device=a.device)
     for stale in a.out.glob("selection-*.json"):  # belong to the previous analysis
         stale.unlink()
     paths = render(a.out)
@@ -228,7 +264,7 @@ def cmd_select(a: argparse.Namespace) -> int:
         if config_sha256(a.write_to_model) != report["model"]["config_sha256"]:
             raise UsageError(f"{a.write_to_model} is not the model that was analyzed (config.json differs)")
     policy, summary = run_select(a.report, slots, a.metric, measure=not a.no_measure, budget=a.budget,
-                                 measure_windows=a.measure_windows)
+                                 measure_windows=a.measure_windows, device=a.device)
     for t in targets:
         policy.save(t, overwrite=a.force)
     render(a.report)
@@ -242,6 +278,38 @@ def cmd_select(a: argparse.Namespace) -> int:
         print(f"measured delta NLL (nats/token): selected {s['dnll']:.5f}, naive first/last {n['dnll']:.5f}, "
               f"all-NVFP4 {nv['dnll']:.5f}; KL: {s['kl']:.5f}, {n['kl']:.5f}, {nv['kl']:.5f}")
     print("wrote " + ", ".join(str(t) for t in targets))
+    return 0
+
+
+def cmd_tune(a: argparse.Namespace) -> int:
+    from vllm_nvfp4.calibration.commands import run_tune
+
+    _check_model_dir(a.model, a.window)
+    _check_data(a.data)
+    target = a.model / POLICY_FILENAME
+    _check_writable_file(target, a.force, "policy")
+    report_dir = a.report if a.report is not None else a.model / "nvfp4_report"
+    if report_dir.exists() and not report_dir.is_dir():
+        raise UsageError(f"--report {report_dir} exists and is not a directory")
+    from vllm_nvfp4.calibration.sensitivity import REPORT_FILE
+
+    if (report_dir / REPORT_FILE).exists() and not a.force:
+        raise UsageError(f"{report_dir} already holds a report; refusing to overwrite it (use --force)")
+    from vllm_nvfp4.calibration.modeling import config_shape
+    from vllm_nvfp4.calibration.selection import fp8_slots_for_budget
+
+    try:
+        slots = fp8_slots_for_budget(config_shape(a.model)[0] or 0, a.budget)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    result = run_tune(a.model, a.data, report_dir, slots, budget=a.budget, window=a.window,
+                      windows=a.windows, calib_windows=a.calib_windows, per_head=a.per_head,
+                      dtype=a.dtype, k_smooth=a.k_smooth, k_center=a.k_center, metric=a.metric,
+                      measure=not a.no_measure, measure_windows=a.measure_windows, device=a.device)
+    result.policy.save(target, overwrite=a.force)
+    print("\n".join(result.lines()))
+    print(f"wrote {target} (vllm serve {a.model} --kv-cache-dtype nvfp4_mixed finds it) and the "
+          f"report {report_dir / 'REPORT.md'}")
     return 0
 
 
@@ -267,7 +335,7 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 
 
 COMMANDS = {"calibrate": cmd_calibrate, "analyze": cmd_analyze, "select": cmd_select,
-            "doctor": cmd_doctor}
+            "tune": cmd_tune, "doctor": cmd_doctor}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

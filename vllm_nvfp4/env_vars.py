@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
+from vllm_nvfp4.calibration.startup_cache import CACHE_ENV
 from vllm_nvfp4.integration.dense_prefill import FUSED_PREFILL_ENV
+from vllm_nvfp4.integration.startup_calibration import STARTUP_CALIBRATION_ENV
 from vllm_nvfp4.ops import FORCE_TORCH_ENV
 from vllm_nvfp4.policy import POLICY_ENV
 
@@ -23,7 +25,9 @@ ENV_VARS: dict[str, str] = {
                 "directory's nvfp4_policy.json)",
     FORCE_TORCH_ENV: "1: the torch path instead of the Triton kernels on CUDA",
     FUSED_PREFILL_ENV: "1: the fused Triton prefill instead of dequantize + FlashAttention (CUDA)",
-    "VLLM_NVFP4_CACHE": "directory of the tiny test models and tokenizers (default ~/.cache/vllm-nvfp4)",
+    STARTUP_CALIBRATION_ENV: "0: no start-up calibration when no policy is given (default on)",
+    CACHE_ENV: "cache root: start-up calibrations, tiny test models and tokenizers (default "
+               "~/.cache/vllm-nvfp4)",
     "VLLM_NVFP4_ASSETS": "asset directory of scripts/prepare_assets.py (default "
                          "~/.cache/vllm-nvfp4/assets)",
     "VLLM_NVFP4_GSM8K": "GSM8K JSONL file of the gsm8k_nvfp4 lm-eval task",

@@ -1,18 +1,21 @@
-"""The ``calibrate`` and ``select`` workflows behind the CLI (``analyze`` is in :mod:`sensitivity`)."""
+"""The ``calibrate``, ``select`` and ``tune`` workflows behind the CLI (``analyze`` is in
+:mod:`sensitivity`)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import vllm_nvfp4
 from vllm_nvfp4.calibration.data import load_windows
 from vllm_nvfp4.calibration.evaluator import Evaluator
-from vllm_nvfp4.calibration.modeling import config_sha256, load_model
-from vllm_nvfp4.calibration.progress import progress
+from vllm_nvfp4.calibration.modeling import config_sha256, load_model, read_text_config
+from vllm_nvfp4.calibration.progress import progress, single_bar
 from vllm_nvfp4.calibration.report_files import ReportError
 from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy, with_formats
 from vllm_nvfp4.calibration.selection import (
@@ -23,7 +26,7 @@ from vllm_nvfp4.calibration.selection import (
     predict,
     select_formats,
 )
-from vllm_nvfp4.calibration.sensitivity import all_format, load_report, utc_now
+from vllm_nvfp4.calibration.sensitivity import all_format, analyze, load_report, utc_now
 from vllm_nvfp4.policy import KVPolicy, default_policy
 
 logger = logging.getLogger(__name__)
@@ -36,10 +39,10 @@ def _tool(command: str) -> dict[str, str]:
 def run_calibrate(model_dir: Path, data: Sequence[Path], formats: Optional[str] = None,
                   window: int = 2048, windows: int = 4, per_head: bool = False,
                   dtype: str = "bfloat16", k_smooth: Optional[float] = None,
-                  k_center: bool = False) -> KVPolicy:
+                  k_center: bool = False, device: str = "cpu") -> KVPolicy:
     """Calibrate K/V scales on ``windows`` windows; formats from the compact ``formats`` string
     (default rule when ``None``). Returns the policy with scales and provenance (not saved)."""
-    model, tokenizer, info = load_model(model_dir, dtype)
+    model, tokenizer, info = load_model(model_dir, dtype, device, window, 0)
     fmt = (KVPolicy.from_compact(formats, info.num_layers, source="--policy",
                                  layer_types=info.layer_types) if formats
            else default_policy(info.num_layers, info.layer_types))
@@ -66,7 +69,7 @@ def _check_same_inputs(report: dict[str, Any]) -> None:
 
 def run_select(report_dir: Path, fp8_slots: int, metric: str = "kl", measure: bool = True,
                budget: Optional[float] = None, measure_windows: Optional[int] = None,
-               ) -> tuple[KVPolicy, dict[str, Any]]:
+               device: str = "cpu") -> tuple[KVPolicy, dict[str, Any]]:
     """Select formats for at most ``fp8_slots`` FP8 slots (:func:`select_formats`); measure them
     and the naive rule with as many FP8 slots (unless ``measure=False``); write
     ``selection-<fp8_slots>.json`` into ``report_dir``.
@@ -91,7 +94,8 @@ def run_select(report_dir: Path, fp8_slots: int, metric: str = "kl", measure: bo
         "all_fp8": report["configs"]["all_fp8"], "all_nvfp4": report["configs"]["all_nvfp4"],
     }
     if measure:
-        measured = _measure(report, scales, {"selected": chosen, "naive": naive}, measure_windows)
+        measured = _measure(report, scales, {"selected": chosen, "naive": naive}, measure_windows,
+                            device)
         summary["measured_on"] = measured.pop("measured_on")
         for name in ("selected", "naive"):
             summary[name]["measured"] = measured.pop(name)
@@ -112,13 +116,14 @@ def run_select(report_dir: Path, fp8_slots: int, metric: str = "kl", measure: bo
 
 
 def _measure(report: dict[str, Any], scales: KVPolicy, policies: dict[str, KVPolicy],
-             windows: Optional[int]) -> dict[str, Any]:
+             windows: Optional[int], device: str = "cpu") -> dict[str, Any]:
     """Metrics of ``policies`` (formats; the report's scales) by name, plus ``measured_on``; also
     ``all_fp8`` / ``all_nvfp4`` when the windows differ from the analysis'."""
     _check_same_inputs(report)
     s = report["settings"]
     n = windows or s["windows"]
-    model, tokenizer, info = load_model(report["model"]["path"], report["model"]["dtype"])
+    model, tokenizer, info = load_model(report["model"]["path"], report["model"]["dtype"], device,
+                                        s["window"], n)
     toks = load_windows([Path(f["path"]) for f in report["data"]["files"]], tokenizer,
                         s["window"], n, s["calib_windows"], info.max_positions)
     todo = {name: with_formats(scales, f) for name, f in policies.items()}
@@ -135,3 +140,64 @@ def _measure(report: dict[str, Any], scales: KVPolicy, policies: dict[str, KVPol
             bar.set_postfix_str(name)
             out[name] = ev.measure(policy, bar).to_dict()
     return out
+
+
+@dataclass
+class TuneResult:
+    """What ``tune`` produced: the policy (scales + selected formats) and the numbers behind it."""
+
+    policy: KVPolicy
+    report: dict[str, Any]
+    selection: dict[str, Any]
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        """The human-readable report printed at the end of ``tune``."""
+        c, s = self.report["configs"], self.selection
+        out = [*self.notes,
+               f"analyzed {len(self.report['layers'])} layers on {self.report['data']['eval_windows']} x "
+               f"{self.report['data']['window_tokens']} tokens; delta NLL (nats/token): all-FP8 "
+               f"{c['all_fp8']['dnll']:.5f}, all-NVFP4 {c['all_nvfp4']['dnll']:.5f}",
+               f"selected {self.policy.to_compact()} ({self.policy.fraction_of_fp8():.4f}x FP8 bytes, "
+               f"{s['fp8_slots']} FP8 slots)"]
+        if "measured" in s["selected"]:
+            sel, naive, nv = s["selected"]["measured"], s["naive"]["measured"], s["all_nvfp4"]
+            out.append(f"measured delta NLL: selected {sel['dnll']:.5f}, naive first/last {naive['dnll']:.5f}, "
+                       f"all-NVFP4 {nv['dnll']:.5f}; KL {sel['kl']:.5f}, {naive['kl']:.5f}, {nv['kl']:.5f}")
+        out.append(f"tune took {self.seconds:.0f} s")
+        return out
+
+
+def soft_capped(model_dir: Path) -> bool:
+    """Whether the model's attention logits are soft-capped (K centering is then not exact)."""
+    return bool(read_text_config(model_dir).get("attn_logit_softcapping"))
+
+
+def run_tune(model_dir: Path, data: Sequence[Path], report_dir: Path, fp8_slots: int,
+             budget: Optional[float] = None, window: int = 2048, windows: int = 2,
+             calib_windows: int = 1, per_head: bool = False, dtype: str = "bfloat16",
+             k_smooth: Optional[float] = None, k_center: bool = True, metric: str = "kl",
+             measure: bool = True, measure_windows: Optional[int] = None,
+             device: str = "cpu") -> TuneResult:
+    """``analyze`` (calibrating on the first ``calib_windows`` windows, scoring the next
+    ``windows``) then ``select`` for ``fp8_slots`` FP8 slots, under one progress bar; the
+    report (plots, REPORT.md) is rendered into ``report_dir``. The policy is not saved."""
+    from vllm_nvfp4.calibration.report import render
+
+    start = time.time()
+    notes = []
+    if k_center and soft_capped(Path(model_dir)):
+        k_center = False
+        notes.append("note: the model soft-caps its attention logits; K centering is off")
+    with single_bar("tune", unit="step"):
+        report = analyze(model_dir, data, report_dir, window, windows, calib_windows,
+                         per_head=per_head, dtype=dtype, k_smooth=k_smooth, k_center=k_center,
+                         device=device)
+        for stale in Path(report_dir).glob("selection-*.json"):  # of an earlier analysis
+            stale.unlink()
+        policy, summary = run_select(report_dir, fp8_slots, metric, measure=measure, budget=budget,
+                                     measure_windows=measure_windows, device=device)
+    render(report_dir)
+    policy = KVPolicy(policy.layers, {**policy.provenance, "tool": _tool("tune")}, policy.source)
+    return TuneResult(policy, report, summary, time.time() - start, notes)

@@ -19,6 +19,7 @@ from typing import Iterator, Optional
 import torch
 
 from vllm_nvfp4.calibration.kv_hooks import attention_modules, kv_cache_quantization
+from vllm_nvfp4.calibration.modeling import input_device
 from vllm_nvfp4.calibration.metrics import Metrics, Reference, per_token_damage, reference_from_logits, summarize
 from vllm_nvfp4.policy import KVPolicy
 
@@ -54,7 +55,7 @@ class Evaluator:
 
     def __init__(self, model: torch.nn.Module, windows: torch.Tensor, reuse_prefix: bool = True) -> None:
         self.model = model
-        self.windows = windows
+        self.windows = windows.to(input_device(model))
         self.refs: list[Reference] = []
         self.layers = _decoder_layers(model) if reuse_prefix else None
         self.baseline: Optional[KVPolicy] = None

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from vllm_nvfp4.calibration.kv_hooks import KVObserver, kv_cache_quantization
+from vllm_nvfp4.calibration.modeling import input_device
 from vllm_nvfp4.calibration.progress import progress
 from vllm_nvfp4.formats import fp8_scale_from_amax, nvfp4_global_scale
 from vllm_nvfp4.policy import KVPolicy, LayerPolicy, Scale
@@ -38,9 +39,10 @@ def observe_amax(model: torch.nn.Module, windows: torch.Tensor, num_layers: int,
     """Run ``windows [n, T]`` one at a time and return the per-layer, per-head K/V amax
     (``num_layers`` decoder layers, of which ``kv_layers`` (default: all) hold a KV cache)."""
     observer = KVObserver(num_layers, kv_layers)
+    device = input_device(model)
     with kv_cache_quantization(model, observer=observer):
         for row in progress(windows, desc=desc, unit="window"):
-            model(row.unsqueeze(0), use_cache=False)
+            model(row.unsqueeze(0).to(device), use_cache=False)
     missing = observer.missing_layers()
     if missing:
         raise RuntimeError(f"layers {missing} never went through the KV hook; unsupported model")

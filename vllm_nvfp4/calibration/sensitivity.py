@@ -63,6 +63,7 @@ def analyze(
     reuse_prefix: bool = True,
     k_smooth: Optional[float] = None,
     k_center: bool = False,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Run the sensitivity analysis and write ``out_dir/sensitivity.json`` (+ ``scales.json``).
 
@@ -74,11 +75,13 @@ def analyze(
         per_head: calibrate one scale per KV head instead of one per layer.
         k_smooth: with calibration, the K smoothing exponent (None: no smoothing).
         k_center: with calibration, K centering (store K minus its channel means).
+        device: ``cpu``, ``cuda`` (every visible GPU), ``cuda:N`` or ``auto``
+            (:func:`~vllm_nvfp4.calibration.modeling.load_model`).
     Returns:
         The report dictionary (also written as JSON).
     """
     t_start = time.time()
-    model, tokenizer, info = load_model(model_dir, dtype)
+    model, tokenizer, info = load_model(model_dir, dtype, device, window, windows)
     n_calib = 0 if scales is not None else calib_windows
     toks = load_windows(data, tokenizer, window, windows, n_calib, info.max_positions)
     if scales is None:

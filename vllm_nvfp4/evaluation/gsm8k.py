@@ -36,13 +36,13 @@ def lm_eval_executable() -> list[str]:
 def lm_eval_command(model: str, kv_cache_dtype: str, output_path: Path, limit: Optional[int],
                     data_path: Optional[Path] = None, max_model_len: int = 4096,
                     extra_model_args: Sequence[str] = ("enforce_eager=True", "enable_prefix_caching=True"),
-                    seed: int = 0, tasks_dir: Path = TASKS_DIR) -> list[str]:
+                    seed: int = 0, tasks_dir: Path = TASKS_DIR, dtype: str = "bfloat16") -> list[str]:
     """Arguments of one lm-eval run (without the executable).
 
     Prefix caching is on (vLLM's default for decoder models, stated so the command says it): the
     task's fixed 5-shot examples are then prefilled once, not once per question.
     """
-    model_args = ",".join([f"pretrained={model}", f"kv_cache_dtype={kv_cache_dtype}", "dtype=bfloat16",
+    model_args = ",".join([f"pretrained={model}", f"kv_cache_dtype={kv_cache_dtype}", f"dtype={dtype}",
                            f"max_model_len={max_model_len}", f"seed={seed}", *extra_model_args])
     cmd = ["--model", "vllm", "--model_args", model_args, "--tasks", TASK, "--include_path", str(tasks_dir),
            "--batch_size", "auto", "--output_path", str(output_path), "--log_samples", "--seed", str(seed)]

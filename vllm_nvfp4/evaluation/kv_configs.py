@@ -11,11 +11,14 @@ name                ``kv_cache_dtype``  what
 ``mixed_calibrated`` ``nvfp4_mixed``    the selected policy JSON (``--policy``) as is
 ``mixed_naive``     ``nvfp4_mixed``     first/last-N layers FP8 with as many FP8 slots as the
                                         calibrated policy (or ``--budget``), calibrated scales
+``flag_only``       ``nvfp4_mixed``     no policy at all, as a user who only adds the flag gets
+                                        it: the default rule with start-up calibration
 ==================  ==================  =========================================================
 
 A ``nvfp4_mixed`` configuration reaches the engine as a policy JSON file named by
 ``$VLLM_NVFP4_POLICY``, set in the environment of the process that starts the engine (spawned
 vLLM processes inherit it), so the same file works for ``LLM()``, ``vllm serve`` and lm-eval.
+``flag_only`` sets ``$VLLM_NVFP4_POLICY`` empty (= unset) and start-up calibration on instead.
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ from typing import Any, Optional, Sequence
 from vllm_nvfp4.calibration.scales import with_formats
 from vllm_nvfp4.calibration.selection import count_fp8_slots, fp8_slots_for_budget, naive_formats
 from vllm_nvfp4.formats import KVFormat
+from vllm_nvfp4.integration.startup_calibration import STARTUP_CALIBRATION_ENV
 from vllm_nvfp4.model_shape import ModelShape
-from vllm_nvfp4.policy import POLICY_ENV, KVPolicy, LayerPolicy
+from vllm_nvfp4.policy import POLICY_ENV, POLICY_FILENAME, KVPolicy, LayerPolicy, default_policy
 
 logger = logging.getLogger(__name__)
 
-CONFIG_NAMES = ("auto", "fp8", "ours_fp8", "nvfp4_all", "mixed_calibrated", "mixed_naive")
+CONFIG_NAMES = ("auto", "fp8", "ours_fp8", "nvfp4_all", "mixed_calibrated", "mixed_naive", "flag_only")
 DEFAULT_CONFIGS = ("auto", "fp8", "nvfp4_all", "mixed_calibrated", "mixed_naive")
 OURS = "nvfp4_mixed"
 
@@ -49,7 +53,8 @@ class KVConfig:
     name: str
     kv_cache_dtype: str
     description: str
-    policy: Optional[KVPolicy] = None
+    policy: Optional[KVPolicy] = None  # with ``zero_config``: the formats the engine will use
+    zero_config: bool = False  # no policy file: the engine calibrates at start-up
 
     def expected_bytes_per_token(self, shape: ModelShape) -> int:
         """KV-cache bytes per token by arithmetic (all layers, K and V, scales included)."""
@@ -63,14 +68,16 @@ class KVConfig:
         return self.expected_bytes_per_token(shape) / fp8
 
     def write_policy(self, directory: Path) -> Optional[Path]:
-        """Write the policy JSON (``None`` for vLLM's own dtypes); returns its path."""
-        if self.policy is None:
+        """Write the policy JSON (``None`` for vLLM's own dtypes and zero-config); returns its path."""
+        if self.policy is None or self.zero_config:
             return None
         directory.mkdir(parents=True, exist_ok=True)
         return self.policy.save(directory / f"{self.name}.json", overwrite=True)
 
     def env(self, policy_path: Optional[Path]) -> dict[str, str]:
         """Environment the engine process needs for this configuration."""
+        if self.zero_config:
+            return {POLICY_ENV: "", STARTUP_CALIBRATION_ENV: "1"}
         return {POLICY_ENV: str(Path(policy_path).resolve())} if policy_path is not None else {}
 
     def summary(self, shape: ModelShape) -> dict[str, Any]:
@@ -95,8 +102,12 @@ def _load_checked(path: Path, shape: ModelShape) -> KVPolicy:
 
 
 def build_configs(names: Sequence[str], shape: ModelShape, policy_path: Optional[Path] = None,
-                  budget: Optional[float] = None, fp8_policy_path: Optional[Path] = None) -> list[KVConfig]:
+                  budget: Optional[float] = None, fp8_policy_path: Optional[Path] = None,
+                  ) -> list[KVConfig]:
     """The configurations ``names`` (see the module table), in the order given.
+
+    ``flag_only`` refuses a ``shape.model_dir`` holding ``nvfp4_policy.json`` (the engine would
+    serve it).
 
     ``fp8_policy_path``: a calibrated all-FP8 policy (e.g. ``vllm-nvfp4 calibrate --policy "*:fp8"
     --k-smooth 1``) that ``ours_fp8`` uses as is, scales and K smoothing included.
@@ -145,4 +156,10 @@ def build_configs(names: Sequence[str], shape: ModelShape, policy_path: Optional
                 raise ConfigError("mixed_naive needs --policy (its FP8 slot count) or --budget")
             pol = with_scales_of(naive_formats(L, slots), calibrated, f"eval: naive first/last ({slots} FP8 slots)")
             out.append(KVConfig(name, OURS, f"nvfp4_mixed, first/last-N FP8 ({slots} FP8 slots), {scales_note}", pol))
+        elif name == "flag_only":
+            if shape.model_dir is not None and (Path(shape.model_dir) / POLICY_FILENAME).is_file():
+                raise ConfigError(f"flag_only: {shape.model_dir}/{POLICY_FILENAME} exists and an engine "
+                                  "would serve it; move it away to measure the zero-config start")
+            out.append(KVConfig(name, OURS, "nvfp4_mixed, no policy: default rule, start-up calibration",
+                                default_policy(L), zero_config=True))
     return out

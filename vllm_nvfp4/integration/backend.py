@@ -49,6 +49,7 @@ from vllm_nvfp4.integration.dense_prefill import (
 )
 from vllm_nvfp4.integration.dtype import CACHE_DTYPE
 from vllm_nvfp4.integration.model import layer_plan
+from vllm_nvfp4.integration.startup_calibration import CalibrationBatch, planned
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
 T = TypeVar("T")
@@ -318,7 +319,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         values = {kv: rank_scales(row.quant_scale(kv), row.format_of(kv), total,
                                   self.num_kv_heads, tp_rank, tp_size) for kv in ("k", "v")}
         if index is not None and not _warned_default_scales and (
-                row.quant_scale("k") is None or row.quant_scale("v") is None):
+                row.quant_scale("k") is None or row.quant_scale("v") is None) \
+                and not planned(vllm_config):  # start-up calibration replaces them before serving
             _warned_default_scales = True
             logger.warning(
                 "vllm-nvfp4: the policy has no calibrated scale for some K/V planes (first: layer "
@@ -390,6 +392,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
                 reserve_scratch(self._scratch_rows, self.num_kv_heads, self.head_size,
                                 query.dtype, query.device)
             return output.fill_(0)
+        if isinstance(attn_metadata, CalibrationBatch):  # start-up calibration: exact attention
+            return attn_metadata.attend(self, query, key, value, output)
         m = attn_metadata
         pages = self._page_view(kv_cache)
         if self.q_smooth is not None:  # q . (K / lam) with q * lam: the smoothing cancels

@@ -24,6 +24,9 @@ spec               Attention.get_kv_cache_spec (per-layer page size)      spec.k
 startup_check      EngineArgs.create_engine_config (front-end checks)     model.check_engine_config
 env_vars           envs.py ``environment_variables`` (+ VLLM_NVFP4_*;     env_vars.register_with_
                    plugin-only)                                           vllm
+startup_           v1/executor/abstract.py                                startup_calibration.
+calibration        ``Executor.compile_or_warm_up_model``: first            calibrate_engine
+                   calibrate on every worker (no policy given)
 =================  ====================================================  ==========================
 
 vLLM APIs the backend *uses* without patching them (they must keep working across versions):
@@ -31,7 +34,11 @@ vLLM APIs the backend *uses* without patching them (they must keep working acros
 and ``split_decodes_and_prefills`` (v1/attention), the builder's
 ``_init_reorder_batch_threshold(1, supports_spec_as_decode=True)`` (decodes first; a speculative
 verify step counts as a decode), and for prefill on CUDA ``vllm.vllm_flash_attn.flash_attn_varlen_func`` with
-``fa_utils.get_flash_attn_version`` (``dense_prefill.py``).
+``fa_utils.get_flash_attn_version`` (``dense_prefill.py``); for the start-up calibration
+(``startup_calibration.py``) ``Executor.collective_rpc`` with a function, the model runner's
+``get_model()`` / ``vllm_config`` / ``device``, ``forward_context.set_forward_context`` (attention
+metadata by layer name, an empty slot mapping) and the TP group's ``cpu_group`` /
+``broadcast_object``.
 """
 
 from __future__ import annotations
@@ -140,6 +147,22 @@ def _install_env_vars() -> None:
     register_with_vllm()
 
 
+def _install_startup_calibration() -> None:
+    from vllm.v1.executor.abstract import Executor
+
+    from vllm_nvfp4.integration.startup_calibration import calibrate_engine
+
+    def make(original: Callable) -> Callable:
+        def compile_or_warm_up_model(self: Any) -> None:
+            if is_ours(self.vllm_config.cache_config.cache_dtype):
+                calibrate_engine(self)
+            return original(self)
+
+        return compile_or_warm_up_model
+
+    _replace(Executor, "compile_or_warm_up_model", make)
+
+
 HOOKS: tuple[Hook, ...] = (
     Hook("cache_dtype", "vllm.config.cache:CacheDType",
          "vLLM 0.32 validates --kv-cache-dtype against a closed Literal (argparse choices, "
@@ -167,6 +190,13 @@ HOOKS: tuple[Hook, ...] = (
          "the documented VLLM_NVFP4_POLICY read as ignored. Plugin-only: a source build lists "
          "the variables it wants in its own envs.py",
          "register_with_vllm", (), _install_env_vars),
+
+
+    Hook("startup_calibration", "vllm.v1.executor.abstract:Executor.compile_or_warm_up_model",
+         "the engine core calls it on every executor once the KV cache is allocated and before "
+         "warm-up and CUDA-graph capture: the one point where the loaded model can run real text "
+         "on every TP rank and the scales can still change in place before graphs are captured",
+         "calibrate_engine", ("vllm/v1/executor/abstract.py",), _install_startup_calibration),
 )
 
 _installed = False

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import weakref
 from typing import Any, Optional
 
 from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, KVFormat
@@ -47,8 +48,29 @@ def _resolve(num_layers: int, layer_types: tuple[LayerType, ...], num_kv_heads: 
     return policy
 
 
+# Policies calibrated at start-up (startup_calibration.py), by id() of the engine's config.
+_STARTUP_POLICIES: dict[int, KVPolicy] = {}
+
+
+def set_startup_policy(vllm_config: Any, policy: KVPolicy) -> None:
+    """Make ``policy`` (the default rule's formats with start-up calibrated scales) the policy in
+    force for ``vllm_config`` in this process, for as long as that config object lives."""
+    shape = ModelShape.from_vllm_config(vllm_config)
+    if policy.to_compact() != model_policy(vllm_config).to_compact():
+        raise Nvfp4MixedConfigError(
+            f"start-up calibration changed the layer formats ({policy.to_compact()}); the KV "
+            "cache was allocated for the formats in force")
+    policy.check_model(shape.num_layers, shape.total_num_kv_heads, shape.head_dim)
+    key = id(vllm_config)
+    _STARTUP_POLICIES[key] = policy
+    weakref.finalize(vllm_config, _STARTUP_POLICIES.pop, key, None)
+
+
 def model_policy(vllm_config: Any) -> KVPolicy:
     """The policy in force for this engine config (resolved once per process and setting)."""
+    startup = _STARTUP_POLICIES.get(id(vllm_config))
+    if startup is not None:
+        return startup
     shape = ModelShape.from_vllm_config(vllm_config)
     return _resolve(shape.num_layers, shape.layer_types, shape.total_num_kv_heads,
                     shape.head_dim, shape.model_dir, os.environ.get(POLICY_ENV, ""))

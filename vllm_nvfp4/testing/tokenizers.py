@@ -17,18 +17,11 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from vllm_nvfp4.calibration.startup_cache import cache_root  # the package's one cache root
+
 TOKENIZER_VERSION = 1  # bump when the trained tokenizer of a given vocabulary changes
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")  # ids 0..3 (bos 1, eos 2)
 BYTE_SPECIAL_TOKENS = SPECIAL_TOKENS[:3]
-
-
-def cache_root() -> Path:
-    """Directory for cached tiny models and tokenizers (``$VLLM_NVFP4_CACHE`` or ~/.cache/vllm-nvfp4)."""
-    env = os.environ.get("VLLM_NVFP4_CACHE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "vllm-nvfp4"
 
 
 def _corpus_files(text_mb: float) -> list[str]:

@@ -1,0 +1,168 @@
+#!/usr/bin/env python
+"""Time the zero-config start and the offline analysis at a real model size (GPU).
+
+    python scripts/time_zeroconfig.py startup --out OUT [--preset llama8b]
+    python scripts/time_zeroconfig.py analyze --out OUT [--preset llama8b] [--device cuda]
+
+``startup``: a weight-less Llama-3.1-8B-shaped model (:func:`vllm_nvfp4.testing.models.
+build_weightless_model`, ``load_format="dummy"``) is started three times with
+``kv_cache_dtype="nvfp4_mixed"`` and no policy, each in a fresh process: start-up calibration off,
+on with an empty cache (it calibrates), on again (it reuses the cache). Writes ``OUT/startup.json``
+with each ``LLM()`` wall time, the calibration's own logged time and the difference to "off".
+
+``analyze``: the same shape with random bf16 weights saved as safetensors (``OUT/model``, 16 GB
+for the 8B preset), then ``vllm-nvfp4 analyze`` on the built-in text with its default windows
+(2 x 2048 scored, 1 calibration window) on ``--device``. Writes ``OUT/analyze.json`` (wall time,
+the report's own time) and the report in ``OUT/analysis``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+CALIBRATED = re.compile(r"calibrated at start-up on (\d+) tokens in ([\d.]+) s")
+REUSED = re.compile(r"start-up calibration reused from \S+ \((\d+) tokens; ([\d.]+) s\)")
+
+
+def log(msg: str) -> None:
+    print(f"[time_zeroconfig {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- start-up
+def startup_child(model: str, max_model_len: int) -> None:
+    """One engine start (runs in its own process); prints ``RESULT {json}``."""
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model, kv_cache_dtype="nvfp4_mixed", load_format="dummy",
+              max_model_len=max_model_len, seed=0)
+    start = time.perf_counter() - t0
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
+    print("RESULT " + json.dumps({"llm_start_s": round(start, 2),
+                                  "generated_tokens": len(out[0].outputs[0].token_ids)}), flush=True)
+
+
+def _start_once(model: Path, cache: Path, calibrate: bool, max_model_len: int) -> dict[str, Any]:
+    env = dict(os.environ, VLLM_NVFP4_CACHE=str(cache),
+               VLLM_NVFP4_STARTUP_CALIBRATION="1" if calibrate else "0")
+    env.pop("VLLM_NVFP4_POLICY", None)
+    run = subprocess.run([sys.executable, __file__, "startup-child", "--model", str(model),
+                          "--max-model-len", str(max_model_len)],
+                         env=env, capture_output=True, text=True, timeout=1800)
+    text = run.stdout + run.stderr
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    if run.returncode or not lines:
+        raise SystemExit(f"engine start failed (exit {run.returncode}):\n{text[-4000:]}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    for kind, pattern in (("calibrated", CALIBRATED), ("reused", REUSED)):
+        m = pattern.search(text)
+        if m:
+            result.update(calibration=kind, tokens=int(m.group(1)), calibration_s=float(m.group(2)))
+    return result
+
+
+def run_startup(out: Path, preset: str, max_model_len: int) -> dict[str, Any]:
+    from vllm_nvfp4.testing.models import build_weightless_model
+
+    model = build_weightless_model(out / f"{preset}-weightless", preset)
+    cache = out / "cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    runs = {}
+    for name, calibrate in (("off", False), ("calibrating", True), ("cached", True)):
+        log(f"engine start: {name}")
+        runs[name] = _start_once(model, cache, calibrate, max_model_len)
+        log(f"  {runs[name]}")
+    base = runs["off"]["llm_start_s"]
+    result = {"preset": preset, "model": str(model), "max_model_len": max_model_len, "runs": runs,
+              "added_s": {n: round(r["llm_start_s"] - base, 2) for n, r in runs.items() if n != "off"}}
+    (out / "startup.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+# ---------------------------------------------------------------------------- analyze
+def random_weight_model(out: Path, preset: str) -> Path:
+    """The preset's config with random bf16 weights, saved as safetensors (made on the GPU)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vllm_nvfp4.testing.models import build_weightless_model
+
+    model_dir = out / "model"
+    if (model_dir / "model.safetensors.index.json").is_file() or (model_dir / "model.safetensors").is_file():
+        return model_dir
+    shell = build_weightless_model(out / f"{preset}-weightless", preset)
+    shutil.copytree(shell, model_dir, dirs_exist_ok=True)
+    cfg = AutoConfig.from_pretrained(model_dir)
+    t0 = time.perf_counter()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(model_dir)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the analysis runs in another process and needs the memory
+    log(f"random {preset} weights in {time.perf_counter() - t0:.0f} s -> {model_dir}")
+    return model_dir
+
+
+def run_analyze(out: Path, preset: str, device: str) -> dict[str, Any]:
+    from vllm_nvfp4.calibration.builtin_text import BUILTIN_TEXT
+
+    model_dir = random_weight_model(out, preset)
+    report = out / "analysis"
+    cmd = [sys.executable, "-m", "vllm_nvfp4.cli", "analyze", str(model_dir), "--data", str(BUILTIN_TEXT),
+           "--out", str(report), "--device", device, "--force"]
+    log("$ " + " ".join(cmd))
+    t0 = time.perf_counter()
+    run = subprocess.run(cmd, text=True, capture_output=True)
+    wall = time.perf_counter() - t0
+    (out / "analyze.log").write_text(run.stdout + run.stderr)
+    if run.returncode:
+        raise SystemExit(f"analyze failed (exit {run.returncode}):\n{(run.stdout + run.stderr)[-4000:]}")
+    rep = json.loads((report / "sensitivity.json").read_text())
+    result = {"preset": preset, "device": device, "command": cmd, "wall_s": round(wall, 1),
+              "report_seconds": rep["seconds"], "forwards": rep["settings"]["forwards"],
+              "prefix_reuse": rep["settings"]["prefix_reuse"], "window": rep["settings"]["window"],
+              "windows": rep["settings"]["windows"], "stdout": run.stdout.strip().splitlines()[-2:]}
+    (out / "analyze.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="mode", required=True)
+    for name in ("startup", "analyze"):
+        p = sub.add_parser(name)
+        p.add_argument("--out", type=Path, required=True)
+        p.add_argument("--preset", default="llama8b")
+        p.add_argument("--max-model-len", type=int, default=8192)
+        p.add_argument("--device", default="cuda")
+    p = sub.add_parser("startup-child")
+    p.add_argument("--model", required=True)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    a = ap.parse_args(argv)
+    if a.mode == "startup-child":
+        startup_child(a.model, a.max_model_len)
+        return 0
+    a.out.mkdir(parents=True, exist_ok=True)
+    result = run_startup(a.out, a.preset, a.max_model_len) if a.mode == "startup" else \
+        run_analyze(a.out, a.preset, a.device)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
