@@ -180,8 +180,8 @@ def dense_prefill(query: torch.Tensor, out: torch.Tensor, pages: torch.Tensor,
                       seq_starts=group.kv_starts)
     if sliding_window is not None:
         attention_kwargs["window_size"] = (sliding_window - 1, 0)
-    if sinks is not None:
-        attention_kwargs["s_aux"] = sinks
+    if sinks is not None:  # FA3 takes s_aux in bf16 only (gpt-oss stores its sinks in bf16)
+        attention_kwargs["s_aux"] = sinks.to(torch.bfloat16)
     attention(q=query[toks], k=k, v=v, max_seqlen_q=group.max_query_len,
               cu_seqlens_q=group.cu_seqlens_q, max_seqlen_k=group.max_seq_len,
               cu_seqlens_k=group.cu_seqlens_k, softmax_scale=softmax_scale, causal=True,
