@@ -80,6 +80,12 @@ def test_plan_groups_with_a_window_counts_only_visible_keys():
     assert groups[1].kv_starts is None  # 40 keys, 30 queries: every key is visible to one
 
 
+def bf16_sinks(sinks: torch.Tensor) -> torch.Tensor:
+    """Sink logits that bf16 holds exactly: FlashAttention 3 takes ``s_aux`` in bf16 only (the
+    dense prefill converts), the paged kernels read FP32; gpt-oss stores its sinks in bf16."""
+    return sinks.to(torch.bfloat16).float()
+
+
 def split_vs_whole(batch, scale, window, sinks, attention, max_rows, **attention_kwargs):
     """``(got, want)``: the first request decoded paged + the rest through dense prefill groups
     (planned with the window), against paged attention over the whole batch."""
@@ -110,7 +116,7 @@ def test_window_and_sinks_match_paged_attention(kf, vf, window, sinks):
     path give the paged attention's output."""
     lay = KVPageLayout(2, 64, 16, kf, vf)
     batch = make_batch(lay, [(40, 1), (57, 9), (20, 20), (70, 3)], num_q_heads=8, seed=7)
-    s_aux = random_sinks(8, seed=2) if sinks else None
+    s_aux = bf16_sinks(random_sinks(8, seed=2)) if sinks else None
     got, want = split_vs_whole(batch, 0.2, window, s_aux, torch_varlen, 80)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -128,7 +134,7 @@ def test_flash_attention_window_and_sinks_on_cuda(window, sinks):
     lay = KVPageLayout(8, 64, 16, "nvfp4", "fp8")
     batch = make_batch(lay, [(3000, 1), (2500, 700), (1500, 1500)], 64, q_dtype=torch.bfloat16,
                        kv_dtype=torch.bfloat16, device="cuda", seed=4, write_backend="triton")
-    s_aux = random_sinks(64, seed=5, device="cuda") if sinks else None
+    s_aux = bf16_sinks(random_sinks(64, seed=5, device="cuda")) if sinks else None
     got, want = split_vs_whole(batch, 0.125, window, s_aux, attention, 8192, fa_version=version)
     rel = (got.float() - want.float()).norm() / want.float().norm()
     assert torch.isfinite(got).all() and rel < 1e-2, f"relative error {rel:.2e}"
