@@ -264,7 +264,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"GSM8K n={args.gsm8k_n}/{args.gsm8k_n_nvfp4}; configs {', '.join(c.name for c in configs)}")
 
     results: dict[str, Any] = {
-        "model": str(args.model.resolve()), "model_name": args.model.resolve().name, "shape": shape.__dict__,
+        "model": str(args.model.resolve()), "model_name": args.model.resolve().name, "shape": shape.to_json(),
         "started_utc": started.isoformat(timespec="seconds"), "argv": sys.argv, "versions": versions(),
         "settings": {"nll_windows": len(windows), "window_tokens": args.window_tokens, "text": str(args.text),
                      "passkey_context": args.passkey_context, "passkey_depths": depths, "gsm8k_n": args.gsm8k_n,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from vllm_nvfp4.model_shape import DEFAULT_MAX_POSITIONS, ModelShape, ModelShapeError
-from vllm_nvfp4.policy import FULL_ATTENTION
+from vllm_nvfp4.policy import FULL_ATTENTION, LayerType
 
 LLAMA_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
             "hidden_size": 4096, "max_position_embeddings": 131072, "torch_dtype": "bfloat16"}
@@ -60,3 +60,14 @@ def test_vllm_engine_config_and_config_json_agree(tiny_model_dir):
     assert served.block_size == 32 and served.model_dir == str(tiny_model_dir)
     assert served == ModelShape(**{**offline.__dict__, "block_size": 32})
     assert (served.num_layers, served.num_kv_heads, served.head_dim, served.dtype) == (4, 2, 32, "bfloat16")
+
+
+def test_to_json_is_json_with_typed_layers():
+    """What evaluation writes into its results: plain JSON, each layer type in its policy form."""
+    shape = ModelShape(num_layers=2, total_num_kv_heads=2, num_kv_heads=2, head_dim=64,
+                       dtype="bfloat16", max_positions=4096,
+                       layer_types=(LayerType("sliding", 128, True), LayerType()))
+    data = json.loads(json.dumps(shape.to_json()))
+    assert data["layer_types"] == [{"type": "sliding", "window": 128, "sinks": True},
+                                   {"type": "full"}]
+    assert data["num_layers"] == 2 and data["head_dim"] == 64 and data["model_dir"] is None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Mapping, Optional
@@ -47,6 +47,12 @@ class ModelShape:
         """Whether vLLM keeps the layers in more than one kind of KV-cache group (full and
         sliding-window layers, or attention next to Mamba / linear-attention state)."""
         return len({(t.kind, t.window) for t in self.layer_types}) > 1
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields as JSON values (layer types as their policy-JSON form)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["layer_types"] = [t.to_json() for t in self.layer_types]
+        return out
 
     @property
     def dtype_bytes(self) -> int:
