@@ -19,7 +19,7 @@ setup(
     extras_require={
         "test": ["pytest", "pytest-timeout", "transformers>=5", "matplotlib", "tqdm"],
         # vllm-nvfp4 calibrate/analyze/select; accelerate + gguf only for scripts/prepare_assets.py
-        "calibrate": ["transformers>=5", "matplotlib", "tqdm", "accelerate", "gguf"],
+        "calibrate": ["transformers>=5", "matplotlib", "tqdm", "accelerate", "gguf", "psutil"],
         # lm-eval's vllm model; tests/test_lm_eval_nvfp4.py and the accuracy scripts run `lm_eval`
         "eval": ["lm-eval>=0.4.13,<0.5"],
         # the CUDA build of vLLM (install.sh installs the exact release first; CPU machines skip
