@@ -18,7 +18,8 @@ setup(
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
         "test": ["pytest", "pytest-timeout", "transformers>=5", "matplotlib", "tqdm"],
-        # vllm-nvfp4 calibrate/analyze/select; accelerate + gguf only for scripts/prepare_assets.py
+        # vllm-nvfp4 calibrate/analyze/select/tune; accelerate also for --device cuda (device_map),
+        # gguf only for scripts/prepare_assets.py
         "calibrate": ["transformers>=5", "matplotlib", "tqdm", "accelerate", "gguf", "psutil"],
         # lm-eval's vllm model; tests/test_lm_eval_nvfp4.py and the accuracy scripts run `lm_eval`
         "eval": ["lm-eval>=0.4.13,<0.5"],
