@@ -70,10 +70,13 @@ def check_arch(arch: str, device: str, work: Path) -> dict[str, Any]:
 
     from vllm_nvfp4.policy import KVPolicy, layer_types_from_config
     from vllm_nvfp4.testing.kv_report import kv_cache_report
-    from vllm_nvfp4.testing.models import build_tiny_hybrid
+    from vllm_nvfp4.integration.block_sizes import arithmetic_request_bytes, hybrid_plan
+    from vllm_nvfp4.testing.models import GPU_HEAD_DIMS, build_tiny_hybrid
     from vllm_nvfp4.testing.reference import reference_logprobs
 
-    model_dir = build_tiny_hybrid(arch, work / arch, qk_gain=QK_GAIN)
+    head_dim = GPU_HEAD_DIMS[arch] if device == "cuda" else None  # the CUDA kernels: >= 64
+    model_dir = build_tiny_hybrid(arch, work / f"{arch}-{head_dim}", qk_gain=QK_GAIN,
+                                  head_dim=head_dim)
     types = layer_types_from_config(AutoConfig.from_pretrained(model_dir).get_text_config())
     policy = KVPolicy.from_compact(policy_text(types), len(types), layer_types=types)
     (model_dir / "nvfp4_policy.json").write_text(json.dumps(policy.to_dict()))
@@ -108,13 +111,22 @@ def check_arch(arch: str, device: str, work: Path) -> dict[str, Any]:
         for i, lp in policy.kv_layers())
     mc = llm.llm_engine.vllm_config
     heads, dim = mc.model_config.get_num_kv_heads(mc.parallel_config), mc.model_config.get_head_size()
-    full = [g for g in report["groups"] if g["kind"] == "FullAttentionSpec"]
-    if full and any(t.kind == "sliding" for t in types):
-        g = full[0]
-        checks["full_block_unpadded"] = (
-            g["page_bytes"] == report["block_bytes"]
-            == g["block_size"] * policy.kv_bytes_per_token(heads, dim, ("full",)))
-    r["needed_over_allocated"] = round(report["needed_per_request"] / report["allocated_per_request"], 4)
+    length, in_flight = report["max_model_len"], report["max_in_flight_tokens"]
+    plan = hybrid_plan(policy, heads, dim, mc.cache_config.block_size, length, in_flight)
+    if plan is not None:  # full + sliding: the groups vLLM formed are the planned ones
+        full = [g for g in report["groups"] if g["kind"] == "FullAttentionSpec"]
+        r["plan"] = {k: getattr(plan, k) for k in ("full_block", "sliding_block", "sliding_groups",
+                                                   "block_bytes", "request_blocks")}
+        checks["groups_as_planned"] = (
+            len(full) == 1 and full[0]["block_size"] == plan.full_block
+            and full[0]["page_bytes"] == plan.full_block * policy.kv_bytes_per_token(heads, dim, ("full",))
+            and report["block_bytes"] == plan.block_bytes
+            and report["allocated_per_request"] == plan.request_bytes)
+    arithmetic = arithmetic_request_bytes(policy, heads, dim, length, in_flight,
+                                          mc.cache_config.block_size)
+    r["arithmetic_over_allocated"] = round(arithmetic / report["allocated_per_request"], 4)
+    if all(t.holds_kv for t in types):  # with Mamba / GDN state vLLM sizes those pages itself
+        checks["capacity_ge_0.95_arithmetic"] = r["arithmetic_over_allocated"] >= 0.95
     checks["cuda_graphs_on"] = str(mc.compilation_config.cudagraph_mode) not in ("NONE", "CUDAGraphMode.NONE")
     a1, a2 = gen(llm, prompts, 32), gen(llm, prompts, 32)
     checks["greedy_deterministic"] = a1 == a2

@@ -198,13 +198,13 @@ def test_layers_keep_their_kind_window_and_sinks(runs):
         assert impl["window"] == row.layer_type.window and impl["sinks"] == row.layer_type.sinks
 
 
-def test_pages_are_the_policy_arithmetic_and_the_growing_layers_unpadded(runs):
-    """Every layer's page is its formats' bytes; the full-attention group's pages fill the shared
-    block exactly (no padding where the cache grows with the context); the KV memory is
-    ``num_blocks`` such blocks; the sliding groups fill their blocks as :func:`packing_fill`
-    predicts. Printed: what a request at max_model_len needs over what vLLM allocates for it
-    (the sliding groups' partly filled blocks are the only overhead)."""
-    from vllm_nvfp4.integration.model import packing_fill
+def test_pages_are_the_policy_arithmetic_and_the_groups_as_planned(runs):
+    """Every layer's page is its formats' bytes; the KV memory is ``num_blocks`` shared blocks.
+    Hybrid models: vLLM formed the groups that :func:`hybrid_plan` predicts for the block sizes
+    it picked (block bytes, sliding groups, blocks per request), and the full-attention pages
+    are unpadded. Printed: per request at max_model_len the format arithmetic over the bytes
+    vLLM reserves (:func:`arithmetic_request_bytes`)."""
+    from vllm_nvfp4.integration.block_sizes import arithmetic_request_bytes, hybrid_plan
     from vllm_nvfp4.layout import KVPageLayout
 
     report, policy = runs["main"]["report"], runs["policy"]
@@ -216,20 +216,22 @@ def test_pages_are_the_policy_arithmetic_and_the_growing_layers_unpadded(runs):
     assert report["num_blocks"] == KV_BYTES // report["block_bytes"]
     full = [g for g in report["groups"] if g["kind"] == "FullAttentionSpec"]
     sliding = [g for g in report["groups"] if g["kind"] == "SlidingWindowSpec"]
+    length, in_flight = report["max_model_len"], report["max_in_flight_tokens"]
     if full:
         (group,) = full
         assert report["layout"] == "BLNHC"
-        assert group["page_bytes"] == report["block_bytes"] == BLOCK * policy.kv_bytes_per_token(heads, dim, ("full",))
-        b = sliding[0]["block_size"]
-        n = sum(len(g["layer_pages"]) for g in sliding)
-        _, fill = packing_fill(group["page_bytes"], next(iter(sliding[0]["layer_pages"].values())), n)
-        assert max(g["page_bytes"] for g in sliding) == pytest.approx(fill * report["block_bytes"])
-        assert b in (16, 32, 64, 128, 256)
+        plan = hybrid_plan(policy, heads, dim, BLOCK, length, in_flight)
+        assert (group["block_size"], {g["block_size"] for g in sliding}) == (
+            plan.full_block, {plan.sliding_block})
+        assert len(sliding) == plan.sliding_groups and report["block_bytes"] == plan.block_bytes
+        assert group["page_bytes"] == plan.full_block * policy.kv_bytes_per_token(heads, dim, ("full",))
+        assert report["allocated_per_request"] == plan.request_bytes
     else:  # one sliding group, no other kind: one uniform block of all pages
         (group,) = sliding
         assert group["page_bytes"] == report["block_bytes"] == BLOCK * policy.kv_bytes_per_token(heads, dim)
         assert report["allocated_per_request"] == report["needed_per_request"]
-    ratio = report["needed_per_request"] / report["allocated_per_request"]
-    print(f"{runs['arch']}: per request at max_model_len needed/allocated = {ratio:.3f}, "
-          f"block {report['block_bytes']} B, groups "
+    ratio = arithmetic_request_bytes(policy, heads, dim, length, in_flight, BLOCK) / report[
+        "allocated_per_request"]
+    print(f"{runs['arch']}: per request at max_model_len {length}, format arithmetic / reserved = "
+          f"{ratio:.3f}, block {report['block_bytes']} B, groups "
           f"{[(g['kind'], g['block_size'], g['page_bytes']) for g in report['groups']]}")
