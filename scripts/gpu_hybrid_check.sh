@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call on the H200: install the vLLM 0.32.0 bundle WITH MoE kernels and this plugin
 # (no pip, no network), run scripts/gpu_hybrid_check.py (tiny Gemma 3, gpt-oss, Mistral-SWA and
-# Qwen3-Next models: LLM with CUDA graphs, prefix caching, chunked prefill), then
+# Qwen3-Next models at the real models' head dims: LLM with CUDA graphs, prefix caching, chunked
+# prefill; the JSON is written after each architecture), then
 # `vllm serve --kv-cache-dtype nvfp4_mixed` once on the gpt-oss model + one completion.
 #   bash scripts/gpu_hybrid_check.sh            (needs .gpu-bundle-moe: KEEP_MOE=1, ../shared/gpu/README.md)
 #   ARCHS="gemma3 mistral" SERVE=0 bash scripts/gpu_hybrid_check.sh
@@ -21,7 +22,7 @@ printf '[vllm.general_plugins]\nnvfp4_mixed = vllm_nvfp4.plugin:register\n' > "$
 export PYTHONPATH="$REPO:$PYTHONPATH"
 
 cd "$REPO"
-timeout 420 python3 scripts/gpu_hybrid_check.py --out "$OUT/hybrid_h200.json" --arch ${ARCHS:-gemma3 gpt_oss mistral qwen3_next} \
+timeout ${CHECK_TIMEOUT:-390} python3 scripts/gpu_hybrid_check.py --out "$OUT/hybrid_h200.json" --arch ${ARCHS:-gpt_oss gemma3 qwen3_next mistral} \
   2>&1 | tee "$OUT/hybrid_check.log" | grep -E "RESULT|Error|Traceback|KV policy from|KV-cache layout" | cut -c1-2000
 rc_llm=${PIPESTATUS[0]}
 
