@@ -86,7 +86,8 @@ def engine(model: Path, kv_cache_dtype: str, **kwargs: Any) -> Any:
 
     cuda = DEVICE == "cuda"
     args = dict(model=str(model), kv_cache_dtype=kv_cache_dtype,
-                dtype="float16" if cuda else "float32", block_size=16 if cuda else 32,
+                # bf16 on CUDA: vLLM's own fp8 baseline (FA3) writes bf16 output only
+                dtype="bfloat16" if cuda else "float32", block_size=16 if cuda else 32,
                 max_model_len=4096, max_num_seqs=32, enforce_eager=True, seed=0,
                 disable_log_stats=False)
     if cuda:
@@ -224,6 +225,7 @@ def main() -> int:
                 prompts = [p + s[:24] for s in prompts_from(tok, 16, 24) for p in prefixes]
                 out = transfer_phase(model, prompts, 16, [
                     lambda: engine(model, "nvfp4_mixed", num_gpu_blocks_override=96,
+                                   max_model_len=1024,  # 96 blocks must hold one request
                                    max_num_seqs=2, kv_offloading_size=1.0,
                                    kv_offloading_backend="native")])
             elif phase == "pd":
