@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """``kv_cache_dtype="nvfp4_mixed"`` on hybrid / sliding-window models on a CUDA GPU (the H200).
 
-Per architecture (tiny random-weight models of :func:`vllm_nvfp4.testing.models.build_tiny_hybrid`:
+Per architecture (tiny random-weight models of :func:`vllm_nvfp4.testing.hybrid_models.build_tiny_hybrid`:
 ``gemma3``, ``gpt_oss`` (sinks, MoE), ``mistral`` (window on every layer), ``qwen3_next``
 (Gated DeltaNet hybrid, MoE)), with a by-type policy written into the model directory
 (``swa:fp8,full:nvfp4,<last full>:fp8``; all-sliding: ``*:nvfp4,0:fp8``; Qwen3-Next:
@@ -75,7 +75,7 @@ def check_arch(arch: str, device: str, work: Path, compare_eager: bool) -> dict[
     from vllm_nvfp4.policy import KVPolicy, layer_types_from_config
     from vllm_nvfp4.testing.kv_report import kv_cache_report
     from vllm_nvfp4.integration.block_sizes import arithmetic_request_bytes, hybrid_plan
-    from vllm_nvfp4.testing.models import GPU_HEAD_DIMS, build_tiny_hybrid
+    from vllm_nvfp4.testing.hybrid_models import GPU_HEAD_DIMS, build_tiny_hybrid
     from vllm_nvfp4.testing.reference import reference_logprobs
 
     head_dim = GPU_HEAD_DIMS[arch] if device == "cuda" else None  # the CUDA kernels: >= 64
