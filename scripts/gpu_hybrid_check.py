@@ -25,8 +25,8 @@ decode tokens/s of 32 requests.
     python scripts/gpu_hybrid_check.py --out hybrid_h200.json [--arch gemma3 gpt_oss ...]
 
 Writes the JSON after every architecture and prints ``RESULT {...}``; exit 0 when every hard
-check of every architecture passed. ``--device cpu`` is a dry run on vLLM's CPU build (CUDA-graph
-check fails by design).
+check of every architecture passed. ``--device cpu`` is a dry run on vLLM's CPU build (eager: the
+CUDA-graph check fails by design).
 """
 
 from __future__ import annotations
@@ -88,6 +88,8 @@ def check_arch(arch: str, device: str, work: Path, compare_eager: bool) -> dict[
     common = dict(model=str(model_dir), kv_cache_dtype="nvfp4_mixed", dtype="bfloat16",
                   max_model_len=4096, seed=0, kv_cache_memory_bytes=KV_BYTES,
                   gpu_memory_utilization=0.5, **extra)
+    if device == "cpu":  # the dry run: vLLM's CPU build compiles for minutes
+        common["enforce_eager"] = True
     r: dict[str, Any] = {"arch": arch, "policy": policy.to_compact(), "checks": {}}
     checks = r["checks"]
     t0 = time.time()
@@ -116,7 +118,8 @@ def check_arch(arch: str, device: str, work: Path, compare_eager: bool) -> dict[
     mc = llm.llm_engine.vllm_config
     heads, dim = mc.model_config.get_num_kv_heads(mc.parallel_config), mc.model_config.get_head_size()
     length, in_flight = report["max_model_len"], report["max_in_flight_tokens"]
-    plan = hybrid_plan(policy, heads, dim, mc.cache_config.block_size, length, in_flight)
+    block = report["configured_block_size"]  # the worker's (the platform may set it)
+    plan = hybrid_plan(policy, heads, dim, block, length, in_flight)
     if plan is not None:  # full + sliding: the groups vLLM formed are the planned ones
         full = [g for g in report["groups"] if g["kind"] == "FullAttentionSpec"]
         r["plan"] = {k: getattr(plan, k) for k in ("full_block", "sliding_block", "sliding_groups",
@@ -126,8 +129,7 @@ def check_arch(arch: str, device: str, work: Path, compare_eager: bool) -> dict[
             and full[0]["page_bytes"] == plan.full_block * policy.kv_bytes_per_token(heads, dim, ("full",))
             and report["block_bytes"] == plan.block_bytes
             and report["allocated_per_request"] == plan.request_bytes)
-    arithmetic = arithmetic_request_bytes(policy, heads, dim, length, in_flight,
-                                          mc.cache_config.block_size)
+    arithmetic = arithmetic_request_bytes(policy, heads, dim, length, in_flight, block)
     r["arithmetic_over_allocated"] = round(arithmetic / report["allocated_per_request"], 4)
     if all(t.holds_kv for t in types):  # with Mamba / GDN state vLLM sizes those pages itself
         checks["capacity_ge_0.95_arithmetic"] = r["arithmetic_over_allocated"] >= 0.95
@@ -148,7 +150,7 @@ def check_arch(arch: str, device: str, work: Path, compare_eager: bool) -> dict[
     gc.collect()
     torch.cuda.empty_cache() if device == "cuda" else None
     if compare_eager:
-        llm = LLM(**common, enable_prefix_caching=False, enforce_eager=True, max_num_seqs=8)
+        llm = LLM(**{**common, "enforce_eager": True}, enable_prefix_caching=False, max_num_seqs=8)
         b = gen(llm, prompts, 32)
         r["a_vs_b_exact"] = sum(x == y for x, y in zip(a1, b)) / len(b)
         del llm
