@@ -3,7 +3,8 @@
 # (no pip, no network), run scripts/gpu_hybrid_check.py (tiny Gemma 3, gpt-oss, Mistral-SWA and
 # Qwen3-Next models at the real models' head dims: LLM with CUDA graphs, prefix caching, chunked
 # prefill; the JSON is written after each architecture), then
-# `vllm serve --kv-cache-dtype nvfp4_mixed` once on the gpt-oss model + one completion.
+# `vllm serve --kv-cache-dtype nvfp4_mixed` once on the gpt-oss model + one completion (eager:
+# CUDA graphs are covered by the LLM() check).
 #   bash scripts/gpu_hybrid_check.sh            (needs .gpu-bundle-moe: KEEP_MOE=1, ../shared/gpu/README.md)
 #   ARCHS="gemma3 mistral" SERVE=0 bash scripts/gpu_hybrid_check.sh
 set -uo pipefail
@@ -29,7 +30,7 @@ rc_llm=${PIPESTATUS[0]}
 rc_serve=skipped
 if [ "${SERVE:-1}" != 0 ]; then
   M=$(python3 -c 'from vllm_nvfp4.testing.hybrid_models import build_tiny_hybrid; print(build_tiny_hybrid("gpt_oss", "/tmp/nvfp4-hybrid-models/gpt_oss", qk_gain=0.5))')
-  LOG="$OUT/serve.log" HEALTH_TIMEOUT=120 SERVE_ARGS="--kv-cache-dtype nvfp4_mixed --max-model-len 4096" \
+  LOG="$OUT/serve.log" HEALTH_TIMEOUT=120 SERVE_ARGS="--kv-cache-dtype nvfp4_mixed --enforce-eager" \
     timeout 150 bash "$BUNDLE/serve_check.sh" "$M" 8123 2>&1 | tee "$OUT/serve_check.txt"
   rc_serve=${PIPESTATUS[0]}
   grep -aE "KV policy from|KV-cache layout|KV cache size" "$OUT/serve.log" | head -4 | cut -c1-300
