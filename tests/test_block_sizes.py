@@ -122,3 +122,19 @@ def test_arithmetic_and_plan_inputs():
     assert hybrid_plan(policy, 2, 32, 16, 512, 64) == choose_block_sizes((NV,), F8, 2, 32, 16, 512, 64)
     assert hybrid_plan(_policy([full, full], "*:nvfp4"), 2, 32, 16, 512, 64) is None
     assert hybrid_plan(_policy([swa, full, swa], "swa:fp8,full:nvfp4,2:nvfp4"), 2, 32, 16, 512, 64) is None
+
+
+@pytest.mark.parametrize("types,dim,compact", [
+    ([LayerType("sliding", 32), LayerType("sliding", 32), LayerType("full")] * 4, 32,
+     "swa:fp8,full:nvfp4"),  # the tiny Gemma 3
+    ([LayerType("sliding", 32, True), LayerType("full", None, True)] * 6, 64,
+     "swa:fp8,full:nvfp4"),  # the tiny gpt-oss
+])
+def test_tiny_hybrids_hold_more_than_fp8(types, dim, compact):
+    """The tiny test models at 4096 tokens per request with 32 in flight (the engine test's
+    chunked engine), no full-attention layer in FP8: >= 1.6x what vLLM reserves for fp8 (one
+    page size: vLLM's groups of equal layer counts, no padding, so the arithmetic at block 16)."""
+    policy = _policy(types, compact)
+    fp8 = _policy(types, "*:fp8")
+    plan = hybrid_plan(policy, 2, dim, 16, 4096, 32)
+    assert arithmetic_request_bytes(fp8, 2, dim, 4096, 32, 16) / plan.request_bytes >= 1.6

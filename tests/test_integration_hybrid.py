@@ -7,7 +7,8 @@ with a window on every layer), a module fixture runs two engines:
 * ``main``    - prefix caching on, whole-prompt prefill: prompt log-probs, greedy twice and one by
                 one, prefix hits, the KV-cache groups and pages as the worker allocated them;
 * ``chunked`` - prefix caching off, ``max_num_batched_tokens=32``: prompts prefill in chunks
-                smaller than the window, over cached pages.
+                smaller than the window, over cached pages; ``max_model_len`` 4096 (the KV
+                capacity check: the sliding layers hold window + chunk, the full ones 4096).
 
 The policy is written into the model directory in the compact form by layer type, with one index
 beating its type (``swa:fp8,full:nvfp4,<last full>:fp8``; Mistral, all sliding:
@@ -41,6 +42,7 @@ BLOCK = 16
 NEW = 8  # greedy tokens per prompt
 KV_BYTES = int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) << 30  # conftest sets 1 GiB
 ARCHS = ("gemma3", "gpt_oss", "mistral")
+LONG = 4096  # the chunked engine's max_model_len: the cache that grows dominates, as in serving
 
 
 def _policy_text(types: Any) -> str:
@@ -109,9 +111,11 @@ def _run(model_dir: Path) -> dict[str, Any]:
                    "report": llm.collective_rpc(kv_cache_report)[0]}
     del llm
     gc.collect()
-    llm = _engine(model_dir, enable_prefix_caching=False, max_num_batched_tokens=32)
+    llm = _engine(model_dir, enable_prefix_caching=False, max_num_batched_tokens=32,
+                  max_model_len=LONG)
     out["chunked"] = {"short": _tokens(llm, prompts["short"]),
-                      "prefix": _tokens(llm, prompts["prefix"])}
+                      "prefix": _tokens(llm, prompts["prefix"]),
+                      "report": llm.collective_rpc(kv_cache_report)[0]}
     del llm
     gc.collect()
     return out
@@ -234,3 +238,21 @@ def test_pages_are_the_policy_arithmetic_and_the_groups_as_planned(runs):
     print(f"{runs['arch']}: per request at max_model_len {length}, format arithmetic / reserved = "
           f"{ratio:.3f}, block {report['block_bytes']} B, groups "
           f"{[(g['kind'], g['block_size'], g['page_bytes']) for g in report['groups']]}")
+
+
+def test_capacity_is_the_format_arithmetic(runs):
+    """At 4096 tokens per request (the chunked engine) vLLM's KV capacity is >= 0.95x the format
+    arithmetic of the policy (:func:`arithmetic_request_bytes`: every page packed without loss
+    at the configured block size, vLLM's own admission rule): no padding eats the saving."""
+    from vllm_nvfp4.integration.block_sizes import arithmetic_request_bytes
+
+    report, policy = runs["chunked"]["report"], runs["policy"]
+    heads, dim = 2, (64 if runs["arch"] == "gpt_oss" else 32)
+    needed = arithmetic_request_bytes(policy, heads, dim, LONG, report["max_in_flight_tokens"],
+                                      BLOCK)
+    # vLLM's capacity: whole requests of max_model_len in the pool (one block is its null block)
+    arithmetic_tokens = KV_BYTES / needed * LONG
+    ratio = report["kv_cache_size_tokens"] / arithmetic_tokens
+    print(f"{runs['arch']}: KV capacity {report['kv_cache_size_tokens']} tokens at {LONG} per "
+          f"request = {ratio:.3f}x the format arithmetic of {policy.to_compact()}")
+    assert ratio >= 0.95
