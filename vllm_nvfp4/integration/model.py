@@ -105,6 +105,8 @@ def group_block_sizes(policy: KVPolicy, shape: ModelShape, vllm_config: Any) -> 
     model keeps the configured block size for both. Fixed per engine config at the first call
     (the KV-cache specs and the attention impls must agree, also if vLLM later fits
     ``max_model_len`` to the memory)."""
+    if not shape.needs_packed_groups:
+        return shape.block_size, shape.block_size
     key = id(vllm_config)
     if key not in _GROUP_BLOCKS:
         _GROUP_BLOCKS[key] = _choose_group_block_sizes(policy, shape, vllm_config)
