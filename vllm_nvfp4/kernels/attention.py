@@ -290,6 +290,21 @@ def _tile_scales_by_token(page, off, valid, h, SCALE: tl.constexpr, C: tl.conste
 
 
 @triton.jit
+def _scales_of_tile(cache_ptr, stride_blk, bt_row, t0, t_end, page, off, valid, h,
+                    SCALE: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr,
+                    MASKED: tl.constexpr, ZERO_PAST_END: tl.constexpr):
+    """The tile's block scales: :func:`_tile_scales` when the tile spans whole blocks (a power-of-2
+    ``BLOCK`` dividing ``N``), else :func:`_tile_scales_by_token`."""
+    if N % BLOCK == 0 and (BLOCK & (BLOCK - 1)) == 0:
+        scales = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE, C, BLOCK, N,
+                              MASKED, ZERO_PAST_END)
+    else:
+        scales = _tile_scales_by_token(page, off, valid, h, SCALE, C, BLOCK, N, MASKED,
+                                       ZERO_PAST_END)
+    return scales
+
+
+@triton.jit
 def _scale_chunks(sc, valid, N: tl.constexpr, C: tl.constexpr, ZERO: tl.constexpr):
     """Raw E4M3 scale bytes ``[N, C]`` -> a tuple of ``C`` FP32 vectors ``[N]`` (chunk order);
     ``ZERO``: 0 where not ``valid``."""
@@ -400,8 +415,6 @@ def _attend_tiles(
     (and the K dequant factor); with soft-cap, ``softcap`` is the cap and ``qk_scale`` excludes
     log2(e)."""
     C: tl.constexpr = D // 16
-    # a tile spans whole blocks (power-of-2 BLOCK dividing TILE_N), else scales load per token
-    BY_TOKEN: tl.constexpr = TILE_N % BLOCK != 0 or (BLOCK & (BLOCK - 1)) != 0
     # the masked tail is one tile (a few on a prefill's diagonal), so it is not pipelined - unless
     # a sliding window masks every tile
     STAGES: tl.constexpr = 1 if MASKED and not USE_WINDOW else 3
@@ -409,24 +422,16 @@ def _attend_tiles(
         toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK,
                                             TILE_N, MASKED)
         if V_FMT != FMT_FP8:
-            if BY_TOKEN:
-                vss = _tile_scales_by_token(page, off, valid, h, V_SCALE, C, BLOCK, TILE_N,
-                                            MASKED, True)
-            else:
-                vss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, V_SCALE, C,
-                                   BLOCK, TILE_N, MASKED, True)
+            vss = _scales_of_tile(cache_ptr, stride_blk, bt_row, t0, t_end, page, off, valid, h,
+                                  V_SCALE, C, BLOCK, TILE_N, MASKED, True)
         s = tl.zeros([TILE_N, M], dtype=tl.float32)
         if K_FMT == FMT_FP8:
             ke, ko = _fp8_planes(_tile_words(page, off, valid, h, K_DATA, D, 0, D // 2, BLOCK,
                                              False, MASKED), F32)
             s = _dot_f(ko, qs[1], _dot_f(ke, qs[0], s, F32), F32)
         else:  # stale K scales past t_end only reach masked scores
-            if BY_TOKEN:
-                kss = _tile_scales_by_token(page, off, valid, h, K_SCALE, C, BLOCK, TILE_N,
-                                            MASKED, False)
-            else:
-                kss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, K_SCALE, C,
-                                   BLOCK, TILE_N, MASKED, False)
+            kss = _scales_of_tile(cache_ptr, stride_blk, bt_row, t0, t_end, page, off, valid, h,
+                                  K_SCALE, C, BLOCK, TILE_N, MASKED, False)
             for gi in tl.static_range(D // 64):
                 kps = _planes(_tile_words(page, off, valid, h, K_DATA, D // 2, 16 * gi, 16, BLOCK,
                                           False, MASKED), F32)
