@@ -56,6 +56,10 @@ VARIANTS = {
         "hoist_fold_k_s4": dict(hoist_query=True, fold_k_scales=True, num_splits=4),
         "hoist_fold_k_t32": dict(hoist_query=True, fold_k_scales=True, tile_n=32),
         "hoist_fold_k_r168": dict(hoist_query=True, fold_k_scales=True, maxnreg=168),
+        "s16": dict(num_splits=16),
+        "s32": dict(num_splits=32),
+        "hoist_fold_k_s16": dict(hoist_query=True, fold_k_scales=True, num_splits=16),
+        "hoist_fold_k_s32": dict(hoist_query=True, fold_k_scales=True, num_splits=32),
     },
     "prefill": {
         "hoist_fold_k": dict(hoist_query=True, fold_k_scales=True),
