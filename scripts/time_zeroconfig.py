@@ -4,7 +4,7 @@
     python scripts/time_zeroconfig.py startup --out OUT [--preset llama8b]
     python scripts/time_zeroconfig.py analyze --out OUT [--preset llama8b] [--device cuda]
 
-``startup``: a weight-less Llama-3.1-8B-shaped model (:func:`vllm_nvfp4.testing.models.
+``startup``: a weight-less Llama-3.1-8B-shaped model (:func:`vllm_nvfp4.testing.weightless.
 build_weightless_model`, ``load_format="dummy"``) is started three times with
 ``kv_cache_dtype="nvfp4_mixed"`` and no policy, each in a fresh process: start-up calibration off,
 on with an empty cache (it calibrates), on again (it reuses the cache). Writes ``OUT/startup.json``
@@ -75,7 +75,7 @@ def _start_once(model: Path, cache: Path, calibrate: bool, max_model_len: int) -
 
 
 def run_startup(out: Path, preset: str, max_model_len: int) -> dict[str, Any]:
-    from vllm_nvfp4.testing.models import build_weightless_model
+    from vllm_nvfp4.testing.weightless import build_weightless_model
 
     model = build_weightless_model(out / f"{preset}-weightless", preset)
     cache = out / "cache"
@@ -98,7 +98,7 @@ def random_weight_model(out: Path, preset: str) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from vllm_nvfp4.testing.models import build_weightless_model
+    from vllm_nvfp4.testing.weightless import build_weightless_model
 
     model_dir = out / "model"
     if (model_dir / "model.safetensors.index.json").is_file() or (model_dir / "model.safetensors").is_file():
