@@ -58,6 +58,8 @@ VARIANTS = {
         "hoist_fold_k_r168": dict(hoist_query=True, fold_k_scales=True, maxnreg=168),
         "s16": dict(num_splits=16),
         "s32": dict(num_splits=32),
+        "fold_k_s16": dict(fold_k_scales=True, num_splits=16),
+        "fold_k_s32": dict(fold_k_scales=True, num_splits=32),
         "hoist_fold_k_s16": dict(hoist_query=True, fold_k_scales=True, num_splits=16),
         "hoist_fold_k_s32": dict(hoist_query=True, fold_k_scales=True, num_splits=32),
     },
