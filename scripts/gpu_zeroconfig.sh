@@ -21,7 +21,7 @@ for step in ${STEPS:-startup analyze}; do
   say "step $step"
   "$PYTHON" scripts/time_zeroconfig.py "$step" --out "$OUT" --preset "${PRESET:-llama8b}" \
     --device "${DEVICE:-cuda}" \
-    2>&1 | tee "$OUT/$step.log" | grep -E "time_zeroconfig|calibrat|Error|Traceback|added_s|wall_s" | cut -c1-600
+    2>&1 | tee "$OUT/$step.log" | grep --line-buffered -E "time_zeroconfig|calibrat|Error|Traceback|added_s|wall_s" | cut -c1-600
   [ "${PIPESTATUS[0]}" -eq 0 ] || { say "step $step FAILED (see $OUT/$step.log)"; rc=1; }
 done
 rm -rf "$OUT/model"  # the 16 GB of random weights

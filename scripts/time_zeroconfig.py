@@ -35,6 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from vllm_nvfp4.testing.models import PRESETS  # noqa: E402 - after the path insert
+
 CALIBRATED = re.compile(r"calibrated at start-up on (\d+) tokens in ([\d.]+) s")
 REUSED = re.compile(r"start-up calibration reused from \S+ \((\d+) tokens; ([\d.]+) s\)")
 
@@ -180,7 +182,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p = sub.add_parser(name)
         p.add_argument("--out", type=Path, required=True)
         p.add_argument("--preset", default="llama8b")
-        p.add_argument("--max-model-len", type=int, default=8192)
+        p.add_argument("--max-model-len", type=int, default=None,
+                       help="engine context (default: 8192, at most the preset's positions)")
         p.add_argument("--device", default="cuda")
     p = sub.add_parser("startup-child")
     p.add_argument("--model", required=True)
@@ -190,7 +193,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         startup_child(a.model, a.max_model_len)
         return 0
     a.out.mkdir(parents=True, exist_ok=True)
-    result = run_startup(a.out, a.preset, a.max_model_len) if a.mode == "startup" else \
+    if a.preset not in PRESETS:
+        ap.error(f"--preset must be one of {', '.join(PRESETS)}, got {a.preset!r}")
+    max_model_len = a.max_model_len or min(8192, PRESETS[a.preset]["max_pos"])
+    result = run_startup(a.out, a.preset, max_model_len) if a.mode == "startup" else \
         run_analyze(a.out, a.preset, a.device)
     print(json.dumps(result, indent=2))
     return 0
