@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """``kv_cache_dtype="nvfp4_mixed"`` on hybrid / sliding-window models on a CUDA GPU (the H200).
 
-Per architecture (tiny random-weight models of :func:`vllm_nvfp4.testing.models.build_tiny_hybrid`:
+Per architecture (tiny random-weight models of :func:`vllm_nvfp4.testing.hybrid_models.build_tiny_hybrid`:
 ``gemma3``, ``gpt_oss`` (sinks, MoE), ``mistral`` (window on every layer), ``qwen3_next``
 (Gated DeltaNet hybrid, MoE)), with a by-type policy written into the model directory
 (``swa:fp8,full:nvfp4,<last full>:fp8``; all-sliding: ``*:nvfp4,0:fp8``; Qwen3-Next:
@@ -70,7 +70,7 @@ def check_arch(arch: str, device: str, work: Path) -> dict[str, Any]:
 
     from vllm_nvfp4.policy import KVPolicy, layer_types_from_config
     from vllm_nvfp4.testing.kv_report import kv_cache_report
-    from vllm_nvfp4.testing.models import build_tiny_hybrid
+    from vllm_nvfp4.testing.hybrid_models import build_tiny_hybrid
     from vllm_nvfp4.testing.reference import reference_logprobs
 
     model_dir = build_tiny_hybrid(arch, work / arch, qk_gain=QK_GAIN)

@@ -27,7 +27,7 @@ rc_llm=${PIPESTATUS[0]}
 
 rc_serve=skipped
 if [ "${SERVE:-1}" != 0 ]; then
-  M=$(python3 -c 'from vllm_nvfp4.testing.models import build_tiny_hybrid; print(build_tiny_hybrid("gpt_oss", "/tmp/nvfp4-hybrid-models/gpt_oss", qk_gain=0.5))')
+  M=$(python3 -c 'from vllm_nvfp4.testing.hybrid_models import build_tiny_hybrid; print(build_tiny_hybrid("gpt_oss", "/tmp/nvfp4-hybrid-models/gpt_oss", qk_gain=0.5))')
   LOG="$OUT/serve.log" HEALTH_TIMEOUT=120 SERVE_ARGS="--kv-cache-dtype nvfp4_mixed --max-model-len 4096" \
     timeout 150 bash "$BUNDLE/serve_check.sh" "$M" 8123 2>&1 | tee "$OUT/serve_check.txt"
   rc_serve=${PIPESTATUS[0]}

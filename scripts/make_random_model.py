@@ -5,7 +5,7 @@ vLLM runs it with ``load_format="dummy"`` (random weights initialised on the GPU
 read), so a Llama-3.1-8B-shaped model costs a few kilobytes on disk instead of 16 GB of bf16
 weights. Speed does not depend on the values of the weights; the outputs are meaningless.
 
-The builder is :func:`vllm_nvfp4.testing.models.build_weightless_model`. The tokenizer is a
+The builder is :func:`vllm_nvfp4.testing.weightless.build_weightless_model`. The tokenizer is a
 byte-level BPE with no merges (one token per byte) padded with placeholder
 tokens up to the model's vocabulary, so that EVERY id the random model can sample decodes
 (``vllm serve`` detokenizes its outputs). Building it needs only the ``tokenizers`` package and
@@ -31,7 +31,7 @@ import time
 from typing import Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from vllm_nvfp4.testing.models import PRESETS, build_weightless_model, weight_bytes  # noqa: E402
+from vllm_nvfp4.testing.weightless import PRESETS, build_weightless_model, weight_bytes  # noqa: E402
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -4,7 +4,7 @@
     python scripts/time_zeroconfig.py startup --out OUT [--preset llama8b]
     python scripts/time_zeroconfig.py analyze --out OUT [--preset llama8b] [--device cuda]
 
-``startup``: a weight-less Llama-3.1-8B-shaped model (:func:`vllm_nvfp4.testing.models.
+``startup``: a weight-less Llama-3.1-8B-shaped model (:func:`vllm_nvfp4.testing.weightless.
 build_weightless_model`, ``load_format="dummy"``) is started four times with
 ``kv_cache_dtype="nvfp4_mixed"`` and no policy, each in a fresh process: a warm-up with start-up
 calibration off (it fills vLLM's compile cache, so the timed starts all find it warm), off, on
@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from vllm_nvfp4.testing.models import PRESETS  # noqa: E402 - after the path insert
+from vllm_nvfp4.testing.weightless import PRESETS  # noqa: E402 - after the path insert
 
 CALIBRATED = re.compile(r"calibrated at start-up on (\d+) tokens in ([\d.]+) s")
 REUSED = re.compile(r"start-up calibration reused from \S+ \((\d+) tokens; ([\d.]+) s\)")
@@ -79,7 +79,7 @@ def _start_once(model: Path, cache: Path, calibrate: bool, max_model_len: int) -
 
 
 def run_startup(out: Path, preset: str, max_model_len: int) -> dict[str, Any]:
-    from vllm_nvfp4.testing.models import build_weightless_model
+    from vllm_nvfp4.testing.weightless import build_weightless_model
 
     model = build_weightless_model(out / f"{preset}-weightless", preset)
     cache = out / "cache"
@@ -107,7 +107,7 @@ def random_weight_model(out: Path, preset: str, shard_bytes: int = 4 << 30) -> P
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from vllm_nvfp4.testing.models import build_weightless_model
+    from vllm_nvfp4.testing.weightless import build_weightless_model
 
     model_dir = out / "model"
     index_path = model_dir / "model.safetensors.index.json"

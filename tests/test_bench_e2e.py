@@ -27,7 +27,7 @@ from benchmarks.e2e import budget, capacity, configs, orchestrate, records, repo
 from benchmarks.e2e.cli import DEFAULT_TARGETS, parse_args
 from benchmarks.e2e.worker import engine_kwargs
 from vllm_nvfp4.policy import KVPolicy
-from vllm_nvfp4.testing.models import build_weightless_model
+from vllm_nvfp4.testing.weightless import build_weightless_model
 
 REPO = Path(__file__).resolve().parent.parent
 L8B = capacity.ModelShape(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, hidden=4096,

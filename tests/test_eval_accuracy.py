@@ -1,4 +1,4 @@
-"""Pieces of ``scripts/eval_accuracy.py`` (vllm_nvfp4.evaluation): statistics, prompt log-prob
+"""Pieces of the accuracy evaluation (vllm_nvfp4.evaluation): statistics, prompt log-prob
 parsing, passkey prompts, KV configurations, lm-eval command and result parsing, reports.
 
 Fast: no vLLM engine here (see ``test_eval_accuracy_engine.py``).
@@ -313,19 +313,15 @@ def test_targets_and_table(tmp_path: Path) -> None:
 
 
 def test_gsm8k_configs_must_be_a_subset_of_configs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    import importlib.util
+    from vllm_nvfp4.evaluation.accuracy_args import parse_args
 
-    spec = importlib.util.spec_from_file_location(
-        "eval_accuracy_args", Path(__file__).resolve().parents[1] / "scripts" / "eval_accuracy.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)  # type: ignore[union-attr]
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "g.jsonl").write_text("{}\n")
     base = [str(tmp_path), "--out", str(tmp_path / "o"), "--nll-windows", "0", "--gsm8k-n", "2",
             "--gsm8k-data", str(tmp_path / "g.jsonl"), "--configs", "auto,fp8,mixed_calibrated"]
-    assert script.parse_args(base).gsm8k_configs == ["auto", "fp8", "mixed_calibrated"]
-    assert script.parse_args(base + ["--gsm8k-configs", "fp8, mixed_calibrated"]).gsm8k_configs == [
+    assert parse_args(base).gsm8k_configs == ["auto", "fp8", "mixed_calibrated"]
+    assert parse_args(base + ["--gsm8k-configs", "fp8, mixed_calibrated"]).gsm8k_configs == [
         "fp8", "mixed_calibrated"]
     with pytest.raises(SystemExit) as e:
-        script.parse_args(base + ["--gsm8k-configs", "fp8,nvfp4_all"])
+        parse_args(base + ["--gsm8k-configs", "fp8,nvfp4_all"])
     assert e.value.code == 2 and "--gsm8k-configs nvfp4_all: not in --configs" in capsys.readouterr().err

@@ -1,10 +1,10 @@
-"""``scripts/eval_accuracy.py`` end to end on the tiny model with real vLLM (CPU): two engines
-(``auto`` and ``nvfp4_all``), teacher-forced windows, passkey, KV capacity, and one GSM8K question
-through the real ``lm_eval`` command line for ``auto`` (~2 min on 2 cores)."""
+"""The accuracy evaluation (:mod:`vllm_nvfp4.evaluation.accuracy`, ``scripts/eval_accuracy.py``) end
+to end on the tiny model with real vLLM (CPU): two engines (``auto`` and ``nvfp4_all``),
+teacher-forced windows, passkey, KV capacity, and one GSM8K question through the real ``lm_eval``
+command line for ``auto`` (~2 min on 2 cores)."""
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import shutil
@@ -12,16 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from vllm_nvfp4.evaluation.accuracy import main
+
 pytestmark = pytest.mark.vllm
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "eval_accuracy.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("eval_accuracy_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _gsm8k_file(tmp_path: Path) -> Path:
@@ -40,7 +33,7 @@ def test_eval_accuracy_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
     text = tmp_path / "text.txt"
     text.write_text(inspect.getsource(text_src) * 3)
     out = tmp_path / "out"
-    rc = _script().main([str(tiny_model_dir), "--out", str(out), "--configs", "auto,nvfp4_all",
+    rc = main([str(tiny_model_dir), "--out", str(out), "--configs", "auto,nvfp4_all",
                          "--text", str(text), "--nll-windows", "2", "--window-tokens", "128",
                          "--passkey-context", "256", "--passkey-trials", "2",
                          "--gsm8k-n", "1", "--gsm8k-n-nvfp4", "0", "--gsm8k-data", str(_gsm8k_file(tmp_path)),
@@ -62,7 +55,7 @@ def test_eval_accuracy_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert (out / "results.md").read_text().count("| nvfp4_all |") == 1
     assert (out / "accuracy.png").is_file()
     # a second run reuses the finished engines and lm-eval results
-    assert _script().main([str(tiny_model_dir), "--out", str(out), "--configs", "auto,nvfp4_all",
+    assert main([str(tiny_model_dir), "--out", str(out), "--configs", "auto,nvfp4_all",
                            "--text", str(text), "--nll-windows", "2", "--window-tokens", "128",
                            "--passkey-context", "256", "--passkey-trials", "2", "--gsm8k-n", "1",
                            "--gsm8k-n-nvfp4", "0", "--gsm8k-data", str(_gsm8k_file(tmp_path)),

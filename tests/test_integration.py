@@ -111,7 +111,7 @@ def test_backend_selection():
 
 
 def test_rank_scales_split_and_replicate_per_head_lists():
-    from vllm_nvfp4.integration.backend import rank_scales
+    from vllm_nvfp4.integration.rank_params import rank_scales
 
     assert rank_scales(None, "fp8", 4, 2, 0, 2) == [1.0, 1.0]
     assert rank_scales(None, "nvfp4", 4, 4, 0, 1) == [pytest.approx(1 / 6)] * 4

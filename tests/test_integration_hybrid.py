@@ -1,6 +1,6 @@
 """``LLM(kv_cache_dtype="nvfp4_mixed")`` on CPU (vLLM 0.32) with tiny hybrid / sliding-window models.
 
-Per architecture (:func:`vllm_nvfp4.testing.models.build_tiny_hybrid`: Gemma 3 with two sliding
+Per architecture (:func:`vllm_nvfp4.testing.hybrid_models.build_tiny_hybrid`: Gemma 3 with two sliding
 layers to one full, gpt-oss with alternating sliding / full layers and attention sinks, Mistral
 with a window on every layer), a module fixture runs two engines:
 
@@ -122,7 +122,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     from transformers import AutoConfig
 
     from vllm_nvfp4.policy import KVPolicy, layer_types_from_config
-    from vllm_nvfp4.testing.models import build_tiny_hybrid
+    from vllm_nvfp4.testing.hybrid_models import build_tiny_hybrid
 
     # gpt-oss's random MoE with sinks is chaotic at the default q/k gain (2.8 nats between the
     # quantized and the unquantized reference): a milder one keeps the comparison meaningful

@@ -1,4 +1,4 @@
-"""The tiny-model builder: caching, determinism, validation, loadability, tokenizer round trip."""
+"""The tiny and weight-less model builders: caching, determinism, validation, loading, tokenizers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vllm_nvfp4.testing.models import PRESETS, build_tiny_llama, build_weightless_model, main
+from vllm_nvfp4.testing.models import build_tiny_llama, main
+from vllm_nvfp4.testing.weightless import PRESETS, build_weightless_model
 
 
 def test_cached_rebuild_is_instant_and_identical(tmp_path):

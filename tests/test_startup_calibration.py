@@ -129,7 +129,7 @@ def test_sliding_window_and_sink_model_binds_the_scales_of_calibrate(tmp_path: P
     calibration forward attends as served, so every layer's statistics equal transformers'
     with the same windows and sinks, and differ from those of the same weights without a
     window (the check can fail)."""
-    from vllm_nvfp4.testing.models import build_tiny_hybrid
+    from vllm_nvfp4.testing.hybrid_models import build_tiny_hybrid
 
     model_dir = build_tiny_hybrid("gpt_oss", tmp_path / "gpt_oss", qk_gain=1.0)
     monkeypatch.setenv("VLLM_NVFP4_CACHE", str(tmp_path / "cache"))

@@ -7,7 +7,7 @@
     python -m benchmarks.e2e --plot out/e2e/e2e_summary.json
 
 Run from the repository root. The model is a weight-less Llama-3.1-8B-shaped directory
-(``--preset``; :func:`vllm_nvfp4.testing.models.build_weightless_model`) that vLLM fills with
+(``--preset``; :func:`vllm_nvfp4.testing.weightless.build_weightless_model`) that vLLM fills with
 random weights (``load_format="dummy"``): speed does not depend on the weights' values.
 ``--model DIR`` runs a real checkpoint's directory instead (still with dummy weights).
 

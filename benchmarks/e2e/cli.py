@@ -11,7 +11,7 @@ from typing import Optional
 
 import benchmarks.e2e as package
 from benchmarks.e2e.configs import CONFIGS, parse_contexts, parse_dtypes
-from vllm_nvfp4.testing.models import PRESETS
+from vllm_nvfp4.testing.weightless import PRESETS
 
 DEFAULT_TARGETS = Path(__file__).resolve().parent / "targets.toml"
 

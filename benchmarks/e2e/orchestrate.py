@@ -29,7 +29,7 @@ from benchmarks.e2e.configs import CONFIGS, REFERENCE, policy_for
 from benchmarks.e2e.records import RECORDS, Recorder, latest, merge_records, prior_records, read_records
 from benchmarks.e2e.serve import bench_serve_command, run_serve, serve_command
 from benchmarks.e2e.worker import log
-from vllm_nvfp4.testing.models import PRESETS, build_weightless_model
+from vllm_nvfp4.testing.weightless import PRESETS, build_weightless_model
 
 REPO = Path(__file__).resolve().parents[2]
 SUMMARY = "e2e_summary.json"

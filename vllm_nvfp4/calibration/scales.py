@@ -8,11 +8,11 @@ else over all heads of the layer. A layer whose amax is 0 keeps the defaults (no
 
 K smoothing (``k_smooth_alpha``): per KV head and channel ``c``, ``lam_c = max(1, (a_c /
 mean(a))^alpha)`` from the channel amax ``a_c`` of K, so channels far above the head's typical
-magnitude are divided down (the query is multiplied back, :mod:`vllm_nvfp4.policy`); the K scales
+magnitude are divided down (the query is multiplied back, :mod:`vllm_nvfp4.policy.layer_policy`); the K scales
 are then calibrated on ``K / lam`` (its amax per head is ``max_c a_c / lam_c``).
 
 K centering (``k_center``): ``mu_c`` = the mean of each K channel over the calibration tokens;
-the cache stores ``K - mu`` (softmax-invariant, :mod:`vllm_nvfp4.policy`), so ``a_c`` above
+the cache stores ``K - mu`` (softmax-invariant, :mod:`vllm_nvfp4.policy.layer_policy`), so ``a_c`` above
 becomes the largest ``|K_c - mu_c|`` for the smoothing factors and the K scales.
 """
 

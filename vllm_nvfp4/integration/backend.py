@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Optional, Sequence, TypeVar
+from typing import Any, ClassVar, Optional
 
 import torch
 from vllm.config.vllm import get_current_vllm_config_or_none
@@ -31,10 +31,10 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_nvfp4 import ops
-from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, KVFormat
+from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE
 from vllm_nvfp4.key_transform import stored_keys
 from vllm_nvfp4.layout import PAGE_ALIGN, KVPageLayout
-from vllm_nvfp4.policy import DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE, LayerPolicy, Scale
+from vllm_nvfp4.policy import CHANNEL_FIELDS, DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE, LayerPolicy
 
 from vllm_nvfp4.integration.dense_prefill import (
     DENSE_DTYPES,
@@ -49,10 +49,10 @@ from vllm_nvfp4.integration.dense_prefill import (
 )
 from vllm_nvfp4.integration.dtype import CACHE_DTYPE
 from vllm_nvfp4.integration.model import layer_plan
+from vllm_nvfp4.integration.rank_params import rank_row_values
 from vllm_nvfp4.integration.startup_calibration import CalibrationBatch, planned
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
-T = TypeVar("T")
 _warned_default_scales = False
 
 
@@ -213,24 +213,6 @@ class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
         return replace(meta, max_seq_len=self._max_model_len)
 
 
-def rank_heads(per_head: Sequence[T], total_heads: int, num_heads: int, tp_rank: int,
-               tp_size: int) -> list[T]:
-    """This rank's entries of a per-KV-head list (heads split across ranks, or replicated)."""
-    if total_heads >= tp_size:
-        return list(per_head[tp_rank * num_heads:(tp_rank + 1) * num_heads])
-    return [per_head[tp_rank * total_heads // tp_size]] * num_heads
-
-
-def rank_scales(scale: Optional[Scale], fmt: KVFormat, total_heads: int, num_heads: int,
-                tp_rank: int, tp_size: int) -> list[float]:
-    """This rank's per-KV-head scales from a policy entry (None: the documented default)."""
-    if scale is None:
-        return [KVFormat.parse(fmt).default_scale] * num_heads
-    if not isinstance(scale, tuple):
-        return [float(scale)] * num_heads
-    return rank_heads(scale, total_heads, num_heads, tp_rank, tp_size)
-
-
 def page_view(kv_cache: torch.Tensor, layout: KVPageLayout) -> torch.Tensor:
     """vLLM's ``[blocks, 1, block_size, C]`` layer view as the ops' ``[blocks, page_bytes]``."""
     expected = (1, layout.block_size, layout.bytes_per_token)
@@ -313,11 +295,14 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
                 f"{layer_name}: the policy row (from the model config) says layer {index} is "
                 f"{row.layer_type.label()}, but vLLM built it "
                 f"{'with' if self.sinks is not None else 'without'} attention sinks")
-        total = vllm_config.model_config.get_total_num_kv_heads()
-        tp_size = vllm_config.parallel_config.tensor_parallel_size
-        tp_rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
-        values = {kv: rank_scales(row.quant_scale(kv), row.format_of(kv), total,
-                                  self.num_kv_heads, tp_rank, tp_size) for kv in ("k", "v")}
+        if row.k_center is not None and self.logits_soft_cap is not None:
+            raise RuntimeError(
+                f"{layer_name}: the policy centers K (k_center), which shifts every logit of a "
+                f"query by q . mu; the model's logits soft-cap ({self.logits_soft_cap}) is not "
+                f"shift-invariant. Calibrate without --k-center for this model")
+        dropped = [n for n in CHANNEL_FIELDS if getattr(row, n) is None and getattr(self, n) is not None]
+        if dropped:
+            raise RuntimeError(f"{layer_name}: rebinding cannot drop {dropped[0]}")
         if index is not None and not _warned_default_scales and (
                 row.quant_scale("k") is None or row.quant_scale("v") is None) \
                 and not planned(vllm_config):  # start-up calibration replaces them before serving
@@ -327,28 +312,12 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
                 "%d); using the defaults FP8 scale %.4g and NVFP4 global scale %.4g (|x| <= 448 "
                 "representable). Calibrate the model for accuracy.",
                 index, DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE)
-        tensors = {f"{kv}_scale": vals for kv, vals in values.items()}
-        if row.k_center is not None and self.logits_soft_cap is not None:
-            raise RuntimeError(
-                f"{layer_name}: the policy centers K (k_center), which shifts every logit of a "
-                f"query by q . mu; the model's logits soft-cap ({self.logits_soft_cap}) is not "
-                f"shift-invariant. Calibrate without --k-center for this model")
-        for name in ("k_smooth", "k_center"):  # per KV head x channel: this rank's heads
-            rows = getattr(row, name)
-            if rows is None:
-                if getattr(self, name) is not None:
-                    raise RuntimeError(f"{layer_name}: rebinding cannot drop {name}")
-                continue
-            rows = rank_heads(rows, total, self.num_kv_heads, tp_rank, tp_size)
-            if len(rows[0]) != self.head_size:
-                raise RuntimeError(f"{layer_name}: the policy's {name} has {len(rows[0])} values "
-                                   f"per head, the layer's head size is {self.head_size}")
-            tensors[name] = rows
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        tensors = rank_row_values(row, layer_name, vllm_config.model_config.get_total_num_kv_heads(),
+                                  self.num_kv_heads, self.num_heads, self.head_size,
+                                  get_tensor_model_parallel_rank() if tp_size > 1 else 0, tp_size)
         if self.sinks is not None:
             tensors["sink_logits"] = self.sinks.detach().float().cpu().tolist()
-        if "k_smooth" in tensors:  # each query head takes the factors of its KV head
-            group = self.num_heads // self.num_kv_heads
-            tensors["q_smooth"] = [r for r in tensors["k_smooth"] for _ in range(group)]
         # vLLM binds twice (once inside inference mode while it sizes CUDA-graph memory, then
         # outside it for the real cache): keep these normal tensors so the in-place update
         # is legal in both places.

@@ -4,6 +4,8 @@
   standard library sources, cached under :func:`cache_root` by vocabulary size.
 * :func:`write_byte_tokenizer`: a byte-level BPE with no merges (one token per byte) padded with
   placeholder tokens up to a model's vocabulary, so every id a random model samples decodes.
+* :func:`save_tokenizer`: a trained tokenizer written into a model directory with
+  :data:`CHAT_TEMPLATE`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ from vllm_nvfp4.calibration.startup_cache import cache_root  # the package's one
 TOKENIZER_VERSION = 1  # bump when the trained tokenizer of a given vocabulary changes
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")  # ids 0..3 (bos 1, eos 2)
 BYTE_SPECIAL_TOKENS = SPECIAL_TOKENS[:3]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def _corpus_files(text_mb: float) -> list[str]:
@@ -121,3 +128,18 @@ def write_byte_tokenizer(out: Path, vocab_size: int, max_pos: int) -> None:
         unk_token="<unk>", model_max_length=max_pos, clean_up_tokenization_spaces=False), indent=2))
     (out / "special_tokens_map.json").write_text(json.dumps(
         dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>"), indent=2))
+
+
+def save_tokenizer(model_dir: Path, tok_path: Path, max_pos: int) -> None:
+    """Write the trained tokenizer (``tok_path``) into ``model_dir`` with the chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    ftok = PreTrainedTokenizerFast(
+        tokenizer_file=str(tok_path), unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        pad_token="<pad>", model_max_length=max_pos)
+    ftok.chat_template = CHAT_TEMPLATE
+    ftok.save_pretrained(str(model_dir))
+    # transformers 5 writes "TokenizersBackend"; this name loads in 4.x and 5.x alike
+    tc = json.loads((model_dir / "tokenizer_config.json").read_text())
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(tc, indent=2))

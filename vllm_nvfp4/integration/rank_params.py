@@ -1,0 +1,58 @@
+"""A layer's policy row on one tensor-parallel rank: the values of the rank's KV heads.
+
+Per-KV-head lists (scales, K smoothing factors, K centering offsets) are split across the ranks
+when there are at least as many KV heads as ranks, else each rank gets the one KV head it
+replicates. The results are the float lists the impl copies into its persistent tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, TypeVar
+
+from vllm_nvfp4.formats import KVFormat
+from vllm_nvfp4.policy import CHANNEL_FIELDS, LayerPolicy, Scale
+
+T = TypeVar("T")
+
+
+def rank_heads(per_head: Sequence[T], total_heads: int, num_heads: int, tp_rank: int,
+               tp_size: int) -> list[T]:
+    """This rank's entries of a per-KV-head list (heads split across ranks, or replicated)."""
+    if total_heads >= tp_size:
+        return list(per_head[tp_rank * num_heads:(tp_rank + 1) * num_heads])
+    return [per_head[tp_rank * total_heads // tp_size]] * num_heads
+
+
+def rank_scales(scale: Optional[Scale], fmt: KVFormat, total_heads: int, num_heads: int,
+                tp_rank: int, tp_size: int) -> list[float]:
+    """This rank's per-KV-head scales from a policy entry (None: the documented default)."""
+    if scale is None:
+        return [KVFormat.parse(fmt).default_scale] * num_heads
+    if not isinstance(scale, tuple):
+        return [float(scale)] * num_heads
+    return rank_heads(scale, total_heads, num_heads, tp_rank, tp_size)
+
+
+def rank_row_values(row: LayerPolicy, layer_name: str, total_heads: int, num_kv_heads: int,
+                    num_heads: int, head_size: int, tp_rank: int,
+                    tp_size: int) -> dict[str, list]:
+    """The impl's per-layer tensors of ``row`` on this rank, by attribute name, as float lists:
+    ``k_scale``/``v_scale`` ``[num_kv_heads]``; where the row has them, ``k_smooth``/``k_center``
+    ``[num_kv_heads][head_size]`` and ``q_smooth`` ``[num_heads][head_size]`` (each query head
+    takes the factors of its KV head)."""
+    values: dict[str, list] = {
+        f"{kv}_scale": rank_scales(row.quant_scale(kv), row.format_of(kv), total_heads,
+                                   num_kv_heads, tp_rank, tp_size) for kv in ("k", "v")}
+    for name in CHANNEL_FIELDS:
+        rows = getattr(row, name)
+        if rows is None:
+            continue
+        rows = rank_heads(rows, total_heads, num_kv_heads, tp_rank, tp_size)
+        if len(rows[0]) != head_size:
+            raise RuntimeError(f"{layer_name}: the policy's {name} has {len(rows[0])} values "
+                               f"per head, the layer's head size is {head_size}")
+        values[name] = rows
+    if "k_smooth" in values:
+        group = num_heads // num_kv_heads
+        values["q_smooth"] = [r for r in values["k_smooth"] for _ in range(group)]
+    return values

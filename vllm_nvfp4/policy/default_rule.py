@@ -1,0 +1,35 @@
+"""The policy a model gets when none is given.
+
+Sliding-window layers FP8 (their cache is bounded by the window, so NVFP4 would save little there,
+and every token passes through them); of the full-attention layers the first and the last FP8,
+the others NVFP4. A model whose KV layers are all sliding-window (Mistral with a window) applies
+the first/last rule to those instead. Layers keep the default scales of
+:mod:`~vllm_nvfp4.policy.layer_policy`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from vllm_nvfp4.policy.errors import PolicyError
+from vllm_nvfp4.policy.kv_policy import KVPolicy
+from vllm_nvfp4.policy.layer_types import FULL_ATTENTION, LayerType
+
+
+def default_policy(num_layers: int, layer_types: Optional[Sequence[LayerType]] = None) -> KVPolicy:
+    """The default rule (module doc): sliding layers FP8; of the growing layers (the
+    full-attention ones, or all KV layers if none is full) the first and last FP8, the others
+    NVFP4; everything FP8 when there are at most two growing layers."""
+    types = tuple(layer_types) if layer_types is not None else (FULL_ATTENTION,) * num_layers
+    kv = [i for i, t in enumerate(types) if t.holds_kv]
+    if not kv:
+        raise PolicyError("the model has no layer with a KV cache; nvfp4_mixed has nothing to store")
+    growing = [i for i in kv if types[i].kind == "full"] or kv
+    if len(growing) <= 2:
+        text, source = "*:fp8", "default rule"
+    elif len(growing) == len(kv):
+        text, source = f"{growing[0]}:fp8,{growing[-1]}:fp8,*:nvfp4", "default rule (first/last FP8)"
+    else:
+        text = f"{growing[0]}:fp8,{growing[-1]}:fp8,swa:fp8,full:nvfp4"
+        source = "default rule (sliding FP8, first/last full-attention FP8)"
+    return KVPolicy.from_compact(text, num_layers, source=source, layer_types=types)

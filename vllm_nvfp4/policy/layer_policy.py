@@ -1,0 +1,120 @@
+"""One policy row: the formats and (optional) calibrated scales of a decoder layer's K and V.
+
+Each scale is optional, a positive finite number or a per-KV-head tuple of them; a layer without
+one uses :data:`DEFAULT_FP8_SCALE` (1.0, vLLM's own default) or
+:data:`DEFAULT_NVFP4_GLOBAL_SCALE` (1/6: the same representable range, |x| <= 448, as FP8 at
+scale 1.0), with a warning from the integration.
+
+Optional ``k_smooth``: per KV head, ``head_dim`` positive factors ``lam`` (K smoothing, as in
+SmoothAttention): the cache stores ``K / lam`` (the K scale calibrated on ``K / lam``) and every
+query is multiplied by ``lam`` of its KV head, so ``q . k`` is unchanged before quantization while
+outlier channels no longer set the 16-value NVFP4 block scales of their neighbours.
+
+Optional ``k_center``: per KV head, ``head_dim`` finite offsets ``mu`` (the calibration mean of
+each post-RoPE K channel): the cache stores ``K - mu`` (then ``/ lam`` if smoothed; scales
+calibrated on that), which moves every logit of a query by the same ``q . mu``, so softmax and the
+attention output are unchanged before quantization, while a channel's constant part (Qwen2's K
+bias) no longer spends the format's resolution. Not valid with a logits soft-cap.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from vllm_nvfp4.formats import KVFormat, check_kv_format
+from vllm_nvfp4.policy.errors import PolicyError
+from vllm_nvfp4.policy.layer_types import FULL_ATTENTION, LayerType
+
+DEFAULT_FP8_SCALE = KVFormat.FP8.default_scale
+DEFAULT_NVFP4_GLOBAL_SCALE = KVFormat.NVFP4.default_scale
+SCALE_FIELDS = ("k_scale", "v_scale", "k_global_scale", "v_global_scale")
+#: per KV head and channel: K smoothing factors, K centering offsets
+CHANNEL_FIELDS = ("k_smooth", "k_center")
+
+Scale = Union[float, tuple[float, ...]]
+Smooth = tuple[tuple[float, ...], ...]  # [kv_heads][head_dim]
+
+
+def _check_scale(value: Any, where: str) -> Optional[Scale]:
+    if value is None:
+        return None
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not values:
+        raise PolicyError(f"{where}: empty per-head scale list")
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise PolicyError(f"{where}: scale must be a number, got {v!r}")
+        if not math.isfinite(v) or v <= 0:
+            raise PolicyError(f"{where}: scale must be finite and > 0, got {v!r}")
+        out.append(float(v))
+    return tuple(out) if isinstance(value, (list, tuple)) else out[0]
+
+
+def _check_channels(value: Any, name: str, positive: bool) -> Optional[Smooth]:
+    """Per KV head, one number per channel (``k_smooth``: factors > 0; ``k_center``: any finite
+    offsets), as tuples."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not value or not all(
+            isinstance(h, (list, tuple)) and h for h in value):
+        raise PolicyError(f"{name}: {name} must be a non-empty list (one per KV head) of "
+                          f"non-empty lists (one value per channel)")
+    if len({len(h) for h in value}) != 1:
+        raise PolicyError(f"{name}: {name} lists differ in length {sorted({len(h) for h in value})}")
+    heads = []
+    for h in value:
+        for v in h:
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                    or (positive and v <= 0)):
+                raise PolicyError(f"{name}: {name} values must be finite numbers"
+                                  f"{' > 0' if positive else ''}, got {v!r}")
+        heads.append(tuple(float(v) for v in h))
+    return tuple(heads)
+
+
+@dataclass(frozen=True)
+class LayerPolicy:
+    """Formats and (optional) calibrated scales of one decoder layer's K and V.
+
+    A row of type ``none`` (no KV cache) has ``k = v = None`` and nothing else."""
+
+    k: Optional[KVFormat]
+    v: Optional[KVFormat]
+    k_scale: Optional[Scale] = None
+    v_scale: Optional[Scale] = None
+    k_global_scale: Optional[Scale] = None
+    v_global_scale: Optional[Scale] = None
+    k_smooth: Optional[Smooth] = None
+    k_center: Optional[Smooth] = None
+    layer_type: LayerType = FULL_ATTENTION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layer_type, LayerType):
+            raise PolicyError(f"layer_type must be a LayerType, got {self.layer_type!r}")
+        if not self.layer_type.holds_kv:
+            extra = [n for n in ("k", "v", *SCALE_FIELDS, *CHANNEL_FIELDS) if getattr(self, n) is not None]
+            if extra:
+                raise PolicyError(f"a layer without KV cache (type none) takes no {', '.join(extra)}")
+            return
+        for name in ("k", "v"):
+            try:
+                object.__setattr__(self, name, check_kv_format(getattr(self, name)))
+            except ValueError as e:
+                raise PolicyError(str(e)) from None
+        for name in SCALE_FIELDS:
+            object.__setattr__(self, name, _check_scale(getattr(self, name), name))
+        object.__setattr__(self, "k_smooth", _check_channels(self.k_smooth, "k_smooth", True))
+        object.__setattr__(self, "k_center", _check_channels(self.k_center, "k_center", False))
+
+    def format_of(self, kv: str) -> KVFormat:
+        """Format of ``"k"`` or ``"v"``."""
+        return self.k if kv == "k" else self.v
+
+    def quant_scale(self, kv: str) -> Optional[Scale]:
+        """The scale the layer's format uses for ``kv``: FP8 scale or NVFP4 global scale."""
+        if self.format_of(kv) is KVFormat.FP8:
+            return self.k_scale if kv == "k" else self.v_scale
+        return self.k_global_scale if kv == "k" else self.v_global_scale
