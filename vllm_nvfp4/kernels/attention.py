@@ -254,11 +254,11 @@ def _bit_reversed(c, n):
 @triton.jit
 def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexpr,
                  C: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr,
-                 MASKED: tl.constexpr, ZERO_PAST_END: tl.constexpr, F16: tl.constexpr):
-    """Block scales of the ``N`` tokens from ``t0``, FP32 (fp16 when ``F16``: exact, converted
-    from E4M3 directly): a tuple of ``C`` vectors ``[N]`` (chunk order). In a ``MASKED`` tile
-    (one that may reach ``t_end``), with ``ZERO_PAST_END``, 0 for tokens at or past ``t_end``
-    (their slots may hold any stale byte, and a NaN scale would turn p = 0 into NaN). One load of the ``BLOCK * C`` contiguous bytes of the token-major scale
+                 MASKED: tl.constexpr, ZERO_PAST_END: tl.constexpr):
+    """FP32 block scales of the ``N`` tokens from ``t0``: a tuple of ``C`` vectors ``[N]`` (chunk
+    order). In a ``MASKED`` tile (one that may reach ``t_end``), with ``ZERO_PAST_END``, 0 for
+    tokens at or past ``t_end`` (their slots may hold any stale byte, and a NaN scale would turn
+    p = 0 into NaN). One load of the ``BLOCK * C`` contiguous bytes of the token-major scale
     plane per block (so the pipeliner copies it asynchronously; a thread then reads a token's
     ``C`` scales from shared memory at once), split into chunks by halving (which leaves them in
     bit-reversed order, undone when returned)."""
@@ -274,7 +274,7 @@ def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexp
         + (h * BLOCK + j)[None, :, None] * C + k[None, None, :]
     sc = tl.load(ptr)  # [NB, BLOCK, C]
     sc = tl.reshape(sc, [N, C]).to(tl.float8e4nv, bitcast=True)
-    sc = sc.to(tl.float16 if F16 else tl.float32)
+    sc = sc.to(tl.float32)
     if MASKED and ZERO_PAST_END:
         sc = tl.where(((t0 + tl.arange(0, N)) < t_end)[:, None], sc, 0.0)
     parts = (sc,)
@@ -403,7 +403,7 @@ def _attend_tiles(
                                             TILE_N, MASKED)
         if V_FMT != FMT_FP8:
             vss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, V_SCALE, C, BLOCK,
-                               TILE_N, MASKED, True, False)
+                               TILE_N, MASKED, True)
         s = s0  # zeros (:func:`_attend_keys`)
         if K_FMT == FMT_FP8:
             ke, ko = _fp8_planes(_tile_words(page, off, valid, h, K_DATA, D, 0, D // 2, BLOCK,
@@ -411,13 +411,15 @@ def _attend_tiles(
             s = _dot_f(ko, qs[1], _dot_f(ke, qs[0], s, F32), F32)
         else:  # stale K scales past t_end only reach masked scores
             kss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, K_SCALE, C, BLOCK,
-                               TILE_N, MASKED, False, FOLD_K and not F32)
+                               TILE_N, MASKED, False)
             for gi in tl.static_range(D // 64):
                 kps = _planes(_tile_words(page, off, valid, h, K_DATA, D // 2, 16 * gi, 16, BLOCK,
                                           False, MASKED), F32)
                 for j in tl.static_range(4):
                     if FOLD_K:  # the fp16 product is exact (see the docstring)
-                        s = _dot_f(kps[j] * kss[4 * gi + j][:, None], qs[4 * gi + j], s, F32)
+                        ks = kss[4 * gi + j]
+                        ks = ks if F32 else ks.to(tl.float16)
+                        s = _dot_f(kps[j] * ks[:, None], qs[4 * gi + j], s, F32)
                     else:
                         part = _dot_f(kps[j], qs[4 * gi + j],
                                       tl.zeros([TILE_N, M], dtype=tl.float32), F32)
