@@ -614,13 +614,17 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: in
                   device: torch.device, num_warps: int = 1) -> int:
     """Split count (a power of 2) from host ints only: the larger of (a) enough programs to fill
     the GPU, ``8 * SMs / num_warps``, but at most 8 splits (beyond that the partial writes and
-    the reduce cost more than the extra occupancy gains) and (b) at most ~4096 keys per split;
-    never more splits than tiles, at most 64."""
+    the reduce cost more than the extra occupancy gains) - unless 8 splits still leave fewer
+    than half that many programs (few sequences x few KV heads), then as many as keep >= 1024
+    keys per split - and (b) at most ~4096 keys per split; never more splits than tiles, at
+    most 64."""
     target = 8 * _num_sms(device) // num_warps
     max_splits = min(max(1, -(-max_seq_len // tile_n)), 64)
+    programs = num_seqs * num_kv_heads
+    fill_cap = 8 if 2 * programs * 8 >= target else max(8, max_seq_len // 1024)
     splits = 1
     while splits * 2 <= max_splits and (
-        (num_seqs * num_kv_heads * splits < target and splits * 2 <= 8)
+        (programs * splits < target and splits * 2 <= fill_cap)
         or max_seq_len > 4096 * splits
     ):
         splits *= 2
@@ -680,17 +684,22 @@ def launch_defaults(layout, decode: bool) -> LaunchShape:
 
     Decode: 64 keys per tile, 1 warp, or 2 for FP8 K and V; with an NVFP4 plane 32 keys at
     head_dim 256 (64 exceed the register file; FP8 / FP8 at head_dim 256 keeps 64 keys x 2 warps,
-    which compiles for sm_90 without spills where 32 keys x 1 warp spills). Prefill: 64 keys
-    (32 at head_dim 256); with an FP8 V 2 warps x 32 query rows, else 1 warp x 16 rows.
-    Head_dim 512: :func:`_launch_defaults_512`."""
+    which compiles for sm_90 without spills where 32 keys x 1 warp spills). Code variants where
+    they were faster at every shape timed: NVFP4 K and V fold the K block scales into the K
+    planes; an NVFP4 K with an FP8 V (head_dim <= 128) and FP8 K and V at head_dim 256 hoist
+    the query operands. Prefill: 64 keys (32 at head_dim 256); with an FP8 V 2 warps x 32 query
+    rows, else 1 warp x 16 rows. Head_dim 512: :func:`_launch_defaults_512`."""
     if layout.head_dim > 256:
         return _launch_defaults_512(layout, decode)
     tile = 32 if layout.head_dim >= 256 else 64
     if not decode:
         return LaunchShape(tile, 2, 32) if layout.v_format is KVFormat.FP8 else LaunchShape(tile, 1, 16)
-    if layout.k_format is KVFormat.FP8 and layout.v_format is KVFormat.FP8:
-        return LaunchShape(64, 2)
-    return LaunchShape(tile, 1)
+    fp8_k, fp8_v = layout.k_format is KVFormat.FP8, layout.v_format is KVFormat.FP8
+    if fp8_k and fp8_v:
+        return LaunchShape(64, 2, hoist_query=layout.head_dim >= 256)
+    if not fp8_k and not fp8_v:
+        return LaunchShape(tile, 1, fold_k_scales=True)
+    return LaunchShape(tile, 1, hoist_query=not fp8_k and layout.head_dim <= 128)
 
 
 def _layout_constexprs(layout, device: torch.device, softcap, window, sinks) -> dict:
