@@ -411,6 +411,23 @@ def test_block_size_not_a_power_of_two(kind, b, window, with_sinks):
     assert_close_rel(got, fast_reference(batch, 0.125, window, None, sinks), 2e-3 if CUDA else 1e-5)
 
 
+@pytest.mark.parametrize("fold", [True, False], ids=["fold_k", "apart"])
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_block_size_not_a_power_of_two_code_variants(fold, kind):
+    """The per-token scale loads of a 48-token block with the K scales folded into the K planes
+    and applied apart, NVFP4 K and V, split decode."""
+    lay = KVPageLayout(2, 64, 48, "nvfp4", "nvfp4")
+    decode = kind == "decode"
+    seqs = [(101, 1), (3, 1), (50, 1)] if decode else [(67, 67), (90, 9)]
+    batch = make_batch(lay, seqs, 8, device=DEV, seed=48 + fold, write_backend=WRITE)
+    out = torch.empty_like(batch.query)
+    attn_kernels.paged_attention(
+        batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+        batch.seq_lens, batch.query_start_loc, batch.max_query_len, batch.max_seq_len, 0.1, out,
+        launch=_launch(lay, decode, num_splits=2 if decode else None, fold_k_scales=fold))
+    assert_close_rel(out, fast_reference(batch, 0.1), 2e-3 if CUDA else 1e-5)
+
+
 @pytest.mark.skipif(not CUDA, reason="half-precision kernel math needs the GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
