@@ -390,6 +390,44 @@ def test_hybrid_model_shapes(kind, i, j):
                      2e-3 if CUDA else 1e-5)
 
 
+#: blocks that are not a power of 2: hybrid models' chosen full-attention blocks (48) and
+#: vLLM's Mamba-aligned attention blocks (528 for a Qwen3-Next-style model; 80 keeps the
+#: interpreter fast and still straddles every tile)
+ODD_BLOCKS = [(48, None, False), (80, 13, True), (528, None, True)]
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("b,window,with_sinks", ODD_BLOCKS)
+def test_block_size_not_a_power_of_two(kind, b, window, with_sinks):
+    """Block sizes that are multiples of 16 but not powers of 2, every K/V format pair across
+    the cases, tiles straddling blocks, with a window or sinks."""
+    i = ODD_BLOCKS.index((b, window, with_sinks))
+    kf, vf = FMT_PAIRS[(i + (kind == "prefill")) % 4]
+    lay = KVPageLayout(2, 64, b, kf, vf)
+    seqs = [(b + 37, 1), (3, 1), (2 * b + 5, 1)] if kind == "decode" else [(b + 19, b + 19), (b + 40, 9)]
+    batch = make_batch(lay, seqs, 8, device=DEV, seed=b, write_backend=WRITE)
+    sinks = random_sinks(8, seed=b, device=DEV) if with_sinks else None
+    got = run_attention(batch, backend="triton", sliding_window=window, sinks=sinks)
+    assert_close_rel(got, fast_reference(batch, 0.125, window, None, sinks), 2e-3 if CUDA else 1e-5)
+
+
+@pytest.mark.parametrize("fold", [True, False], ids=["fold_k", "apart"])
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_block_size_not_a_power_of_two_code_variants(fold, kind):
+    """The per-token scale loads of a 48-token block with the K scales folded into the K planes
+    and applied apart, NVFP4 K and V, split decode."""
+    lay = KVPageLayout(2, 64, 48, "nvfp4", "nvfp4")
+    decode = kind == "decode"
+    seqs = [(101, 1), (3, 1), (50, 1)] if decode else [(67, 67), (90, 9)]
+    batch = make_batch(lay, seqs, 8, device=DEV, seed=48 + fold, write_backend=WRITE)
+    out = torch.empty_like(batch.query)
+    attn_kernels.paged_attention(
+        batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+        batch.seq_lens, batch.query_start_loc, batch.max_query_len, batch.max_seq_len, 0.1, out,
+        launch=_launch(lay, decode, num_splits=2 if decode else None, fold_k_scales=fold))
+    assert_close_rel(out, fast_reference(batch, 0.1), 2e-3 if CUDA else 1e-5)
+
+
 @pytest.mark.skipif(not CUDA, reason="half-precision kernel math needs the GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["decode", "prefill"])

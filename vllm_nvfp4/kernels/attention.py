@@ -273,10 +273,44 @@ def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexp
     ptr = (cache_ptr + blk.to(tl.int64) * stride_blk)[:, None, None] + SCALE \
         + (h * BLOCK + j)[None, :, None] * C + k[None, None, :]
     sc = tl.load(ptr)  # [NB, BLOCK, C]
-    sc = tl.reshape(sc, [N, C]).to(tl.float8e4nv, bitcast=True)
-    sc = sc.to(tl.float32)
-    if MASKED and ZERO_PAST_END:
-        sc = tl.where(((t0 + tl.arange(0, N)) < t_end)[:, None], sc, 0.0)
+    return _scale_chunks(tl.reshape(sc, [N, C]), t0 + tl.arange(0, N) < t_end, N, C,
+                         MASKED and ZERO_PAST_END)
+
+
+@triton.jit
+def _tile_scales_by_token(page, off, valid, h, SCALE: tl.constexpr, C: tl.constexpr,
+                          BLOCK: tl.constexpr, N: tl.constexpr, MASKED: tl.constexpr,
+                          ZERO_PAST_END: tl.constexpr):
+    """:func:`_tile_scales` for any block size (tiles may straddle blocks): each token's ``C``
+    scales from its own page (``page``, ``off``, ``valid`` from :func:`_tile_rows`; masked tokens
+    read block 0, in bounds)."""
+    k = tl.arange(0, C)
+    sc = tl.load(page[:, None] + SCALE + (h * BLOCK + off)[:, None] * C + k[None, :])
+    return _scale_chunks(sc, valid, N, C, MASKED and ZERO_PAST_END)
+
+
+@triton.jit
+def _scales_of_tile(cache_ptr, stride_blk, bt_row, t0, t_end, page, off, valid, h,
+                    SCALE: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr,
+                    MASKED: tl.constexpr, ZERO_PAST_END: tl.constexpr):
+    """The tile's block scales: :func:`_tile_scales` when the tile spans whole blocks (a power-of-2
+    ``BLOCK`` dividing ``N``), else :func:`_tile_scales_by_token`."""
+    if N % BLOCK == 0 and (BLOCK & (BLOCK - 1)) == 0:
+        scales = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE, C, BLOCK, N,
+                              MASKED, ZERO_PAST_END)
+    else:
+        scales = _tile_scales_by_token(page, off, valid, h, SCALE, C, BLOCK, N, MASKED,
+                                       ZERO_PAST_END)
+    return scales
+
+
+@triton.jit
+def _scale_chunks(sc, valid, N: tl.constexpr, C: tl.constexpr, ZERO: tl.constexpr):
+    """Raw E4M3 scale bytes ``[N, C]`` -> a tuple of ``C`` FP32 vectors ``[N]`` (chunk order);
+    ``ZERO``: 0 where not ``valid``."""
+    sc = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if ZERO:
+        sc = tl.where(valid[:, None], sc, 0.0)
     parts = (sc,)
     for lvl in tl.static_range(5):  # C <= 32 chunks (head_dim 512)
         if (C >> lvl) > 1:
@@ -402,16 +436,16 @@ def _attend_tiles(
         toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK,
                                             TILE_N, MASKED)
         if V_FMT != FMT_FP8:
-            vss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, V_SCALE, C, BLOCK,
-                               TILE_N, MASKED, True)
+            vss = _scales_of_tile(cache_ptr, stride_blk, bt_row, t0, t_end, page, off, valid, h,
+                                  V_SCALE, C, BLOCK, TILE_N, MASKED, True)
         s = s0  # zeros (:func:`_attend_keys`)
         if K_FMT == FMT_FP8:
             ke, ko = _fp8_planes(_tile_words(page, off, valid, h, K_DATA, D, 0, D // 2, BLOCK,
                                              False, MASKED), F32)
             s = _dot_f(ko, qs[1], _dot_f(ke, qs[0], s, F32), F32)
         else:  # stale K scales past t_end only reach masked scores
-            kss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, K_SCALE, C, BLOCK,
-                               TILE_N, MASKED, False)
+            kss = _scales_of_tile(cache_ptr, stride_blk, bt_row, t0, t_end, page, off, valid, h,
+                                  K_SCALE, C, BLOCK, TILE_N, MASKED, False)
             for gi in tl.static_range(D // 64):
                 kps = _planes(_tile_words(page, off, valid, h, K_DATA, D // 2, 16 * gi, 16, BLOCK,
                                           False, MASKED), F32)
@@ -748,7 +782,8 @@ def paged_attention(
     common_args = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                    cache.stride(0), block_table.stride(0), softmax_scale, softcap, window)
     shape = launch or launch_defaults(layout, decode)
-    tn = max(shape.tile_n, layout.block_size)
+    block = layout.block_size
+    tn = max(shape.tile_n, block) if block & (block - 1) == 0 else shape.tile_n
     warps = shape.num_warps
     if decode:
         num_tokens, hq = query.shape[0], query.shape[1]
