@@ -14,7 +14,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_nvfp4", "vllm_nvfp4.*"]),
-    package_data={"vllm_nvfp4.calibration": ["builtin_text.txt"]},
+    package_data={"vllm_nvfp4.calibration": ["builtin_text.txt"],
+                  "vllm_nvfp4.evaluation": ["lm_eval_tasks/*/*.yaml", "lm_eval_tasks/*/*.py"]},
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
         "test": ["pytest", "pytest-timeout", "transformers>=5", "matplotlib", "tqdm"],
