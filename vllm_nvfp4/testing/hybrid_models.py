@@ -97,7 +97,7 @@ def build_tiny_hybrid(arch: str, out_dir: Optional[Union[str, os.PathLike]] = No
                       vocab: int = 4096, seed: int = 0, max_pos: int = 4096,
                       qk_gain: float = 2.0) -> Path:
     """Write (or reuse) the tiny random-weight hybrid ``arch`` model (:data:`HYBRID_ARCHS`, see
-    the module doc) and return its path; ``out_dir=None``: under :func:`cache_root`."""
+    the module doc) and return its path; ``out_dir=None``: in the model cache (:mod:`.model_cache`)."""
     import torch
 
     if arch not in HYBRID_ARCHS:
