@@ -174,6 +174,28 @@ def test_decode_launch_shapes_agree(tile_n, warps, kf, vf):
     assert_close_rel(out, fast_reference(batch, 0.1), 2e-3 if CUDA else 1e-5)
 
 
+@pytest.mark.parametrize("variant", [dict(hoist_query=True), dict(fold_k_scales=True),
+                                     dict(hoist_query=True, fold_k_scales=True)],
+                         ids=["hoist_query", "fold_k", "hoist_query_fold_k"])
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("kf,vf", FMT_PAIRS)
+def test_code_variants_match_float64(variant, kind, kf, vf):
+    """The attention core's code variants (hoisted query operands, K block scales folded into
+    the K planes) against float64, every K/V format pair, odd lengths, split decode."""
+    lay = KVPageLayout(2, 128, 16, kf, vf)
+    seqs = ([(37 * SCALE + 5, 1), (1, 1), (20 * SCALE + 3, 1)] if kind == "decode"
+            else [(23 * SCALE, 23 * SCALE), (41 * SCALE, 9), (33 * SCALE, 1)])
+    batch = make_batch(lay, seqs, 8, device=DEV, seed=len(variant) + 3 * (kind == "decode"),
+                       write_backend=WRITE)
+    decode = kind == "decode"
+    out = torch.empty_like(batch.query)
+    attn_kernels.paged_attention(
+        batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+        batch.seq_lens, batch.query_start_loc, batch.max_query_len, batch.max_seq_len, 0.1, out,
+        launch=_launch(lay, decode, num_splits=2 if decode else None, **variant))
+    assert_close_rel(out, fast_reference(batch, 0.1), 2e-3 if CUDA else 1e-5)
+
+
 @pytest.mark.parametrize("seqs,ctx,warps", [(1, 100, 1), (16, 4096, 1), (64, 32768, 2),
                                             (512, 32768, 4), (3, 70000, 1), (1, 131072, 1)])
 def test_decode_split_count_bounds(seqs, ctx, warps):

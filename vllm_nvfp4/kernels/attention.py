@@ -254,11 +254,11 @@ def _bit_reversed(c, n):
 @triton.jit
 def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexpr,
                  C: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr,
-                 MASKED: tl.constexpr, ZERO_PAST_END: tl.constexpr):
-    """FP32 block scales of the ``N`` tokens from ``t0``: a tuple of ``C`` vectors ``[N]`` (chunk
-    order). In a ``MASKED`` tile (one that may reach ``t_end``), with ``ZERO_PAST_END``, 0 for
-    tokens at or past ``t_end`` (their slots may hold any stale byte, and a NaN scale would turn
-    p = 0 into NaN). One load of the ``BLOCK * C`` contiguous bytes of the token-major scale
+                 MASKED: tl.constexpr, ZERO_PAST_END: tl.constexpr, F16: tl.constexpr):
+    """Block scales of the ``N`` tokens from ``t0``, FP32 (fp16 when ``F16``: exact, converted
+    from E4M3 directly): a tuple of ``C`` vectors ``[N]`` (chunk order). In a ``MASKED`` tile
+    (one that may reach ``t_end``), with ``ZERO_PAST_END``, 0 for tokens at or past ``t_end``
+    (their slots may hold any stale byte, and a NaN scale would turn p = 0 into NaN). One load of the ``BLOCK * C`` contiguous bytes of the token-major scale
     plane per block (so the pipeliner copies it asynchronously; a thread then reads a token's
     ``C`` scales from shared memory at once), split into chunks by halving (which leaves them in
     bit-reversed order, undone when returned)."""
@@ -274,7 +274,7 @@ def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexp
         + (h * BLOCK + j)[None, :, None] * C + k[None, None, :]
     sc = tl.load(ptr)  # [NB, BLOCK, C]
     sc = tl.reshape(sc, [N, C]).to(tl.float8e4nv, bitcast=True)
-    sc = sc.to(tl.float32)
+    sc = sc.to(tl.float16 if F16 else tl.float32)
     if MASKED and ZERO_PAST_END:
         sc = tl.where(((t0 + tl.arange(0, N)) < t_end)[:, None], sc, 0.0)
     parts = (sc,)
@@ -341,30 +341,41 @@ def _attend_keys(
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
+    HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr,
 ):
     """:func:`_attend_tiles` over the keys ``[t_begin, t_end)``: the whole tiles of ``[t_begin,
     t_full)`` that every query column sees entirely (no mask, no bounds checks), then the rest
-    masked (the sequence end, the causal diagonal, the window)."""
+    masked (the sequence end, the causal diagonal, the window).
+
+    ``HOIST_Q``: the score tiles start from ``sum_c 0 . q_c`` (zeros, computed once before the
+    loops) instead of constant zeros, which makes Triton convert the query operands to the MMA
+    layout once rather than in every tile. ``FOLD_K``: see :func:`_attend_tiles`."""
+    s0 = tl.zeros([TILE_N, M], dtype=tl.float32)
+    if HOIST_Q:
+        for c in tl.static_range(len(qs)):
+            zk = tl.zeros([TILE_N, D // 2 if K_FMT == FMT_FP8 else 16],
+                          dtype=tl.float32 if F32 else tl.float16)
+            s0 = _dot_f(zk, qs[c], s0, F32)
     accs, m_i, l_i = _attend_tiles(
-        qs, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_begin, t_full, t_end,
+        qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
-        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, False)
+        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, False, FOLD_K)
     return _attend_tiles(
-        qs, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_full, t_end, t_end,
+        qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_full, t_end, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
-        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, True)
+        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, True, FOLD_K)
 
 
 @triton.jit
 def _attend_tiles(
-    qs, q_pos, accs, m_i, l_i,
+    qs, s0, q_pos, accs, m_i, l_i,
     cache_ptr, stride_blk, bt_row, h, lo, hi, t_end,
     qk_scale, softcap, window,
     K_FMT: tl.constexpr, V_FMT: tl.constexpr,
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, FOLD_K: tl.constexpr,
 ):
     """Online-softmax attention with the KEYS on the MMA M dimension and the ``M`` query columns
     (``qs`` from :func:`_load_query_parts`, positions ``q_pos [M]``) on N, over the keys
@@ -373,7 +384,10 @@ def _attend_tiles(
     applied per 16-element chunk, never per element: each chunk ``c`` is one nibble plane of 16
     words (the cache's chunk-planar order, :mod:`vllm_nvfp4.layout`), so
     ``s^T [TILE_N, M] = sum_c sk_c * (K_c [TILE_N, 16] . q_c^T [16, M])`` with ``sk_c [TILE_N]``
-    the tokens' block scales, and ``acc_c^T [16, M] += V_c^T [16, TILE_N] . (sv_c * p)``. An FP8
+    the tokens' block scales, and ``acc_c^T [16, M] += V_c^T [16, TILE_N] . (sv_c * p)``. With
+    ``FOLD_K`` the K planes are scaled instead, ``s^T = sum_c (sk_c * K_c) . q_c^T`` as one chained
+    dot: the fp16 product of an ``e2m1 * 2^-14`` plane and an E4M3 scale is exact (a multiple of
+    2^-24 with at most 6 significant bits, at most 6 * 448 * 2^-14). An FP8
     K or V is one dot per byte plane and tile (:func:`_fp8_planes`: even and odd columns of
     ``K . q^T``, ``V^T . p``). The raw K/V words and whole scale
     rows are copied asynchronously (``tl.range`` stages) and decoded by unary inline asm in the
@@ -389,22 +403,25 @@ def _attend_tiles(
                                             TILE_N, MASKED)
         if V_FMT != FMT_FP8:
             vss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, V_SCALE, C, BLOCK,
-                               TILE_N, MASKED, True)
-        s = tl.zeros([TILE_N, M], dtype=tl.float32)
+                               TILE_N, MASKED, True, False)
+        s = s0  # zeros (:func:`_attend_keys`)
         if K_FMT == FMT_FP8:
             ke, ko = _fp8_planes(_tile_words(page, off, valid, h, K_DATA, D, 0, D // 2, BLOCK,
                                              False, MASKED), F32)
             s = _dot_f(ko, qs[1], _dot_f(ke, qs[0], s, F32), F32)
         else:  # stale K scales past t_end only reach masked scores
             kss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, K_SCALE, C, BLOCK,
-                               TILE_N, MASKED, False)
+                               TILE_N, MASKED, False, FOLD_K and not F32)
             for gi in tl.static_range(D // 64):
                 kps = _planes(_tile_words(page, off, valid, h, K_DATA, D // 2, 16 * gi, 16, BLOCK,
                                           False, MASKED), F32)
                 for j in tl.static_range(4):
-                    part = _dot_f(kps[j], qs[4 * gi + j],
-                                  tl.zeros([TILE_N, M], dtype=tl.float32), F32)
-                    s += part * kss[4 * gi + j][:, None]
+                    if FOLD_K:  # the fp16 product is exact (see the docstring)
+                        s = _dot_f(kps[j] * kss[4 * gi + j][:, None], qs[4 * gi + j], s, F32)
+                    else:
+                        part = _dot_f(kps[j], qs[4 * gi + j],
+                                      tl.zeros([TILE_N, M], dtype=tl.float32), F32)
+                        s += part * kss[4 * gi + j][:, None]
         if USE_SOFTCAP:
             z = s * (qk_scale / softcap)
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * LOG2E
@@ -465,7 +482,7 @@ def _decode_kernel(
     HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
-    F32: tl.constexpr,
+    F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr,
 ):
     """Decode through :func:`_attend_keys`: the ``BG`` query columns are the GQA group of one
     KV head (padded, >= 8). Grid ``(seqs, kv_heads, splits)``; with splits, FP32 partials
@@ -479,7 +496,7 @@ def _decode_kernel(
         tl.full([BG], float("-inf"), tl.float32), tl.zeros([BG], dtype=tl.float32),
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
-        TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32)
+        TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K)
     if USE_SINKS:  # into the first split's partial only
         first_split = tl.full([BG], split, tl.int32) == 0
         m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok & first_split, m_i, l_i)
@@ -559,7 +576,7 @@ def _prefill_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
-    F32: tl.constexpr,
+    F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr,
 ):
     """Prefill through :func:`_attend_keys` (keys on the MMA M dimension, the program's
     ``BLOCK_Q * G_PAD`` query rows as columns, causal); grid ``(query blocks + seqs,
@@ -577,7 +594,7 @@ def _prefill_kernel(
         tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
-        TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32)
+        TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K)
     if USE_SINKS:
         m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok, m_i, l_i)
         vf = vf * keep
@@ -618,6 +635,10 @@ class LaunchShape:
     the decode split count (a power of 2; default :func:`decode_splits`); ``num_stages``, the
     kernel's pipeline stages (default 3 decode, 2 prefill; the tile loop always has 3);
     ``maxnreg``, the decode kernel's register cap per thread (Triton's ``maxnreg``).
+    Code variants of the attention core (:func:`_attend_keys`): ``hoist_query`` converts the
+    query operands to the MMA layout once before the tile loop; ``fold_k_scales`` multiplies
+    each NVFP4 K plane by its block scales in fp16 (exact) so that one chained dot replaces a
+    dot and a scaled fp32 sum per chunk.
     """
 
     tile_n: int
@@ -626,6 +647,8 @@ class LaunchShape:
     num_splits: Optional[int] = None
     num_stages: Optional[int] = None
     maxnreg: Optional[int] = None
+    hoist_query: bool = False
+    fold_k_scales: bool = False
 
     def __post_init__(self) -> None:
         splits = self.num_splits
@@ -732,6 +755,7 @@ def paged_attention(
             query, out, cache, k_scale, v_scale, sink_arg, block_table, seq_lens, query_start_loc,
             part_o, part_ml, *common_args,
             HQ=hq, G=g, BG=bg, TILE_N=tn, NUM_SPLITS=splits, **meta,
+            HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales,
             num_warps=warps, num_stages=shape.num_stages or 3,
             **({"maxnreg": shape.maxnreg} if shape.maxnreg else {}),
         )
@@ -749,6 +773,7 @@ def paged_attention(
         num_seqs,
         *common_args,
         G=g, G_PAD=g_pad, BLOCK_Q=block_q, TILE_N=tn, **meta,
+        HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales,
         num_warps=warps, num_stages=shape.num_stages or 2,
     )
     return out
