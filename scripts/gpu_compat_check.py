@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import os
 import shutil
@@ -51,22 +50,15 @@ DEVICE = "cuda"
 SPEC_DTYPE = "float32"
 
 
-def _load(path: Path, name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def target_model(root: Path) -> Path:
     """gpu_integration_check's model and calibrated policy (nvfp4_policy.json beside it)."""
-    check = _load(REPO / "scripts" / "gpu_integration_check.py", "gpu_integration_check")
+    from vllm_nvfp4.testing.check_policy import calibrated_policy
     from vllm_nvfp4.testing.models import build_tiny_llama
 
     model = build_tiny_llama(root / "target", num_layers=8, hidden=512, heads=8, kv_heads=2,
                              head_dim=128, dtype="float16", max_pos=8192, qk_gain=0.5)
     if not (model / "nvfp4_policy.json").exists():
-        (model / "nvfp4_policy.json").write_text(json.dumps(check.calibrated_policy(model)))
+        (model / "nvfp4_policy.json").write_text(json.dumps(calibrated_policy(model, DEVICE)))
     return model
 
 
