@@ -11,7 +11,7 @@ Writes JSON and prints a table last.
     git show <commit>:vllm_nvfp4/kernels/attention.py > /tmp/attention_before.py
     python3 benchmarks/bench_variants.py --before /tmp/attention_before.py --out $OUT/v.json
     python3 benchmarks/bench_variants.py --before /tmp/attention_before.py --head-dim 256 \
-        --shapes 16x32768 64x8192 --variants hoist_fold_k --out $OUT/v256.json
+        --shapes 16x32768 64x8192 --variants no_fold_k s32 --out $OUT/v256.json
 """
 
 from __future__ import annotations
@@ -49,22 +49,16 @@ VARIANTS = {
         "t128_w2": dict(tile_n=128, num_warps=2),
         "r184": dict(maxnreg=184),
         "r168": dict(maxnreg=168),
-        # code variants of the attention core (LaunchShape.hoist_query / fold_k_scales)
-        "hoist": dict(hoist_query=True),
-        "fold_k": dict(fold_k_scales=True),
-        "hoist_fold_k": dict(hoist_query=True, fold_k_scales=True),
-        "hoist_fold_k_s4": dict(hoist_query=True, fold_k_scales=True, num_splits=4),
-        "hoist_fold_k_t32": dict(hoist_query=True, fold_k_scales=True, tile_n=32),
-        "hoist_fold_k_r168": dict(hoist_query=True, fold_k_scales=True, maxnreg=168),
         "s16": dict(num_splits=16),
         "s32": dict(num_splits=32),
-        "fold_k_s16": dict(fold_k_scales=True, num_splits=16),
-        "fold_k_s32": dict(fold_k_scales=True, num_splits=32),
-        "hoist_fold_k_s16": dict(hoist_query=True, fold_k_scales=True, num_splits=16),
-        "hoist_fold_k_s32": dict(hoist_query=True, fold_k_scales=True, num_splits=32),
+        # code variants of the attention core, on or off whatever the default
+        "hoist": dict(hoist_query=True),
+        "no_hoist": dict(hoist_query=False),
+        "fold_k": dict(fold_k_scales=True),
+        "no_fold_k": dict(fold_k_scales=False),
     },
     "prefill": {
-        "hoist_fold_k": dict(hoist_query=True, fold_k_scales=True),
+        "fold_k": dict(fold_k_scales=True),
         "w1_q16": dict(num_warps=1, query_rows=16),
         "w2": dict(num_warps=2),
         "w4_q32": dict(num_warps=4, query_rows=32),

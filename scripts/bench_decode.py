@@ -17,6 +17,7 @@ for every kernel, vLLM's ``sinks`` / FA3's ``s_aux``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -227,8 +228,9 @@ def bench_shape(batch: int, ctx: int, q_len: int, args, gen) -> list[dict]:
             for splits, tile, warps in configs if name in args.sweep_formats else []:
                 cfg = f"splits={splits},tile={tile},warps={warps}"
                 try:
-                    us = run_ours(lay, b, cache, out, args.smoke,
-                                  kattn.LaunchShape(tile, warps, num_splits=splits))
+                    shape = dataclasses.replace(kattn.launch_defaults(lay, True), tile_n=tile,
+                                                num_warps=warps, num_splits=splits)
+                    us = run_ours(lay, b, cache, out, args.smoke, shape)
                 except Exception as e:  # noqa: BLE001
                     print(f"  config {cfg} failed: {e!r}"[:300])
                     continue

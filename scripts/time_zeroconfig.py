@@ -5,15 +5,17 @@
     python scripts/time_zeroconfig.py analyze --out OUT [--preset llama8b] [--device cuda]
 
 ``startup``: a weight-less Llama-3.1-8B-shaped model (:func:`vllm_nvfp4.testing.weightless.
-build_weightless_model`, ``load_format="dummy"``) is started three times with
-``kv_cache_dtype="nvfp4_mixed"`` and no policy, each in a fresh process: start-up calibration off,
-on with an empty cache (it calibrates), on again (it reuses the cache). Writes ``OUT/startup.json``
+build_weightless_model`, ``load_format="dummy"``) is started four times with
+``kv_cache_dtype="nvfp4_mixed"`` and no policy, each in a fresh process: a warm-up with start-up
+calibration off (it fills vLLM's compile cache, so the timed starts all find it warm), off, on
+with an empty cache (it calibrates), on again (it reuses the cache). Writes ``OUT/startup.json``
 with each ``LLM()`` wall time, the calibration's own logged time and the difference to "off".
 
 ``analyze``: the same shape with random bf16 weights saved as safetensors (``OUT/model``, 16 GB
 for the 8B preset), then ``vllm-nvfp4 analyze`` on the built-in text with its default windows
 (2 x 2048 scored, 1 calibration window) on ``--device``. Writes ``OUT/analyze.json`` (wall time,
-the report's own time) and the report in ``OUT/analysis``.
+the report's own time), the command's output in ``OUT/analyze_cli.log`` and the report in
+``OUT/analysis``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from typing import Any, Optional, Sequence
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from vllm_nvfp4.testing.weightless import PRESETS  # noqa: E402 - after the path insert
 
 CALIBRATED = re.compile(r"calibrated at start-up on (\d+) tokens in ([\d.]+) s")
 REUSED = re.compile(r"start-up calibration reused from \S+ \((\d+) tokens; ([\d.]+) s\)")
@@ -80,41 +84,71 @@ def run_startup(out: Path, preset: str, max_model_len: int) -> dict[str, Any]:
     model = build_weightless_model(out / f"{preset}-weightless", preset)
     cache = out / "cache"
     shutil.rmtree(cache, ignore_errors=True)
-    runs = {}
-    for name, calibrate in (("off", False), ("calibrating", True), ("cached", True)):
+    result: dict[str, Any] = {"preset": preset, "model": str(model), "max_model_len": max_model_len,
+                              "runs": {}, "added_s": {}}
+    # warm-up: the first start fills vLLM's compile cache, which the other three then share
+    for name, calibrate in (("warm-up", False), ("off", False), ("calibrating", True),
+                            ("cached", True)):
         log(f"engine start: {name}")
-        runs[name] = _start_once(model, cache, calibrate, max_model_len)
-        log(f"  {runs[name]}")
-    base = runs["off"]["llm_start_s"]
-    result = {"preset": preset, "model": str(model), "max_model_len": max_model_len, "runs": runs,
-              "added_s": {n: round(r["llm_start_s"] - base, 2) for n, r in runs.items() if n != "off"}}
-    (out / "startup.json").write_text(json.dumps(result, indent=2) + "\n")
+        run = result["runs"][name] = _start_once(model, cache, calibrate, max_model_len)
+        log(f"  {run}")
+        if name in ("calibrating", "cached"):
+            result["added_s"][name] = round(run["llm_start_s"] - result["runs"]["off"]["llm_start_s"], 2)
+        (out / "startup.json").write_text(json.dumps(result, indent=2) + "\n")  # after every start
     return result
 
 
 # ---------------------------------------------------------------------------- analyze
-def random_weight_model(out: Path, preset: str) -> Path:
-    """The preset's config with random bf16 weights, saved as safetensors (made on the GPU)."""
+def random_weight_model(out: Path, preset: str, shard_bytes: int = 4 << 30) -> Path:
+    """The preset's config with random bf16 weights (normal, std 0.02; norms 1), saved as
+    safetensors shards of about ``shard_bytes``: made on the GPU when there is one, with the
+    parameter names and shapes transformers expects (its model built on the meta device)."""
     import torch
+    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from vllm_nvfp4.testing.weightless import build_weightless_model
 
     model_dir = out / "model"
-    if (model_dir / "model.safetensors.index.json").is_file() or (model_dir / "model.safetensors").is_file():
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
         return model_dir
     shell = build_weightless_model(out / f"{preset}-weightless", preset)
     shutil.copytree(shell, model_dir, dirs_exist_ok=True)
-    cfg = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    shapes = {name: tuple(t.shape) for name, t in meta.state_dict().items()}
+    del meta
     t0 = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(model_dir)
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # the analysis runs in another process and needs the memory
-    log(f"random {preset} weights in {time.perf_counter() - t0:.0f} s -> {model_dir}")
+    gen = torch.Generator(device=device).manual_seed(0)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = 2 * int(torch.Size(shape).numel())
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name in names:
+            if name.endswith("norm.weight"):
+                t = torch.ones(shapes[name], dtype=torch.bfloat16, device=device)
+            else:
+                t = torch.randn(shapes[name], generator=gen, dtype=torch.bfloat16, device=device) * 0.02
+            tensors[name] = t.cpu()
+            weight_map[name] = file
+        save_file(tensors, str(model_dir / file), metadata={"format": "pt"})
+        del tensors
+    total = sum(2 * int(torch.Size(s).numel()) for s in shapes.values())
+    index_path.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                     indent=2))
+    log(f"random {preset} weights ({total / 1e9:.1f} GB, {len(shards)} shards) in "
+        f"{time.perf_counter() - t0:.0f} s -> {model_dir}")
     return model_dir
 
 
@@ -129,7 +163,7 @@ def run_analyze(out: Path, preset: str, device: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     run = subprocess.run(cmd, text=True, capture_output=True)
     wall = time.perf_counter() - t0
-    (out / "analyze.log").write_text(run.stdout + run.stderr)
+    (out / "analyze_cli.log").write_text(run.stdout + run.stderr)  # gpu_zeroconfig.sh tees analyze.log
     if run.returncode:
         raise SystemExit(f"analyze failed (exit {run.returncode}):\n{(run.stdout + run.stderr)[-4000:]}")
     rep = json.loads((report / "sensitivity.json").read_text())
@@ -148,7 +182,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p = sub.add_parser(name)
         p.add_argument("--out", type=Path, required=True)
         p.add_argument("--preset", default="llama8b")
-        p.add_argument("--max-model-len", type=int, default=8192)
+        p.add_argument("--max-model-len", type=int, default=None,
+                       help="engine context (default: 8192, at most the preset's positions)")
         p.add_argument("--device", default="cuda")
     p = sub.add_parser("startup-child")
     p.add_argument("--model", required=True)
@@ -158,7 +193,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         startup_child(a.model, a.max_model_len)
         return 0
     a.out.mkdir(parents=True, exist_ok=True)
-    result = run_startup(a.out, a.preset, a.max_model_len) if a.mode == "startup" else \
+    if a.preset not in PRESETS:
+        ap.error(f"--preset must be one of {', '.join(PRESETS)}, got {a.preset!r}")
+    max_model_len = a.max_model_len or min(8192, PRESETS[a.preset]["max_pos"])
+    result = run_startup(a.out, a.preset, max_model_len) if a.mode == "startup" else \
         run_analyze(a.out, a.preset, a.device)
     print(json.dumps(result, indent=2))
     return 0

@@ -123,8 +123,27 @@ def test_prefix_reuse_gives_identical_numbers(outlier_model_dir: Path, text_file
     assert fast.first_difference(policy) == 3
     n0 = fast.forwards
     a, b = fast.measure(policy), slow.measure(policy)
-    assert (a.kl, a.dnll, a.nll) == (b.kl, b.dnll, b.nll)
+    assert (a.kl, a.dnll, a.nll, a.top1) == (b.kl, b.dnll, b.nll, b.top1)
     assert fast.forwards - n0 == 2  # one (partial) forward per window
+
+
+def test_damage_metrics_against_hand_computed_values():
+    """KL, NLL and top-1 agreement of 3 scored positions (the last logit row predicts nothing)."""
+    from vllm_nvfp4.calibration.metrics import per_token_damage, reference_from_logits, summarize
+
+    ref_logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 3.0, 0.0], [0.0, 0.0, 1.0], [9.0, 9.0, 9.0]])
+    ids = torch.tensor([0, 1, 1, 2])  # targets 1, 1, 2
+    q_logits = torch.tensor([[2.0, 0.0, 0.0], [3.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    ref = reference_from_logits(ref_logits, ids)
+    kl, nll, top1 = per_token_damage(q_logits, ref)
+    assert top1.tolist() == [True, False, False]
+    lq = q_logits[:3].log_softmax(-1)
+    lr = ref_logits[:3].log_softmax(-1)
+    torch.testing.assert_close(kl, (lr.exp() * (lr - lq)).sum(-1))
+    torch.testing.assert_close(nll, -lq[[0, 1, 2], [1, 1, 2]])
+    m = summarize([kl], [nll], [top1], [ref])
+    assert m.top1 == pytest.approx(1 / 3) and m.tokens == 3
+    assert m.dnll == pytest.approx(float((nll - ref.nll).mean()))
 
 
 def test_calibrated_scales_follow_the_conventions(outlier_model_dir: Path, text_file: Path):

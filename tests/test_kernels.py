@@ -201,7 +201,8 @@ def test_code_variants_match_float64(variant, kind, kf, vf):
 def test_decode_split_count_bounds(seqs, ctx, warps):
     """The split heuristic: a power of 2, at most 64 and at most the tile count; at most ~4096
     keys per split unless capped; more splits when fewer warps per program; at most 8 splits
-    to fill the GPU, more only for the 4096-key bound."""
+    to fill the GPU, more only for the 4096-key bound (on the CPU's nominal 4 SMs 8 splits of
+    these batches always give at least half the programs the fill wants)."""
     dev = torch.device("cpu")
     tiles = -(-ctx // 32)
     s = attn_kernels.decode_splits(seqs, 8, ctx, 32, dev, warps)
@@ -209,6 +210,22 @@ def test_decode_split_count_bounds(seqs, ctx, warps):
     assert ctx <= 4096 * s or s == min(64, 1 << (min(64, tiles).bit_length() - 1))
     assert s >= attn_kernels.decode_splits(seqs, 8, ctx, 32, dev, 4 * warps)
     assert s <= max(8, 1 << (-(-ctx // 4096) - 1).bit_length())
+
+
+@pytest.mark.parametrize("seqs,kv_heads,ctx,tile_n,want", [
+    (16, 2, 32768, 32, 32),  # few programs: more than 8 splits, 1024 keys each
+    (4, 8, 32768, 64, 32),
+    (64, 2, 8192, 32, 8),  # 8 splits give half the programs: the cap of 8 stays
+    (16, 8, 32768, 64, 8),
+    (64, 8, 4096, 64, 4),
+    (1, 8, 4096, 64, 8),  # few programs, but at most 8 splits below 8192 keys
+])
+def test_decode_splits_for_few_programs(monkeypatch, seqs, kv_heads, ctx, tile_n, want):
+    """On an H200's 132 SMs (1-warp programs, fill target 1056): 8 splits at most while they
+    give at least half the target, else as many as keep 1024 keys per split."""
+    monkeypatch.setattr(attn_kernels, "_num_sms", lambda device: 132)
+    got = attn_kernels.decode_splits(seqs, kv_heads, ctx, tile_n, torch.device("cpu"), 1)
+    assert got == want
 
 
 @pytest.mark.parametrize("group,d,b,window,cap", [(3, 64, 32, 40, 2.0), (1, 256, 16, None, None),

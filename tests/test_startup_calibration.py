@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import inspect
 import json
+import shutil
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ def _bound(worker: Any) -> dict:
     ctx = worker.model_runner.compilation_config.static_forward_context
     return {name: {"k_scale": layer.impl.k_scale.tolist(), "v_scale": layer.impl.v_scale.tolist(),
                    "k_center": None if layer.impl.k_center is None else layer.impl.k_center.tolist()}
-            for name, layer in ctx.items() if hasattr(layer.impl, "layout")}
+            for name, layer in ctx.items() if hasattr(getattr(layer, "impl", None), "layout")}
 
 
 def _start(model_dir: Path, **overrides: Any) -> dict:
@@ -88,24 +89,65 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "mtimes": mtimes, "calls": (after_first, after_second, after_off)}
 
 
-def test_flag_only_engine_binds_the_scales_of_calibrate(runs):
+def _calibrate_like(model_dir: Path, cache_file: Path) -> Any:
+    """``vllm-nvfp4 calibrate --k-center`` (transformers, float32) with the text and windows the
+    start-up calibration recorded in ``cache_file``."""
     from vllm_nvfp4.calibration.builtin_text import BUILTIN_TEXT
     from vllm_nvfp4.calibration.commands import run_calibrate
 
-    assert runs["calls"][0] == 1 and len(runs["files"]) == 1
-    cached = json.loads(runs["files"][0].read_text())
+    cached = json.loads(cache_file.read_text())
     data = cached["provenance"]["data"]
     assert cached["provenance"]["tokens"] == data["window_tokens"] * data["calib_windows"] >= 2048
-    ref = run_calibrate(runs["model"], [BUILTIN_TEXT], None, window=data["window_tokens"],
-                        windows=data["calib_windows"], dtype="float32", k_center=True)
+    return run_calibrate(model_dir, [BUILTIN_TEXT], None, window=data["window_tokens"],
+                         windows=data["calib_windows"], dtype="float32", k_center=True)
+
+
+def _assert_bound_equals(bound: dict, ref: Any, heads: int, rel: float, atol: float) -> None:
+    """Every layer's bound K/V scales and K centering offsets equal ``ref``'s (per-layer scales,
+    repeated over ``heads`` KV heads)."""
+    for i, row in enumerate(ref.layers):
+        (layer,) = [v for name, v in bound.items() if name.startswith(f"model.layers.{i}.")]
+        for kv in ("k", "v"):
+            assert layer[f"{kv}_scale"] == pytest.approx([row.quant_scale(kv)] * heads, rel=rel), (i, kv)
+        torch.testing.assert_close(torch.tensor(layer["k_center"]), torch.tensor(row.k_center),
+                                   rtol=0, atol=atol)
+
+
+def test_flag_only_engine_binds_the_scales_of_calibrate(runs):
+    assert runs["calls"][0] == 1 and len(runs["files"]) == 1
+    ref = _calibrate_like(runs["model"], runs["files"][0])
     assert ref.to_compact() == "0:fp8,1-2:nvfp4,3:fp8"
+    _assert_bound_equals(runs["first"], ref, heads=2, rel=2e-4, atol=2e-5)
     for i, row in enumerate(ref.layers):
         bound = runs["first"][f"model.layers.{i}.self_attn.attn"]
-        for kv in ("k", "v"):
-            assert bound[f"{kv}_scale"] == pytest.approx([row.quant_scale(kv)] * 2, rel=2e-4), (i, kv)
-        torch.testing.assert_close(torch.tensor(bound["k_center"]), torch.tensor(row.k_center),
-                                   rtol=0, atol=2e-5)
         assert bound["k_scale"] != pytest.approx([1.0 if row.k == "fp8" else 1 / 6] * 2, rel=0.05)
+
+
+def test_sliding_window_and_sink_model_binds_the_scales_of_calibrate(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch):
+    """gpt-oss style: sliding window 32 on even layers, attention sinks on every layer. The
+    calibration forward attends as served, so every layer's statistics equal transformers'
+    with the same windows and sinks, and differ from those of the same weights without a
+    window (the check can fail)."""
+    from vllm_nvfp4.testing.hybrid_models import build_tiny_hybrid
+
+    model_dir = build_tiny_hybrid("gpt_oss", tmp_path / "gpt_oss", qk_gain=1.0)
+    monkeypatch.setenv("VLLM_NVFP4_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("VLLM_NVFP4_POLICY", raising=False)
+    bound = _start(model_dir, max_model_len=1024)
+    (cache_file,) = (tmp_path / "cache" / "startup-calibration").glob("*.json")
+    ref = _calibrate_like(model_dir, cache_file)
+    assert {t.window for t in ref.layer_types} == {32, None} and all(t.sinks for t in ref.layer_types)
+    _assert_bound_equals(bound, ref, heads=2, rel=1e-3, atol=1e-4)
+
+    unwindowed = tmp_path / "unwindowed"
+    shutil.copytree(model_dir, unwindowed)
+    cfg = json.loads((unwindowed / "config.json").read_text())
+    cfg["sliding_window"] = 4096  # longer than every calibration window: full attention
+    (unwindowed / "config.json").write_text(json.dumps(cfg))
+    full = _calibrate_like(unwindowed, cache_file)
+    with pytest.raises(AssertionError):
+        _assert_bound_equals(bound, full, heads=2, rel=1e-2, atol=1e-3)
 
 
 def test_second_start_reuses_the_cache(runs):

@@ -114,28 +114,30 @@ class Evaluator:
             _tick(desc_progress)
         n = sum(r.nll.numel() for r in self.refs)
         nll = float(torch.cat([r.nll for r in self.refs]).double().mean())
-        return Metrics(kl=0.0, dnll=0.0, dnll_se=0.0, nll=nll, tokens=n, seconds=time.time() - t0)
+        return Metrics(kl=0.0, dnll=0.0, dnll_se=0.0, nll=nll, tokens=n, seconds=time.time() - t0,
+                       top1=1.0)
 
     def set_baseline(self, policy: KVPolicy, desc_progress: Optional[object] = None) -> Metrics:
         """Measure ``policy`` and record its per-layer inputs for prefix reuse."""
         self._need_reference()
         t0 = time.time()
-        kls, nlls = [], []
+        kls, nlls, agree = [], [], []
         self.captured = []
         for w in range(len(self.windows)):
             store: list[torch.Tensor] = []
             with self._capture(store) if self.layers is not None else contextlib.nullcontext():
                 logits = self._logits(policy, w)
             self.captured.append(store)
-            kl, nll = per_token_damage(logits, self.refs[w])
+            kl, nll, top1 = per_token_damage(logits, self.refs[w])
             kls.append(kl)
             nlls.append(nll)
+            agree.append(top1)
             _tick(desc_progress)
             if w == 0 and self.layers is not None:
                 self._check_reuse(policy, logits)
         self.baseline = policy
         self.baseline_nll = nlls
-        self.baseline_metrics = summarize(kls, nlls, self.refs, time.time() - t0)
+        self.baseline_metrics = summarize(kls, nlls, agree, self.refs, time.time() - t0)
         return self.baseline_metrics
 
     def _check_reuse(self, policy: KVPolicy, full: torch.Tensor) -> None:
@@ -167,13 +169,14 @@ class Evaluator:
         if policy is not None and start == policy.num_layers and self.baseline_metrics is not None:
             return self.baseline_metrics
         t0 = time.time()
-        kls, nlls = [], []
+        kls, nlls, agree = [], [], []
         for w in range(len(self.windows)):
-            kl, nll = per_token_damage(self._logits(policy, w, start), self.refs[w])
+            kl, nll, top1 = per_token_damage(self._logits(policy, w, start), self.refs[w])
             kls.append(kl)
             nlls.append(nll)
+            agree.append(top1)
             _tick(desc_progress)
-        return summarize(kls, nlls, self.refs, time.time() - t0, self.baseline_nll)
+        return summarize(kls, nlls, agree, self.refs, time.time() - t0, self.baseline_nll)
 
     def _need_reference(self) -> None:
         if not self.refs:

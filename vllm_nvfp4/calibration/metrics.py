@@ -2,9 +2,9 @@
 
 For each scored position ``t`` (predicting token ``t+1`` of a window):
 ``kl_t = sum_v p_ref(v) * (log p_ref(v) - log p_q(v))`` (nats) and
-``dnll_t = -log p_q(x_{t+1}) + log p_ref(x_{t+1})`` (nats). Reported values are means over all
-scored positions of all windows; ``dnll_se`` is the standard error of the mean of the paired
-per-token differences (the statistical noise of ``dnll``).
+``dnll_t = -log p_q(x_{t+1}) + log p_ref(x_{t+1})`` (nats) and ``top1_t = [argmax p_q = argmax
+p_ref]``. Reported values are means over all scored positions of all windows; ``dnll_se`` is the
+standard error of the mean of the paired per-token differences (the statistical noise of ``dnll``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class Metrics:
     tokens: int
     seconds: float = 0.0
     dnll_vs_base_se: Optional[float] = None  # s.e. of the paired NLL difference to a baseline policy
+    top1: Optional[float] = None  # fraction of positions whose argmax is the reference's
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (round(v, 8) if isinstance(v, float) else v) for k, v in asdict(self).items() if v is not None}
@@ -45,7 +46,8 @@ class Metrics:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Metrics":
         return cls(**{k: d[k] for k in ("kl", "dnll", "dnll_se", "nll", "tokens")},
-                   seconds=d.get("seconds", 0.0), dnll_vs_base_se=d.get("dnll_vs_base_se"))
+                   seconds=d.get("seconds", 0.0), dnll_vs_base_se=d.get("dnll_vs_base_se"),
+                   top1=d.get("top1"))
 
 
 def reference_from_logits(logits: torch.Tensor, ids: torch.Tensor) -> Reference:
@@ -56,14 +58,15 @@ def reference_from_logits(logits: torch.Tensor, ids: torch.Tensor) -> Reference:
     return Reference(logp=logp, nll=nll, targets=targets)
 
 
-def per_token_damage(logits: torch.Tensor, ref: Reference) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(kl [T-1], nll [T-1])`` of ``logits [T, vocab]`` against ``ref``."""
-    kls, nlls = [], []
+def per_token_damage(logits: torch.Tensor, ref: Reference) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(kl [T-1], nll [T-1], top1 [T-1] bool)`` of ``logits [T, vocab]`` against ``ref``."""
+    kls, nlls, agree = [], [], []
     for lq, lr, tg in zip(logits[:-1].split(CHUNK), ref.logp.split(CHUNK), ref.targets.split(CHUNK)):
         lq = lq.float().log_softmax(-1)
         kls.append((lr.exp() * (lr - lq)).sum(-1).clamp_min(0.0))  # rounding can give -1e-9
         nlls.append(-lq.gather(1, tg.unsqueeze(1)).squeeze(1))
-    return torch.cat(kls), torch.cat(nlls)
+        agree.append(lq.argmax(-1) == lr.argmax(-1))
+    return torch.cat(kls), torch.cat(nlls), torch.cat(agree)
 
 
 def _se(d: torch.Tensor) -> float:
@@ -71,9 +74,10 @@ def _se(d: torch.Tensor) -> float:
     return float(d.std(unbiased=True)) / math.sqrt(d.numel()) if d.numel() > 1 else 0.0
 
 
-def summarize(kl: Sequence[torch.Tensor], nll: Sequence[torch.Tensor], refs: Sequence[Reference],
-              seconds: float = 0.0, base_nll: Optional[Sequence[torch.Tensor]] = None) -> Metrics:
-    """Aggregate per-window per-token KL / NLL into :class:`Metrics`.
+def summarize(kl: Sequence[torch.Tensor], nll: Sequence[torch.Tensor], top1: Sequence[torch.Tensor],
+              refs: Sequence[Reference], seconds: float = 0.0,
+              base_nll: Optional[Sequence[torch.Tensor]] = None) -> Metrics:
+    """Aggregate per-window per-token KL / NLL / top-1 agreement into :class:`Metrics`.
 
     ``base_nll``: per-token NLL of a baseline policy on the same windows, for ``dnll_vs_base_se``.
     """
@@ -82,4 +86,5 @@ def summarize(kl: Sequence[torch.Tensor], nll: Sequence[torch.Tensor], refs: Seq
     d = nll_all - torch.cat([r.nll for r in refs]).double()
     vs_base = _se(nll_all - torch.cat(list(base_nll)).double()) if base_nll is not None else None
     return Metrics(kl=float(kl_all.mean()), dnll=float(d.mean()), dnll_se=_se(d),
-                   nll=float(nll_all.mean()), tokens=d.numel(), seconds=seconds, dnll_vs_base_se=vs_base)
+                   nll=float(nll_all.mean()), tokens=d.numel(), seconds=seconds, dnll_vs_base_se=vs_base,
+                   top1=float(torch.cat(list(top1)).double().mean()))

@@ -8,9 +8,10 @@ after the KV cache is allocated and before vLLM's warm-up and CUDA-graph capture
 1. Each attention layer of ours gets a :class:`CalibrationBatch` as its attention metadata: the
    impl hands it the post-RoPE K and V of its heads (the tensors the cache would store), which it
    records (:class:`~vllm_nvfp4.calibration.kv_hooks.KVObserver`: amax, channel means) and then
-   attends exactly (causal, model dtype, nothing quantized), so every later layer sees the
-   unquantized model's hidden states - the same statistics ``vllm-nvfp4 calibrate`` collects
-   with transformers. No cache page is written (no slot mapping).
+   attends exactly (causal, with the layer's sliding window, attention sinks and soft-cap;
+   nothing quantized), so every later layer sees the unquantized model's hidden states - the
+   same statistics ``vllm-nvfp4 calibrate`` collects with transformers. No cache page is
+   written (no slot mapping).
 2. Under tensor parallelism each rank observes its own KV heads; the statistics are gathered
    over the TP group's CPU group, so every rank builds the same whole-model policy.
 3. The policy = the default layer rule with calibrated scales (FP8 ``amax/448``, NVFP4
@@ -53,6 +54,7 @@ from vllm_nvfp4.policy import POLICY_ENV, POLICY_FILENAME, KVPolicy, default_pol
 from vllm_nvfp4.integration.dtype import is_ours
 from vllm_nvfp4.integration.model import is_draft_layer, layer_index, layer_plan, set_startup_policy
 from vllm_nvfp4.model_shape import ModelShape
+from vllm_nvfp4.paged_torch import attend_one_sequence
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
 
@@ -126,7 +128,9 @@ class CalibrationBatch:
     def attend(self, impl: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                output: torch.Tensor) -> torch.Tensor:
         """Record ``key``/``value`` ``[T, kv_heads, D]`` of ``impl``'s layer, then write exact causal
-        attention of ``query [T, heads, D]`` into ``output [T, heads, D]`` (model dtype)."""
+        attention of ``query [T, heads, D]`` into ``output [T, heads, D]``: the layer's sliding
+        window, attention sinks and logits soft-cap as served (model dtype; FP32 with a soft-cap
+        or sinks)."""
         s, n = self.num_seqs, self.seq_len
         t = s * n
 
@@ -136,16 +140,16 @@ class CalibrationBatch:
         k, v = seqs(key), seqs(value)
         self.observer.observe(self.layer_rows[impl.layer_name], k, v)
         q = seqs(query)
-        group = q.shape[1] // k.shape[1]
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        if impl.logits_soft_cap is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=impl.scale)
-        else:  # soft-capped logits, in FP32
-            logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * impl.scale
-            logits = impl.logits_soft_cap * torch.tanh(logits / impl.logits_soft_cap)
-            mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-            out = torch.matmul(logits.masked_fill(mask, float("-inf")).softmax(-1), v.float())
+        if impl.logits_soft_cap is None and impl.sinks is None and impl.sliding_window is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=impl.scale,
+                                                 enable_gqa=True)
+        else:  # per sequence, FP32: [L, H, D] in and out
+            sinks = None if impl.sinks is None else impl.sinks.float()
+            out = torch.stack([
+                attend_one_sequence(qi.transpose(0, 1).float(), ki.transpose(0, 1).float(),
+                                    vi.transpose(0, 1).float(), impl.scale, impl.sliding_window,
+                                    impl.logits_soft_cap, sinks).transpose(0, 1)
+                for qi, ki, vi in zip(q, k, v)]).to(q.dtype)
         output[:t].copy_(out.transpose(1, 2).reshape(t, q.shape[1], q.shape[3]))
         return output
 
@@ -273,11 +277,6 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
     shape = ModelShape.from_vllm_config(vllm_config)
     layers = _our_layers(vllm_config, shape.num_layers)
     soft_cap = any(layer.impl.logits_soft_cap is not None for layer in layers.values())
-    windowed = [n for n, layer in layers.items() if getattr(layer.impl, "sinks", None) is not None
-                or getattr(layer.impl, "sliding_window", None) is not None]
-    if windowed:  # CalibrationBatch.attend is plain causal attention
-        return {"skipped": f"{windowed[0]} has attention sinks or a sliding window, which the "
-                           "calibration forward does not reproduce"}
     try:
         tokenizer = _load_tokenizer(mc)
     except (OSError, ValueError, ImportError) as e:  # same outcome on every rank: no collective yet

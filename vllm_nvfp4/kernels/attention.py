@@ -254,11 +254,11 @@ def _bit_reversed(c, n):
 @triton.jit
 def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexpr,
                  C: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr,
-                 MASKED: tl.constexpr, ZERO_PAST_END: tl.constexpr, F16: tl.constexpr):
-    """Block scales of the ``N`` tokens from ``t0``, FP32 (fp16 when ``F16``: exact, converted
-    from E4M3 directly): a tuple of ``C`` vectors ``[N]`` (chunk order). In a ``MASKED`` tile
-    (one that may reach ``t_end``), with ``ZERO_PAST_END``, 0 for tokens at or past ``t_end``
-    (their slots may hold any stale byte, and a NaN scale would turn p = 0 into NaN). One load of the ``BLOCK * C`` contiguous bytes of the token-major scale
+                 MASKED: tl.constexpr, ZERO_PAST_END: tl.constexpr):
+    """FP32 block scales of the ``N`` tokens from ``t0``: a tuple of ``C`` vectors ``[N]`` (chunk
+    order). In a ``MASKED`` tile (one that may reach ``t_end``), with ``ZERO_PAST_END``, 0 for
+    tokens at or past ``t_end`` (their slots may hold any stale byte, and a NaN scale would turn
+    p = 0 into NaN). One load of the ``BLOCK * C`` contiguous bytes of the token-major scale
     plane per block (so the pipeliner copies it asynchronously; a thread then reads a token's
     ``C`` scales from shared memory at once), split into chunks by halving (which leaves them in
     bit-reversed order, undone when returned)."""
@@ -274,7 +274,7 @@ def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexp
         + (h * BLOCK + j)[None, :, None] * C + k[None, None, :]
     sc = tl.load(ptr)  # [NB, BLOCK, C]
     sc = tl.reshape(sc, [N, C]).to(tl.float8e4nv, bitcast=True)
-    sc = sc.to(tl.float16 if F16 else tl.float32)
+    sc = sc.to(tl.float32)
     if MASKED and ZERO_PAST_END:
         sc = tl.where(((t0 + tl.arange(0, N)) < t_end)[:, None], sc, 0.0)
     parts = (sc,)
@@ -403,7 +403,7 @@ def _attend_tiles(
                                             TILE_N, MASKED)
         if V_FMT != FMT_FP8:
             vss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, V_SCALE, C, BLOCK,
-                               TILE_N, MASKED, True, False)
+                               TILE_N, MASKED, True)
         s = s0  # zeros (:func:`_attend_keys`)
         if K_FMT == FMT_FP8:
             ke, ko = _fp8_planes(_tile_words(page, off, valid, h, K_DATA, D, 0, D // 2, BLOCK,
@@ -411,13 +411,15 @@ def _attend_tiles(
             s = _dot_f(ko, qs[1], _dot_f(ke, qs[0], s, F32), F32)
         else:  # stale K scales past t_end only reach masked scores
             kss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, K_SCALE, C, BLOCK,
-                               TILE_N, MASKED, False, FOLD_K and not F32)
+                               TILE_N, MASKED, False)
             for gi in tl.static_range(D // 64):
                 kps = _planes(_tile_words(page, off, valid, h, K_DATA, D // 2, 16 * gi, 16, BLOCK,
                                           False, MASKED), F32)
                 for j in tl.static_range(4):
                     if FOLD_K:  # the fp16 product is exact (see the docstring)
-                        s = _dot_f(kps[j] * kss[4 * gi + j][:, None], qs[4 * gi + j], s, F32)
+                        ks = kss[4 * gi + j]
+                        ks = ks if F32 else ks.to(tl.float16)
+                        s = _dot_f(kps[j] * ks[:, None], qs[4 * gi + j], s, F32)
                     else:
                         part = _dot_f(kps[j], qs[4 * gi + j],
                                       tl.zeros([TILE_N, M], dtype=tl.float32), F32)
@@ -612,13 +614,17 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: in
                   device: torch.device, num_warps: int = 1) -> int:
     """Split count (a power of 2) from host ints only: the larger of (a) enough programs to fill
     the GPU, ``8 * SMs / num_warps``, but at most 8 splits (beyond that the partial writes and
-    the reduce cost more than the extra occupancy gains) and (b) at most ~4096 keys per split;
-    never more splits than tiles, at most 64."""
+    the reduce cost more than the extra occupancy gains) - unless 8 splits still leave fewer
+    than half that many programs (few sequences x few KV heads), then as many as keep >= 1024
+    keys per split - and (b) at most ~4096 keys per split; never more splits than tiles, at
+    most 64."""
     target = 8 * _num_sms(device) // num_warps
     max_splits = min(max(1, -(-max_seq_len // tile_n)), 64)
+    programs = num_seqs * num_kv_heads
+    fill_cap = 8 if 2 * programs * 8 >= target else max(8, max_seq_len // 1024)
     splits = 1
     while splits * 2 <= max_splits and (
-        (num_seqs * num_kv_heads * splits < target and splits * 2 <= 8)
+        (programs * splits < target and splits * 2 <= fill_cap)
         or max_seq_len > 4096 * splits
     ):
         splits *= 2
@@ -678,17 +684,22 @@ def launch_defaults(layout, decode: bool) -> LaunchShape:
 
     Decode: 64 keys per tile, 1 warp, or 2 for FP8 K and V; with an NVFP4 plane 32 keys at
     head_dim 256 (64 exceed the register file; FP8 / FP8 at head_dim 256 keeps 64 keys x 2 warps,
-    which compiles for sm_90 without spills where 32 keys x 1 warp spills). Prefill: 64 keys
-    (32 at head_dim 256); with an FP8 V 2 warps x 32 query rows, else 1 warp x 16 rows.
-    Head_dim 512: :func:`_launch_defaults_512`."""
+    which compiles for sm_90 without spills where 32 keys x 1 warp spills). Code variants where
+    they were faster at every shape timed: NVFP4 K and V fold the K block scales into the K
+    planes; an NVFP4 K with an FP8 V (head_dim <= 128) and FP8 K and V at head_dim 256 hoist
+    the query operands. Prefill: 64 keys (32 at head_dim 256); with an FP8 V 2 warps x 32 query
+    rows, else 1 warp x 16 rows. Head_dim 512: :func:`_launch_defaults_512`."""
     if layout.head_dim > 256:
         return _launch_defaults_512(layout, decode)
     tile = 32 if layout.head_dim >= 256 else 64
     if not decode:
         return LaunchShape(tile, 2, 32) if layout.v_format is KVFormat.FP8 else LaunchShape(tile, 1, 16)
-    if layout.k_format is KVFormat.FP8 and layout.v_format is KVFormat.FP8:
-        return LaunchShape(64, 2)
-    return LaunchShape(tile, 1)
+    fp8_k, fp8_v = layout.k_format is KVFormat.FP8, layout.v_format is KVFormat.FP8
+    if fp8_k and fp8_v:
+        return LaunchShape(64, 2, hoist_query=layout.head_dim >= 256)
+    if not fp8_k and not fp8_v:
+        return LaunchShape(tile, 1, fold_k_scales=True)
+    return LaunchShape(tile, 1, hoist_query=not fp8_k and layout.head_dim <= 128)
 
 
 def _layout_constexprs(layout, device: torch.device, softcap, window, sinks) -> dict:
