@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""``kv_cache_dtype="nvfp4_mixed"`` on hybrid / sliding-window models on a CUDA GPU (the H200).
+"""``kv_cache_dtype="nvfp4_mixed"`` on hybrid / sliding-window models on a CUDA GPU (SM90 or newer).
 
 Per architecture (tiny random-weight models of :func:`vllm_nvfp4.testing.hybrid_models.build_tiny_hybrid`:
 ``gemma3``, ``gpt_oss`` (sinks, MoE), ``mistral`` (window on every layer), ``qwen3_next``

@@ -104,7 +104,7 @@ def build_tiny_hybrid(arch: str, out_dir: Optional[Union[str, os.PathLike]] = No
                       vocab: int = 4096, seed: int = 0, max_pos: int = 4096,
                       qk_gain: float = 2.0, head_dim: Optional[int] = None) -> Path:
     """Write (or reuse) the tiny random-weight hybrid ``arch`` model (:data:`HYBRID_ARCHS`, see
-    the module doc) and return its path; ``out_dir=None``: under :func:`cache_root`.
+    the module doc) and return its path; ``out_dir=None``: in the model cache (:mod:`.model_cache`).
     ``head_dim``: None for the module doc's; :data:`GPU_HEAD_DIMS` for the CUDA kernels."""
     import torch
 
