@@ -5,6 +5,7 @@ the repository."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,3 +109,11 @@ def test_sources_name_no_private_paths():
              for p in sources for i, line in enumerate(p.read_text().splitlines(), 1)
              if any(s in line for s in PRIVATE)]
     assert not found, "paths outside the repository:\n" + "\n".join(found)
+
+
+def test_shell_scripts_parse():
+    scripts = sorted((REPO / "scripts").glob("*.sh"))
+    assert len(scripts) > 5
+    for sh in scripts:
+        res = subprocess.run(["bash", "-n", str(sh)], capture_output=True, text=True)
+        assert res.returncode == 0, f"{sh.name}: {res.stderr}"
