@@ -117,3 +117,16 @@ def test_shell_scripts_parse():
     for sh in scripts:
         res = subprocess.run(["bash", "-n", str(sh)], capture_output=True, text=True)
         assert res.returncode == 0, f"{sh.name}: {res.stderr}"
+
+
+def test_results_index_rows_name_command_commit_and_date():
+    """Each row: claim | folder | command | commit | date (UTC), the date that of the folder's name."""
+    index = (RESULTS / "INDEX.md").read_text()
+    rows = [line for line in index.splitlines() if line.startswith("|") and "](" in line]
+    assert rows
+    for row in rows:
+        claim, folder, command, commit, date = (c.strip() for c in row.strip().strip("|").split(" | "))
+        name = re.search(r"\]\(([^)/]+)/?\)", folder).group(1)
+        assert claim and "`" in command, row
+        assert re.search(r"\b[0-9a-f]{7,40}\b", commit), f"{name}: no commit hash in {commit!r}"
+        assert date.startswith(name[:10]), f"{name}: date {date!r} is not the folder's"
