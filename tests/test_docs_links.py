@@ -130,3 +130,20 @@ def test_results_index_rows_name_command_commit_and_date():
         assert claim and "`" in command, row
         assert re.search(r"\b[0-9a-f]{7,40}\b", commit), f"{name}: no commit hash in {commit!r}"
         assert date.startswith(name[:10]), f"{name}: date {date!r} is not the folder's"
+
+
+def test_results_folders_are_cited_where_the_index_says():
+    """Each results folder is named by a doc outside ``results/``, and every doc in its row's
+    "(quoted in)" names it."""
+    docs = {"README": REPO / "README.md", "benchmarks/README": REPO / "benchmarks" / "README.md"}
+    docs.update({p.stem: p for p in (REPO / "docs").glob("*.md")})
+    texts = {k: p.read_text() for k, p in docs.items()}
+    for row in (line for line in (RESULTS / "INDEX.md").read_text().splitlines()
+                if line.startswith("|") and "](" in line):
+        claim, folder = (c.strip() for c in row.strip().strip("|").split(" | ")[:2])
+        name = re.search(r"\]\(([^)/]+)/?\)", folder).group(1)
+        quoted = re.search(r"\(([A-Za-z_/, ]+)\)$", claim)
+        assert quoted, f"{name}: the claim does not end with (the docs that quote it)"
+        named = [d.strip() for d in quoted.group(1).split(",")]
+        assert all(d in docs for d in named), f"{name}: unknown doc in {named}"
+        assert [d for d in named if name not in texts[d]] == [], f"{name}: not named in all of {named}"
