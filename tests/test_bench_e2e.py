@@ -26,12 +26,17 @@ import pytest
 from benchmarks.e2e import budget, capacity, configs, orchestrate, records, report, serve, trace
 from benchmarks.e2e.cli import DEFAULT_TARGETS, parse_args
 from benchmarks.e2e.worker import engine_kwargs
-from vllm_nvfp4.policy import KVPolicy
+from vllm_nvfp4.policy import KVPolicy, LayerType
 from vllm_nvfp4.testing.weightless import build_weightless_model
 
 REPO = Path(__file__).resolve().parent.parent
 L8B = capacity.ModelShape(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, hidden=4096,
                           vocab=128256, dtype="bfloat16")
+#: gpt-oss-20b's attention: sliding 128 on even layers, full on odd, sinks (a config has no flag)
+GPT_OSS = capacity.ModelShape(
+    num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, hidden=2880, vocab=201088,
+    dtype="bfloat16", layer_types=tuple(LayerType("sliding", 128, True) if i % 2 == 0
+                                        else LayerType("full", None, True) for i in range(24)))
 
 
 # ---------------------------------------------------------------- command line
@@ -134,19 +139,25 @@ def test_mixed_policy_and_policy_for():
     assert configs.mixed_policy(2) == "0:fp8,*:nvfp4" and configs.mixed_policy(8) == "0:fp8,*:nvfp4"
     assert configs.mixed_policy(16) == "0-1:fp8,*:nvfp4"
     mixed = configs.CONFIGS["nvfp4-mixed"]
-    assert configs.policy_for(mixed, 32, "0:fp8,31:fp8,*:nvfp4") == "0:fp8,31:fp8,*:nvfp4"
-    assert configs.policy_for(configs.CONFIGS["fp8"], 32) is None
-    assert configs.policy_for(configs.CONFIGS["nvfp4-all"], 32) == "*:nvfp4"
+    dense = L8B.types
+    assert configs.policy_for(mixed, dense, "0:fp8,31:fp8,*:nvfp4") == "0:fp8,31:fp8,*:nvfp4"
+    assert configs.policy_for(mixed, dense) == "0-3:fp8,*:nvfp4"
+    assert configs.policy_for(configs.CONFIGS["fp8"], dense) is None
+    assert configs.policy_for(configs.CONFIGS["nvfp4-all"], dense) == "*:nvfp4"
 
 
 def test_max_batch_estimate_and_stages():
-    tokens = 100 * 2**30 // (64 * 1024)  # ~100 GiB of fp8 KV
-    assert capacity.max_batch(tokens, 32768, 512, 16) == 49
-    assert capacity.max_batch(tokens, 8192, 512, 16) == 188
-    assert capacity.max_batch(tokens, 8192, 512, 16, cap=128) == 128
-    assert capacity.max_batch(100, 32768, 512, 16) == 0
-    kv = int(tokens * 1.6203) * 40448  # the same bytes seen from an nvfp4_mixed engine
-    assert capacity.estimate_batch(kv, 64 * 1024, 32768, 512, 16) == 49
+    fp8 = capacity.pool_layout("fp8", L8B, None, 16, 33280, 8192)
+    assert fp8 == capacity.PoolLayout(16 * 64 * 1024, (capacity.KVGroup("full", 16),))
+    blocks = 100 * 2**30 // fp8.block_bytes  # ~100 GiB of fp8 KV
+    assert capacity.max_batch(blocks, fp8, 32768 + 512, 8192) == 49
+    assert capacity.max_batch(blocks, fp8, 8192 + 512, 8192) == 188
+    assert capacity.max_batch(blocks, fp8, 8192 + 512, 8192, cap=128) == 128
+    assert capacity.max_batch(6, fp8, 32768 + 512, 8192) == 0
+    assert capacity.capacity_tokens(blocks, fp8, 33280) == blocks * 16  # dense: blocks x block
+    mixed = capacity.pool_layout("nvfp4_mixed", L8B, "0-3:fp8,*:nvfp4", 16, 33280, 8192)
+    kv = int(blocks * 1.6203) * mixed.block_bytes  # the same bytes seen from an nvfp4_mixed engine
+    assert capacity.estimate_batch(kv, fp8, 32768 + 512, 8192) == 49
     assert capacity.plan_stages(80, 48) == [("16", 16), ("ref", 48), ("max", 80)]
     assert capacity.plan_stages(48, 48) == [("16", 16), ("ref+max", 48)]
     assert capacity.plan_stages(24, 48) == [("16", 16), ("max", 24)]
@@ -235,7 +246,7 @@ def test_compute_ratios_and_shipped_targets():
     assert row["batch"] == 48 and row["best_fp8"] == "fp8" and row["nvfp4-mixed"] == 1.4
     assert row["nvfp4-mixed_at_own_max_batch"] == dict(batch=77, tok_per_s=1900.0, vs_best_fp8=1.9)
     assert ratios["ttft_vs_fp8"]["8192"] == {"fp8": 1.0, "nvfp4-mixed": 1.2}
-    targets = report.check_targets(ratios, report.load_targets(DEFAULT_TARGETS))
+    targets = report.check_targets(ratios, report.load_targets(DEFAULT_TARGETS), "llama8b")
     assert targets == {"capacity": dict(min=1.65, value=1.62, met=False),
                        "decode_32k": dict(min=1.3, value=1.4, met=True),
                        "ttft": dict(max=1.1, value=1.2, met=False)}
@@ -256,7 +267,8 @@ def test_ratios_take_the_newest_records_and_a_different_ref_batch():
 
 def test_targets_without_fp8_and_bad_targets_files(tmp_path):
     recs = [r for r in _records() if r.get("config") not in ("fp8", "fp8-triton")]
-    targets = report.check_targets(report.compute_ratios(recs, [32768]), report.load_targets(DEFAULT_TARGETS))
+    targets = report.check_targets(report.compute_ratios(recs, [32768]), report.load_targets(DEFAULT_TARGETS),
+                                   "llama8b")
     assert all(t["met"] is None and t["value"] is None for t in targets.values())
     assert report.load_targets(None) == []
     for body, msg in (('[[target]]\nmetric = "speed"\nconfig = "x"\nmin = 1', "metric must be"),
@@ -270,7 +282,7 @@ def test_targets_without_fp8_and_bad_targets_files(tmp_path):
 def test_summary_table_mentions_everything():
     recs = [dict(kind="ttft", config="nvfp4-mixed", context=8192, ttft_s=5.195)] + _records()
     ratios = report.compute_ratios(recs, [32768, 8192])
-    targets = report.check_targets(ratios, report.load_targets(DEFAULT_TARGETS))
+    targets = report.check_targets(ratios, report.load_targets(DEFAULT_TARGETS), "llama8b")
     text = report.summary_table(recs, ratios, targets)
     assert "nvfp4-mixed" in text and "48:1400(34.3)" in text and "ERROR: worker boom" in text
     assert "serve fp8: 64 requests, 5000.0 output tok/s, TTFT median/p99 100.0/300.0 ms" in text
