@@ -26,6 +26,7 @@ import pytest
 from benchmarks.e2e import budget, capacity, configs, orchestrate, records, report, serve, trace
 from benchmarks.e2e.cli import DEFAULT_TARGETS, parse_args
 from benchmarks.e2e.worker import engine_kwargs
+from vllm_nvfp4.integration.block_sizes import hybrid_plan
 from vllm_nvfp4.policy import KVPolicy, LayerType
 from vllm_nvfp4.testing.weightless import build_weightless_model
 
@@ -473,3 +474,77 @@ def test_wait_healthy_and_stop_group(tmp_path):
     gone.wait()
     t0 = time.time()
     assert not serve.wait_healthy(port, gone, deadline=time.time() + 60) and time.time() - t0 < 5
+
+
+# ---------------------------------------------------------------- hybrid models
+
+def test_hybrid_pool_layouts_and_batches_by_hand():
+    """gpt-oss-20b: 12 sliding (128) + 12 full layers, 8 KV heads x 64. fp8 in vLLM's groups of
+    12 equal pages; nvfp4_mixed (default rule) in the plugin's plan; batches by hand."""
+    mixed = configs.policy_for(configs.CONFIGS["nvfp4-mixed"], GPT_OSS.types)
+    assert mixed == "1:fp8,23:fp8,swa:fp8,full:nvfp4"
+    fp8 = capacity.pool_layout("fp8", GPT_OSS, None, 16, 33792, 16384)
+    page = 16 * 8 * 2 * 64  # one fp8 layer's block: 16 tokens x 8 heads x K+V x 64 B
+    assert fp8 == capacity.PoolLayout(12 * page, (capacity.KVGroup("full", 16),
+                                                  capacity.KVGroup("sliding", 16, 128)))
+    blocks = 64 * 2**30 // fp8.block_bytes
+    per_seq = 33792 // 16 + (128 // 16 + 1)  # full blocks + the window's blocks
+    assert fp8.blocks_per_sequence(33792) == per_seq
+    assert capacity.max_batch(blocks, fp8, 33792, 16384) == (blocks - 16384 // 16) // per_seq == 164
+    assert capacity.capacity_tokens(blocks, fp8, 33792) == blocks * 33792 // per_seq
+    nv = capacity.pool_layout("nvfp4_mixed", GPT_OSS, mixed, 16, 33792, 16384)
+    plan = hybrid_plan(KVPolicy.from_compact(mixed, 24, layer_types=GPT_OSS.types), 8, 64, 16, 33792, 16384)
+    assert nv.block_bytes == plan.block_bytes
+    assert nv.groups == ((capacity.KVGroup("full", plan.full_block),)
+                         + (capacity.KVGroup("sliding", plan.sliding_block, 128),) * plan.sliding_groups)
+    full_bytes = 8 * (2 * 2 * 64 + 10 * 2 * (32 + 4))  # per token: 2 FP8 + 10 NVFP4 full layers
+    assert nv.block_bytes == max(plan.full_block * full_bytes, 3 * plan.sliding_block * 8 * 2 * 64)
+    nv_blocks = 64 * 2**30 // nv.block_bytes
+    nv_per_seq = -(-33792 // plan.full_block) + plan.sliding_groups * (-(-128 // plan.sliding_block) + 1)
+    kept = plan.sliding_groups * -(-16384 // plan.sliding_block)
+    assert capacity.max_batch(nv_blocks, nv, 33792, 16384) == (nv_blocks - kept) // nv_per_seq
+    assert capacity.estimate_batch(64 * 2**30, fp8, 33792, 16384) == 164
+    with pytest.raises(ValueError, match="one format pair"):
+        capacity.pool_layout("nvfp4_mixed", GPT_OSS, "0:nvfp4,swa:fp8,full:nvfp4", 16, 33792, 16384)
+
+
+@pytest.mark.parametrize("preset", ["gpt-oss-20b", "gemma3-27b", "gpt-oss-tiny", "gemma3-tiny"])
+def test_hybrid_presets_have_the_real_geometry(tmp_path, preset):
+    from transformers import AutoConfig
+
+    from vllm_nvfp4.testing.weightless import PRESETS
+
+    p = PRESETS[preset]
+    out = build_weightless_model(tmp_path / preset, preset)
+    cfg = AutoConfig.from_pretrained(out)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.head_dim, cfg.sliding_window) == (p["layers"], p["hidden"], p["heads"], p["kv_heads"],
+                                                  p["head_dim"], p["window"])
+    shape = capacity.ModelShape.from_model_dir(out)
+    full = [i for i, t in enumerate(shape.types) if t.kind == "full"]
+    if p["arch"] == "gpt_oss":
+        assert cfg.num_local_experts == p["experts"] and full == list(range(1, p["layers"], 2))
+        assert all(t.sinks for t in shape.types)
+    else:
+        assert full == list(range(5, p["layers"], 6)) and cfg.query_pre_attn_scalar == p["query_pre_attn_scalar"]
+    assert shape.hybrid and len(full) >= 3  # the default policy has NVFP4 layers
+    if preset == "gpt-oss-20b":
+        assert (cfg.num_experts_per_tok, cfg.vocab_size) == (4, 201088)
+    if preset == "gemma3-27b":
+        assert len(full) == 10 and cfg.rope_parameters["full_attention"]["factor"] == 8.0
+
+
+def test_dry_run_of_the_gpt_oss_preset(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "benchmarks.e2e", "--out", str(tmp_path / "o"),
+                          "--preset", "gpt-oss-20b", "--model-dir", str(tmp_path / "m"),
+                          "--dtypes", "fp8,nvfp4-mixed", "--contexts", "32k", "--dry-run"],
+                         cwd=REPO, capture_output=True, text=True, check=True)
+    plan = json.loads(out.stdout)
+    assert plan["model"]["hybrid"] and plan["model"]["layer_types"] == {
+        "sliding(128)+sinks": 12, "full+sinks": 12}
+    assert plan["configs"]["nvfp4-mixed"]["policy"] == "1:fp8,23:fp8,swa:fp8,full:nvfp4"
+    assert plan["configs"]["fp8"]["max_batch_at_plan_kv_bytes"] == {"32768": 164}  # by hand above
+    assert plan["configs"]["nvfp4-mixed"]["max_batch_at_plan_kv_bytes"]["32768"] > 164
+    t = report.check_targets({"capacity_vs_fp8": {}, "ttft_vs_fp8": {}, "decode_vs_fp8": {
+        "32768": {"nvfp4-mixed": 1.4}}}, report.load_targets(DEFAULT_TARGETS), "gpt-oss-20b")
+    assert t == {"decode_32k_gpt_oss": {"min": 1.3, "value": 1.4, "met": True}}
