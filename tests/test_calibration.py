@@ -94,19 +94,19 @@ def report_dir(outlier_model_dir: Path, text_file: Path, tmp_path_factory: pytes
 
 
 @pytest.fixture(scope="module")
-def report_dir_fp8(outlier_model_dir: Path, text_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("report_fp8")
+def report_dir_nvfp4(outlier_model_dir: Path, text_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("report_nvfp4")
     analyze(outlier_model_dir, [text_file], out, window=WINDOW, windows=3, calib_windows=1, dtype="float32",
-            base="fp8")
+            base="nvfp4")
     return out
 
 
 # ---------------------------------------------------------------------------- analysis
-@pytest.mark.parametrize("base", ["nvfp4", "fp8"])
-def test_outlier_keys_are_found_most_sensitive(base: str, report_dir: Path, report_dir_fp8: Path):
-    """Swept from all-NVFP4 (the default) or all-FP8, the outlier layer's K is the slot whose
+@pytest.mark.parametrize("base", ["fp8", "nvfp4"])
+def test_outlier_keys_are_found_most_sensitive(base: str, report_dir: Path, report_dir_nvfp4: Path):
+    """Swept from all-FP8 (the default) or all-NVFP4, the outlier layer's K is the slot whose
     NVFP4 costs most, by KL and by top-1 agreement."""
-    report, scales = load_report(report_dir if base == "nvfp4" else report_dir_fp8)
+    report, scales = load_report(report_dir if base == "fp8" else report_dir_nvfp4)
     assert report["settings"]["base"] == base
     top1 = max((e[kv]["top1_marginal"], e["index"], kv) for e in report["layers"] for kv in ("k", "v"))
     assert top1[1:] == (OUTLIER_LAYER, "k") and top1[0] > 0

@@ -60,9 +60,9 @@ def _device_arg(p: argparse.ArgumentParser) -> None:
 
 def _base_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", choices=BASES, default=DEFAULT_BASE,
-                   help="the policy each slot is moved away from alone: nvfp4 (default: the FP8 "
-                        "value of each slot where a tight budget operates) or fp8 (the NVFP4 "
-                        "damage of each slot next to all-FP8)")
+                   help="the policy each slot is moved away from alone: fp8 (default: the NVFP4 "
+                        "damage of each slot next to all-FP8) or nvfp4 (the FP8 value of each slot "
+                        "among NVFP4 neighbours)")
 
 
 def _model_args(p: argparse.ArgumentParser, default_windows: int, k_center_default: bool = False) -> None:

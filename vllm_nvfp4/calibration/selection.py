@@ -31,7 +31,7 @@ NVFP4_SLOT = KVFormat.NVFP4.bytes_per_element / KVFormat.FP8.bytes_per_element
 METRICS = ("kl", "dnll", "top1")
 #: the policies an analysis can sweep from (:mod:`~vllm_nvfp4.calibration.sensitivity`)
 BASES = ("fp8", "nvfp4")
-DEFAULT_BASE = "nvfp4"
+DEFAULT_BASE = "fp8"
 
 
 def fraction_for_slots(num_layers: int, fp8_slots: int) -> float:

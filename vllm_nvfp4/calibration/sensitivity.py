@@ -7,8 +7,8 @@ and top-1 agreement). Also measured: all-FP8, all-NVFP4 and a repeat of the refe
 floor). A slot's *marginal* (``kl_marginal``, ``dnll_marginal``, ``top1_marginal``) is what that
 slot in NVFP4 costs against that slot in FP8, the rest at the base: damage with the slot in NVFP4
 minus damage with it in FP8 (top-1: agreement in FP8 minus agreement in NVFP4). The all-NVFP4 base
-measures each slot where a tight budget operates (nearly every slot NVFP4), where the slots'
-effects do not add up as they do near all-FP8.
+measures each slot among NVFP4 neighbours, as a tight budget leaves it; docs/CALIBRATION.md says
+which base ranked better where it was measured.
 
 Writes to the report directory: ``sensitivity.json`` (everything, see :func:`analyze`),
 ``scales.json`` (the calibrated all-FP8 policy) and, via :mod:`report`, plots and ``REPORT.md``.
