@@ -14,8 +14,10 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_nvfp4", "vllm_nvfp4.*"]),
-    package_data={"vllm_nvfp4.calibration": ["builtin_text.txt"]},
-    install_requires=["torch>=2.4", "numpy"],
+    package_data={"vllm_nvfp4.calibration": ["builtin_text.txt"],
+                  "vllm_nvfp4.evaluation": ["lm_eval_tasks/*/*.yaml", "lm_eval_tasks/*/*.py"]},
+    # tomli: the benchmarks' TOML targets on Python 3.10 (3.11 has tomllib)
+    install_requires=["torch>=2.4", "numpy", "tomli>=1.1; python_version < '3.11'"],
     extras_require={
         "test": ["pytest", "pytest-timeout", "transformers>=5", "matplotlib", "tqdm"],
         # vllm-nvfp4 calibrate/analyze/select/tune; accelerate also for --device cuda (device_map),

@@ -1,14 +1,17 @@
 """Decode kernel variants, ours only: the kernel module BEFORE a change vs the current one.
 
-Times our decode and prefill for every K/V format pair at the issue-3 shapes (32 q heads, 8 KV
-heads, head_dim 128, block 16; decode batch 16/64 x context 4k/32k, prefill 8 x 4k) with
-``bench_decode.timer`` (CUDA-graph replays, do_bench median, L2 flushed): the BEFORE module's
-default, the current default and the current module's launch variants (tile, warps, splits,
-maxnreg, prefill rows), each output checked against BEFORE's default (relative L2 difference).
+Times our decode and prefill for every K/V format pair at Llama-3.1-8B's attention shape (32 q
+heads, 8 KV heads, head_dim 128, block 16; decode batch 16/64 x context 4k/32k, prefill 8 x 4k;
+other heads with ``--q-heads/--kv-heads/--head-dim``) with ``bench_decode.timer`` (CUDA-graph
+replays, do_bench median, L2 flushed): the BEFORE module's default, the current default and the
+current module's launch variants (tile, warps, splits, maxnreg, prefill rows), each output checked
+against BEFORE's default (relative L2 difference).
 Writes JSON and prints a table last.
 
     git show <commit>:vllm_nvfp4/kernels/attention.py > /tmp/attention_before.py
     python3 benchmarks/bench_variants.py --before /tmp/attention_before.py --out $OUT/v.json
+    python3 benchmarks/bench_variants.py --before /tmp/attention_before.py --head-dim 256 \
+        --shapes 16x32768 64x8192 --variants no_fold_k s32 --out $OUT/v256.json
 """
 
 from __future__ import annotations
@@ -46,8 +49,16 @@ VARIANTS = {
         "t128_w2": dict(tile_n=128, num_warps=2),
         "r184": dict(maxnreg=184),
         "r168": dict(maxnreg=168),
+        "s16": dict(num_splits=16),
+        "s32": dict(num_splits=32),
+        # code variants of the attention core, on or off whatever the default
+        "hoist": dict(hoist_query=True),
+        "no_hoist": dict(hoist_query=False),
+        "fold_k": dict(fold_k_scales=True),
+        "no_fold_k": dict(fold_k_scales=False),
     },
     "prefill": {
+        "fold_k": dict(fold_k_scales=True),
         "w1_q16": dict(num_warps=1, query_rows=16),
         "w2": dict(num_warps=2),
         "w4_q32": dict(num_warps=4, query_rows=32),
@@ -95,15 +106,20 @@ def main() -> None:
                     help="names from VARIANTS (each runs where its launch kind has it)")
     ap.add_argument("--formats", nargs="+", choices=sorted(FORMATS), default=list(FORMATS),
                     help="K/V format pairs to time (default: all)")
+    ap.add_argument("--q-heads", type=int, default=bd.HQ)
+    ap.add_argument("--kv-heads", type=int, default=bd.HKV)
+    ap.add_argument("--head-dim", type=int, default=bd.D)
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shape, no timing")
     args = ap.parse_args()
     dev = "cpu" if args.smoke else "cuda"
+    bd.set_shape(args.q_heads, args.kv_heads, args.head_dim, False, dev)
     if args.smoke:
         args.shapes = ["2x64", "2x32xP"]
     old_mod = load_module(args.before)
     gen = torch.Generator().manual_seed(0)
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "versions": bd.versions(),
            "before": args.before_label,
+           "heads": {"q": bd.HQ, "kv": bd.HKV, "head_dim": bd.D, "block": bd.BS},
            "timing": "CUDA graph replay timed by triton.testing.do_bench: median, L2 flushed",
            "records": []}
     for shape in args.shapes:
@@ -145,7 +161,7 @@ def main() -> None:
         with open(args.out, "w") as f:  # after every shape: a timeout keeps what was measured
             json.dump(res, f, indent=1)
     print("\n==== variants (us; rel. diff vs before) ====")
-    print(f"{res['versions']}")
+    print(f"{res['versions']}  q/kv heads {bd.HQ}/{bd.HKV}, head_dim {bd.D}")
     print(f"{'kv':<15}{'variant':<22}" + "".join(f"{s:>20}" for s in args.shapes))
     keys = []
     for r in res["records"]:

@@ -33,13 +33,22 @@ from vllm_nvfp4.kernels.constants import format_code  # noqa: E402
 from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+#: LaunchShape code-variant fields -> the kernels' constexprs
+CODE_VARIANTS = {"hoist_query": "HOIST_Q", "fold_k_scales": "FOLD_K"}
+
+
+def default_variants(lay: KVPageLayout, kind: str) -> tuple:
+    """The code variants ``launch_defaults`` switches on for ``lay`` (none in an older module)."""
+    shape = A.launch_defaults(lay, kind == "decode")
+    return tuple(v for v in CODE_VARIANTS if getattr(shape, v, False))
 
 
 def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: str = "decode",
-               sinks: bool = False, rows: int = 16):
+               sinks: bool = False, rows: int = 16, variants: tuple = ()):
     """The decode or the prefill kernel (``kind``; prefill: ``rows`` query rows per program; with
     attention ``sinks`` or without) as Triton source for ``triton.compile``. A ``--module`` of a commit that still had the rows family:
-    its keys kernels."""
+    its keys kernels. ``variants``: names of LaunchShape code variants switched on
+    (``hoist_query``, ``fold_k_scales``)."""
     prefill = kind == "prefill"
     sig = {n: "*bf16" for n in ("query_ptr", "out_ptr")}
     sig.update(cache_ptr="*u8", k_scale_ptr="*fp32", v_scale_ptr="*fp32")
@@ -70,6 +79,11 @@ def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: st
     fn = fn_of(kind)
     if "USE_SINKS" in fn.arg_names:
         const.update(USE_SINKS=sinks)
+    for name, flag in CODE_VARIANTS.items():
+        if flag in fn.arg_names:
+            const[flag] = name in variants
+        elif name in variants:
+            raise SystemExit(f"this attention module has no {name} variant")
     if "PREFETCH" in fn.arg_names:  # an older module (--module) with register prefetch: its own default
         const.update(PREFETCH="nvfp4" in (lay.k_format, lay.v_format))
     for k, v in const.items():
@@ -120,6 +134,9 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4, help="query heads per KV head (a power of 2)")
     ap.add_argument("--rows", type=int, default=16, help="prefill query rows per program")
     ap.add_argument("--sinks", action="store_true", help="with attention sinks (USE_SINKS)")
+    ap.add_argument("--variant", nargs="*", choices=["none", *CODE_VARIANTS],
+                    help="LaunchShape code variants to switch on, the others off (none: all off; "
+                         "default: those of launch_defaults for each format pair)")
     ap.add_argument("--configs", nargs="*",
                     help="FMT:TILE[:KIND[:WARPS]] (FMT fp8|nvfp4|K+V; kind decode|prefill, "
                          "default decode; warps default 1; default configs: the decode "
@@ -144,8 +161,10 @@ def main() -> None:
     for fmt, tile, kind, warps in configs:
         kf, _, vf = fmt.partition("+")  # "fp8" or K+V, e.g. "fp8+nvfp4"
         lay = KVPageLayout(8, args.head_dim, 16, kf, vf or kf)
+        variants = (default_variants(lay, kind) if args.variant is None
+                    else tuple(v for v in args.variant if v != "none"))
         k = triton.compile(kernel_src(lay, tile, args.splits, args.group, kind, args.sinks,
-                                      args.rows),
+                                      args.rows, variants),
                            target=TARGET,
                            options=dict(num_warps=warps, num_stages=args.stages,
                                         **({"maxnreg": args.maxnreg} if args.maxnreg else {})))
@@ -165,7 +184,7 @@ def main() -> None:
         spills = sum(c for o, c in body.items() if o.startswith(("STL", "LDL")))
         print(f"triton {triton.__version__} D {args.head_dim} {fmt:11} {kind:7} tile {tile:3} "
               f"group {args.group}{' sinks' if args.sinks else ''} "
-              f"warps {warps} stages {args.stages}: "
+              f"warps {warps} stages {args.stages}{''.join(' ' + v for v in variants)}: "
               f"regs {regs.group(1) if regs else '?'} smem {k.metadata.shared} "
               f"loop {sum(body.values())} instr/warp "
               f"({sum(body.values()) * warps / tile:.1f} per token-head{tail}; STS/LDS/LDSM/BAR "

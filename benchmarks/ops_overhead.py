@@ -1,10 +1,12 @@
 """Python overhead of one ``vllm_nvfp4.ops`` call: the argument checks and the dispatch, not the compute.
 
 The torch path's compute is replaced by a no-op, so what is timed is what every layer of an eager
-step pays before its kernel launches: ``ops.paged_attention`` and ``ops.write_kv_cache`` for a
-decode batch (64 sequences, 32 query / 8 KV heads, head_dim 128, block 16), alternating an NVFP4
-and an FP8 layer. Reports CPU time per call (``time.process_time``, so a busy machine inflates it
-less than wall time): the minimum and median of 9 rounds.
+step pays before its kernel launches, for a decode batch (64 sequences, 32 query / 8 KV heads,
+head_dim 128, block 16), alternating an NVFP4 and an FP8 layer: ``LayerOps.attend`` and
+``LayerOps.write`` (what the attention impl calls: the layer checked once, the step's metadata by
+its first layer) and the one-shot ``ops.paged_attention`` and ``ops.write_kv_cache`` (every
+argument checked). Reports CPU time per call (``time.process_time``, so a busy machine inflates it
+less than wall time): the minimum and median of 9 repetitions.
 
     python benchmarks/ops_overhead.py [--calls 3000]
 """
@@ -38,7 +40,11 @@ def decode_calls() -> dict[str, Callable[[int], object]]:
     query_start_loc = torch.arange(BATCH + 1, dtype=torch.int32)
     slots = torch.arange(BATCH, dtype=torch.int64)
     scale = torch.ones(KV_HEADS)
+    layers = [ops.LayerOps(cache, lay, scale, scale, backend="torch") for cache, lay in zip(caches, layouts)]
     return {
+        "LayerOps.attend": lambda i: layers[i % 2].attend(
+            query, block_table, seq_lens, query_start_loc, 1, 320, 0.1, out),
+        "LayerOps.write": lambda i: layers[i % 2].write(key, value, slots),
         "paged_attention": lambda i: ops.paged_attention(
             query, caches[i % 2], layouts[i % 2], scale, scale, block_table, seq_lens,
             query_start_loc, 1, 320, 0.1, out, backend="torch"),

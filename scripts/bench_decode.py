@@ -1,6 +1,6 @@
 """Decode (and prefill) attention benchmark: our FP8/NVFP4 kernels against vLLM 0.32's peers.
 
-Shapes (issue 3): 32 query heads, 8 KV heads, head_dim 128, block 16, batch 16 and 64, context
+Shapes: 32 query heads, 8 KV heads, head_dim 128, block 16, batch 16 and 64, context
 4096 and 32768 per sequence, random data, shuffled block tables. Peers: vLLM's Triton
 ``unified_attention`` (bf16 and fp8 KV) and FlashAttention-3 via ``vllm.vllm_flash_attn`` (bf16,
 and fp8 KV with an fp8 query as vLLM runs it). Timing: each call captured in a CUDA graph, its
@@ -17,6 +17,7 @@ for every kernel, vLLM's ``sinks`` / FA3's ``s_aux``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -56,9 +57,8 @@ def set_shape(q_heads: int, kv_heads: int, head_dim: int, sinks: bool, device: s
 def timer(fn: Callable[[], object], smoke: bool) -> float:
     """Median microseconds of ``fn`` replayed from a CUDA graph (L2 flushed between runs by
     do_bench). The graph takes the host's launch overhead out, as vLLM's graphed decode does:
-    timed eagerly, a 16 x 4k decode (~50 us of GPU work) measured 50-128 us from one call to the
-    next, the Python launch path's time, not the kernel's (H200, 2026-12-01). Eager timing (with
-    a printed note) only where capture fails."""
+    timed eagerly, a short decode measures the Python launch path, not the kernel. Eager timing
+    (with a printed note) only where capture fails."""
     if smoke:
         t = time.perf_counter()
         fn()
@@ -86,8 +86,8 @@ def copy_bandwidth(smoke: bool) -> float:
     n = 4 << 30
     a = torch.empty(n, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
-    # eager: captured in a CUDA graph the copy becomes a memcpy node run by the copy engine
-    # (2.77 TB/s on the H200 against 4.30 for the copy kernel)
+    # eager: captured in a CUDA graph the copy becomes a memcpy node run by the copy engine,
+    # slower than the copy kernel
     us = triton.testing.do_bench(lambda: b.copy_(a), warmup=30, rep=200,
                                  return_mode="median") * 1e3
     del a, b
@@ -228,8 +228,9 @@ def bench_shape(batch: int, ctx: int, q_len: int, args, gen) -> list[dict]:
             for splits, tile, warps in configs if name in args.sweep_formats else []:
                 cfg = f"splits={splits},tile={tile},warps={warps}"
                 try:
-                    us = run_ours(lay, b, cache, out, args.smoke,
-                                  kattn.LaunchShape(tile, warps, num_splits=splits))
+                    shape = dataclasses.replace(kattn.launch_defaults(lay, True), tile_n=tile,
+                                                num_warps=warps, num_splits=splits)
+                    us = run_ours(lay, b, cache, out, args.smoke, shape)
                 except Exception as e:  # noqa: BLE001
                     print(f"  config {cfg} failed: {e!r}"[:300])
                     continue
@@ -334,8 +335,7 @@ def main() -> None:
                         "warmup 30 ms, rep 200 ms",
               "copy_tb_s": copy_bandwidth(args.smoke), "records": []}
     print(f"copy bandwidth {result['copy_tb_s']:.2f} TB/s (read + write)", flush=True)
-    # untimed warm-up (seconds): eagerly timed, the first kernel of a process read 2x (H200,
-    # 2026-12-01, before graph timing); kept as cheap insurance
+    # untimed warm-up (seconds): the first kernel of a process runs slower (compilation, clocks)
     if not args.smoke:
         bench_shape(args.batches[0], args.contexts[0], 1,
                     argparse.Namespace(**{**vars(args), "sweep": False, "no_peers": True}), gen)

@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-from vllm_nvfp4.calibration.data import load_windows
+from vllm_nvfp4.calibration.data import add_text_arguments, load_windows
 from vllm_nvfp4.calibration.evaluator import Evaluator
 from vllm_nvfp4.calibration.modeling import load_model
 from vllm_nvfp4.calibration.progress import progress
@@ -27,11 +27,8 @@ from vllm_nvfp4.policy import KVPolicy
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", type=Path)
-    ap.add_argument("--data", type=Path, nargs="+", required=True)
+    add_text_arguments(ap, 2048, 1)  # --windows: scored windows after the calibration one
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--window", type=int, default=2048)
-    ap.add_argument("--windows", type=int, default=1, help="scored windows after the calibration one")
     ap.add_argument("--alpha", type=float, default=1.0, help="K smoothing exponent")
     ap.add_argument("--policy", type=Path, default=None, help="also score this policy's formats")
     a = ap.parse_args()

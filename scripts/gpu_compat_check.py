@@ -3,11 +3,12 @@
 
 The target is the tiny random fp16 Llama of ``gpu_integration_check.py`` (8 layers, 8/2 heads,
 head_dim 128) with its calibrated mixed policy; engines run eager (no CUDA-graph capture) to keep
-the whole check inside one device call. Phases (``--phases``, default all but ``pp``):
+the whole check short (``gpu_compat_check.sh`` stops it after ``TIMEOUT_S``). Phases
+(``--phases``, default all but ``pp``):
 
 * ``eagle``  EAGLE on the repetitive variant of the tiny Llama (tied LM head, residual branches
-             doubled, as in tests/test_spec_decode_engine.py) with a one-layer head that mostly
-             proposes the last token again (``echo_eagle`` of that test): greedy nvfp4_mixed + EAGLE ==
+             doubled: ``vllm_nvfp4.testing.spec_models``, as in the CPU test) with a one-layer head that mostly
+             proposes the last token again (``echo_eagle``): greedy nvfp4_mixed + EAGLE ==
              greedy nvfp4_mixed without speculation; acceptance rate against the same head with
              ``kv_cache_dtype="fp8"``.
 * ``draft``  ``method="draft_model"`` with a copy of the target as the draft: same checks; and with
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import os
 import shutil
@@ -51,22 +51,15 @@ DEVICE = "cuda"
 SPEC_DTYPE = "float32"
 
 
-def _load(path: Path, name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def target_model(root: Path) -> Path:
     """gpu_integration_check's model and calibrated policy (nvfp4_policy.json beside it)."""
-    check = _load(REPO / "scripts" / "gpu_integration_check.py", "gpu_integration_check")
+    from vllm_nvfp4.testing.check_policy import calibrated_policy
     from vllm_nvfp4.testing.models import build_tiny_llama
 
     model = build_tiny_llama(root / "target", num_layers=8, hidden=512, heads=8, kv_heads=2,
                              head_dim=128, dtype="float16", max_pos=8192, qk_gain=0.5)
     if not (model / "nvfp4_policy.json").exists():
-        (model / "nvfp4_policy.json").write_text(json.dumps(check.calibrated_policy(model)))
+        (model / "nvfp4_policy.json").write_text(json.dumps(calibrated_policy(model, DEVICE)))
     return model
 
 
@@ -78,17 +71,14 @@ def all_fp8_policy(path: Path, num_layers: int) -> Path:
     return path
 
 
-def spec_models() -> Any:
-    """tests/test_spec_decode_engine.py: its repetitive model and EAGLE head builders."""
-    return _load(REPO / "tests" / "test_spec_decode_engine.py", "spec_test")
-
-
 def repetitive(work: Path) -> Path:
     """The repetitive tiny Llama of the CPU test (built once under ``work``)."""
     head_dim = 64 if DEVICE == "cuda" else 32  # the CUDA kernels need >= 64
     rep = work / f"repetitive-h{head_dim}"
     if not rep.exists():
-        spec_models().repetitive_llama(rep, head_dim=head_dim)
+        from vllm_nvfp4.testing.spec_models import repetitive_llama
+
+        repetitive_llama(rep, head_dim=head_dim)
     return rep
 
 
@@ -228,8 +218,10 @@ def main() -> int:
         t = time.time()
         try:
             if phase == "eagle":
+                from vllm_nvfp4.testing.spec_models import echo_eagle
+
                 rep = repetitive(a.work)
-                head = spec_models().echo_eagle(rep, a.work / "eagle")
+                head = echo_eagle(rep, a.work / "eagle")
                 out = spec_phase(rep, {"method": "eagle", "model": str(head),
                                        "num_speculative_tokens": NUM_SPEC}, repeated, 64)
             elif phase == "draft":

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""End-to-end check of ``kv_cache_dtype="nvfp4_mixed"`` on a CUDA GPU (the H200) with real vLLM.
+"""End-to-end check of ``kv_cache_dtype="nvfp4_mixed"`` on a CUDA GPU (SM90 or newer) with real vLLM.
 
 One tiny random fp16 Llama (8 layers, 8/2 heads, head_dim 128, q/k gain 0.5) with a calibrated
 mixed policy that has all four K/V format pairs. fp16 and the mild q/k gain keep the random model from amplifying rounding noise
@@ -40,53 +40,11 @@ from typing import Any
 
 import torch
 
-POLICY = "0:fp8,1:k=fp8,v=nvfp4,2:k=nvfp4,v=fp8,3-6:nvfp4,7:fp8"
-#: layers whose keys are stored smoothed (K / lam, queries x lam; one NVFP4, one FP8 layer)
-SMOOTHED_LAYERS = (2, 7)
-#: layers whose keys are stored centered (K - mu, mu = the calibration mean; FP8 K, NVFP4 K)
-CENTERED_LAYERS = (1, 3)
 KV_BYTES = 2 << 30
 DEVICE = "cuda"
-#: measured on CPU (fp16, this model): error vs the matched reference ~0.5x the distance to the
-#: unquantized one; rounding flips amplified by the random model set that floor, not the kernels
+#: largest error vs the matched reference, as a fraction of the distance to the unquantized one;
+#: rounding flips amplified by the random model set the floor, not the kernels
 TOL_RATIO = 0.75
-
-
-def calibrated_policy(model_dir: Path) -> dict:
-    """The POLICY formats with scales from the K/V amax of one random 512-token prompt (x1.25),
-    K smoothing (exponent 0.5) on ``SMOOTHED_LAYERS``, K centering on ``CENTERED_LAYERS``."""
-    from transformers import AutoModelForCausalLM
-
-    from vllm_nvfp4.calibration.kv_hooks import KVObserver, kv_cache_quantization
-    from vllm_nvfp4.formats import KVFormat, fp8_scale_from_amax, nvfp4_global_scale
-    from vllm_nvfp4.calibration.scales import smoothing_factors
-    from vllm_nvfp4.policy import KVPolicy
-
-    policy = KVPolicy.from_compact(POLICY, 8, source="gpu_integration_check")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float16).to(DEVICE).eval()
-    observer = KVObserver(8)
-    ids = torch.randint(5, 4096, (1, 512), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    with kv_cache_quantization(model, None, observer), torch.no_grad():
-        model(ids)
-    for i, row in enumerate(policy.layers):
-        changes: dict[str, Any] = {}
-        k_amax = observer.k_amax[i]
-        if i in SMOOTHED_LAYERS:
-            lam = smoothing_factors(observer.k_channel_amax[i], 0.5)
-            k_amax = (observer.k_channel_amax[i] / lam).amax(dim=1)
-            changes["k_smooth"] = tuple(tuple(float(x) for x in row) for row in lam)
-        if i in CENTERED_LAYERS:
-            k_amax = observer.k_centered_channel_amax(i).amax(dim=1)
-            changes["k_center"] = tuple(tuple(float(x) for x in row) for row in observer.k_channel_mean(i))
-        for kv, amax in (("k", k_amax), ("v", observer.v_amax[i])):
-            amax = amax.float().cpu() * 1.25
-            if row.format_of(kv) is KVFormat.FP8:
-                changes[f"{kv}_scale"] = float(fp8_scale_from_amax(amax.max()))
-            else:
-                changes[f"{kv}_global_scale"] = tuple(float(s) for s in nvfp4_global_scale(amax))
-        policy = policy.with_layer(i, **changes)
-    del model
-    return policy.to_dict()
 
 
 def reference_logprobs(model_dir: Path, prompts: list[list[int]], policy: Any) -> torch.Tensor:
@@ -129,6 +87,8 @@ def main() -> int:
     a = ap.parse_args()
     global DEVICE
     DEVICE = a.device
+    from vllm_nvfp4.testing.check_policy import POLICY, calibrated_policy
+
     q = 2 if a.quick else 1  # shrink factor
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # collective_rpc with functions
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu",
@@ -144,7 +104,7 @@ def main() -> int:
 
     model_dir = build_tiny_llama(a.model_dir, num_layers=8, hidden=512 // q, heads=8, kv_heads=2,
                                  head_dim=128 // q, dtype="float16", max_pos=8192, qk_gain=0.5)
-    policy_dict = calibrated_policy(model_dir)
+    policy_dict = calibrated_policy(model_dir, DEVICE)
     (model_dir / "nvfp4_policy.json").write_text(json.dumps(policy_dict, indent=1))
     policy = KVPolicy.from_dict(policy_dict)
     res["setup_s"] = round(time.time() - t0, 1)
@@ -184,7 +144,7 @@ def main() -> int:
     checks["kv_capacity_exact"] = res["kv"]["num_blocks"] == res["kv"]["expected_blocks"]
 
     # Both runs from a cold prefix cache: a run with cache hits prefills fewer tokens, i.e. other
-    # GEMM shapes and fp16 roundings, which this random model amplifies (seen on the H200).
+    # GEMM shapes and fp16 roundings, which this random model amplifies.
     llm.reset_prefix_cache()
     a_short = gen(llm, short, 64)
     llm.reset_prefix_cache()

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from vllm_nvfp4.calibration.data import DataError, load_windows
+from vllm_nvfp4.calibration.data import DataError, add_text_arguments, load_windows
 from vllm_nvfp4.calibration.modeling import ModelError, load_model
 from vllm_nvfp4.calibration.progress import progress
 from vllm_nvfp4.evaluation.rounding_sensitivity import markdown, measure
@@ -31,11 +31,8 @@ from vllm_nvfp4.policy import KVPolicy, PolicyError
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", type=Path)
-    ap.add_argument("--data", type=Path, nargs="+", required=True)
+    add_text_arguments(ap, 1024, 2)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--window", type=int, default=1024)
-    ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rel", type=float, default=2.0 ** -16,
                     help="largest relative move of an FP32 K/V projection output (default 2^-16)")

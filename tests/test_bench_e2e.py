@@ -365,13 +365,6 @@ def test_plugin_dist_info_is_discovered_from_pythonpath_alone(tmp_path):
     assert res.stdout.splitlines()[1] == "vllm_nvfp4.plugin 0.1.0"
 
 
-def test_gpu_scripts_name_no_private_paths():
-    for name in ("gpu_env.sh", "gpu_bench_e2e.sh", "gpu_integration_check.sh", "gpu_kernels.sh"):
-        text = (REPO / "scripts" / name).read_text()
-        assert "shared/gpu" not in text and ".gpu-bundle" not in text, name
-        subprocess.run(["bash", "-n", str(REPO / "scripts" / name)], check=True)
-
-
 def test_plot_summary(tmp_path):
     pytest.importorskip("matplotlib")
     from benchmarks.e2e.plots import plot_summary, title_suffix

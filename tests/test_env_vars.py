@@ -16,7 +16,7 @@ NAME = re.compile(r"\bVLLM_NVFP4_[A-Z0-9_]*[A-Z0-9]\b")
 def _names_in_sources() -> set[str]:
     files = [*(REPO / "vllm_nvfp4").rglob("*.py"), *(REPO / "scripts").rglob("*.py"),
              *(REPO / "benchmarks").rglob("*.py"), *(REPO / "benchmarks").rglob("*.sh"),
-             *(REPO / "scripts").rglob("*.sh"), *(REPO / "scripts").rglob("*.yaml")]
+             *(REPO / "scripts").rglob("*.sh"), *(REPO / "vllm_nvfp4").rglob("*.yaml")]
     return {n for f in files if f.name != "env_vars.py" for n in NAME.findall(f.read_text())}
 
 

@@ -366,34 +366,6 @@ def test_hybrid_models_pin_a_block_outermost_layout(monkeypatch):
         choose_kv_cache_layout(_fake_config(), shape([swa, full] * 2))
 
 
-def test_sliding_block_size_fills_the_shared_blocks():
-    """Gemma-3-27B-like (16 KV heads, D128, 52 sliding : 10 full) and gpt-oss-120b-like
-    (8 KV heads, D64, 18 : 18): the full-attention block is never padded; the sliding pages
-    take the block size that fills their blocks best."""
-    from vllm_nvfp4.integration.model import ModelShape, packing_fill, sliding_block_size
-    from vllm_nvfp4.policy import LayerType, default_policy
-
-    def plan(types, heads, dim):
-        shape = ModelShape(num_layers=len(types), total_num_kv_heads=heads, num_kv_heads=heads,
-                           head_dim=dim, dtype="bfloat16", max_positions=4096, block_size=16,
-                           layer_types=tuple(types))
-        policy = default_policy(len(types), types)
-        b = sliding_block_size(policy, shape)
-        full = 16 * policy.kv_bytes_per_token(heads, dim, ("full",))
-        n = sum(t.kind == "sliding" for t in types)
-        return b, packing_fill(full, b * heads * 2 * dim, n)  # FP8 K + V
-
-    swa, full = LayerType("sliding", 1024), LayerType("full")
-    gemma = ([swa] * 5 + [full]) * 10 + [swa] * 2
-    b, (full_fill, swa_fill) = plan(gemma, 16, 128)
-    assert (b, full_fill) == (16, 1.0) and swa_fill == pytest.approx(12 / 13)
-    oss = [LayerType("sliding", 128, True), LayerType("full", None, True)] * 18
-    b, (full_fill, swa_fill) = plan(oss, 8, 64)
-    assert (b, full_fill) == (32, 1.0) and swa_fill == pytest.approx(10 / 11)
-    assert packing_fill(1000, 400, 5) == (1.0, 0.8)  # 2 per block, 3 groups of 2 -> 800 of 1000
-    assert packing_fill(1000, 1200, 5) == (1000 / 1200, 1.0)  # a page larger than the full block
-
-
 def test_mla_model_is_refused(tiny_model_dir, tmp_path):
     model = _variant(tiny_model_dir, tmp_path / "mla", architectures=["DeepseekV2ForCausalLM"],
                      model_type="deepseek_v2", kv_lora_rank=64, q_lora_rank=None,

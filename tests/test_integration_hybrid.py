@@ -7,7 +7,8 @@ with a window on every layer), a module fixture runs two engines:
 * ``main``    - prefix caching on, whole-prompt prefill: prompt log-probs, greedy twice and one by
                 one, prefix hits, the KV-cache groups and pages as the worker allocated them;
 * ``chunked`` - prefix caching off, ``max_num_batched_tokens=32``: prompts prefill in chunks
-                smaller than the window, over cached pages.
+                smaller than the window, over cached pages; ``max_model_len`` 4096 (the KV
+                capacity check: the sliding layers hold window + chunk, the full ones 4096).
 
 The policy is written into the model directory in the compact form by layer type, with one index
 beating its type (``swa:fp8,full:nvfp4,<last full>:fp8``; Mistral, all sliding:
@@ -41,6 +42,7 @@ BLOCK = 16
 NEW = 8  # greedy tokens per prompt
 KV_BYTES = int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) << 30  # conftest sets 1 GiB
 ARCHS = ("gemma3", "gpt_oss", "mistral")
+LONG = 4096  # the chunked engine's max_model_len: the cache that grows dominates, as in serving
 
 
 def _policy_text(types: Any) -> str:
@@ -109,9 +111,11 @@ def _run(model_dir: Path) -> dict[str, Any]:
                    "report": llm.collective_rpc(kv_cache_report)[0]}
     del llm
     gc.collect()
-    llm = _engine(model_dir, enable_prefix_caching=False, max_num_batched_tokens=32)
+    llm = _engine(model_dir, enable_prefix_caching=False, max_num_batched_tokens=32,
+                  max_model_len=LONG)
     out["chunked"] = {"short": _tokens(llm, prompts["short"]),
-                      "prefix": _tokens(llm, prompts["prefix"])}
+                      "prefix": _tokens(llm, prompts["prefix"]),
+                      "report": llm.collective_rpc(kv_cache_report)[0]}
     del llm
     gc.collect()
     return out
@@ -173,8 +177,7 @@ def test_greedy_generation_is_deterministic_and_batch_independent(runs):
 
 def test_prefix_caching_and_chunked_prefill_give_the_same_tokens(runs):
     hits = runs["main"]["prefix_hits"]
-    # vLLM's own fp8 on the Gemma model hits [0, 96, 96]; here the second request misses (the
-    # sliding layers sit in four groups; open), later ones hit
+    print(f"{runs['arch']}: prefix cache hits {hits}")
     if any(t.kind == "full" for t in runs["policy"].layer_types):
         assert hits[0] == 0 and max(hits[1:]) >= 64, f"prefix cache hits {hits}"
     for key in ("short", "prefix"):
@@ -198,13 +201,13 @@ def test_layers_keep_their_kind_window_and_sinks(runs):
         assert impl["window"] == row.layer_type.window and impl["sinks"] == row.layer_type.sinks
 
 
-def test_pages_are_the_policy_arithmetic_and_the_growing_layers_unpadded(runs):
-    """Every layer's page is its formats' bytes; the full-attention group's pages fill the shared
-    block exactly (no padding where the cache grows with the context); the KV memory is
-    ``num_blocks`` such blocks; the sliding groups fill their blocks as :func:`packing_fill`
-    predicts. Printed: what a request at max_model_len needs over what vLLM allocates for it
-    (the sliding groups' partly filled blocks are the only overhead)."""
-    from vllm_nvfp4.integration.model import packing_fill
+def test_pages_are_the_policy_arithmetic_and_the_groups_as_planned(runs):
+    """Every layer's page is its formats' bytes; the KV memory is ``num_blocks`` shared blocks.
+    Hybrid models: vLLM formed the groups that :func:`hybrid_plan` predicts for the block sizes
+    it picked (block bytes, sliding groups, blocks per request), and the full-attention pages
+    are unpadded. Printed: per request at max_model_len the format arithmetic over the bytes
+    vLLM reserves (:func:`arithmetic_request_bytes`)."""
+    from vllm_nvfp4.integration.block_sizes import arithmetic_request_bytes, hybrid_plan
     from vllm_nvfp4.layout import KVPageLayout
 
     report, policy = runs["main"]["report"], runs["policy"]
@@ -216,20 +219,40 @@ def test_pages_are_the_policy_arithmetic_and_the_growing_layers_unpadded(runs):
     assert report["num_blocks"] == KV_BYTES // report["block_bytes"]
     full = [g for g in report["groups"] if g["kind"] == "FullAttentionSpec"]
     sliding = [g for g in report["groups"] if g["kind"] == "SlidingWindowSpec"]
+    length, in_flight = report["max_model_len"], report["max_in_flight_tokens"]
     if full:
         (group,) = full
         assert report["layout"] == "BLNHC"
-        assert group["page_bytes"] == report["block_bytes"] == BLOCK * policy.kv_bytes_per_token(heads, dim, ("full",))
-        b = sliding[0]["block_size"]
-        n = sum(len(g["layer_pages"]) for g in sliding)
-        _, fill = packing_fill(group["page_bytes"], next(iter(sliding[0]["layer_pages"].values())), n)
-        assert max(g["page_bytes"] for g in sliding) == pytest.approx(fill * report["block_bytes"])
-        assert b in (16, 32, 64, 128, 256)
+        plan = hybrid_plan(policy, heads, dim, BLOCK, length, in_flight)
+        assert (group["block_size"], {g["block_size"] for g in sliding}) == (
+            plan.full_block, {plan.sliding_block})
+        assert len(sliding) == plan.sliding_groups and report["block_bytes"] == plan.block_bytes
+        assert group["page_bytes"] == plan.full_block * policy.kv_bytes_per_token(heads, dim, ("full",))
+        assert report["allocated_per_request"] == plan.request_bytes
     else:  # one sliding group, no other kind: one uniform block of all pages
         (group,) = sliding
         assert group["page_bytes"] == report["block_bytes"] == BLOCK * policy.kv_bytes_per_token(heads, dim)
         assert report["allocated_per_request"] == report["needed_per_request"]
-    ratio = report["needed_per_request"] / report["allocated_per_request"]
-    print(f"{runs['arch']}: per request at max_model_len needed/allocated = {ratio:.3f}, "
-          f"block {report['block_bytes']} B, groups "
+    ratio = arithmetic_request_bytes(policy, heads, dim, length, in_flight, BLOCK) / report[
+        "allocated_per_request"]
+    print(f"{runs['arch']}: per request at max_model_len {length}, format arithmetic / reserved = "
+          f"{ratio:.3f}, block {report['block_bytes']} B, groups "
           f"{[(g['kind'], g['block_size'], g['page_bytes']) for g in report['groups']]}")
+
+
+def test_capacity_is_the_format_arithmetic(runs):
+    """At 4096 tokens per request (the chunked engine) vLLM's KV capacity is >= 0.95x the format
+    arithmetic of the policy (:func:`arithmetic_request_bytes`: every page packed without loss
+    at the configured block size, vLLM's own admission rule): no padding eats the saving."""
+    from vllm_nvfp4.integration.block_sizes import arithmetic_request_bytes
+
+    report, policy = runs["chunked"]["report"], runs["policy"]
+    heads, dim = 2, (64 if runs["arch"] == "gpt_oss" else 32)
+    needed = arithmetic_request_bytes(policy, heads, dim, LONG, report["max_in_flight_tokens"],
+                                      BLOCK)
+    # vLLM's capacity: whole requests of max_model_len in the pool (one block is its null block)
+    arithmetic_tokens = KV_BYTES / needed * LONG
+    ratio = report["kv_cache_size_tokens"] / arithmetic_tokens
+    print(f"{runs['arch']}: KV capacity {report['kv_cache_size_tokens']} tokens at {LONG} per "
+          f"request = {ratio:.3f}x the format arithmetic of {policy.to_compact()}")
+    assert ratio >= 0.95

@@ -174,12 +174,35 @@ def test_decode_launch_shapes_agree(tile_n, warps, kf, vf):
     assert_close_rel(out, fast_reference(batch, 0.1), 2e-3 if CUDA else 1e-5)
 
 
+@pytest.mark.parametrize("variant", [dict(hoist_query=True), dict(fold_k_scales=True),
+                                     dict(hoist_query=True, fold_k_scales=True)],
+                         ids=["hoist_query", "fold_k", "hoist_query_fold_k"])
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("kf,vf", FMT_PAIRS)
+def test_code_variants_match_float64(variant, kind, kf, vf):
+    """The attention core's code variants (hoisted query operands, K block scales folded into
+    the K planes) against float64, every K/V format pair, odd lengths, split decode."""
+    lay = KVPageLayout(2, 128, 16, kf, vf)
+    seqs = ([(37 * SCALE + 5, 1), (1, 1), (20 * SCALE + 3, 1)] if kind == "decode"
+            else [(23 * SCALE, 23 * SCALE), (41 * SCALE, 9), (33 * SCALE, 1)])
+    batch = make_batch(lay, seqs, 8, device=DEV, seed=len(variant) + 3 * (kind == "decode"),
+                       write_backend=WRITE)
+    decode = kind == "decode"
+    out = torch.empty_like(batch.query)
+    attn_kernels.paged_attention(
+        batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+        batch.seq_lens, batch.query_start_loc, batch.max_query_len, batch.max_seq_len, 0.1, out,
+        launch=_launch(lay, decode, num_splits=2 if decode else None, **variant))
+    assert_close_rel(out, fast_reference(batch, 0.1), 2e-3 if CUDA else 1e-5)
+
+
 @pytest.mark.parametrize("seqs,ctx,warps", [(1, 100, 1), (16, 4096, 1), (64, 32768, 2),
                                             (512, 32768, 4), (3, 70000, 1), (1, 131072, 1)])
 def test_decode_split_count_bounds(seqs, ctx, warps):
     """The split heuristic: a power of 2, at most 64 and at most the tile count; at most ~4096
     keys per split unless capped; more splits when fewer warps per program; at most 8 splits
-    to fill the GPU, more only for the 4096-key bound."""
+    to fill the GPU, more only for the 4096-key bound (on the CPU's nominal 4 SMs 8 splits of
+    these batches always give at least half the programs the fill wants)."""
     dev = torch.device("cpu")
     tiles = -(-ctx // 32)
     s = attn_kernels.decode_splits(seqs, 8, ctx, 32, dev, warps)
@@ -187,6 +210,22 @@ def test_decode_split_count_bounds(seqs, ctx, warps):
     assert ctx <= 4096 * s or s == min(64, 1 << (min(64, tiles).bit_length() - 1))
     assert s >= attn_kernels.decode_splits(seqs, 8, ctx, 32, dev, 4 * warps)
     assert s <= max(8, 1 << (-(-ctx // 4096) - 1).bit_length())
+
+
+@pytest.mark.parametrize("seqs,kv_heads,ctx,tile_n,want", [
+    (16, 2, 32768, 32, 32),  # few programs: more than 8 splits, 1024 keys each
+    (4, 8, 32768, 64, 32),
+    (64, 2, 8192, 32, 8),  # 8 splits give half the programs: the cap of 8 stays
+    (16, 8, 32768, 64, 8),
+    (64, 8, 4096, 64, 4),
+    (1, 8, 4096, 64, 8),  # few programs, but at most 8 splits below 8192 keys
+])
+def test_decode_splits_for_few_programs(monkeypatch, seqs, kv_heads, ctx, tile_n, want):
+    """On an H200's 132 SMs (1-warp programs, fill target 1056): 8 splits at most while they
+    give at least half the target, else as many as keep 1024 keys per split."""
+    monkeypatch.setattr(attn_kernels, "_num_sms", lambda device: 132)
+    got = attn_kernels.decode_splits(seqs, kv_heads, ctx, tile_n, torch.device("cpu"), 1)
+    assert got == want
 
 
 @pytest.mark.parametrize("group,d,b,window,cap", [(3, 64, 32, 40, 2.0), (1, 256, 16, None, None),
@@ -349,6 +388,44 @@ def test_hybrid_model_shapes(kind, i, j):
     got = run_attention(batch, backend="triton", sliding_window=window, sinks=sinks)
     assert_close_rel(got, fast_reference(batch, scale, window, None, sinks),
                      2e-3 if CUDA else 1e-5)
+
+
+#: blocks that are not a power of 2: hybrid models' chosen full-attention blocks (48) and
+#: vLLM's Mamba-aligned attention blocks (528 for a Qwen3-Next-style model; 80 keeps the
+#: interpreter fast and still straddles every tile)
+ODD_BLOCKS = [(48, None, False), (80, 13, True), (528, None, True)]
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("b,window,with_sinks", ODD_BLOCKS)
+def test_block_size_not_a_power_of_two(kind, b, window, with_sinks):
+    """Block sizes that are multiples of 16 but not powers of 2, every K/V format pair across
+    the cases, tiles straddling blocks, with a window or sinks."""
+    i = ODD_BLOCKS.index((b, window, with_sinks))
+    kf, vf = FMT_PAIRS[(i + (kind == "prefill")) % 4]
+    lay = KVPageLayout(2, 64, b, kf, vf)
+    seqs = [(b + 37, 1), (3, 1), (2 * b + 5, 1)] if kind == "decode" else [(b + 19, b + 19), (b + 40, 9)]
+    batch = make_batch(lay, seqs, 8, device=DEV, seed=b, write_backend=WRITE)
+    sinks = random_sinks(8, seed=b, device=DEV) if with_sinks else None
+    got = run_attention(batch, backend="triton", sliding_window=window, sinks=sinks)
+    assert_close_rel(got, fast_reference(batch, 0.125, window, None, sinks), 2e-3 if CUDA else 1e-5)
+
+
+@pytest.mark.parametrize("fold", [True, False], ids=["fold_k", "apart"])
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_block_size_not_a_power_of_two_code_variants(fold, kind):
+    """The per-token scale loads of a 48-token block with the K scales folded into the K planes
+    and applied apart, NVFP4 K and V, split decode."""
+    lay = KVPageLayout(2, 64, 48, "nvfp4", "nvfp4")
+    decode = kind == "decode"
+    seqs = [(101, 1), (3, 1), (50, 1)] if decode else [(67, 67), (90, 9)]
+    batch = make_batch(lay, seqs, 8, device=DEV, seed=48 + fold, write_backend=WRITE)
+    out = torch.empty_like(batch.query)
+    attn_kernels.paged_attention(
+        batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+        batch.seq_lens, batch.query_start_loc, batch.max_query_len, batch.max_seq_len, 0.1, out,
+        launch=_launch(lay, decode, num_splits=2 if decode else None, fold_k_scales=fold))
+    assert_close_rel(out, fast_reference(batch, 0.1), 2e-3 if CUDA else 1e-5)
 
 
 @pytest.mark.skipif(not CUDA, reason="half-precision kernel math needs the GPU")

@@ -255,3 +255,47 @@ def test_decode_batch_ignores_stale_bytes_and_keeps_nan_in_its_sequence():
     lay.data_plane(batch.cache, "v")[batch.block_table[1, 0].long(), 0, 2] = 0x7F  # NaN in seq 1's context
     got = run_attention(batch)
     assert torch.isnan(got[1]).any() and not torch.isnan(got[[0, 2]]).any()
+
+
+def test_layer_ops_checks_the_layer_once_and_each_new_step():
+    """LayerOps refuses bad fixed arguments when built, with the functions' errors; a step's
+    metadata is checked again whenever new tensors come; results and bytes equal the one-shot
+    functions'."""
+    lay = KVPageLayout(2, 64, 16, "nvfp4", "fp8")
+    batch = make_batch(lay, [(20, 2), (9, 1)], 4, seed=3)
+    sinks = random_sinks(4, seed=3)
+    with pytest.raises(ValueError, match="k_scale"):
+        ops.LayerOps(batch.cache, lay, torch.ones(3), batch.v_scale)
+    with pytest.raises(ValueError, match="page"):
+        ops.LayerOps(batch.cache[:, :-16], lay, batch.k_scale, batch.v_scale)
+    with pytest.raises(ValueError, match="sliding_window"):
+        ops.LayerOps(batch.cache, lay, batch.k_scale, batch.v_scale, sliding_window=0)
+    with pytest.raises(TypeError, match="sinks"):
+        ops.LayerOps(batch.cache, lay, batch.k_scale, batch.v_scale, sinks=sinks.double())
+    layer = ops.LayerOps(batch.cache, lay, batch.k_scale, batch.v_scale, sliding_window=12,
+                         logits_soft_cap=3.0, sinks=sinks)
+    step = (batch.block_table, batch.seq_lens, batch.query_start_loc, batch.max_query_len,
+            batch.max_seq_len, 0.2)
+    got = layer.attend(batch.query, *step, torch.empty_like(batch.query))
+    want = ops.paged_attention(batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, *step,
+                               torch.empty_like(batch.query), sliding_window=12,
+                               logits_soft_cap=3.0, sinks=sinks)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="block_table"):
+        layer.attend(batch.query, batch.block_table.long(), *step[1:], torch.empty_like(batch.query))
+    with pytest.raises(ValueError, match="query_start_loc"):
+        layer.attend(batch.query, batch.block_table, batch.seq_lens, batch.query_start_loc[:-1],
+                     *step[3:], torch.empty_like(batch.query))
+    with pytest.raises(ValueError, match=r"sinks must have shape \(8,\)"):
+        layer.attend(torch.randn(3, 8, 64), *step, torch.empty(3, 8, 64))
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(3, 2, 64, generator=gen), torch.randn(3, 2, 64, generator=gen)
+    slots = torch.tensor([5, 40, 77])
+    with pytest.raises(ValueError, match="slot_mapping"):
+        layer.write(k, v, slots.float())
+    with pytest.raises(ValueError, match="key"):
+        layer.write(k[..., :32], v[..., :32], slots)
+    expected = batch.cache.clone()
+    ops.write_kv_cache(k, v, expected, slots, lay, batch.k_scale, batch.v_scale)
+    layer.write(k, v, slots)
+    assert torch.equal(batch.cache, expected)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from vllm_nvfp4 import __version__
+from vllm_nvfp4.calibration.data import add_text_arguments
 from vllm_nvfp4.calibration.selection import BASES, DEFAULT_BASE, METRICS
 from vllm_nvfp4.formats import KVFormat
 from vllm_nvfp4.policy import POLICY_FILENAME, KVPolicy, PolicyError
@@ -66,12 +67,7 @@ def _base_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _model_args(p: argparse.ArgumentParser, default_windows: int, k_center_default: bool = False) -> None:
-    p.add_argument("model", type=Path, help="local Hugging Face model directory")
-    p.add_argument("--data", type=Path, nargs="+", required=True, metavar="FILE",
-                   help="text files or JSONL (fields 'text' or 'question'+'answer'), concatenated")
-    p.add_argument("--window", type=_positive(int), default=2048, help="tokens per window (default 2048)")
-    p.add_argument("--windows", type=_positive(int), default=default_windows,
-                   help=f"number of windows (default {default_windows})")
+    add_text_arguments(p, 2048, default_windows, _positive(int))
     p.add_argument("--per-head", action="store_true", help="one scale per KV head instead of per layer")
     p.add_argument("--k-smooth", type=_positive(float), default=None, metavar="ALPHA",
                    help="K smoothing: divide each K channel by max(1, (amax_c / mean amax)^ALPHA) "

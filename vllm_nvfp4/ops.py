@@ -1,7 +1,15 @@
-"""The two cache operations of one attention layer, checked at the edge and dispatched.
+"""The cache operations of one attention layer, checked at the edge and dispatched.
 
 * CUDA tensors run the Triton kernels of :mod:`vllm_nvfp4.kernels`;
 * CPU tensors run :mod:`vllm_nvfp4.paged_torch` (vLLM's CPU path, CI).
+
+:class:`LayerOps` checks a layer's fixed arguments (cache, layout, scales, window, soft-cap, sinks,
+backend) once, when it is built. A call's tensors are checked when their shapes, dtypes, strides
+and devices differ from those of the last call that passed, and a step's metadata (block table,
+sequence lengths, query starts: the same objects for every layer of the step) when it differs
+from the last checked: the first layer of a step runs the checks, the others compare.
+:func:`write_kv_cache` and :func:`paged_attention` build a :class:`LayerOps` for one call (tests,
+tools). The errors are the same either way.
 
 ``backend="torch"`` (or ``VLLM_NVFP4_FORCE_TORCH=1``) forces the torch path on CUDA, and
 ``backend="triton"`` forces the kernels (on CPU tensors that needs ``TRITON_INTERPRET=1`` set
@@ -64,25 +72,212 @@ def _check_heads(name: str, x: torch.Tensor, layout: KVPageLayout, dtypes: tuple
 SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check_sinks(sinks: Optional[torch.Tensor], query: torch.Tensor) -> None:
-    if sinks is None:
-        return
-    if not isinstance(sinks, torch.Tensor) or sinks.dtype not in SINK_DTYPES:
-        raise TypeError(f"sinks must be a tensor of {SINK_DTYPES} [num_q_heads], "
-                        f"got {getattr(sinks, 'dtype', sinks)}")
-    if tuple(sinks.shape) != (query.shape[1],) or sinks.device != query.device:
-        raise ValueError(f"sinks must have shape ({query.shape[1]},) (one logit per query head) on "
-                         f"{query.device}, got {tuple(sinks.shape)} on {sinks.device}")
-    if sinks.stride(0) != 1:
-        raise ValueError(f"sinks must be contiguous, got stride {sinks.stride(0)}")
-
-
 def _check_triton_head_dim(layout: KVPageLayout) -> None:
     if layout.head_dim not in TRITON_HEAD_DIMS:
         raise ValueError(
             f"head_dim {layout.head_dim} is not supported by the Triton kernels "
             f"(supported: {TRITON_HEAD_DIMS})"
         )
+
+
+def _check_step(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                device: torch.device) -> None:
+    """The attention metadata of a step: dtypes, ranks, sequence counts, device."""
+    for name, t, nd in (
+        ("block_table", block_table, 2),
+        ("seq_lens", seq_lens, 1),
+        ("query_start_loc", query_start_loc, 1),
+    ):
+        if t.dtype != torch.int32 or t.dim() != nd:
+            raise ValueError(f"{name} must be a {nd}-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but query is on {device}")
+    num_seqs = seq_lens.shape[0]
+    if block_table.shape[0] < num_seqs or query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"{num_seqs} sequences need block_table [>= {num_seqs}, blocks] and query_start_loc "
+            f"[{num_seqs + 1}], got {tuple(block_table.shape)} and {tuple(query_start_loc.shape)}"
+        )
+
+
+class _Passed:
+    """What the per-step checks last passed, so that the other layers of a step skip them.
+
+    ``step``: the metadata tensors (block table, sequence lengths, query starts), held, compared
+    by identity: every layer of a step gets the same objects, and a tensor's dtype, rank and
+    device never change (its shape only by an in-place resize, which vLLM does not do to these).
+    ``signatures``: per kind of call, what its checks read: of the layer, and of each tensor its
+    shape, dtype, strides and device; equal signatures pass and fail alike.
+    """
+
+    step: tuple[torch.Tensor, ...] = ()
+    signatures: dict[str, tuple] = {}
+
+    @classmethod
+    def check_step(cls, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                   query_start_loc: torch.Tensor, device: torch.device) -> None:
+        last = cls.step
+        if len(last) == 3 and last[0] is block_table and last[1] is seq_lens and last[2] is query_start_loc:
+            return
+        _check_step(block_table, seq_lens, query_start_loc, device)
+        cls.step = (block_table, seq_lens, query_start_loc)
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    """What the checks read of a tensor (AttributeError for anything else)."""
+    return t.shape, t.dtype, t.stride(), t.device
+
+
+class LayerOps:
+    """The cache operations of one attention layer, its fixed arguments checked once (module doc).
+
+    Args:
+        cache: uint8 ``[num_blocks, layout.page_bytes]``, ``stride(1) == 1``: the layer's pages.
+        layout: the page layout of this layer.
+        k_scale, v_scale: float32 ``[num_kv_heads]`` on the cache's device: FP8 scale or NVFP4
+            global scale per head (persistent tensors may be updated in place later).
+        sliding_window: keys at positions ``> pos - sliding_window`` only (None: no window).
+        logits_soft_cap: ``cap * tanh(logits / cap)`` on the scaled logits (None/0: off).
+        sinks: ``[num_q_heads]`` fp32/bf16/fp16 per-head sink logits, or None (see
+            :func:`paged_attention`).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (module doc).
+    """
+
+    def __init__(self, cache: torch.Tensor, layout: KVPageLayout, k_scale: torch.Tensor,
+                 v_scale: torch.Tensor, sliding_window: Optional[int] = None,
+                 logits_soft_cap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                 backend: Backend = "auto") -> None:
+        layout.check_cache(cache)
+        self.device = cache.device
+        _check_scales(layout, self.device, k_scale=k_scale, v_scale=v_scale)
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be None or > 0, got {sliding_window}")
+        if logits_soft_cap is not None and logits_soft_cap < 0:
+            raise ValueError(f"logits_soft_cap must be None or >= 0, got {logits_soft_cap}")
+        if sinks is not None:
+            if not isinstance(sinks, torch.Tensor) or sinks.dtype not in SINK_DTYPES:
+                raise TypeError(f"sinks must be a tensor of {SINK_DTYPES} [num_q_heads], "
+                                f"got {getattr(sinks, 'dtype', sinks)}")
+            if sinks.dim() != 1 or sinks.device != self.device:
+                raise ValueError(f"sinks must have shape (num_q_heads,) (one logit per query head) "
+                                 f"on {self.device}, got {tuple(sinks.shape)} on {sinks.device}")
+            if sinks.stride(0) != 1:
+                raise ValueError(f"sinks must be contiguous, got stride {sinks.stride(0)}")
+        self.backend = _backend(self.device, backend)
+        if self.backend == "triton":
+            _check_triton_head_dim(layout)
+        self.cache, self.layout = cache, layout
+        self.k_scale, self.v_scale = k_scale, v_scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap or None
+        self.sinks = sinks
+        # what the per-call checks read from the layer
+        self._layer_key = (layout.num_kv_heads, layout.head_dim, self.device,
+                           None if sinks is None else sinks.shape[0])
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Quantize and store this step's K/V into the layer's pages.
+
+        Args:
+            key, value: ``[num_tokens, num_kv_heads, head_dim]`` bf16/fp16/fp32,
+                ``stride(-1) == 1``, on the cache's device.
+            slot_mapping: int32/int64 ``[num_tokens]``; slot = block * block_size + offset;
+                < 0 skips.
+        Bytes match :mod:`vllm_nvfp4.formats` (``nonfinite="propagate"``) bit for bit.
+        """
+        try:
+            signature = (self._layer_key, _tensor_key(key), _tensor_key(value),
+                         _tensor_key(slot_mapping))
+        except AttributeError:  # not tensors: the checks say which
+            signature = None
+        if signature is None or _Passed.signatures.get("write") != signature:
+            self._check_write(key, value, slot_mapping)
+            _Passed.signatures["write"] = signature
+        if key.shape[0] == 0:
+            return
+        if self.backend == "torch":
+            paged_torch.write_kv_cache(key, value, self.cache, slot_mapping, self.layout,
+                                       self.k_scale, self.v_scale)
+            return
+        from vllm_nvfp4.kernels import cache_write
+
+        cache_write.write_kv_cache(key, value, self.cache, slot_mapping, self.layout, self.k_scale,
+                                   self.v_scale)
+
+    def _check_write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        layout = self.layout
+        _check_heads("key", key, layout, KV_INPUT_DTYPES)
+        _check_heads("value", value, layout, KV_INPUT_DTYPES)
+        if key.shape != value.shape or key.shape[1] != layout.num_kv_heads:
+            raise ValueError(
+                f"key {tuple(key.shape)} and value {tuple(value.shape)} must both be "
+                f"[tokens, {layout.num_kv_heads}, {layout.head_dim}]"
+            )
+        if slot_mapping.dtype not in (torch.int32, torch.int64) or tuple(slot_mapping.shape) != (
+            key.shape[0],
+        ):
+            raise ValueError(
+                f"slot_mapping must be int32/int64 [{key.shape[0]}], "
+                f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+            )
+        for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device} but the cache is on {self.device}")
+
+    def attend(self, query: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+               query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
+               softmax_scale: float, out: torch.Tensor) -> torch.Tensor:
+        """Causal paged attention of a batch of sequences over the layer's pages.
+
+        Args:
+            query, out: ``[num_query_tokens, num_q_heads, head_dim]`` (bf16/fp16/fp32);
+                ``num_q_heads`` a multiple of ``num_kv_heads`` (GQA/MQA).
+            block_table: int32 ``[num_seqs, max_blocks]``.
+            seq_lens: int32 ``[num_seqs]``: context length including this step's tokens.
+            query_start_loc: int32 ``[num_seqs + 1]``: query token ranges, cumulative.
+            max_query_len, max_seq_len: host ints (launch configuration; upper bounds).
+            softmax_scale: multiplies ``q . k`` before the softmax.
+        Query token j of sequence s sits at position ``seq_lens[s] - q_len + j`` and attends
+        causally; the sinks (if any) join the softmax as in :func:`paged_attention`. Returns
+        ``out``.
+        """
+        try:
+            signature = (self._layer_key, _tensor_key(query), _tensor_key(out))
+        except AttributeError:  # not tensors: the checks say which
+            signature = None
+        if signature is None or _Passed.signatures.get("attend") != signature:
+            self._check_attend(query, out)
+            _Passed.signatures["attend"] = signature
+        _Passed.check_step(block_table, seq_lens, query_start_loc, self.device)
+        if seq_lens.shape[0] == 0 or query.shape[0] == 0:
+            return out
+        args = (
+            query, self.cache, self.layout, self.k_scale, self.v_scale, block_table, seq_lens,
+            query_start_loc, int(max_query_len), int(max_seq_len), float(softmax_scale), out,
+            self.sliding_window, self.logits_soft_cap, self.sinks,
+        )
+        if self.backend == "torch":
+            return paged_torch.paged_attention(*args)
+        from vllm_nvfp4.kernels import attention
+
+        return attention.paged_attention(*args)
+
+    def _check_attend(self, query: torch.Tensor, out: torch.Tensor) -> None:
+        layout = self.layout
+        _check_heads("query", query, layout, ATTN_DTYPES)
+        _check_heads("out", out, layout, ATTN_DTYPES)
+        if out.shape != query.shape:
+            raise ValueError(f"out {tuple(out.shape)} must match query {tuple(query.shape)}")
+        if query.shape[1] % layout.num_kv_heads != 0:
+            raise ValueError(
+                f"num_q_heads {query.shape[1]} must be a multiple of num_kv_heads {layout.num_kv_heads}"
+            )
+        if self.sinks is not None and self.sinks.shape[0] != query.shape[1]:
+            raise ValueError(f"sinks must have shape ({query.shape[1]},) (one logit per query head), "
+                             f"got {tuple(self.sinks.shape)}")
+        for name, t in (("query", query), ("out", out)):
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device} but the cache is on {self.device}")
 
 
 def write_kv_cache(
@@ -95,44 +290,9 @@ def write_kv_cache(
     v_scale: torch.Tensor,
     backend: Backend = "auto",
 ) -> None:
-    """Quantize and store this step's K/V into one layer's paged cache.
-
-    Args:
-        key, value: ``[num_tokens, num_kv_heads, head_dim]`` bf16/fp16/fp32, ``stride(-1) == 1``.
-        cache: uint8 ``[num_blocks, layout.page_bytes]``, ``stride(1) == 1``.
-        slot_mapping: int32/int64 ``[num_tokens]``; slot = block * block_size + offset; < 0 skips.
-        layout: the page layout of this layer.
-        k_scale, v_scale: float32 ``[num_kv_heads]``: FP8 scale or NVFP4 global scale per head.
-    Bytes match :mod:`vllm_nvfp4.formats` (``nonfinite="propagate"``) bit for bit.
-    """
-    layout.check_cache(cache)
-    _check_heads("key", key, layout, KV_INPUT_DTYPES)
-    _check_heads("value", value, layout, KV_INPUT_DTYPES)
-    if key.shape != value.shape or key.shape[1] != layout.num_kv_heads:
-        raise ValueError(
-            f"key {tuple(key.shape)} and value {tuple(value.shape)} must both be "
-            f"[tokens, {layout.num_kv_heads}, {layout.head_dim}]"
-        )
-    if slot_mapping.dtype not in (torch.int32, torch.int64) or tuple(slot_mapping.shape) != (
-        key.shape[0],
-    ):
-        raise ValueError(
-            f"slot_mapping must be int32/int64 [{key.shape[0]}], "
-            f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
-        )
-    for name, t in (("value", value), ("cache", cache), ("slot_mapping", slot_mapping)):
-        if t.device != key.device:
-            raise ValueError(f"{name} is on {t.device} but key is on {key.device}")
-    _check_scales(layout, key.device, k_scale=k_scale, v_scale=v_scale)
-    if key.shape[0] == 0:
-        return
-    if _backend(key.device, backend) == "torch":
-        paged_torch.write_kv_cache(key, value, cache, slot_mapping, layout, k_scale, v_scale)
-        return
-    _check_triton_head_dim(layout)
-    from vllm_nvfp4.kernels import cache_write
-
-    cache_write.write_kv_cache(key, value, cache, slot_mapping, layout, k_scale, v_scale)
+    """Quantize and store this step's K/V into one layer's paged cache: :meth:`LayerOps.write`,
+    every argument checked (``cache``, ``layout``, scales, ``backend`` as in :class:`LayerOps`)."""
+    LayerOps(cache, layout, k_scale, v_scale, backend=backend).write(key, value, slot_mapping)
 
 
 def paged_attention(
@@ -153,77 +313,18 @@ def paged_attention(
     sinks: Optional[torch.Tensor] = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
-    """Causal paged attention of a batch of sequences, K/V read from the quantized cache.
+    """Causal paged attention of a batch of sequences, K/V read from the quantized cache:
+    :meth:`LayerOps.attend`, every argument checked (the layer's as in :class:`LayerOps`).
 
-    Args:
-        query, out: ``[num_query_tokens, num_q_heads, head_dim]`` (bf16/fp16/fp32);
-            ``num_q_heads`` a multiple of ``num_kv_heads`` (GQA/MQA).
-        cache, layout, k_scale, v_scale: as in :func:`write_kv_cache`.
-        block_table: int32 ``[num_seqs, max_blocks]``.
-        seq_lens: int32 ``[num_seqs]``: context length including this step's tokens.
-        query_start_loc: int32 ``[num_seqs + 1]``: query token ranges, cumulative.
-        max_query_len, max_seq_len: host ints (launch configuration; upper bounds).
-        softmax_scale: multiplies ``q . k`` before the softmax.
-        sliding_window: keys at positions ``> pos - sliding_window`` only (None: no window).
-        logits_soft_cap: ``cap * tanh(logits / cap)`` on the scaled logits (None/0: off).
-        sinks: ``[num_q_heads]`` fp32 (bf16/fp16 read as fp32), or None: each head's attention-sink
-            logit (gpt-oss; vLLM's ``sinks`` / FlashAttention's ``s_aux``). It joins the softmax
-            as one more logit without a value: ``out = sum_j e^(l_j - m) v_j /
-            (sum_j e^(l_j - m) + e^(sink - m))``, ``m`` the max over the real logits ``l_j``
-            (scaled, soft-capped, masked) and the sink; the sink itself is neither scaled nor capped.
-    Query token j of sequence s sits at position ``seq_lens[s] - q_len + j`` and attends
-    causally. Returns ``out``.
+    ``sinks``: ``[num_q_heads]`` fp32 (bf16/fp16 read as fp32), or None: each head's attention-sink
+    logit (gpt-oss; vLLM's ``sinks`` / FlashAttention's ``s_aux``). It joins the softmax as one
+    more logit without a value: ``out = sum_j e^(l_j - m) v_j / (sum_j e^(l_j - m) +
+    e^(sink - m))``, ``m`` the max over the real logits ``l_j`` (scaled, soft-capped, masked) and
+    the sink; the sink itself is neither scaled nor capped. Returns ``out``.
     """
-    layout.check_cache(cache)
-    _check_heads("query", query, layout, ATTN_DTYPES)
-    _check_heads("out", out, layout, ATTN_DTYPES)
-    if out.shape != query.shape:
-        raise ValueError(f"out {tuple(out.shape)} must match query {tuple(query.shape)}")
-    if query.shape[1] % layout.num_kv_heads != 0:
-        raise ValueError(
-            f"num_q_heads {query.shape[1]} must be a multiple of num_kv_heads {layout.num_kv_heads}"
-        )
-    for name, t, nd in (
-        ("block_table", block_table, 2),
-        ("seq_lens", seq_lens, 1),
-        ("query_start_loc", query_start_loc, 1),
-    ):
-        if t.dtype != torch.int32 or t.dim() != nd:
-            raise ValueError(f"{name} must be a {nd}-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
-    num_seqs = seq_lens.shape[0]
-    if block_table.shape[0] < num_seqs or query_start_loc.shape[0] != num_seqs + 1:
-        raise ValueError(
-            f"{num_seqs} sequences need block_table [>= {num_seqs}, blocks] and query_start_loc "
-            f"[{num_seqs + 1}], got {tuple(block_table.shape)} and {tuple(query_start_loc.shape)}"
-        )
-    for name, t in (
-        ("cache", cache),
-        ("out", out),
-        ("block_table", block_table),
-        ("seq_lens", seq_lens),
-        ("query_start_loc", query_start_loc),
-    ):
-        if t.device != query.device:
-            raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
-    _check_scales(layout, query.device, k_scale=k_scale, v_scale=v_scale)
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be None or > 0, got {sliding_window}")
-    if logits_soft_cap is not None and logits_soft_cap < 0:
-        raise ValueError(f"logits_soft_cap must be None or >= 0, got {logits_soft_cap}")
-    _check_sinks(sinks, query)
-    if num_seqs == 0 or query.shape[0] == 0:
-        return out
-    args = (
-        query, cache, layout, k_scale, v_scale, block_table, seq_lens, query_start_loc,
-        int(max_query_len), int(max_seq_len), float(softmax_scale), out, sliding_window,
-        logits_soft_cap or None,
-    )
-    if _backend(query.device, backend) == "torch":
-        return paged_torch.paged_attention(*args, sinks)
-    _check_triton_head_dim(layout)
-    from vllm_nvfp4.kernels import attention
-
-    return attention.paged_attention(*args, sinks)
+    return LayerOps(cache, layout, k_scale, v_scale, sliding_window, logits_soft_cap, sinks,
+                    backend).attend(query, block_table, seq_lens, query_start_loc, max_query_len,
+                                    max_seq_len, softmax_scale, out)
 
 
 def dequantize_kv(

@@ -89,7 +89,7 @@ def dequantize_tokens(
     """Dequantize K or V of ``S`` sequences' blocks ``block_ids [S, n]``: FP32 ``[S, H, n * B, D]``.
 
     Token ``t`` of sequence ``s`` is slot ``t % B`` of block ``block_ids[s, t // B]``. Values are
-    bit-identical to :func:`vllm_nvfp4.formats.fp8_dequantize` / :func:`nvfp4_dequantize` with the
+    bit-identical to :func:`vllm_nvfp4.formats.fp8_dequantize` / :func:`~vllm_nvfp4.formats.nvfp4_dequantize` with the
     per-head ``scale [H]`` (same FP32 products in the same order; NVFP4 nibbles are decoded a byte
     at a time through a table built from :func:`e2m1_value`). With ``seq_lens [S]``, tokens at
     ``t >= seq_lens[s]`` are exactly 0, whatever stale bytes (NaN included) their slots hold.

@@ -31,8 +31,8 @@ def load_targets(path: Optional[str | Path]) -> list[dict]:
         return []
     try:
         import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        raise SystemExit("a targets file needs Python >= 3.11 (tomllib); pass --targets none") from None
+    except ModuleNotFoundError:  # Python 3.10: tomli is the same parser (setup.py installs it there)
+        import tomli as tomllib
     data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     targets = data.get("target", [])
     for t in targets:

@@ -9,11 +9,12 @@ first ``calib`` windows calibrate the scales, the next ``count`` are held out fo
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -124,3 +125,15 @@ def load_windows(
         )
     t = torch.tensor(ids[:need], dtype=torch.long).view(calib + count, window)
     return TokenWindows(calib=t[:calib], eval=t[calib:], files=tuple(files), total_tokens=len(ids))
+
+
+def add_text_arguments(p: argparse.ArgumentParser, window: int, windows: int,
+                       number: Callable[[str], Any] = int) -> None:
+    """The ``model`` directory and the text a command scores it on: ``--data``, ``--window``
+    (tokens per window) and ``--windows``, as :func:`load_windows` takes them; ``number`` parses
+    the two counts."""
+    p.add_argument("model", type=Path, help="local Hugging Face model directory")
+    p.add_argument("--data", type=Path, nargs="+", required=True, metavar="FILE",
+                   help="text files or JSONL (fields 'text' or 'question'+'answer'), concatenated")
+    p.add_argument("--window", type=number, default=window, help=f"tokens per window (default {window})")
+    p.add_argument("--windows", type=number, default=windows, help=f"number of windows (default {windows})")

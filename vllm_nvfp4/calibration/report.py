@@ -49,7 +49,7 @@ _MEASURED_SCHEMA: dict[str, Any] = {
 
 def load_selections(report_dir: Path) -> list[dict[str, Any]]:
     """All ``selection-*.json`` of a report directory, by number of FP8 slots (checked:
-    :class:`ReportError` names a malformed or incomplete file)."""
+    :class:`~vllm_nvfp4.calibration.report_files.ReportError` names a malformed or incomplete file)."""
     out = []
     for path in sorted(Path(report_dir).glob("selection-*.json")):
         sel = read_json(path)

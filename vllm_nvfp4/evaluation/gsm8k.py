@@ -1,6 +1,6 @@
 """GSM8K through the real lm-eval command line (``lm_eval --model vllm ...``), one run per config.
 
-The task is ``gsm8k_nvfp4`` from ``scripts/lm_eval_tasks/`` (lm-eval's ``gsm8k`` over the local
+The task is ``gsm8k_nvfp4`` from ``vllm_nvfp4/evaluation/lm_eval_tasks/`` (lm-eval's ``gsm8k`` over the local
 JSONL). :func:`lm_eval_command` builds the exact command a user can copy; :func:`parse_results`
 reads lm-eval's ``results_*.json`` (strict and flexible exact match with their standard errors)
 and :func:`paired_difference` the per-question samples, so a configuration can be compared with
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 TASK = "gsm8k_nvfp4"
-TASKS_DIR = Path(__file__).resolve().parents[2] / "scripts" / "lm_eval_tasks"
+TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"  # lm-eval --include_path
 FILTERS = ("strict-match", "flexible-extract")
 
 

@@ -8,6 +8,10 @@ why. The other modules hold the logic those hooks call:
                       start-up validation;
 * :mod:`.selection` - which attention backend serves ``nvfp4_mixed``;
 * :mod:`.spec`      - the per-layer KV-cache spec (page size from the layer's formats);
-* :mod:`.backend`   - the attention backend and its metadata builder;
-* :mod:`.impl`      - the attention impl calling :mod:`vllm_nvfp4.ops`.
+* :mod:`.backend`   - the attention backend, its metadata and builder, and the impl calling
+                      :mod:`vllm_nvfp4.ops`;
+* :mod:`.rank_params` - a policy row's per-KV-head values on one tensor-parallel rank;
+* :mod:`.dense_prefill` - prefill through FlashAttention over dequantized K/V (CUDA);
+* :mod:`.startup_calibration` - without a policy, K/V scales calibrated in vLLM before serving;
+* :mod:`.connectors` - which KV connectors may move ``nvfp4_mixed`` blocks.
 """

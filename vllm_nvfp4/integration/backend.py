@@ -272,8 +272,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         self.k_smooth: Optional[torch.Tensor] = None  # float32 [num_kv_heads, D]: cache holds K / it
         self.q_smooth: Optional[torch.Tensor] = None  # float32 [num_heads, D]: queries times it
         self.k_center: Optional[torch.Tensor] = None  # float32 [num_kv_heads, D]: cache holds K - it
-        self._pages: Optional[torch.Tensor] = None
-        self._pages_of: Optional[torch.Tensor] = None
+        self._ops: Optional[ops.LayerOps] = None  # checked once per layer and cache tensor
+        self._ops_of: Optional[torch.Tensor] = None
         config = get_current_vllm_config_or_none()  # set while vLLM builds the model's layers
         self._scratch_rows = scratch_rows(config) if config and config.model_config else 0
 
@@ -330,12 +330,16 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
                 else:
                     current.copy_(new)  # in place: CUDA graphs keep pointing at it
         self.layer_name, self.layout = layer_name, layout
+        self._ops = self._ops_of = None  # the next call checks the new layout and scales
 
-    def _page_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        if self._pages_of is not kv_cache:
-            self._pages = page_view(kv_cache, self.layout)
-            self._pages_of = kv_cache
-        return self._pages
+    def _layer_ops(self, kv_cache: torch.Tensor) -> ops.LayerOps:
+        """The layer's cache operations over ``kv_cache`` (vLLM's view), built at its first use."""
+        if self._ops_of is not kv_cache:
+            self._ops = ops.LayerOps(page_view(kv_cache, self.layout), self.layout, self.k_scale,
+                                     self.v_scale, self.sliding_window, self.logits_soft_cap,
+                                     self.sink_logits)
+            self._ops_of = kv_cache
+        return self._ops
 
     def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -346,8 +350,7 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         key = key[:n]
         if self.k_smooth is not None or self.k_center is not None:
             key = stored_keys(key, self.k_center, self.k_smooth)
-        ops.write_kv_cache(key, value[:n], self._page_view(kv_cache), slot_mapping[:n],
-                           self.layout, self.k_scale, self.v_scale)
+        self._layer_ops(kv_cache).write(key, value[:n], slot_mapping[:n])
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Optional[Nvfp4MixedMetadata],
@@ -364,34 +367,24 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         if isinstance(attn_metadata, CalibrationBatch):  # start-up calibration: exact attention
             return attn_metadata.attend(self, query, key, value, output)
         m = attn_metadata
-        pages = self._page_view(kv_cache)
+        layer_ops = self._layer_ops(kv_cache)
         if self.q_smooth is not None:  # q . (K / lam) with q * lam: the smoothing cancels
             query = (query.float() * self.q_smooth).to(query.dtype)
         if (not m.prefill_groups or query.dtype not in DENSE_DTYPES
                 or not dense_prefill_supports(self.head_size, self.sinks is not None)):
             n = m.num_actual_tokens
-            self._paged(query[:n], pages, m.block_table, m.seq_lens, m.query_start_loc,
-                        m.max_query_len, m.max_seq_len, output[:n])
+            layer_ops.attend(query[:n], m.block_table, m.seq_lens, m.query_start_loc,
+                             m.max_query_len, m.max_seq_len, self.scale, output[:n])
             return output
         d, nd = m.num_decodes, m.num_decode_tokens
         if d:
-            self._paged(query[:nd], pages, m.block_table[:d], m.seq_lens[:d],
-                        m.query_start_loc[: d + 1], m.decode_max_query_len, m.decode_max_seq_len,
-                        output[:nd])
+            layer_ops.attend(query[:nd], m.block_table[:d], m.seq_lens[:d],
+                             m.query_start_loc[: d + 1], m.decode_max_query_len,
+                             m.decode_max_seq_len, self.scale, output[:nd])
         attention, fa_version = flash_varlen()
         for group in m.prefill_groups:
-            dense_prefill(query, output, pages, self.layout, self.k_scale, self.v_scale,
+            dense_prefill(query, output, layer_ops.cache, self.layout, self.k_scale, self.v_scale,
                           m.block_table, m.seq_lens, group, self.scale, self.logits_soft_cap,
                           attention, sliding_window=self.sliding_window, sinks=self.sink_logits,
                           fa_version=fa_version)
         return output
-
-    def _paged(self, query: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
-               seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-               max_seq_len: int, out: torch.Tensor) -> None:
-        """Paged attention kernels (decode, or the fused prefill) for ``query [T, Hq, D]``."""
-        extra = {} if self.sink_logits is None else {"sinks": self.sink_logits}
-        ops.paged_attention(query, pages, self.layout, self.k_scale, self.v_scale, block_table,
-                            seq_lens, query_start_loc, max_query_len, max_seq_len, self.scale,
-                            out, sliding_window=self.sliding_window,
-                            logits_soft_cap=self.logits_soft_cap, **extra)

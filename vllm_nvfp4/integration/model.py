@@ -17,6 +17,7 @@ import weakref
 from typing import Any, Optional
 
 from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, KVFormat
+from vllm_nvfp4.integration.block_sizes import hybrid_plan
 from vllm_nvfp4.layout import PAGE_ALIGN, KVPageLayout
 from vllm_nvfp4.model_shape import ModelShape
 from vllm_nvfp4.policy import (
@@ -92,44 +93,34 @@ def layer_index(layer_name: str, num_layers: int) -> int:
     return numbers[0]
 
 
-#: block sizes a sliding-window layer may take (the kernels tile a block with tl.arange)
-SLIDING_BLOCK_SIZES = (16, 32, 64, 128, 256)
+_GROUP_BLOCKS: dict[int, tuple[int, int]] = {}
 
 
-def packing_fill(full_block_bytes: int, sliding_page_bytes: int, num_sliding: int) -> tuple[float, float]:
-    """``(full, sliding)``: the used fraction of a block of the full-attention group and of the
-    fullest sliding-window group, as vLLM 0.32 packs hybrid groups under a block-outermost layout
-    (``_get_packed_kv_cache_groups``): a block holds the larger of the full group's pages and one
-    sliding page; sliding layers go ``block // page`` to a group, spread evenly over
-    ``cdiv(n, that)`` groups."""
-    block = max(full_block_bytes, sliding_page_bytes)
-    per_group = block // sliding_page_bytes
-    groups = -(-num_sliding // per_group)
-    sliding_bytes = -(-num_sliding // groups) * sliding_page_bytes
-    return full_block_bytes / block, sliding_bytes / block
+def group_block_sizes(policy: KVPolicy, shape: ModelShape, vllm_config: Any) -> tuple[int, int]:
+    """``(full, sliding)`` tokens per block of the full-attention and sliding-window layers.
+
+    A model with both kinds, its sliding layers of one format pair and window, takes
+    :func:`~vllm_nvfp4.integration.block_sizes.hybrid_plan` (vLLM packs their groups into
+    shared blocks; the sizes that waste the least of them at ``max_model_len``); any other
+    model keeps the configured block size for both. Fixed per engine config at the first call
+    (the KV-cache specs and the attention impls must agree, also if vLLM later fits
+    ``max_model_len`` to the memory)."""
+    if not shape.needs_packed_groups:
+        return shape.block_size, shape.block_size
+    key = id(vllm_config)
+    if key not in _GROUP_BLOCKS:
+        _GROUP_BLOCKS[key] = _choose_group_block_sizes(policy, shape, vllm_config)
+        weakref.finalize(vllm_config, _GROUP_BLOCKS.pop, key, None)
+    return _GROUP_BLOCKS[key]
 
 
-def sliding_block_size(policy: KVPolicy, shape: ModelShape) -> int:
-    """Block size of the sliding-window layers (one of :data:`SLIDING_BLOCK_SIZES`): the one that
-    fills the full-attention blocks best (the cache that grows with the context), then the
-    sliding blocks (:func:`packing_fill`), then the smallest.
-
-    All groups of a hybrid model share one block size in *bytes*. A sliding page larger than
-    the full-attention group's block would pad every full-attention block up to it; a small one
-    leaves part of each sliding block empty, which costs at most the window's tokens per
-    request. Models without full-attention layers, or with sliding layers of different formats
-    or windows, keep the configured block size.
-    """
-    rows = [lp for _, lp in policy.kv_layers()]
-    sliding = [lp for lp in rows if lp.layer_type.kind == "sliding"]
-    full = [lp for lp in rows if lp.layer_type.kind == "full"]
-    if not sliding or not full or len({(lp.k, lp.v, lp.layer_type.window) for lp in sliding}) > 1:
-        return shape.block_size
-    heads, dim = shape.num_kv_heads, shape.head_dim
-    full_bytes = shape.block_size * policy.kv_bytes_per_token(heads, dim, ("full",))
-    per_token = policy.kv_bytes_per_token(heads, dim, ("sliding",)) // len(sliding)
-    return max(SLIDING_BLOCK_SIZES,
-               key=lambda b: (*packing_fill(full_bytes, b * per_token, len(sliding)), -b))
+def _choose_group_block_sizes(policy: KVPolicy, shape: ModelShape,
+                              vllm_config: Any) -> tuple[int, int]:
+    plan = hybrid_plan(policy, shape.num_kv_heads, shape.head_dim, shape.block_size,
+                       vllm_config.model_config.max_model_len, vllm_config.max_in_flight_tokens)
+    if plan is None:
+        return shape.block_size, shape.block_size
+    return plan.full_block, plan.sliding_block
 
 
 #: vLLM's name prefix for the layers of a separate draft model (``method="draft_model"``)
@@ -161,7 +152,7 @@ def layer_plan(vllm_config: Any, layer: Any) -> tuple[Optional[int], LayerPolicy
     ``layer`` is vLLM's ``Attention`` module (``layer_name``, ``num_kv_heads`` on this rank,
     ``head_size``, ``sliding_window``: the layer's own, they may differ between layers). Target
     layers take their row of the policy and must be what its type says (else
-    :class:`Nvfp4MixedConfigError`); sliding layers take :func:`sliding_block_size`. Draft
+    :class:`Nvfp4MixedConfigError`) and take :func:`group_block_sizes`. Draft
     layers take :data:`DRAFT_LAYER_POLICY` and their own head shape.
     """
     shape = ModelShape.from_vllm_config(vllm_config)
@@ -179,7 +170,8 @@ def layer_plan(vllm_config: Any, layer: Any) -> tuple[Optional[int], LayerPolicy
             f"{layer.layer_name}: vLLM builds this layer as {seen} attention, but the model config "
             f"(and the policy) say layer {index} is {kind.label()}; this model's layer types "
             "cannot be read from its config, so nvfp4_mixed cannot serve it")
-    block_size = sliding_block_size(policy, shape) if kind.kind == "sliding" else shape.block_size
+    full_block, sliding_block = group_block_sizes(policy, shape, vllm_config)
+    block_size = sliding_block if kind.kind == "sliding" else full_block
     layout = KVPageLayout(layer.num_kv_heads, layer.head_size, block_size, row.k, row.v)
     return index, row, layout
 

@@ -273,10 +273,44 @@ def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexp
     ptr = (cache_ptr + blk.to(tl.int64) * stride_blk)[:, None, None] + SCALE \
         + (h * BLOCK + j)[None, :, None] * C + k[None, None, :]
     sc = tl.load(ptr)  # [NB, BLOCK, C]
-    sc = tl.reshape(sc, [N, C]).to(tl.float8e4nv, bitcast=True)
-    sc = sc.to(tl.float32)
-    if MASKED and ZERO_PAST_END:
-        sc = tl.where(((t0 + tl.arange(0, N)) < t_end)[:, None], sc, 0.0)
+    return _scale_chunks(tl.reshape(sc, [N, C]), t0 + tl.arange(0, N) < t_end, N, C,
+                         MASKED and ZERO_PAST_END)
+
+
+@triton.jit
+def _tile_scales_by_token(page, off, valid, h, SCALE: tl.constexpr, C: tl.constexpr,
+                          BLOCK: tl.constexpr, N: tl.constexpr, MASKED: tl.constexpr,
+                          ZERO_PAST_END: tl.constexpr):
+    """:func:`_tile_scales` for any block size (tiles may straddle blocks): each token's ``C``
+    scales from its own page (``page``, ``off``, ``valid`` from :func:`_tile_rows`; masked tokens
+    read block 0, in bounds)."""
+    k = tl.arange(0, C)
+    sc = tl.load(page[:, None] + SCALE + (h * BLOCK + off)[:, None] * C + k[None, :])
+    return _scale_chunks(sc, valid, N, C, MASKED and ZERO_PAST_END)
+
+
+@triton.jit
+def _scales_of_tile(cache_ptr, stride_blk, bt_row, t0, t_end, page, off, valid, h,
+                    SCALE: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr,
+                    MASKED: tl.constexpr, ZERO_PAST_END: tl.constexpr):
+    """The tile's block scales: :func:`_tile_scales` when the tile spans whole blocks (a power-of-2
+    ``BLOCK`` dividing ``N``), else :func:`_tile_scales_by_token`."""
+    if N % BLOCK == 0 and (BLOCK & (BLOCK - 1)) == 0:
+        scales = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE, C, BLOCK, N,
+                              MASKED, ZERO_PAST_END)
+    else:
+        scales = _tile_scales_by_token(page, off, valid, h, SCALE, C, BLOCK, N, MASKED,
+                                       ZERO_PAST_END)
+    return scales
+
+
+@triton.jit
+def _scale_chunks(sc, valid, N: tl.constexpr, C: tl.constexpr, ZERO: tl.constexpr):
+    """Raw E4M3 scale bytes ``[N, C]`` -> a tuple of ``C`` FP32 vectors ``[N]`` (chunk order);
+    ``ZERO``: 0 where not ``valid``."""
+    sc = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if ZERO:
+        sc = tl.where(valid[:, None], sc, 0.0)
     parts = (sc,)
     for lvl in tl.static_range(5):  # C <= 32 chunks (head_dim 512)
         if (C >> lvl) > 1:
@@ -341,30 +375,41 @@ def _attend_keys(
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
+    HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr,
 ):
     """:func:`_attend_tiles` over the keys ``[t_begin, t_end)``: the whole tiles of ``[t_begin,
     t_full)`` that every query column sees entirely (no mask, no bounds checks), then the rest
-    masked (the sequence end, the causal diagonal, the window)."""
+    masked (the sequence end, the causal diagonal, the window).
+
+    ``HOIST_Q``: the score tiles start from ``sum_c 0 . q_c`` (zeros, computed once before the
+    loops) instead of constant zeros, which makes Triton convert the query operands to the MMA
+    layout once rather than in every tile. ``FOLD_K``: see :func:`_attend_tiles`."""
+    s0 = tl.zeros([TILE_N, M], dtype=tl.float32)
+    if HOIST_Q:
+        for c in tl.static_range(len(qs)):
+            zk = tl.zeros([TILE_N, D // 2 if K_FMT == FMT_FP8 else 16],
+                          dtype=tl.float32 if F32 else tl.float16)
+            s0 = _dot_f(zk, qs[c], s0, F32)
     accs, m_i, l_i = _attend_tiles(
-        qs, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_begin, t_full, t_end,
+        qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
-        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, False)
+        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, False, FOLD_K)
     return _attend_tiles(
-        qs, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_full, t_end, t_end,
+        qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_full, t_end, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
-        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, True)
+        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, True, FOLD_K)
 
 
 @triton.jit
 def _attend_tiles(
-    qs, q_pos, accs, m_i, l_i,
+    qs, s0, q_pos, accs, m_i, l_i,
     cache_ptr, stride_blk, bt_row, h, lo, hi, t_end,
     qk_scale, softcap, window,
     K_FMT: tl.constexpr, V_FMT: tl.constexpr,
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, FOLD_K: tl.constexpr,
 ):
     """Online-softmax attention with the KEYS on the MMA M dimension and the ``M`` query columns
     (``qs`` from :func:`_load_query_parts`, positions ``q_pos [M]``) on N, over the keys
@@ -373,7 +418,10 @@ def _attend_tiles(
     applied per 16-element chunk, never per element: each chunk ``c`` is one nibble plane of 16
     words (the cache's chunk-planar order, :mod:`vllm_nvfp4.layout`), so
     ``s^T [TILE_N, M] = sum_c sk_c * (K_c [TILE_N, 16] . q_c^T [16, M])`` with ``sk_c [TILE_N]``
-    the tokens' block scales, and ``acc_c^T [16, M] += V_c^T [16, TILE_N] . (sv_c * p)``. An FP8
+    the tokens' block scales, and ``acc_c^T [16, M] += V_c^T [16, TILE_N] . (sv_c * p)``. With
+    ``FOLD_K`` the K planes are scaled instead, ``s^T = sum_c (sk_c * K_c) . q_c^T`` as one chained
+    dot: the fp16 product of an ``e2m1 * 2^-14`` plane and an E4M3 scale is exact (a multiple of
+    2^-24 with at most 6 significant bits, at most 6 * 448 * 2^-14). An FP8
     K or V is one dot per byte plane and tile (:func:`_fp8_planes`: even and odd columns of
     ``K . q^T``, ``V^T . p``). The raw K/V words and whole scale
     rows are copied asynchronously (``tl.range`` stages) and decoded by unary inline asm in the
@@ -388,23 +436,28 @@ def _attend_tiles(
         toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK,
                                             TILE_N, MASKED)
         if V_FMT != FMT_FP8:
-            vss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, V_SCALE, C, BLOCK,
-                               TILE_N, MASKED, True)
-        s = tl.zeros([TILE_N, M], dtype=tl.float32)
+            vss = _scales_of_tile(cache_ptr, stride_blk, bt_row, t0, t_end, page, off, valid, h,
+                                  V_SCALE, C, BLOCK, TILE_N, MASKED, True)
+        s = s0  # zeros (:func:`_attend_keys`)
         if K_FMT == FMT_FP8:
             ke, ko = _fp8_planes(_tile_words(page, off, valid, h, K_DATA, D, 0, D // 2, BLOCK,
                                              False, MASKED), F32)
             s = _dot_f(ko, qs[1], _dot_f(ke, qs[0], s, F32), F32)
         else:  # stale K scales past t_end only reach masked scores
-            kss = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, K_SCALE, C, BLOCK,
-                               TILE_N, MASKED, False)
+            kss = _scales_of_tile(cache_ptr, stride_blk, bt_row, t0, t_end, page, off, valid, h,
+                                  K_SCALE, C, BLOCK, TILE_N, MASKED, False)
             for gi in tl.static_range(D // 64):
                 kps = _planes(_tile_words(page, off, valid, h, K_DATA, D // 2, 16 * gi, 16, BLOCK,
                                           False, MASKED), F32)
                 for j in tl.static_range(4):
-                    part = _dot_f(kps[j], qs[4 * gi + j],
-                                  tl.zeros([TILE_N, M], dtype=tl.float32), F32)
-                    s += part * kss[4 * gi + j][:, None]
+                    if FOLD_K:  # the fp16 product is exact (see the docstring)
+                        ks = kss[4 * gi + j]
+                        ks = ks if F32 else ks.to(tl.float16)
+                        s = _dot_f(kps[j] * ks[:, None], qs[4 * gi + j], s, F32)
+                    else:
+                        part = _dot_f(kps[j], qs[4 * gi + j],
+                                      tl.zeros([TILE_N, M], dtype=tl.float32), F32)
+                        s += part * kss[4 * gi + j][:, None]
         if USE_SOFTCAP:
             z = s * (qk_scale / softcap)
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * LOG2E
@@ -465,7 +518,7 @@ def _decode_kernel(
     HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
-    F32: tl.constexpr,
+    F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr,
 ):
     """Decode through :func:`_attend_keys`: the ``BG`` query columns are the GQA group of one
     KV head (padded, >= 8). Grid ``(seqs, kv_heads, splits)``; with splits, FP32 partials
@@ -479,7 +532,7 @@ def _decode_kernel(
         tl.full([BG], float("-inf"), tl.float32), tl.zeros([BG], dtype=tl.float32),
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
-        TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32)
+        TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K)
     if USE_SINKS:  # into the first split's partial only
         first_split = tl.full([BG], split, tl.int32) == 0
         m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok & first_split, m_i, l_i)
@@ -559,7 +612,7 @@ def _prefill_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
-    F32: tl.constexpr,
+    F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr,
 ):
     """Prefill through :func:`_attend_keys` (keys on the MMA M dimension, the program's
     ``BLOCK_Q * G_PAD`` query rows as columns, causal); grid ``(query blocks + seqs,
@@ -577,7 +630,7 @@ def _prefill_kernel(
         tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
-        TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32)
+        TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K)
     if USE_SINKS:
         m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok, m_i, l_i)
         vf = vf * keep
@@ -595,13 +648,17 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: in
                   device: torch.device, num_warps: int = 1) -> int:
     """Split count (a power of 2) from host ints only: the larger of (a) enough programs to fill
     the GPU, ``8 * SMs / num_warps``, but at most 8 splits (beyond that the partial writes and
-    the reduce cost more than the extra occupancy gains) and (b) at most ~4096 keys per split;
-    never more splits than tiles, at most 64."""
+    the reduce cost more than the extra occupancy gains) - unless 8 splits still leave fewer
+    than half that many programs (few sequences x few KV heads), then as many as keep >= 1024
+    keys per split - and (b) at most ~4096 keys per split; never more splits than tiles, at
+    most 64."""
     target = 8 * _num_sms(device) // num_warps
     max_splits = min(max(1, -(-max_seq_len // tile_n)), 64)
+    programs = num_seqs * num_kv_heads
+    fill_cap = 8 if 2 * programs * 8 >= target else max(8, max_seq_len // 1024)
     splits = 1
     while splits * 2 <= max_splits and (
-        (num_seqs * num_kv_heads * splits < target and splits * 2 <= 8)
+        (programs * splits < target and splits * 2 <= fill_cap)
         or max_seq_len > 4096 * splits
     ):
         splits *= 2
@@ -618,6 +675,10 @@ class LaunchShape:
     the decode split count (a power of 2; default :func:`decode_splits`); ``num_stages``, the
     kernel's pipeline stages (default 3 decode, 2 prefill; the tile loop always has 3);
     ``maxnreg``, the decode kernel's register cap per thread (Triton's ``maxnreg``).
+    Code variants of the attention core (:func:`_attend_keys`): ``hoist_query`` converts the
+    query operands to the MMA layout once before the tile loop; ``fold_k_scales`` multiplies
+    each NVFP4 K plane by its block scales in fp16 (exact) so that one chained dot replaces a
+    dot and a scaled fp32 sum per chunk.
     """
 
     tile_n: int
@@ -626,6 +687,8 @@ class LaunchShape:
     num_splits: Optional[int] = None
     num_stages: Optional[int] = None
     maxnreg: Optional[int] = None
+    hoist_query: bool = False
+    fold_k_scales: bool = False
 
     def __post_init__(self) -> None:
         splits = self.num_splits
@@ -655,17 +718,22 @@ def launch_defaults(layout, decode: bool) -> LaunchShape:
 
     Decode: 64 keys per tile, 1 warp, or 2 for FP8 K and V; with an NVFP4 plane 32 keys at
     head_dim 256 (64 exceed the register file; FP8 / FP8 at head_dim 256 keeps 64 keys x 2 warps,
-    which compiles for sm_90 without spills where 32 keys x 1 warp spills). Prefill: 64 keys
-    (32 at head_dim 256); with an FP8 V 2 warps x 32 query rows, else 1 warp x 16 rows.
-    Head_dim 512: :func:`_launch_defaults_512`."""
+    which compiles for sm_90 without spills where 32 keys x 1 warp spills). Code variants where
+    they were faster at every shape timed: NVFP4 K and V fold the K block scales into the K
+    planes; an NVFP4 K with an FP8 V (head_dim <= 128) and FP8 K and V at head_dim 256 hoist
+    the query operands. Prefill: 64 keys (32 at head_dim 256); with an FP8 V 2 warps x 32 query
+    rows, else 1 warp x 16 rows. Head_dim 512: :func:`_launch_defaults_512`."""
     if layout.head_dim > 256:
         return _launch_defaults_512(layout, decode)
     tile = 32 if layout.head_dim >= 256 else 64
     if not decode:
         return LaunchShape(tile, 2, 32) if layout.v_format is KVFormat.FP8 else LaunchShape(tile, 1, 16)
-    if layout.k_format is KVFormat.FP8 and layout.v_format is KVFormat.FP8:
-        return LaunchShape(64, 2)
-    return LaunchShape(tile, 1)
+    fp8_k, fp8_v = layout.k_format is KVFormat.FP8, layout.v_format is KVFormat.FP8
+    if fp8_k and fp8_v:
+        return LaunchShape(64, 2, hoist_query=layout.head_dim >= 256)
+    if not fp8_k and not fp8_v:
+        return LaunchShape(tile, 1, fold_k_scales=True)
+    return LaunchShape(tile, 1, hoist_query=not fp8_k and layout.head_dim <= 128)
 
 
 def _layout_constexprs(layout, device: torch.device, softcap, window, sinks) -> dict:
@@ -714,7 +782,8 @@ def paged_attention(
     common_args = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                    cache.stride(0), block_table.stride(0), softmax_scale, softcap, window)
     shape = launch or launch_defaults(layout, decode)
-    tn = max(shape.tile_n, layout.block_size)
+    block = layout.block_size
+    tn = max(shape.tile_n, block) if block & (block - 1) == 0 else shape.tile_n
     warps = shape.num_warps
     if decode:
         num_tokens, hq = query.shape[0], query.shape[1]
@@ -732,6 +801,7 @@ def paged_attention(
             query, out, cache, k_scale, v_scale, sink_arg, block_table, seq_lens, query_start_loc,
             part_o, part_ml, *common_args,
             HQ=hq, G=g, BG=bg, TILE_N=tn, NUM_SPLITS=splits, **meta,
+            HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales,
             num_warps=warps, num_stages=shape.num_stages or 3,
             **({"maxnreg": shape.maxnreg} if shape.maxnreg else {}),
         )
@@ -749,6 +819,7 @@ def paged_attention(
         num_seqs,
         *common_args,
         G=g, G_PAD=g_pad, BLOCK_Q=block_q, TILE_N=tn, **meta,
+        HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales,
         num_warps=warps, num_stages=shape.num_stages or 2,
     )
     return out

@@ -7,12 +7,12 @@ patterns, chosen so that the default policy puts some full-attention layers in N
 prompt of a few hundred tokens is longer than the window:
 
 * ``gemma3``:  12 layers, two sliding (window 32) then one full, four times (vLLM's Gemma 3
-  reads ``layer_types``), head_dim 32, 4 / 2 heads;
+  reads ``layer_types``), head_dim 32 (256 on CUDA), 4 / 2 heads;
 * ``gpt_oss``: 12 layers, sliding (window 32) on even layers, full on odd (vLLM's gpt-oss fixes
-  this pattern), attention sinks, 4 experts top-2, head_dim 64, 4 / 2 heads;
-* ``mistral``: 6 layers, all sliding (window 48), head_dim 32, 4 / 2 heads;
+  this pattern), attention sinks, 4 experts top-2, head_dim 64 (also on CUDA), 4 / 2 heads;
+* ``mistral``: 6 layers, all sliding (window 48), head_dim 32 (128 on CUDA), 4 / 2 heads;
 * ``qwen3_next``: 8 layers, Gated DeltaNet on 3 of 4 (head dims 128: the CPU kernel's),
-  full attention on layers 3 and 7, head_dim 64, 4 / 2 heads, 4 experts (vLLM's CPU build
+  full attention on layers 3 and 7, head_dim 64 (256 on CUDA), 4 / 2 heads, 4 experts (vLLM's CPU build
   runs it in bfloat16 only).
 """
 
@@ -33,8 +33,17 @@ _ALTERNATING = ["sliding_attention", "full_attention"] * 6
 _GEMMA_PATTERN = ["sliding_attention", "sliding_attention", "full_attention"] * 4
 
 
-def _hybrid_config(arch: str, vocab: int, max_pos: int) -> Any:
-    """The transformers config of the tiny ``arch`` model (float32)."""
+_CPU_HEAD_DIMS = {"gemma3": 32, "gpt_oss": 64, "mistral": 32, "qwen3_next": 64}
+#: head_dim of each tiny hybrid model on CUDA (the GPU kernels need >= 64): the real models'
+GPU_HEAD_DIMS = {"gemma3": 256, "gpt_oss": 64, "mistral": 128, "qwen3_next": 256}
+
+
+def _hybrid_config(arch: str, vocab: int, max_pos: int, head_dim: Optional[int] = None) -> Any:
+    """The transformers config of the tiny ``arch`` model (float32); ``head_dim`` None: the
+    small default of each architecture (module doc)."""
+    if arch not in _CPU_HEAD_DIMS:
+        raise ValueError(f"arch must be one of {HYBRID_ARCHS}, got {arch!r}")
+    head_dim = head_dim or _CPU_HEAD_DIMS[arch]
     common: dict[str, Any] = dict(vocab_size=vocab, hidden_size=128, intermediate_size=256,
                                   num_attention_heads=4, num_key_value_heads=2,
                                   max_position_embeddings=max_pos, bos_token_id=1,
@@ -43,33 +52,31 @@ def _hybrid_config(arch: str, vocab: int, max_pos: int) -> Any:
     if arch == "gemma3":
         from transformers import Gemma3TextConfig
 
-        cfg = Gemma3TextConfig(**common, num_hidden_layers=12, head_dim=32, sliding_window=32,
-                               layer_types=list(_GEMMA_PATTERN), query_pre_attn_scalar=32,
+        cfg = Gemma3TextConfig(**common, num_hidden_layers=12, head_dim=head_dim, sliding_window=32,
+                               layer_types=list(_GEMMA_PATTERN), query_pre_attn_scalar=head_dim,
                                architectures=["Gemma3ForCausalLM"])
     elif arch == "gpt_oss":
         from transformers import GptOssConfig
 
         common["intermediate_size"] = 128
-        cfg = GptOssConfig(**common, num_hidden_layers=12, head_dim=64, sliding_window=32,
+        cfg = GptOssConfig(**common, num_hidden_layers=12, head_dim=head_dim, sliding_window=32,
                            layer_types=list(_ALTERNATING), num_local_experts=4,
                            num_experts_per_tok=2, architectures=["GptOssForCausalLM"])
     elif arch == "mistral":
         from transformers import MistralConfig
 
-        cfg = MistralConfig(**common, num_hidden_layers=6, head_dim=32, sliding_window=48,
+        cfg = MistralConfig(**common, num_hidden_layers=6, head_dim=head_dim, sliding_window=48,
                             architectures=["MistralForCausalLM"])
-    elif arch == "qwen3_next":
+    else:
         from transformers import Qwen3NextConfig
 
-        cfg = Qwen3NextConfig(**common, num_hidden_layers=8, head_dim=64,
+        cfg = Qwen3NextConfig(**common, num_hidden_layers=8, head_dim=head_dim,
                               layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
                               linear_num_key_heads=1, linear_num_value_heads=2,
                               linear_key_head_dim=128, linear_value_head_dim=128,
                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                               shared_expert_intermediate_size=64, decoder_sparse_step=1,
                               architectures=["Qwen3NextForCausalLM"])
-    else:
-        raise ValueError(f"arch must be one of {HYBRID_ARCHS}, got {arch!r}")
     cfg.dtype = "float32"
     return cfg
 
@@ -95,21 +102,24 @@ def _scale_hybrid_weights(model: Any, qk_gain: float, seed: int) -> None:
 
 def build_tiny_hybrid(arch: str, out_dir: Optional[Union[str, os.PathLike]] = None,
                       vocab: int = 4096, seed: int = 0, max_pos: int = 4096,
-                      qk_gain: float = 2.0) -> Path:
+                      qk_gain: float = 2.0, head_dim: Optional[int] = None) -> Path:
     """Write (or reuse) the tiny random-weight hybrid ``arch`` model (:data:`HYBRID_ARCHS`, see
-    the module doc) and return its path; ``out_dir=None``: under :func:`cache_root`."""
+    the module doc) and return its path; ``out_dir=None``: in the model cache (:mod:`.model_cache`).
+    ``head_dim``: None for the module doc's; :data:`GPU_HEAD_DIMS` for the CUDA kernels."""
     import torch
 
     if arch not in HYBRID_ARCHS:
         raise ValueError(f"arch must be one of {HYBRID_ARCHS}, got {arch!r}")
     args = dict(arch=arch, vocab=vocab, seed=seed, max_pos=max_pos, qk_gain=qk_gain,
                 build_version=BUILD_VERSION, hybrid_build=HYBRID_BUILD)
+    if head_dim is not None:
+        args["head_dim"] = head_dim
 
     def build(tmp: Path) -> None:
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(_hybrid_config(arch, vocab, max_pos),
+        model = AutoModelForCausalLM.from_config(_hybrid_config(arch, vocab, max_pos, head_dim),
                                                  dtype=torch.float32)
         _scale_hybrid_weights(model, qk_gain, seed)
         model.save_pretrained(str(tmp))

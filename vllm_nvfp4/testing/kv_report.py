@@ -38,4 +38,7 @@ def kv_cache_report(worker: Any) -> dict[str, Any]:
     return {"groups": groups, "num_blocks": config.num_blocks, "block_bytes": block_bytes,
             "allocated_per_request": allocated, "needed_per_request": needed, "impls": impls,
             "layout": vc.cache_config.kv_cache_layout,
+            "max_model_len": vc.model_config.max_model_len,
+            "configured_block_size": vc.cache_config.block_size,
+            "max_in_flight_tokens": vc.max_in_flight_tokens,
             "kv_cache_size_tokens": vc.cache_config.kv_cache_size_tokens}

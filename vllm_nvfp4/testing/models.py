@@ -134,7 +134,7 @@ def build_tiny_llama(
     """Write (or reuse) a tiny random-weight causal LM directory and return its path.
 
     Args:
-        out_dir: target directory; ``None`` = a per-arguments folder under :func:`cache_root`.
+        out_dir: target directory; ``None`` = a per-arguments folder in the model cache (:mod:`.model_cache`).
         num_layers, hidden, heads, kv_heads: transformer shape; ``heads % kv_heads == 0``.
         head_dim: per-head size, a multiple of 16 (vLLM's CPU backend wants one of 32, 64, 80, ...).
         vocab: model vocabulary size; the tokenizer is trained to this size.
