@@ -1,11 +1,11 @@
 """Decode kernel variants, ours only: the kernel module BEFORE a change vs the current one.
 
-Times our decode and prefill for every K/V format pair at the issue-3 shapes (32 q heads, 8 KV
-heads, head_dim 128, block 16; decode batch 16/64 x context 4k/32k, prefill 8 x 4k; other heads
-with ``--q-heads/--kv-heads/--head-dim``) with
-``bench_decode.timer`` (CUDA-graph replays, do_bench median, L2 flushed): the BEFORE module's
-default, the current default and the current module's launch variants (tile, warps, splits,
-maxnreg, prefill rows), each output checked against BEFORE's default (relative L2 difference).
+Times our decode and prefill for every K/V format pair at Llama-3.1-8B's attention shape (32 q
+heads, 8 KV heads, head_dim 128, block 16; decode batch 16/64 x context 4k/32k, prefill 8 x 4k;
+other heads with ``--q-heads/--kv-heads/--head-dim``) with ``bench_decode.timer`` (CUDA-graph
+replays, do_bench median, L2 flushed): the BEFORE module's default, the current default and the
+current module's launch variants (tile, warps, splits, maxnreg, prefill rows), each output checked
+against BEFORE's default (relative L2 difference).
 Writes JSON and prints a table last.
 
     git show <commit>:vllm_nvfp4/kernels/attention.py > /tmp/attention_before.py

@@ -3,7 +3,8 @@
 
 The target is the tiny random fp16 Llama of ``gpu_integration_check.py`` (8 layers, 8/2 heads,
 head_dim 128) with its calibrated mixed policy; engines run eager (no CUDA-graph capture) to keep
-the whole check inside one device call. Phases (``--phases``, default all but ``pp``):
+the whole check short (``gpu_compat_check.sh`` stops it after ``TIMEOUT_S``). Phases
+(``--phases``, default all but ``pp``):
 
 * ``eagle``  EAGLE on the repetitive variant of the tiny Llama (tied LM head, residual branches
              doubled: ``vllm_nvfp4.testing.spec_models``, as in the CPU test) with a one-layer head that mostly

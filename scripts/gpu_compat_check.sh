@@ -3,7 +3,7 @@
 # offloading, disaggregated prefill (ExampleConnector) and, on 2 GPUs, pipeline parallel:
 # scripts/gpu_compat_check.py (see its docstring for every check).
 #
-#   pip install vllm==0.33.0 && pip install -e .        (once; or VLLM_BUNDLE=.gpu-bundle-033)
+#   pip install vllm==0.33.0 && pip install -e .        (once; offline: VLLM_BUNDLE, see gpu_env.sh)
 #   bash scripts/gpu_compat_check.sh                    PHASES=pp on a 2-GPU machine
 #
 # Environment: OUT (default out/compat), PHASES (default eagle,draft,ngram,offload,pd),

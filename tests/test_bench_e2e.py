@@ -26,12 +26,18 @@ import pytest
 from benchmarks.e2e import budget, capacity, configs, orchestrate, records, report, serve, trace
 from benchmarks.e2e.cli import DEFAULT_TARGETS, parse_args
 from benchmarks.e2e.worker import engine_kwargs
-from vllm_nvfp4.policy import KVPolicy
+from vllm_nvfp4.integration.block_sizes import hybrid_plan
+from vllm_nvfp4.policy import KVPolicy, LayerType
 from vllm_nvfp4.testing.weightless import build_weightless_model
 
 REPO = Path(__file__).resolve().parent.parent
 L8B = capacity.ModelShape(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, hidden=4096,
                           vocab=128256, dtype="bfloat16")
+#: gpt-oss-20b's attention: sliding 128 on even layers, full on odd, sinks (a config has no flag)
+GPT_OSS = capacity.ModelShape(
+    num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, hidden=2880, vocab=201088,
+    dtype="bfloat16", layer_types=tuple(LayerType("sliding", 128, True) if i % 2 == 0
+                                        else LayerType("full", None, True) for i in range(24)))
 
 
 # ---------------------------------------------------------------- command line
@@ -134,19 +140,25 @@ def test_mixed_policy_and_policy_for():
     assert configs.mixed_policy(2) == "0:fp8,*:nvfp4" and configs.mixed_policy(8) == "0:fp8,*:nvfp4"
     assert configs.mixed_policy(16) == "0-1:fp8,*:nvfp4"
     mixed = configs.CONFIGS["nvfp4-mixed"]
-    assert configs.policy_for(mixed, 32, "0:fp8,31:fp8,*:nvfp4") == "0:fp8,31:fp8,*:nvfp4"
-    assert configs.policy_for(configs.CONFIGS["fp8"], 32) is None
-    assert configs.policy_for(configs.CONFIGS["nvfp4-all"], 32) == "*:nvfp4"
+    dense = L8B.types
+    assert configs.policy_for(mixed, dense, "0:fp8,31:fp8,*:nvfp4") == "0:fp8,31:fp8,*:nvfp4"
+    assert configs.policy_for(mixed, dense) == "0-3:fp8,*:nvfp4"
+    assert configs.policy_for(configs.CONFIGS["fp8"], dense) is None
+    assert configs.policy_for(configs.CONFIGS["nvfp4-all"], dense) == "*:nvfp4"
 
 
 def test_max_batch_estimate_and_stages():
-    tokens = 100 * 2**30 // (64 * 1024)  # ~100 GiB of fp8 KV
-    assert capacity.max_batch(tokens, 32768, 512, 16) == 49
-    assert capacity.max_batch(tokens, 8192, 512, 16) == 188
-    assert capacity.max_batch(tokens, 8192, 512, 16, cap=128) == 128
-    assert capacity.max_batch(100, 32768, 512, 16) == 0
-    kv = int(tokens * 1.6203) * 40448  # the same bytes seen from an nvfp4_mixed engine
-    assert capacity.estimate_batch(kv, 64 * 1024, 32768, 512, 16) == 49
+    fp8 = capacity.pool_layout("fp8", L8B, None, 16, 33280, 8192)
+    assert fp8 == capacity.PoolLayout(16 * 64 * 1024, (capacity.KVGroup("full", 16),))
+    blocks = 100 * 2**30 // fp8.block_bytes  # ~100 GiB of fp8 KV
+    assert capacity.max_batch(blocks, fp8, 32768 + 512, 8192) == 49
+    assert capacity.max_batch(blocks, fp8, 8192 + 512, 8192) == 188
+    assert capacity.max_batch(blocks, fp8, 8192 + 512, 8192, cap=128) == 128
+    assert capacity.max_batch(6, fp8, 32768 + 512, 8192) == 0
+    assert capacity.capacity_tokens(blocks, fp8, 33280) == blocks * 16  # dense: blocks x block
+    mixed = capacity.pool_layout("nvfp4_mixed", L8B, "0-3:fp8,*:nvfp4", 16, 33280, 8192)
+    kv = int(blocks * 1.6203) * mixed.block_bytes  # the same bytes seen from an nvfp4_mixed engine
+    assert capacity.estimate_batch(kv, fp8, 32768 + 512, 8192) == 49
     assert capacity.plan_stages(80, 48) == [("16", 16), ("ref", 48), ("max", 80)]
     assert capacity.plan_stages(48, 48) == [("16", 16), ("ref+max", 48)]
     assert capacity.plan_stages(24, 48) == [("16", 16), ("max", 24)]
@@ -235,7 +247,7 @@ def test_compute_ratios_and_shipped_targets():
     assert row["batch"] == 48 and row["best_fp8"] == "fp8" and row["nvfp4-mixed"] == 1.4
     assert row["nvfp4-mixed_at_own_max_batch"] == dict(batch=77, tok_per_s=1900.0, vs_best_fp8=1.9)
     assert ratios["ttft_vs_fp8"]["8192"] == {"fp8": 1.0, "nvfp4-mixed": 1.2}
-    targets = report.check_targets(ratios, report.load_targets(DEFAULT_TARGETS))
+    targets = report.check_targets(ratios, report.load_targets(DEFAULT_TARGETS), "llama8b")
     assert targets == {"capacity": dict(min=1.65, value=1.62, met=False),
                        "decode_32k": dict(min=1.3, value=1.4, met=True),
                        "ttft": dict(max=1.1, value=1.2, met=False)}
@@ -256,7 +268,8 @@ def test_ratios_take_the_newest_records_and_a_different_ref_batch():
 
 def test_targets_without_fp8_and_bad_targets_files(tmp_path):
     recs = [r for r in _records() if r.get("config") not in ("fp8", "fp8-triton")]
-    targets = report.check_targets(report.compute_ratios(recs, [32768]), report.load_targets(DEFAULT_TARGETS))
+    targets = report.check_targets(report.compute_ratios(recs, [32768]), report.load_targets(DEFAULT_TARGETS),
+                                   "llama8b")
     assert all(t["met"] is None and t["value"] is None for t in targets.values())
     assert report.load_targets(None) == []
     for body, msg in (('[[target]]\nmetric = "speed"\nconfig = "x"\nmin = 1', "metric must be"),
@@ -270,7 +283,7 @@ def test_targets_without_fp8_and_bad_targets_files(tmp_path):
 def test_summary_table_mentions_everything():
     recs = [dict(kind="ttft", config="nvfp4-mixed", context=8192, ttft_s=5.195)] + _records()
     ratios = report.compute_ratios(recs, [32768, 8192])
-    targets = report.check_targets(ratios, report.load_targets(DEFAULT_TARGETS))
+    targets = report.check_targets(ratios, report.load_targets(DEFAULT_TARGETS), "llama8b")
     text = report.summary_table(recs, ratios, targets)
     assert "nvfp4-mixed" in text and "48:1400(34.3)" in text and "ERROR: worker boom" in text
     assert "serve fp8: 64 requests, 5000.0 output tok/s, TTFT median/p99 100.0/300.0 ms" in text
@@ -363,13 +376,6 @@ def test_plugin_dist_info_is_discovered_from_pythonpath_alone(tmp_path):
                              cwd=tmp_path, capture_output=True, text=True, check=True)
         assert res.stdout.splitlines()[0] == expect, res.stdout + res.stderr
     assert res.stdout.splitlines()[1] == "vllm_nvfp4.plugin 0.1.0"
-
-
-def test_gpu_scripts_name_no_private_paths():
-    for name in ("gpu_env.sh", "gpu_bench_e2e.sh", "gpu_integration_check.sh", "gpu_kernels.sh"):
-        text = (REPO / "scripts" / name).read_text()
-        assert "shared/gpu" not in text and ".gpu-bundle" not in text, name
-        subprocess.run(["bash", "-n", str(REPO / "scripts" / name)], check=True)
 
 
 def test_plot_summary(tmp_path):
@@ -468,3 +474,77 @@ def test_wait_healthy_and_stop_group(tmp_path):
     gone.wait()
     t0 = time.time()
     assert not serve.wait_healthy(port, gone, deadline=time.time() + 60) and time.time() - t0 < 5
+
+
+# ---------------------------------------------------------------- hybrid models
+
+def test_hybrid_pool_layouts_and_batches_by_hand():
+    """gpt-oss-20b: 12 sliding (128) + 12 full layers, 8 KV heads x 64. fp8 in vLLM's groups of
+    12 equal pages; nvfp4_mixed (default rule) in the plugin's plan; batches by hand."""
+    mixed = configs.policy_for(configs.CONFIGS["nvfp4-mixed"], GPT_OSS.types)
+    assert mixed == "1:fp8,23:fp8,swa:fp8,full:nvfp4"
+    fp8 = capacity.pool_layout("fp8", GPT_OSS, None, 16, 33792, 16384)
+    page = 16 * 8 * 2 * 64  # one fp8 layer's block: 16 tokens x 8 heads x K+V x 64 B
+    assert fp8 == capacity.PoolLayout(12 * page, (capacity.KVGroup("full", 16),
+                                                  capacity.KVGroup("sliding", 16, 128)))
+    blocks = 64 * 2**30 // fp8.block_bytes
+    per_seq = 33792 // 16 + (128 // 16 + 1)  # full blocks + the window's blocks
+    assert fp8.blocks_per_sequence(33792) == per_seq
+    assert capacity.max_batch(blocks, fp8, 33792, 16384) == (blocks - 16384 // 16) // per_seq == 164
+    assert capacity.capacity_tokens(blocks, fp8, 33792) == blocks * 33792 // per_seq
+    nv = capacity.pool_layout("nvfp4_mixed", GPT_OSS, mixed, 16, 33792, 16384)
+    plan = hybrid_plan(KVPolicy.from_compact(mixed, 24, layer_types=GPT_OSS.types), 8, 64, 16, 33792, 16384)
+    assert nv.block_bytes == plan.block_bytes
+    assert nv.groups == ((capacity.KVGroup("full", plan.full_block),)
+                         + (capacity.KVGroup("sliding", plan.sliding_block, 128),) * plan.sliding_groups)
+    full_bytes = 8 * (2 * 2 * 64 + 10 * 2 * (32 + 4))  # per token: 2 FP8 + 10 NVFP4 full layers
+    assert nv.block_bytes == max(plan.full_block * full_bytes, 3 * plan.sliding_block * 8 * 2 * 64)
+    nv_blocks = 64 * 2**30 // nv.block_bytes
+    nv_per_seq = -(-33792 // plan.full_block) + plan.sliding_groups * (-(-128 // plan.sliding_block) + 1)
+    kept = plan.sliding_groups * -(-16384 // plan.sliding_block)
+    assert capacity.max_batch(nv_blocks, nv, 33792, 16384) == (nv_blocks - kept) // nv_per_seq
+    assert capacity.estimate_batch(64 * 2**30, fp8, 33792, 16384) == 164
+    with pytest.raises(ValueError, match="one format pair"):
+        capacity.pool_layout("nvfp4_mixed", GPT_OSS, "0:nvfp4,swa:fp8,full:nvfp4", 16, 33792, 16384)
+
+
+@pytest.mark.parametrize("preset", ["gpt-oss-20b", "gemma3-27b", "gpt-oss-tiny", "gemma3-tiny"])
+def test_hybrid_presets_have_the_real_geometry(tmp_path, preset):
+    from transformers import AutoConfig
+
+    from vllm_nvfp4.testing.weightless import PRESETS
+
+    p = PRESETS[preset]
+    out = build_weightless_model(tmp_path / preset, preset)
+    cfg = AutoConfig.from_pretrained(out)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.head_dim, cfg.sliding_window) == (p["layers"], p["hidden"], p["heads"], p["kv_heads"],
+                                                  p["head_dim"], p["window"])
+    shape = capacity.ModelShape.from_model_dir(out)
+    full = [i for i, t in enumerate(shape.types) if t.kind == "full"]
+    if p["arch"] == "gpt_oss":
+        assert cfg.num_local_experts == p["experts"] and full == list(range(1, p["layers"], 2))
+        assert all(t.sinks for t in shape.types)
+    else:
+        assert full == list(range(5, p["layers"], 6)) and cfg.query_pre_attn_scalar == p["query_pre_attn_scalar"]
+    assert shape.hybrid and len(full) >= 3  # the default policy has NVFP4 layers
+    if preset == "gpt-oss-20b":
+        assert (cfg.num_experts_per_tok, cfg.vocab_size) == (4, 201088)
+    if preset == "gemma3-27b":
+        assert len(full) == 10 and cfg.rope_parameters["full_attention"]["factor"] == 8.0
+
+
+def test_dry_run_of_the_gpt_oss_preset(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "benchmarks.e2e", "--out", str(tmp_path / "o"),
+                          "--preset", "gpt-oss-20b", "--model-dir", str(tmp_path / "m"),
+                          "--dtypes", "fp8,nvfp4-mixed", "--contexts", "32k", "--dry-run"],
+                         cwd=REPO, capture_output=True, text=True, check=True)
+    plan = json.loads(out.stdout)
+    assert plan["model"]["hybrid"] and plan["model"]["layer_types"] == {
+        "sliding(128)+sinks": 12, "full+sinks": 12}
+    assert plan["configs"]["nvfp4-mixed"]["policy"] == "1:fp8,23:fp8,swa:fp8,full:nvfp4"
+    assert plan["configs"]["fp8"]["max_batch_at_plan_kv_bytes"] == {"32768": 164}  # by hand above
+    assert plan["configs"]["nvfp4-mixed"]["max_batch_at_plan_kv_bytes"]["32768"] > 164
+    t = report.check_targets({"capacity_vs_fp8": {}, "ttft_vs_fp8": {}, "decode_vs_fp8": {
+        "32768": {"nvfp4-mixed": 1.4}}}, report.load_targets(DEFAULT_TARGETS), "gpt-oss-20b")
+    assert t == {"decode_32k_gpt_oss": {"min": 1.3, "value": 1.4, "met": True}}

@@ -93,9 +93,23 @@ def report_dir(outlier_model_dir: Path, text_file: Path, tmp_path_factory: pytes
     return out
 
 
+@pytest.fixture(scope="module")
+def report_dir_nvfp4(outlier_model_dir: Path, text_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("report_nvfp4")
+    analyze(outlier_model_dir, [text_file], out, window=WINDOW, windows=3, calib_windows=1, dtype="float32",
+            base="nvfp4")
+    return out
+
+
 # ---------------------------------------------------------------------------- analysis
-def test_outlier_keys_are_found_most_sensitive(report_dir: Path):
-    report, scales = load_report(report_dir)
+@pytest.mark.parametrize("base", ["fp8", "nvfp4"])
+def test_outlier_keys_are_found_most_sensitive(base: str, report_dir: Path, report_dir_nvfp4: Path):
+    """Swept from all-FP8 (the default) or all-NVFP4, the outlier layer's K is the slot whose
+    NVFP4 costs most, by KL and by top-1 agreement."""
+    report, scales = load_report(report_dir if base == "fp8" else report_dir_nvfp4)
+    assert report["settings"]["base"] == base
+    top1 = max((e[kv]["top1_marginal"], e["index"], kv) for e in report["layers"] for kv in ("k", "v"))
+    assert top1[1:] == (OUTLIER_LAYER, "k") and top1[0] > 0
     slots = sorted(((e[kv]["kl_marginal"], e["index"], kv) for e in report["layers"] for kv in ("k", "v")),
                    reverse=True)
     assert (slots[0][1], slots[0][2]) == (OUTLIER_LAYER, "k"), slots
@@ -166,9 +180,12 @@ def test_calibrated_scales_follow_the_conventions(outlier_model_dir: Path, text_
 
 # ---------------------------------------------------------------------------- selection
 def _synthetic_report(damages: dict[tuple[int, str], float], base: float = 0.01) -> dict:
+    """A report swept from all-FP8 (the sweep's default before ``base`` existed: no setting)."""
     layers = sorted({i for i, _ in damages})
     return {"configs": {"all_fp8": {"kl": base, "dnll": base}},
-            "layers": [{"index": i, **{kv: {"kl": base + damages[(i, kv)], "dnll": base + damages[(i, kv)]}
+            "layers": [{"index": i, **{kv: {"kl": base + damages[(i, kv)], "dnll": base + damages[(i, kv)],
+                                            "kl_marginal": damages[(i, kv)],
+                                            "dnll_marginal": damages[(i, kv)]}
                                         for kv in ("k", "v")}} for i in layers]}
 
 
@@ -198,6 +215,31 @@ def test_selector_is_exact_against_brute_force():
         assert chosen.fraction_of_fp8() == pytest.approx(fraction_for_slots(num_layers, n))
         best = min(sum(damages[s] for s in slots if s not in keep) for keep in itertools.combinations(slots, n))
         assert predict(report, chosen, "kl") - 0.01 == pytest.approx(best)
+
+
+def test_selector_from_an_all_nvfp4_sweep_is_exact_against_brute_force():
+    """Swept from all-NVFP4, a slot's marginal is what FP8 there gains: the prediction starts at
+    all-NVFP4 and subtracts the gains of the FP8 slots (top-1: adds the agreement they win)."""
+    g = torch.Generator().manual_seed(4)
+    num_layers, nv_kl, nv_top1 = 3, 0.2, 0.8
+    gains = {(i, kv): float(torch.rand(1, generator=g)) / 100 for i in range(num_layers) for kv in ("k", "v")}
+    report = {"settings": {"base": "nvfp4"},
+              "configs": {"all_fp8": {"kl": 0.01, "top1": 0.95}, "all_nvfp4": {"kl": nv_kl, "top1": nv_top1}},
+              "layers": [{"index": i, **{kv: {"kl": nv_kl - gains[(i, kv)], "kl_marginal": gains[(i, kv)],
+                                              "top1": nv_top1 + 2 * gains[(i, kv)],
+                                              "top1_marginal": 2 * gains[(i, kv)]}
+                                         for kv in ("k", "v")}} for i in range(num_layers)]}
+    slots = list(gains)
+    for n in range(2 * num_layers + 1):
+        chosen = select_formats(report, n, "kl")
+        assert count_fp8_slots(chosen) == n
+        best = max(sum(gains[s] for s in keep) for keep in itertools.combinations(slots, n))
+        assert predict(report, chosen, "kl") == pytest.approx(nv_kl - best)
+        by_top1 = select_formats(report, n, "top1")
+        assert by_top1.layers == chosen.layers
+        assert predict(report, by_top1, "top1") == pytest.approx(nv_top1 + 2 * best)
+    with pytest.raises(ValueError, match="no dnll_marginal"):
+        select_formats(report, 1, "dnll")
 
 
 def test_selector_never_spends_budget_on_slots_where_fp8_is_worse():

@@ -244,8 +244,8 @@ def test_prompt_logprobs_match_the_quantized_reference(runs):
 def test_decode_logprobs_match_the_quantized_reference(runs):
     """The decode path (one query token per step, the cache written token by token) gives the
     generated tokens the log-probs that the quantized reference assigns them teacher-forced, as
-    closely as the prefill path does for prompt tokens (issue 6: a decode-only discrepancy would
-    show here and not in the prompt log-prob test)."""
+    closely as the prefill path does for prompt tokens (a decode-only discrepancy would show here
+    and not in the prompt log-prob test)."""
     from vllm_nvfp4.policy import KVPolicy
 
     policy = KVPolicy.from_dict(runs["policy"])

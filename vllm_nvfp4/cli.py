@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from vllm_nvfp4 import __version__
 from vllm_nvfp4.calibration.data import add_text_arguments
+from vllm_nvfp4.calibration.selection import BASES, DEFAULT_BASE, METRICS
 from vllm_nvfp4.formats import KVFormat
 from vllm_nvfp4.policy import POLICY_FILENAME, KVPolicy, PolicyError
 
@@ -56,6 +57,13 @@ def _device_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", metavar="DEVICE",
                    help="cpu, cuda (every visible GPU, the model split across them: "
                         "device_map=auto), cuda:N, or auto (default: cuda when available, else cpu)")
+
+
+def _base_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base", choices=BASES, default=DEFAULT_BASE,
+                   help="the policy each slot is moved away from alone: fp8 (default: the NVFP4 "
+                        "damage of each slot next to all-FP8) or nvfp4 (the FP8 value of each slot "
+                        "among NVFP4 neighbours)")
 
 
 def _model_args(p: argparse.ArgumentParser, default_windows: int, k_center_default: bool = False) -> None:
@@ -101,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use the scales of this calibrated policy instead of calibrating")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="run every configuration from layer 0 (slower; same numbers)")
+    _base_arg(p)
     p.add_argument("--force", action="store_true", help="overwrite an existing report in --out")
 
     p = sub.add_parser("select", help="pick FP8/NVFP4 per layer under a KV-bytes budget; writes the policy")
@@ -108,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--budget", type=float, help=f"KV bytes as a fraction of all-FP8 ({KVFormat.NVFP4.bytes_per_element} .. 1.0), e.g. 0.62")
     g.add_argument("--fp8-slots", type=int, help="number of K/V layer slots kept in FP8")
-    p.add_argument("--metric", choices=("kl", "dnll"), default="kl",
-                   help="single-slot damage to minimise (default kl: non-negative, less noisy)")
+    p.add_argument("--metric", choices=METRICS, default="kl",
+                   help="single-slot damage to minimise (default kl: non-negative, less noisy; "
+                        "top1: next-token argmax flips)")
     p.add_argument("--out", type=Path, default=None, help="policy JSON to write")
     p.add_argument("--write-to-model", type=Path, default=None, metavar="DIR",
                    help=f"also write DIR/{POLICY_FILENAME}, where `vllm serve DIR` finds it")
@@ -128,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV bytes as a fraction of all-FP8 (0.5625 .. 1.0; default 0.62)")
     p.add_argument("--calib-windows", type=_positive(int), default=1,
                    help="windows before the scored ones that calibrate the scales (default 1)")
-    p.add_argument("--metric", choices=("kl", "dnll"), default="kl",
-                   help="single-slot damage to minimise (default kl)")
+    p.add_argument("--metric", choices=METRICS, default="kl",
+                   help="single-slot damage to minimise (default kl; top1: next-token argmax flips)")
+    _base_arg(p)
     p.add_argument("--measure-windows", type=_positive(int), default=None, metavar="N",
                    help="measure the selection on N windows (default: the analysis' windows)")
     p.add_argument("--no-measure", action="store_true",
@@ -219,7 +230,7 @@ def cmd_analyze(a: argparse.Namespace) -> int:
         scales.check_model(num_layers)  # KV heads and head_dim are checked once the model is loaded
     report = analyze(a.model, a.data, a.out, a.window, a.windows, a.calib_windows, scales,
                      a.per_head, a.dtype, reuse_prefix=not a.no_prefix_reuse, k_smooth=a.k_smooth,
-                     k_center=a.k_center, device=a.device)
+                     k_center=a.k_center, device=a.device, base=a.base)
     for stale in a.out.glob("selection-*.json"):  # belong to the previous analysis
         stale.unlink()
     paths = render(a.out)
@@ -301,6 +312,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
     result = run_tune(a.model, a.data, report_dir, slots, budget=a.budget, window=a.window,
                       windows=a.windows, calib_windows=a.calib_windows, per_head=a.per_head,
                       dtype=a.dtype, k_smooth=a.k_smooth, k_center=a.k_center, metric=a.metric,
+                      base=a.base,
                       measure=not a.no_measure, measure_windows=a.measure_windows, device=a.device)
     result.policy.save(target, overwrite=a.force)
     print("\n".join(result.lines()))

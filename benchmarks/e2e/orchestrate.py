@@ -24,7 +24,8 @@ from typing import Any, Optional
 
 from benchmarks.e2e import report
 from benchmarks.e2e.budget import Budget
-from benchmarks.e2e.capacity import ModelShape, bytes_per_token_by_config
+from benchmarks.e2e.capacity import (DEFAULT_IN_FLIGHT_TOKENS, ModelShape, bytes_per_token_by_config,
+                                     estimate_batch, max_batch, pool_layout)
 from benchmarks.e2e.configs import CONFIGS, REFERENCE, policy_for
 from benchmarks.e2e.records import RECORDS, Recorder, latest, merge_records, prior_records, read_records
 from benchmarks.e2e.serve import bench_serve_command, run_serve, serve_command
@@ -161,7 +162,8 @@ def summarize(a: Namespace, meta: dict, t_start: float) -> dict:
     ctxs = sorted({r["context"] for r in records if "context" in r} | set(a.contexts + a.ttft_contexts),
                   reverse=True)
     ratios = report.compute_ratios(records, ctxs)
-    targets = report.check_targets(ratios, report.load_targets(a.targets))
+    targets = report.check_targets(ratios, report.load_targets(a.targets),
+                                  None if a.model_given else a.preset)
     summary = dict(meta, finished_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                    wall_s=round(time.time() - t_start, 1), ratios=ratios, targets=targets, records=records)
     tmp = Path(a.out) / (SUMMARY + ".tmp")
@@ -173,24 +175,46 @@ def summarize(a: Namespace, meta: dict, t_start: float) -> dict:
 def prepare_model(a: Namespace) -> None:
     """Write the weight-less model of ``--preset`` unless ``--model`` names one (positions raised
     only where the preset has fewer than the run needs)."""
+    a.model_given = a.model is not None
     if a.model is None:
         need = a.max_model_len + 1024
         a.model = str(build_weightless_model(a.model_dir, a.preset,
                                              need if need > PRESETS[a.preset]["max_pos"] else None))
 
 
+#: the configured block size the plan assumes (vLLM's default on CUDA; a worker reads the engine's)
+PLAN_BLOCK_SIZE = 16
+#: KV bytes the plan's batches are estimated for (a worker measures the engine's)
+PLAN_KV_BYTES = 64 * 2**30
+
+
 def plan(a: Namespace) -> dict[str, Any]:
-    """What a run would do, without starting anything (``--dry-run`` prints it)."""
+    """What a run would do, without starting anything (``--dry-run`` prints it): per configuration
+    its policy, bytes per token, pool layout and, for ``PLAN_KV_BYTES`` of KV cache, its largest
+    batch per context (vs fp8's: the same bytes in fp8's pool layout)."""
     shape = ModelShape.from_model_dir(a.model)
     bpt = bytes_per_token_by_config(shape, a.mixed_policy)
-    return dict(model=dict(vars(shape), path=a.model),
-                configs={n: dict(kv_cache_dtype=CONFIGS[n].kv_cache_dtype,
-                                 policy=policy_for(CONFIGS[n], shape.num_layers, a.mixed_policy),
-                                 kv_bytes_per_token=bpt[n], vs_fp8=round(bpt[REFERENCE] / bpt[n], 4))
-                         for n in dict.fromkeys(a.dtypes + a.serve)},
-                contexts=a.contexts, ttft_contexts=a.ttft_contexts,
+    in_flight = a.max_num_batched_tokens or DEFAULT_IN_FLIGHT_TOKENS
+    names = list(dict.fromkeys(a.dtypes + a.serve))
+    layouts = {n: pool_layout(CONFIGS[n].kv_cache_dtype, shape,
+                              policy_for(CONFIGS[n], shape.types, a.mixed_policy), PLAN_BLOCK_SIZE,
+                              a.max_model_len, in_flight)
+               for n in dict.fromkeys([REFERENCE] + names)}
+    configs = {}
+    for n in names:
+        batch = {str(c): estimate_batch(PLAN_KV_BYTES, layouts[n], c + a.headroom, in_flight,
+                                        a.max_batch) for c in a.contexts}
+        configs[n] = dict(kv_cache_dtype=CONFIGS[n].kv_cache_dtype,
+                          policy=policy_for(CONFIGS[n], shape.types, a.mixed_policy),
+                          kv_bytes_per_token=bpt[n], vs_fp8=round(bpt[REFERENCE] / bpt[n], 4),
+                          pool=layouts[n].to_json(), max_batch_at_plan_kv_bytes=batch)
+    return dict(model=dict(vars(shape), path=a.model, hybrid=shape.hybrid,
+                           layer_types={t.label(): shape.types.count(t) for t in dict.fromkeys(shape.types)}),
+                assumed=dict(block_size=PLAN_BLOCK_SIZE, max_in_flight_tokens=in_flight,
+                             kv_gib=PLAN_KV_BYTES / 2**30, max_model_len=a.max_model_len),
+                configs=configs, contexts=a.contexts, ttft_contexts=a.ttft_contexts,
                 worker=shlex.join(worker_command(Path(a.out) / "worker_CONFIG.json")),
-                serve={n: dict(server=shlex.join(serve_command(a, CONFIGS[n])),
+                serve={n: dict(server=shlex.join(serve_command(a, CONFIGS[n], shape.hybrid)),
                                client=shlex.join(bench_serve_command(a, CONFIGS[n], f"bench_serve_{n}.json")))
                        for n in a.serve})
 

@@ -8,6 +8,7 @@ Targets file (``--targets``; see ``targets.toml`` beside this module)::
     config = "nvfp4-mixed"
     context = 32768               # decode: required; ttft: optional (default: the worst context)
     min = 1.3                     # and/or max = ...
+    preset = "llama8b"            # optional: checked only on runs of this --preset
 """
 
 from __future__ import annotations
@@ -88,10 +89,14 @@ def compute_ratios(records: list[dict], contexts: list[int]) -> dict[str, Any]:
     return out
 
 
-def check_targets(ratios: dict[str, Any], targets: list[dict]) -> dict[str, dict]:
-    """name -> {value, min/max, met}; ``met`` is None when the value was not measured."""
+def check_targets(ratios: dict[str, Any], targets: list[dict], preset: Optional[str] = None
+                  ) -> dict[str, dict]:
+    """name -> {value, min/max, met}; ``met`` is None when the value was not measured. Targets
+    with a ``preset`` apply only to runs of that preset (``preset`` None: a ``--model`` run)."""
     out = {}
     for t in targets:
+        if "preset" in t and t["preset"] != preset:
+            continue
         name, cfg, m = t.get("name", t["metric"]), t["config"], t["metric"]
         if m == "capacity_vs_fp8":
             value = ratios[m].get(cfg)

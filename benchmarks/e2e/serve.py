@@ -21,7 +21,8 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.e2e.configs import BenchConfig
+from benchmarks.e2e.capacity import ModelShape
+from benchmarks.e2e.configs import BenchConfig, backend_for
 from benchmarks.e2e.records import Recorder
 
 SERVE_LOG = "serve.log"
@@ -34,14 +35,18 @@ LATENCY_FIELD = re.compile(r"^(mean|median|std|p[0-9.]+)_[a-z0-9]+_ms$")
 VLLM_CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
-def serve_command(a: Namespace, cfg: BenchConfig) -> list[str]:
-    """``vllm serve`` of one configuration on 127.0.0.1:``a.port``."""
+def serve_command(a: Namespace, cfg: BenchConfig, hybrid: bool = False) -> list[str]:
+    """``vllm serve`` of one configuration on 127.0.0.1:``a.port`` (``hybrid``: the model has
+    sliding-window layers, :func:`~benchmarks.e2e.configs.backend_for`)."""
     cmd = VLLM_CLI + ["serve", a.model, "--port", str(a.port), "--host", "127.0.0.1",
                       "--load-format", "dummy", "--kv-cache-dtype", cfg.kv_cache_dtype,
                       "--max-model-len", str(a.max_model_len), "--gpu-memory-utilization",
                       str(a.gpu_mem), "--no-enable-prefix-caching", "--seed", "0"]
-    if cfg.attention_backend and not a.cpu:
-        cmd += ["--attention-backend", cfg.attention_backend]
+    backend = backend_for(cfg, hybrid)
+    if backend and not a.cpu:
+        cmd += ["--attention-backend", backend]
+    if a.max_num_batched_tokens:
+        cmd += ["--max-num-batched-tokens", str(a.max_num_batched_tokens)]
     if a.eager:
         cmd += ["--enforce-eager"]
     return cmd
@@ -104,7 +109,7 @@ def run_serve(a: Namespace, cfg: BenchConfig, policy: Optional[str], deadline: f
     env = dict(os.environ)
     if policy:
         env["VLLM_NVFP4_POLICY"] = policy
-    cmd = serve_command(a, cfg)
+    cmd = serve_command(a, cfg, ModelShape.from_model_dir(a.model).hybrid)
     log(f"serve {cfg.name}: {shlex.join(cmd)}")
     t0 = time.time()
     with open(Path(a.out) / SERVE_LOG, "a") as lf:

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from benchmarks.e2e import trace
-from benchmarks.e2e.capacity import (ModelShape, bytes_per_token_by_config, estimate_batch, max_batch,
-                                     plan_stages)
-from benchmarks.e2e.configs import CONFIGS, REFERENCE, capture_sizes_for, policy_for
+from benchmarks.e2e.capacity import (ModelShape, PoolLayout, bytes_per_token_by_config, capacity_tokens,
+                                     estimate_batch, max_batch, plan_stages, pool_layout)
+from benchmarks.e2e.configs import CONFIGS, REFERENCE, backend_for, capture_sizes_for, policy_for
 from benchmarks.e2e.records import RECORDS, Recorder
 from benchmarks.e2e.stepping import Stepper, decode_window, measure_ttft, prefill_stage
 
@@ -40,6 +40,8 @@ def engine_kwargs(a: Namespace, kv_cache_dtype: str, attention_backend: Optional
         enable_prefix_caching=False, seed=0)
     if a.max_num_seqs:
         kw["max_num_seqs"] = a.max_num_seqs
+    if a.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = a.max_num_batched_tokens
     if attention_backend and not a.cpu:
         kw["attention_backend"] = attention_backend
     if a.eager:
@@ -61,7 +63,8 @@ class Worker:
         self.a, self.cfg, self.rec = a, CONFIGS[a.config], rec
         self.shape = ModelShape.from_model_dir(a.model)
         self.bpt = bytes_per_token_by_config(self.shape, a.mixed_policy)
-        self.policy = policy_for(self.cfg, self.shape.num_layers, a.mixed_policy)
+        self.policy = policy_for(self.cfg, self.shape.types, a.mixed_policy)
+        self.in_flight = 0  # the engine's max_in_flight_tokens, read at start
         self.deadline = a.deadline  # hard: the orchestrator kills this process soon after
         self.soft = min(a.soft_deadline, a.deadline)  # for contexts after the first
         self.llm: Any = None
@@ -73,25 +76,39 @@ class Worker:
     def start(self) -> dict:
         from vllm import LLM
 
-        kw = engine_kwargs(self.a, self.cfg.kv_cache_dtype, self.cfg.attention_backend)
+        kw = engine_kwargs(self.a, self.cfg.kv_cache_dtype, backend_for(self.cfg, self.shape.hybrid))
         log(f"{self.cfg.name}: starting engine {kw}")
         t0 = time.time()
         self.llm = LLM(**kw)
         start_s = time.time() - t0
-        cc = self.llm.llm_engine.vllm_config.cache_config
+        vc = self.llm.llm_engine.vllm_config
+        cc = vc.cache_config
         blocks, bs = int(cc.num_gpu_blocks), int(cc.block_size)
-        cap, bpt = blocks * bs, self.bpt[self.cfg.name]
-        mb = {str(c): max_batch(cap, c, self.a.headroom, bs, self.a.max_batch) for c in self.contexts()}
+        self.in_flight = int(vc.max_in_flight_tokens)
+        own, bpt = self.layout(self.cfg.name), self.bpt[self.cfg.name]
+        cap = capacity_tokens(blocks, own, self.a.max_model_len)
+        mb = {str(c): max_batch(blocks, own, c + self.a.headroom, self.in_flight, self.a.max_batch)
+              for c in self.contexts()}
         rec = self.rec.write(
             "engine", engine_start_s=round(start_s, 1), num_gpu_blocks=blocks, block_size=bs,
-            capacity_tokens=cap, kv_bytes_per_token=bpt, kv_gib=round(cap * bpt / 2**30, 2),
+            capacity_tokens=cap, kv_bytes_per_token=bpt,
+            kv_gib=round(blocks * own.block_bytes / 2**30, 2), pool=own.to_json(),
+            max_in_flight_tokens=self.in_flight,
             vllm_kv_cache_size_tokens=getattr(cc, "kv_cache_size_tokens", None),
+            vllm_max_concurrency=getattr(cc, "kv_cache_max_concurrency", None),
             max_batch=mb, max_batch_x_context={c: b * int(c) for c, b in mb.items()},
             engine_kwargs={k: v for k, v in kw.items() if k != "profiler_config"},
             policy=self.policy, attention_backend=kw.get("attention_backend", "vLLM default"))
         log(f"{self.cfg.name}: engine up in {start_s:.0f}s: {cap} KV tokens ({blocks} blocks x {bs}), "
             f"max batch {mb}")
         return rec
+
+    def layout(self, name: str) -> PoolLayout:
+        """The pool layout configuration ``name`` has at this engine's block size and lengths."""
+        cfg = CONFIGS[name]
+        bs = int(self.llm.llm_engine.vllm_config.cache_config.block_size)
+        return pool_layout(cfg.kv_cache_dtype, self.shape, policy_for(cfg, self.shape.types, self.a.mixed_policy),
+                           bs, self.a.max_model_len, self.in_flight)
 
     def left(self, soft: bool = False) -> float:
         return (self.soft if soft else self.deadline) - time.time()
@@ -115,13 +132,14 @@ class Worker:
         cc = self.llm.llm_engine.vllm_config.cache_config
         if str(context) in self.a.ref_batches:
             return int(self.a.ref_batches[str(context)]), "measured (fp8 engine)"
+        tokens = context + self.a.headroom
+        own = self.layout(self.cfg.name)
         if self.cfg.name == REFERENCE:
-            return (max_batch(cc.num_gpu_blocks * cc.block_size, context, self.a.headroom,
-                              cc.block_size, self.a.max_batch), "this engine (fp8 is the reference)")
-        kv_bytes = cc.num_gpu_blocks * cc.block_size * self.bpt[self.cfg.name]
-        b = estimate_batch(kv_bytes, self.bpt[REFERENCE], context, self.a.headroom, cc.block_size,
-                           self.a.max_batch)
-        return b, "estimated from this engine's KV bytes / fp8's bytes per token"
+            return (max_batch(cc.num_gpu_blocks, own, tokens, self.in_flight, self.a.max_batch),
+                    "this engine (fp8 is the reference)")
+        b = estimate_batch(cc.num_gpu_blocks * own.block_bytes, self.layout(REFERENCE), tokens,
+                           self.in_flight, self.a.max_batch)
+        return b, "estimated from this engine's KV bytes and fp8's pool layout"
 
     def decode_context(self, st: Stepper, context: int, own_max: int, ttft_s: float, soft: bool) -> None:
         """Growing decode stages over one prefill at ``context`` (plan against the soft deadline

@@ -19,6 +19,7 @@ from vllm_nvfp4.calibration.progress import progress, single_bar
 from vllm_nvfp4.calibration.report_files import ReportError
 from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy, with_formats
 from vllm_nvfp4.calibration.selection import (
+    DEFAULT_BASE,
     count_fp8_slots,
     fraction_for_slots,
     naive_formats,
@@ -179,7 +180,7 @@ def run_tune(model_dir: Path, data: Sequence[Path], report_dir: Path, fp8_slots:
              calib_windows: int = 1, per_head: bool = False, dtype: str = "bfloat16",
              k_smooth: Optional[float] = None, k_center: bool = True, metric: str = "kl",
              measure: bool = True, measure_windows: Optional[int] = None,
-             device: str = "cpu") -> TuneResult:
+             device: str = "cpu", base: str = DEFAULT_BASE) -> TuneResult:
     """``analyze`` (calibrating on the first ``calib_windows`` windows, scoring the next
     ``windows``) then ``select`` for ``fp8_slots`` FP8 slots, under one progress bar; the
     report (plots, REPORT.md) is rendered into ``report_dir``. The policy is not saved."""
@@ -193,7 +194,7 @@ def run_tune(model_dir: Path, data: Sequence[Path], report_dir: Path, fp8_slots:
     with single_bar("tune", unit="step"):
         report = analyze(model_dir, data, report_dir, window, windows, calib_windows,
                          per_head=per_head, dtype=dtype, k_smooth=k_smooth, k_center=k_center,
-                         device=device)
+                         device=device, base=base)
         for stale in Path(report_dir).glob("selection-*.json"):  # of an earlier analysis
             stale.unlink()
         policy, summary = run_select(report_dir, fp8_slots, metric, measure=measure, budget=budget,

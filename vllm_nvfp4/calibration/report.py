@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_nvfp4.calibration.report_files import check_schema, read_json
-from vllm_nvfp4.calibration.selection import NVFP4_SLOT, predicted_curve
+from vllm_nvfp4.calibration.selection import NVFP4_SLOT, predicted_curve, sweep_base
 
 SENSITIVITY_PNG = "sensitivity.png"
 DAMAGE_PNG = "damage_vs_bytes.png"
@@ -61,7 +61,8 @@ def load_selections(report_dir: Path) -> list[dict[str, Any]]:
 
 
 def plot_sensitivity(report: dict[str, Any], path: Path) -> None:
-    """Bars of each layer's marginal KL and delta NLL for K and V downgraded alone."""
+    """Bars of each layer's marginal KL and delta NLL for K and V (what the slot costs in NVFP4,
+    the rest at the sweep's base)."""
     plt = _plt()
     idx = [e["index"] for e in report["layers"]]
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.3 * len(idx) + 3), 7), sharex=True)
@@ -74,12 +75,15 @@ def plot_sensitivity(report: dict[str, Any], path: Path) -> None:
         ax.set_ylabel(f"marginal {label}")
         ax.legend(loc="upper right")
     se = max(e[kv].get("dnll_vs_base_se", 0.0) for e in report["layers"] for kv in ("k", "v"))
-    axes[1].axhspan(-se, se, color="grey", alpha=0.25, label="+-1 s.e. (paired vs all-FP8)")
+    base = sweep_base(report)
+    axes[1].axhspan(-se, se, color="grey", alpha=0.25, label=f"+-1 s.e. (paired vs all-{base.upper()})")
     axes[1].legend(loc="upper right")
     axes[1].set_xlabel("layer")
     axes[1].set_xticks(idx)
-    axes[0].set_title(f"{Path(report['model']['path']).name}: one K or V slot in NVFP4, the rest FP8\n"
-                      f"(damage minus all-FP8's; {report['data']['eval_windows']} x "
+    alone = "one K or V slot in NVFP4, the rest FP8" if base == "fp8" else \
+        "one K or V slot in FP8, the rest NVFP4"
+    axes[0].set_title(f"{Path(report['model']['path']).name}: {alone}\n"
+                      f"(damage with the slot in NVFP4 minus in FP8; {report['data']['eval_windows']} x "
                       f"{report['data']['window_tokens']} held-out tokens)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -123,7 +127,8 @@ def plot_damage_vs_bytes(report: dict[str, Any], selections: list[dict[str, Any]
 
 
 def _row(name: str, frac: float, m: dict[str, Any]) -> str:
-    return f"| {name} | {frac:.4f} | {m['dnll']:.5f} ± {m['dnll_se']:.5f} | {m['kl']:.5f} |"
+    top1 = "-" if m.get("top1") is None else f"{m['top1']:.4f}"  # absent from older reports
+    return f"| {name} | {frac:.4f} | {m['dnll']:.5f} ± {m['dnll_se']:.5f} | {m['kl']:.5f} | {top1} |"
 
 
 def commands(report: dict[str, Any], selections: list[dict[str, Any]], report_dir: str = "REPORT_DIR") -> list[str]:
@@ -140,6 +145,7 @@ def commands(report: dict[str, Any], selections: list[dict[str, Any]], report_di
     if st.get("k_center"):
         analyze += " --k-center"
     analyze += " --per-head" * bool(st["per_head"]) + f" --dtype {model['dtype']}"
+    analyze += f" --base {sweep_base(report)}"
     out = [analyze]
     for sel in selections:
         allowed = sel.get("fp8_slots_allowed", sel["fp8_slots"])  # absent before "at most"
@@ -169,15 +175,15 @@ def markdown(report: dict[str, Any], selections: list[dict[str, Any]]) -> str:
         "Damage against the unquantized reference (delta NLL ± one paired standard error; KL of the",
         "next-token distributions), in nats/token:",
         "",
-        "| configuration | KV bytes / FP8 | delta NLL | KL |",
-        "|---|---|---|---|",
+        "| configuration | KV bytes / FP8 | delta NLL | KL | top-1 agreement |",
+        "|---|---|---|---|---|",
         _row("reference repeat (noise floor)", 2.0, cfg["reference_repeat"]),
         _row("all-FP8 (calibrated)", 1.0, cfg["all_fp8"]),
         _row("all-NVFP4 (calibrated)", NVFP4_SLOT, cfg["all_nvfp4"]),
     ]
     top = sorted(((e[kv]["kl_marginal"], e["index"], kv) for e in report["layers"] for kv in ("k", "v")),
                  reverse=True)[:8]
-    lines += ["", "Most sensitive slots (marginal KL over all-FP8): "
+    lines += ["", f"Most sensitive slots (marginal KL, swept from all-{sweep_base(report).upper()}): "
               + ", ".join(f"L{i}.{kv.upper()} {d:.4f}" for d, i, kv in top) + ".", ""]
     for sel in selections:
         if "measured" not in sel["selected"]:
@@ -193,8 +199,8 @@ def markdown(report: dict[str, Any], selections: list[dict[str, Any]]) -> str:
             f"Measured on {on.get('windows', '?')} windows of {on.get('window_tokens', '?')} tokens "
             f"({'the analysis windows' if on.get('same_windows_as_analysis') else 'starting with the analysis windows; partly fresh text'}).",
             "",
-            "| policy | KV bytes / FP8 | delta NLL | KL |",
-            "|---|---|---|---|",
+            "| policy | KV bytes / FP8 | delta NLL | KL | top-1 agreement |",
+            "|---|---|---|---|---|",
             _row("all-FP8", 1.0, sel["all_fp8"]),
             _row("all-NVFP4", NVFP4_SLOT, sel["all_nvfp4"]),
             _row(f"selected `{s['policy']}`", sel["fraction_of_fp8"], s["measured"]),

@@ -1,8 +1,11 @@
 """Choose per-layer FP8/NVFP4 for K and V under a KV-bytes budget (``vllm-nvfp4 select``).
 
-Model of the damage (additivity): ``D(policy) ~ D(all-FP8) + sum over NVFP4 slots of
-(D(slot alone in NVFP4) - D(all-FP8))``, where a *slot* is one layer's K or V and ``D`` the mean
-KL (default) or delta NLL from the sensitivity report. Every slot costs the same bytes (FP8 1.0,
+Model of the damage (additivity): with a sensitivity report swept from all-FP8,
+``D(policy) ~ D(all-FP8) + sum over NVFP4 slots of m(slot)``; swept from all-NVFP4,
+``D(policy) ~ D(all-NVFP4) - sum over FP8 slots of m(slot)``. A *slot* is one layer's K or V,
+``D`` the mean KL (default), delta NLL or top-1 disagreement from the report and ``m`` the slot's
+marginal there (damage with the slot in NVFP4 minus with it in FP8, the rest at the sweep's
+base; see :mod:`~vllm_nvfp4.calibration.sensitivity`). Every slot costs the same bytes (FP8 1.0,
 NVFP4 0.5625 of an FP8 slot: all layers share head count and head size), so a budget is a number
 ``n`` of FP8 slots, and keeping in FP8 the at most ``n`` slots with the largest POSITIVE marginal
 damage minimises the predicted damage exactly (any other choice swaps a larger marginal for a
@@ -25,7 +28,10 @@ from vllm_nvfp4.policy import FULL_ATTENTION, KVPolicy, LayerPolicy, LayerType
 
 #: bytes of an NVFP4 slot relative to an FP8 slot (D/2 + D/16 vs D)
 NVFP4_SLOT = KVFormat.NVFP4.bytes_per_element / KVFormat.FP8.bytes_per_element
-METRICS = ("kl", "dnll")
+METRICS = ("kl", "dnll", "top1")
+#: the policies an analysis can sweep from (:mod:`~vllm_nvfp4.calibration.sensitivity`)
+BASES = ("fp8", "nvfp4")
+DEFAULT_BASE = "fp8"
 
 
 def fraction_for_slots(num_layers: int, fp8_slots: int) -> float:
@@ -55,12 +61,22 @@ def check_slots(num_layers: int, fp8_slots: int) -> int:
     return fp8_slots
 
 
+def sweep_base(report: dict[str, Any]) -> str:
+    """The policy the analysis moved one slot away from: ``"fp8"`` (also reports before the
+    choice existed) or ``"nvfp4"``."""
+    return report.get("settings", {}).get("base", "fp8")
+
+
 def marginals(report: dict[str, Any], metric: str) -> list[tuple[float, int, str]]:
-    """``(marginal damage, layer, "k"|"v")`` for every slot, largest damage first (ties: K, low layer)."""
+    """``(marginal damage, layer, "k"|"v")`` for every slot, largest damage first (ties: K, low
+    layer): the report's ``<metric>_marginal`` (top-1: agreement lost in NVFP4)."""
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
-    base = report["configs"]["all_fp8"][metric]
-    slots = [(entry[kv][metric] - base, entry["index"], kv) for entry in report["layers"] for kv in ("k", "v")]
+    key = f"{metric}_marginal"
+    if any(key not in entry[kv] for entry in report["layers"] for kv in ("k", "v")):
+        raise ValueError(f"the sensitivity report has no {key} (an analysis from before that metric); "
+                         "re-run analyze or choose --metric kl")
+    slots = [(entry[kv][key], entry["index"], kv) for entry in report["layers"] for kv in ("k", "v")]
     return sorted(slots, key=lambda s: (-s[0], s[1], s[2]))
 
 
@@ -115,11 +131,16 @@ def naive_formats(num_layers: int, fp8_slots: int,
 
 
 def predict(report: dict[str, Any], formats: KVPolicy, metric: str) -> float:
-    """Additive prediction of ``metric`` for ``formats`` from single-slot measurements."""
+    """Additive prediction of ``metric`` (KL, delta NLL or top-1 agreement) for ``formats`` from
+    single-slot measurements, anchored at the sweep's base."""
     table = {(layer, kv): d for d, layer, kv in marginals(report, metric)}
-    base = report["configs"]["all_fp8"][metric]
-    return base + sum(table[(i, kv)] for i, lp in enumerate(formats.layers)
-                      for kv in ("k", "v") if lp.format_of(kv) is KVFormat.NVFP4)
+    sign = -1.0 if metric == "top1" else 1.0  # agreement falls as damage rises
+    fmt = KVFormat.NVFP4 if sweep_base(report) == "fp8" else KVFormat.FP8
+    moved = sum(table[(i, kv)] for i, lp in enumerate(formats.layers)
+                for kv in ("k", "v") if lp.format_of(kv) is fmt)
+    if fmt is KVFormat.NVFP4:
+        return report["configs"]["all_fp8"][metric] + sign * moved
+    return report["configs"]["all_nvfp4"][metric] - sign * moved
 
 
 def predicted_curve(report: dict[str, Any], metric: str, rank_by: str = "kl") -> list[tuple[float, float]]:

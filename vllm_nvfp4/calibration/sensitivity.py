@@ -1,9 +1,14 @@
 """Layer-wise KV sensitivity (``vllm-nvfp4 analyze``).
 
-Starting from all-FP8 with calibrated scales, each layer's K (then V) alone is switched to NVFP4
-and the damage against the unquantized reference is measured on held-out windows (mean next-token
-KL and delta NLL). Also measured: all-FP8, all-NVFP4 and a repeat of the reference (noise floor).
-A layer-slot's *sensitivity* is its damage minus all-FP8's (the marginal cost of that slot).
+From a base policy with calibrated scales - all-FP8 (``base="fp8"``) or all-NVFP4
+(``base="nvfp4"``) - each layer's K (then V) alone is switched to the other format and the damage
+against the unquantized reference is measured on held-out windows (mean next-token KL, delta NLL
+and top-1 agreement). Also measured: all-FP8, all-NVFP4 and a repeat of the reference (noise
+floor). A slot's *marginal* (``kl_marginal``, ``dnll_marginal``, ``top1_marginal``) is what that
+slot in NVFP4 costs against that slot in FP8, the rest at the base: damage with the slot in NVFP4
+minus damage with it in FP8 (top-1: agreement in FP8 minus agreement in NVFP4). The all-NVFP4 base
+measures each slot among NVFP4 neighbours, as a tight budget leaves it; docs/CALIBRATION.md says
+which base ranked better where it was measured.
 
 Writes to the report directory: ``sensitivity.json`` (everything, see :func:`analyze`),
 ``scales.json`` (the calibrated all-FP8 policy) and, via :mod:`report`, plots and ``REPORT.md``.
@@ -27,6 +32,7 @@ from vllm_nvfp4.calibration.modeling import load_model
 from vllm_nvfp4.calibration.progress import progress
 from vllm_nvfp4.calibration.report_files import ReportError, check_schema, read_json
 from vllm_nvfp4.calibration.scales import amax_table, observe_amax, scaled_policy, with_formats
+from vllm_nvfp4.calibration.selection import BASES, DEFAULT_BASE
 from vllm_nvfp4.policy import KVPolicy
 
 REPORT_FILE = "sensitivity.json"
@@ -42,6 +48,11 @@ def utc_now() -> str:
 def downgrade(policy: KVPolicy, layer: int, kv: str) -> KVPolicy:
     """``policy`` with ``kv`` ("k" or "v") of ``layer`` in NVFP4 (scales kept)."""
     return policy.with_layer(layer, **{kv: "nvfp4"})
+
+
+def upgrade(policy: KVPolicy, layer: int, kv: str) -> KVPolicy:
+    """``policy`` with ``kv`` ("k" or "v") of ``layer`` in FP8 (scales kept)."""
+    return policy.with_layer(layer, **{kv: "fp8"})
 
 
 def all_format(scaled: KVPolicy, fmt: str) -> KVPolicy:
@@ -64,6 +75,7 @@ def analyze(
     k_smooth: Optional[float] = None,
     k_center: bool = False,
     device: str = "cpu",
+    base: str = DEFAULT_BASE,
 ) -> dict[str, Any]:
     """Run the sensitivity analysis and write ``out_dir/sensitivity.json`` (+ ``scales.json``).
 
@@ -77,9 +89,13 @@ def analyze(
         k_center: with calibration, K centering (store K minus its channel means).
         device: ``cpu``, ``cuda`` (every visible GPU), ``cuda:N`` or ``auto``
             (:func:`~vllm_nvfp4.calibration.modeling.load_model`).
+        base: ``"fp8"`` (every slot moved to NVFP4 alone from all-FP8) or ``"nvfp4"`` (every
+            slot moved to FP8 alone from all-NVFP4).
     Returns:
         The report dictionary (also written as JSON).
     """
+    if base not in BASES:
+        raise ValueError(f"base must be one of {', '.join(BASES)}, got {base!r}")
     t_start = time.time()
     model, tokenizer, info = load_model(model_dir, dtype, device, window, windows)
     n_calib = 0 if scales is not None else calib_windows
@@ -105,23 +121,28 @@ def analyze(
         results["reference"] = ev.reference(bar)
         bar.set_postfix_str("reference repeat")
         results["reference_repeat"] = ev.measure(None, bar)
-        bar.set_postfix_str("all-FP8")
-        baseline = all_format(scaled, "fp8")
-        results["all_fp8"] = ev.set_baseline(baseline, bar)
-        bar.set_postfix_str("all-NVFP4")
-        results["all_nvfp4"] = ev.measure(all_format(scaled, "nvfp4"), bar)
+        other = "nvfp4" if base == "fp8" else "fp8"
+        name = {"fp8": "all_fp8", "nvfp4": "all_nvfp4"}
+        bar.set_postfix_str(f"all-{base.upper()}")
+        baseline = all_format(scaled, base)
+        results[name[base]] = ev.set_baseline(baseline, bar)
+        bar.set_postfix_str(f"all-{other.upper()}")
+        results[name[other]] = ev.measure(all_format(scaled, other), bar)
+        switch = downgrade if base == "fp8" else upgrade
         for i in info.kv_layers:
             entry: dict[str, Any] = {"index": i, **info.layer_types[i].to_json()}
             for kv in ("k", "v"):
-                bar.set_postfix_str(f"layer {i} {kv.upper()}->NVFP4")
-                entry[kv] = ev.measure(downgrade(baseline, i, kv), bar).to_dict()
+                bar.set_postfix_str(f"layer {i} {kv.upper()}->{other.upper()}")
+                entry[kv] = ev.measure(switch(baseline, i, kv), bar).to_dict()
             layers.append(entry)
 
-    base = results["all_fp8"]
+    at_base = results[name[base]].to_dict()
     for entry in layers:
         for kv in ("k", "v"):
-            entry[kv]["kl_marginal"] = round(entry[kv]["kl"] - base.kl, 8)
-            entry[kv]["dnll_marginal"] = round(entry[kv]["dnll"] - base.dnll, 8)
+            nv, f8 = (entry[kv], at_base) if base == "fp8" else (at_base, entry[kv])
+            entry[kv]["kl_marginal"] = round(nv["kl"] - f8["kl"], 8)
+            entry[kv]["dnll_marginal"] = round(nv["dnll"] - f8["dnll"], 8)
+            entry[kv]["top1_marginal"] = round(f8["top1"] - nv["top1"], 8)
 
     report = {
         "kind": REPORT_KIND,
@@ -130,7 +151,7 @@ def analyze(
         "model": info.to_dict(),
         "data": toks.describe(),
         "settings": {"window": window, "windows": windows, "calib_windows": n_calib,
-                     "per_head": per_head, "k_smooth": k_smooth, "k_center": k_center,
+                     "per_head": per_head, "k_smooth": k_smooth, "k_center": k_center, "base": base,
                      "scales_from": "calibration" if scales is None else scales.source,
                      "prefix_reuse": ev.layers is not None, "forwards": ev.forwards,
                      "torch_threads": torch.get_num_threads()},

@@ -16,20 +16,27 @@ from vllm_nvfp4.policy.kv_policy import KVPolicy
 from vllm_nvfp4.policy.layer_types import FULL_ATTENTION, LayerType
 
 
-def default_policy(num_layers: int, layer_types: Optional[Sequence[LayerType]] = None) -> KVPolicy:
-    """The default rule (module doc): sliding layers FP8; of the growing layers (the
-    full-attention ones, or all KV layers if none is full) the first and last FP8, the others
-    NVFP4; everything FP8 when there are at most two growing layers."""
-    types = tuple(layer_types) if layer_types is not None else (FULL_ATTENTION,) * num_layers
+def default_rule_text(layer_types: Sequence[LayerType]) -> tuple[str, str]:
+    """``(compact policy, its source)`` of the default rule (module doc) for ``layer_types``:
+    sliding layers FP8; of the growing layers (the full-attention ones, or all KV layers if none
+    is full) the first and last FP8, the others NVFP4; everything FP8 when there are at most
+    two growing layers."""
+    types = tuple(layer_types)
     kv = [i for i, t in enumerate(types) if t.holds_kv]
     if not kv:
         raise PolicyError("the model has no layer with a KV cache; nvfp4_mixed has nothing to store")
     growing = [i for i in kv if types[i].kind == "full"] or kv
     if len(growing) <= 2:
-        text, source = "*:fp8", "default rule"
-    elif len(growing) == len(kv):
-        text, source = f"{growing[0]}:fp8,{growing[-1]}:fp8,*:nvfp4", "default rule (first/last FP8)"
-    else:
-        text = f"{growing[0]}:fp8,{growing[-1]}:fp8,swa:fp8,full:nvfp4"
-        source = "default rule (sliding FP8, first/last full-attention FP8)"
+        return "*:fp8", "default rule"
+    if len(growing) == len(kv):
+        return f"{growing[0]}:fp8,{growing[-1]}:fp8,*:nvfp4", "default rule (first/last FP8)"
+    return (f"{growing[0]}:fp8,{growing[-1]}:fp8,swa:fp8,full:nvfp4",
+            "default rule (sliding FP8, first/last full-attention FP8)")
+
+
+def default_policy(num_layers: int, layer_types: Optional[Sequence[LayerType]] = None) -> KVPolicy:
+    """The policy of :func:`default_rule_text` (all layers full attention without
+    ``layer_types``)."""
+    types = tuple(layer_types) if layer_types is not None else (FULL_ATTENTION,) * num_layers
+    text, source = default_rule_text(types)
     return KVPolicy.from_compact(text, num_layers, source=source, layer_types=types)
