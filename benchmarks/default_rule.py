@@ -117,14 +117,21 @@ def measure_model(model_dir: Path, names: Sequence[str], eval_text: Path, window
     calib = _windows(tokenizer, BUILTIN_TEXT, calib_window, calib_windows, bos)
     observer = observe_amax(model, calib, info.num_layers, kv_layers=info.kv_layers)
     k_center = not soft_capped(model_dir)
-    ev = Evaluator(model, _windows(tokenizer, eval_text, window, windows, bos), reuse_prefix=False)
-    ref = ev.reference()
+    held_out = _windows(tokenizer, eval_text, window, windows, bos)
+    evs = [Evaluator(model, held_out[w:w + 1], reuse_prefix=False) for w in range(windows)]
+    refs = [ev.reference() for ev in evs]
     out: dict[str, Any] = {"model": str(model_dir), "layer_types": [t.label() for t in info.layer_types],
-                           "reference_nll": ref.nll, "k_center": k_center, "results": {}}
+                           "reference_nll": sum(r.nll for r in refs) / windows, "k_center": k_center,
+                           "results": {}}
     for group, formats in candidate_policies(names, info.layer_types):
-        m = ev.measure(scaled_policy(formats, observer, k_center=k_center))
-        row = {"policy": formats.to_compact(), "kl": m.kl, "dnll": m.dnll, "dnll_se": m.dnll_se,
-               "top1": m.top1, "tokens": m.tokens, "fraction_of_fp8": formats.fraction_of_fp8()}
+        policy = scaled_policy(formats, observer, k_center=k_center)
+        ms = [ev.measure(policy) for ev in evs]  # windows are equally long: means of means
+        row: dict[str, Any] = {"policy": formats.to_compact(), "fraction_of_fp8": formats.fraction_of_fp8(),
+                               "tokens": sum(m.tokens for m in ms),
+                               "dnll_se": math.sqrt(sum(m.dnll_se ** 2 for m in ms)) / windows}
+        for key in ("kl", "dnll", "top1"):
+            row["per_window_" + key] = [getattr(m, key) for m in ms]
+            row[key] = sum(row["per_window_" + key]) / windows
         for name in group:
             out["results"][name] = row
     out["seconds"] = round(time.time() - t0, 1)
@@ -136,6 +143,13 @@ def _mean_sd(values: Sequence[float]) -> tuple[float, float]:
     mu = sum(values) / len(values)
     sd = math.sqrt(sum((v - mu) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
     return mu, sd
+
+
+def window_runs(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """One model's windows as runs of :func:`summarize_runs` (the spread of a single model)."""
+    n = len(next(iter(run["results"].values()))["per_window_kl"])
+    return [{"results": {name: dict(row, **{k: row["per_window_" + k][w] for k in ("kl", "dnll", "top1")})
+                         for name, row in run["results"].items()}} for w in range(n)]
 
 
 def summarize_runs(runs: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str, Any]:
@@ -173,22 +187,25 @@ def run_accuracy(a: argparse.Namespace) -> dict[str, Any]:
     for label, dirs in targets:
         runs = []
         for d in dirs:
-            r = measure_model(d, CANDIDATES, eval_text, a.window, a.windows, a.calib_window,
+            r = measure_model(d, a.candidates, eval_text, a.window, a.windows, a.calib_window,
                               a.calib_windows, a.dtype, a.bos)
             print(f"{label} {d.name}: " + ", ".join(
-                f"{n} kl={r['results'][n]['kl']:.5f}" for n in CANDIDATES) + f" ({r['seconds']} s)",
+                f"{n} kl={r['results'][n]['kl']:.5f}" for n in a.candidates) + f" ({r['seconds']} s)",
                 file=sys.stderr, flush=True)
             runs.append(r)
-        out[label] = {"runs": runs, "summary": summarize_runs(runs, CANDIDATES)}
+        over = runs if len(runs) > 1 else window_runs(runs[0])
+        out[label] = {"runs": runs, "spread_over": "seeds" if len(runs) > 1 else "windows",
+                      "summary": summarize_runs(over, a.candidates)}
     return out
 
 
 def accuracy_table(results: dict[str, Any]) -> str:
     """Markdown: one row per model and distinct candidate."""
-    lines = ["| model | candidate | policy | KL (nats) | delta NLL | top-1 agree | KL / today's | runs KL < today's |",
+    lines = ["| model | candidate | policy | KL (nats) | delta NLL | top-1 agree | KL / today's | KL < today's in |",
              "|---|---|---|---|---|---|---|---|"]
     for label, res in results.items():
-        n = len(res["runs"])
+        n = f"{len(res['runs'])} seeds" if res["spread_over"] == "seeds" else \
+            f"{len(res['runs'][0]['results']['a']['per_window_kl'])} windows"
         done: set[str] = set()
         for name, s in res["summary"].items():
             if name in done:
@@ -197,7 +214,7 @@ def accuracy_table(results: dict[str, Any]) -> str:
             names = "=".join([name, *s["same_as"]])
             lines.append(f"| {label} | {names} | `{s['policy']}` | {s['kl']:.5f} ± {s['kl_sd']:.5f} | "
                          f"{s['dnll']:.5f} ± {s['dnll_sd']:.5f} | {s['top1']:.4f} ± {s['top1_sd']:.4f} | "
-                         f"{s['kl_vs_a']:.3f} ± {s['kl_vs_a_sd']:.3f} | {s['runs_kl_below_a']}/{n} |")
+                         f"{s['kl_vs_a']:.3f} ± {s['kl_vs_a_sd']:.3f} | {s['runs_kl_below_a']} of {n} |")
     return "\n".join(lines)
 
 
@@ -273,6 +290,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     acc = sub.add_parser("accuracy", help="KL / delta NLL / top-1 on tiny hybrid models or --model")
     acc.add_argument("--archs", nargs="+", default=["gemma3", "gpt_oss", "mistral", "qwen3_next"])
     acc.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    acc.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=CANDIDATES,
+                     help="candidates measured (a, today's rule, is always among them)")
     acc.add_argument("--model", default=None, help="a real model directory instead of the tiny ones")
     acc.add_argument("--dtype", default="float32")
     acc.add_argument("--bos", type=int, default=None, help="token id put first in every window")
@@ -289,6 +308,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.add_argument("--out", required=True, help="JSON file written")
         p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     a = ap.parse_args(argv)
+    if a.cmd == "accuracy" and "a" not in a.candidates:
+        a.candidates = ["a", *a.candidates]
     import torch
 
     torch.set_num_threads(a.threads)
