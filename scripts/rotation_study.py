@@ -1,0 +1,191 @@
+#!/usr/bin/env python
+"""Does a Hadamard rotation along head_dim before quantization make NVFP4 K/V more accurate (CPU)?
+
+    python scripts/rotation_study.py STEP MODEL TEXT --out DIR [--window 512]
+        [--analysis-windows 2] [--heldout-windows 4] [--budget 0.62] [--dtype float32]
+        [--heldout-skip 0] [--kinds hadamard,hadamard16,random_hadamard] [--sweep-kind hadamard]
+        [--sweep-rotate k]
+
+STEP ``heldout``: on held-out windows, against the unquantized cache: calibrated all-FP8,
+calibrated all-NVFP4, and for each rotation kind all-NVFP4 with K rotated and with K and V
+rotated (:mod:`vllm_nvfp4.rotation`; scales and K centering calibrated on the rotated vectors),
+plus all-FP8 with K and V rotated; writes ``DIR/heldout.json`` (``heldout_skipN.json``).
+STEP ``sweep``: ``analyze``'s default sweep (from all-FP8, each K/V slot alone to NVFP4) with
+every layer's K (``--sweep-rotate k``) or K and V (``kv``) rotated by ``--sweep-kind``, on the
+analysis windows; ``DIR/sweep_<kind>_<k|kv>.json``.
+STEP ``mix`` (after both): the ``--budget`` selection by KL from that sweep (the slots ``select``
+keeps in FP8) with the same slots rotated, and the same count of FP8 slots ranked by the unrotated
+sweep ``--plain-sweep`` (``analyze``'s sweep_fp8.json) with rotated NVFP4; each with its top-1
+gap recovery ``(x - all-NVFP4) / (all-FP8 - all-NVFP4)`` against the *unrotated* all-NVFP4 and
+all-FP8 of the held-out step's JSON; writes ``DIR/mix_<kind>_<k|kv>.json``.
+
+Windows as ``scripts/sweep_base_study.py``: calibration = the first window of TEXT, analysis =
+the next ``--analysis-windows``, held-out = the last ``--heldout-windows`` windows of TEXT's
+final 50,000 characters (``--heldout-skip`` windows before the end: another held-out set).
+Transformers with the cache fake-quantized
+(:mod:`vllm_nvfp4.calibration.kv_hooks`), K centering on, one CPU thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+HEAD_CHARS, TAIL_CHARS = 100_000, 50_000  # text tokenized for the first / the held-out windows
+Z95 = 1.96
+
+
+def _row(name: str, m: dict[str, Any]) -> str:
+    lo, hi = m["dnll"] - Z95 * m["dnll_se"], m["dnll"] + Z95 * m["dnll_se"]
+    return (f"{name:34s} top-1 {m['top1']:.4f}  dNLL {m['dnll']:+.4f} [{lo:+.4f}, {hi:+.4f}]  "
+            f"KL {m['kl']:.4f}")
+
+
+def _recovery(m: dict[str, Any], fp8: dict[str, Any], nv: dict[str, Any]) -> dict[str, float]:
+    return {"top1_gap_recovery": round((m["top1"] - nv["top1"]) / (fp8["top1"] - nv["top1"]), 4),
+            "dnll_gap_recovery": round((nv["dnll"] - m["dnll"]) / (nv["dnll"] - fp8["dnll"]), 4)}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import torch
+
+    from vllm_nvfp4.calibration.evaluator import Evaluator
+    from vllm_nvfp4.calibration.kv_hooks import KVRotation
+    from vllm_nvfp4.calibration.modeling import load_model
+    from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy
+    from vllm_nvfp4.calibration.selection import fp8_slots_for_budget
+    from vllm_nvfp4.calibration.sensitivity import all_format, downgrade, upgrade
+    from vllm_nvfp4.policy import KVPolicy
+    from vllm_nvfp4.rotation import ROTATIONS
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("step", choices=("heldout", "sweep", "mix"))
+    ap.add_argument("model", type=Path)
+    ap.add_argument("text", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--analysis-windows", type=int, default=2)
+    ap.add_argument("--heldout-windows", type=int, default=4)
+    ap.add_argument("--heldout-skip", type=int, default=0)
+    ap.add_argument("--budget", type=float, default=0.62)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kinds", default=",".join(ROTATIONS))
+    ap.add_argument("--sweep-kind", default="hadamard", choices=ROTATIONS)
+    ap.add_argument("--sweep-rotate", default="k", choices=("k", "kv"))
+    ap.add_argument("--plain-sweep", type=Path,
+                    default=REPO / "results/2026-12-01-sweep-base-smollm2-cpu/sweep_fp8.json")
+    a = ap.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    w = a.window
+    model, tok, info = load_model(a.model, a.dtype, "cpu")
+    text = a.text.read_text(encoding="utf-8")
+    head = tok(text[:HEAD_CHARS], add_special_tokens=False)["input_ids"]
+    tail = tok(text[-TAIL_CHARS:], add_special_tokens=False)["input_ids"]
+    calib = torch.tensor(head[:w]).view(1, w)
+    layers = info.num_layers
+    end = len(tail) - w * a.heldout_skip
+    heldout = torch.tensor(tail[end - w * a.heldout_windows:end]).view(a.heldout_windows, w)
+    heldout_file = a.out / f"heldout{f'_skip{a.heldout_skip}' if a.heldout_skip else ''}.json"
+    fp8_formats = KVPolicy.from_compact("*:fp8", layers, layer_types=info.layer_types)
+
+    def calibrated(rotation: Optional[KVRotation]) -> KVPolicy:
+        """All-FP8 with scales and K centering calibrated on the (rotated) K/V."""
+        obs = observe_amax(model, calib, layers, kv_layers=info.kv_layers, rotation=rotation)
+        return scaled_policy(fp8_formats, obs, False, {}, None, True)
+
+    plain = calibrated(None)
+
+    def rotated(kind: str, v: bool) -> tuple[KVRotation, KVPolicy]:
+        """Every layer's K (and V when ``v``) rotated, with its scales from the rotated vectors."""
+        rot = KVRotation.every_layer(kind, layers, k=True, v=v)
+        scaled = calibrated(rot)
+        if not v:  # V unrotated: its scales from the plain calibration
+            scaled = KVPolicy(tuple(replace(r, v_scale=p.v_scale, v_global_scale=p.v_global_scale)
+                                    for r, p in zip(scaled.layers, plain.layers)),
+                              source="calibration")
+        return rot, scaled
+
+    if a.step == "heldout":
+        ev = Evaluator(model, heldout, reuse_prefix=False)
+        ev.reference()
+        out: dict[str, Any] = {"all_fp8": ev.measure(all_format(plain, "fp8")).to_dict(),
+                               "all_nvfp4": ev.measure(all_format(plain, "nvfp4")).to_dict()}
+        for name in ("all_fp8", "all_nvfp4"):
+            print(_row(name, out[name]), flush=True)
+        for kind in a.kinds.split(","):
+            for v, fmts in ((False, ("nvfp4",)), (True, ("nvfp4", "fp8"))):
+                rot, scaled = rotated(kind, v)
+                ev.rotation = rot
+                for fmt in fmts:
+                    name = f"all_{fmt}_{kind}_{'kv' if v else 'k'}"
+                    m = ev.measure(all_format(scaled, fmt)).to_dict()
+                    m.update(_recovery(m, out["all_fp8"], out["all_nvfp4"]))
+                    out[name] = m
+                    print(_row(name, m) + f"  gap recovery {m['top1_gap_recovery']:.0%}", flush=True)
+                ev.rotation = None
+        summary = {"model": str(a.model), "text": str(a.text), "window": w,
+                   "heldout_windows": a.heldout_windows, "heldout_skip": a.heldout_skip,
+                   "k_center": True, "configs": out}
+        heldout_file.write_text(json.dumps(summary, indent=1) + "\n")
+        return 0
+
+    rot, scaled = rotated(a.sweep_kind, a.sweep_rotate == "kv")
+    tag = f"{a.sweep_kind}_{a.sweep_rotate}"
+    if a.step == "sweep":
+        windows = torch.tensor(head[w:w * (1 + a.analysis_windows)]).view(a.analysis_windows, w)
+        ev = Evaluator(model, windows, rotation=rot)
+        ev.reference()
+        base = all_format(scaled, "fp8")
+        result: dict[str, Any] = {"kind": a.sweep_kind, "rotated": a.sweep_rotate, "base": ev.set_baseline(base).to_dict(),
+                                  "slots": {}}
+        t0 = time.time()
+        for i in info.kv_layers:
+            for kv in ("k", "v"):
+                result["slots"][f"{i}{kv}"] = ev.measure(downgrade(base, i, kv)).to_dict()
+            print(f"  layer {i} done, {time.time() - t0:.0f} s", flush=True)
+        (a.out / f"sweep_{tag}.json").write_text(json.dumps(result, indent=1) + "\n")
+        return 0
+
+    n = fp8_slots_for_budget(layers, a.budget)
+
+    def by_kl(sweep: dict[str, Any]) -> list[str]:
+        """The at most ``n`` slots whose NVFP4 raises KL most above the all-FP8 base."""
+        b = sweep["base"]["kl"]
+        score = {s: m["kl"] - b for s, m in sweep["slots"].items()}
+        return [s for s in sorted(score, key=lambda s: -score[s])[:n] if score[s] > 0]
+
+    held = json.loads(heldout_file.read_text())["configs"]
+    f8, n4 = held["all_fp8"], held["all_nvfp4"]
+    ev = Evaluator(model, heldout, reuse_prefix=False)
+    ev.reference()
+    ev.rotation = rot
+    out = {}
+    for name, sweep_file in (("rotated_sweep", a.out / f"sweep_{tag}.json"), ("plain_sweep", a.plain_sweep)):
+        slots = by_kl(json.loads(sweep_file.read_text()))
+        p = all_format(scaled, "nvfp4")
+        for s in slots:
+            p = upgrade(p, int(s[:-1]), s[-1])
+        m = ev.measure(p).to_dict()
+        m.update(_recovery(m, f8, n4), slots=slots, policy=p.to_compact(),
+                 fraction_of_fp8=round(p.fraction_of_fp8(), 6))
+        out[f"mix_{tag}_{name}"] = m
+        print(_row(name, m) + f"  gap recovery {m['top1_gap_recovery']:.0%}  slots {slots}", flush=True)
+    summary = {"model": str(a.model), "text": str(a.text), "window": w, "budget": a.budget,
+               "fp8_slots": n, "rotation": a.sweep_kind, "rotated": a.sweep_rotate, "configs": out}
+    (a.out / f"mix_{tag}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
