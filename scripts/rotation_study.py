@@ -13,11 +13,15 @@ plus all-FP8 with K and V rotated; writes ``DIR/heldout.json`` (``heldout_skipN.
 STEP ``sweep``: ``analyze``'s default sweep (from all-FP8, each K/V slot alone to NVFP4) with
 every layer's K (``--sweep-rotate k``) or K and V (``kv``) rotated by ``--sweep-kind``, on the
 analysis windows; ``DIR/sweep_<kind>_<k|kv>.json``.
+STEP ``perlayer`` (after ``sweep``, K rotated): K rotated only in the layers where the sweep's
+marginal KL of that K slot in NVFP4 is below the unrotated sweep's, all-NVFP4 and at
+``--budget`` (FP8 slots ranked by the marginal of each slot's chosen variant);
+``DIR/perlayer_<kind>_k.json`` (``..._skipN.json``).
 STEP ``mix`` (after both): the ``--budget`` selection by KL from that sweep (the slots ``select``
-keeps in FP8) with the same slots rotated, and the same count of FP8 slots ranked by the unrotated
-sweep ``--plain-sweep`` (``analyze``'s sweep_fp8.json) with rotated NVFP4; each with its top-1
+keeps in FP8) with the same slots rotated, and the selection from the unrotated sweep
+``--plain-sweep`` (``analyze``'s sweep_fp8.json) rotated alike and unrotated; each with its top-1
 gap recovery ``(x - all-NVFP4) / (all-FP8 - all-NVFP4)`` against the *unrotated* all-NVFP4 and
-all-FP8 of the held-out step's JSON; writes ``DIR/mix_<kind>_<k|kv>.json``.
+all-FP8 of the held-out step's JSON; writes ``DIR/mix_<kind>_<k|kv>.json`` (``..._skipN.json``).
 
 Windows as ``scripts/sweep_base_study.py``: calibration = the first window of TEXT, analysis =
 the next ``--analysis-windows``, held-out = the last ``--heldout-windows`` windows of TEXT's
@@ -68,7 +72,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from vllm_nvfp4.rotation import ROTATIONS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("step", choices=("heldout", "sweep", "mix"))
+    ap.add_argument("step", choices=("heldout", "sweep", "mix", "perlayer"))
     ap.add_argument("model", type=Path)
     ap.add_argument("text", type=Path)
     ap.add_argument("--out", type=Path, required=True)
@@ -96,7 +100,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     layers = info.num_layers
     end = len(tail) - w * a.heldout_skip
     heldout = torch.tensor(tail[end - w * a.heldout_windows:end]).view(a.heldout_windows, w)
-    heldout_file = a.out / f"heldout{f'_skip{a.heldout_skip}' if a.heldout_skip else ''}.json"
+    skip = f"_skip{a.heldout_skip}" if a.heldout_skip else ""
+    heldout_file = a.out / f"heldout{skip}.json"
     fp8_formats = KVPolicy.from_compact("*:fp8", layers, layer_types=info.layer_types)
 
     def calibrated(rotation: Optional[KVRotation]) -> KVPolicy:
@@ -169,21 +174,66 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     f8, n4 = held["all_fp8"], held["all_nvfp4"]
     ev = Evaluator(model, heldout, reuse_prefix=False)
     ev.reference()
-    ev.rotation = rot
     out = {}
-    for name, sweep_file in (("rotated_sweep", a.out / f"sweep_{tag}.json"), ("plain_sweep", a.plain_sweep)):
+    if a.step == "perlayer":
+        return _per_layer(a, ev, plain, scaled, n, f8, n4, tag, skip)
+    for name, sweep_file, rotation in (("rotated_sweep", a.out / f"sweep_{tag}.json", rot),
+                                       ("plain_sweep", a.plain_sweep, rot),
+                                       ("plain_sweep_unrotated", a.plain_sweep, None)):
         slots = by_kl(json.loads(sweep_file.read_text()))
-        p = all_format(scaled, "nvfp4")
+        p = all_format(plain if rotation is None else scaled, "nvfp4")
         for s in slots:
             p = upgrade(p, int(s[:-1]), s[-1])
+        ev.rotation = rotation
         m = ev.measure(p).to_dict()
         m.update(_recovery(m, f8, n4), slots=slots, policy=p.to_compact(),
                  fraction_of_fp8=round(p.fraction_of_fp8(), 6))
         out[f"mix_{tag}_{name}"] = m
         print(_row(name, m) + f"  gap recovery {m['top1_gap_recovery']:.0%}  slots {slots}", flush=True)
     summary = {"model": str(a.model), "text": str(a.text), "window": w, "budget": a.budget,
-               "fp8_slots": n, "rotation": a.sweep_kind, "rotated": a.sweep_rotate, "configs": out}
-    (a.out / f"mix_{tag}.json").write_text(json.dumps(summary, indent=1) + "\n")
+               "fp8_slots": n, "heldout_skip": a.heldout_skip, "rotation": a.sweep_kind, "rotated": a.sweep_rotate, "configs": out}
+    (a.out / f"mix_{tag}{skip}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return 0
+
+
+def _per_layer(a: argparse.Namespace, ev: Any, plain: Any, scaled: Any, n: int, f8: dict[str, Any],
+               n4: dict[str, Any], tag: str, skip: str) -> int:
+    """The ``perlayer`` step (module doc): per-layer choice of K rotation from the two sweeps."""
+    from vllm_nvfp4.calibration.kv_hooks import KVRotation
+    from vllm_nvfp4.calibration.sensitivity import all_format, upgrade
+    from vllm_nvfp4.policy import KVPolicy
+
+    if a.sweep_rotate != "k":
+        raise SystemExit("perlayer chooses K rotation per layer: use --sweep-rotate k")
+    rot_sweep = json.loads((a.out / f"sweep_{tag}.json").read_text())
+    plain_sweep = json.loads(a.plain_sweep.read_text())
+
+    def marginal(sweep: dict[str, Any], slot: str) -> float:
+        return sweep["slots"][slot]["kl"] - sweep["base"]["kl"]
+
+    chosen = sorted(int(s[:-1]) for s in plain_sweep["slots"]
+                    if s.endswith("k") and marginal(rot_sweep, s) < marginal(plain_sweep, s))
+    score = {s: marginal(rot_sweep if s.endswith("k") and int(s[:-1]) in chosen else plain_sweep, s)
+             for s in plain_sweep["slots"]}
+    fp8_slots = [s for s in sorted(score, key=lambda s: -score[s])[:n] if score[s] > 0]
+    mixed = KVPolicy(tuple(r if i in chosen else p for i, (r, p) in
+                           enumerate(zip(scaled.layers, plain.layers))), source="calibration")
+    ev.rotation = KVRotation(a.sweep_kind, frozenset(chosen), frozenset())
+    out: dict[str, Any] = {}
+    nv = all_format(mixed, "nvfp4")
+    mix = nv
+    for s in fp8_slots:
+        mix = upgrade(mix, int(s[:-1]), s[-1])
+    for name, p in (("all_nvfp4", nv), ("mix", mix)):
+        m = ev.measure(p).to_dict()
+        m.update(_recovery(m, f8, n4), policy=p.to_compact(), fraction_of_fp8=round(p.fraction_of_fp8(), 6))
+        out[f"perlayer_{tag}_{name}"] = m
+        print(_row(name, m) + f"  gap recovery {m['top1_gap_recovery']:.0%}", flush=True)
+    summary = {"model": str(a.model), "text": str(a.text), "window": a.window, "budget": a.budget,
+               "heldout_skip": a.heldout_skip, "rotation": a.sweep_kind, "k_rotated_layers": chosen,
+               "fp8_slots": fp8_slots, "configs": out}
+    print(f"K rotated in layers {chosen}; FP8 slots {fp8_slots}", flush=True)
+    (a.out / f"perlayer_{tag}{skip}.json").write_text(json.dumps(summary, indent=1) + "\n")
     return 0
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from vllm_nvfp4.calibration.kv_hooks import KVObserver, KVRotation, fake_quantize, kv_cache_quantization
+from vllm_nvfp4.policy import KVPolicy
 from vllm_nvfp4.rotation import ROTATIONS, rotate, rotation_matrix, unrotate
 
 from tests.test_kv_hooks import _calibrated, _ids, _logits, _manual_forward, tiny_model
@@ -89,3 +90,32 @@ def test_rotated_nvfp4_stores_quant_of_rotated_kv(kind, rotate_v):
     torch.testing.assert_close(hooked, manual, atol=2e-5, rtol=2e-5)
     assert (hooked - _logits(model, ids, policy)).abs().max() > 1e-3  # rotation changed the bytes
     torch.testing.assert_close(obs.k_amax[0], rotate(keys[0], r).abs().amax(dim=(0, 2, 3)))
+
+
+def test_calibration_and_evaluator_see_the_rotation():
+    """``observe_amax`` with a rotation calibrates on the rotated K/V, and an Evaluator with a
+    rotation scores exactly the rotated hooked forward."""
+    from vllm_nvfp4.calibration.evaluator import Evaluator
+    from vllm_nvfp4.calibration.metrics import per_token_damage, reference_from_logits
+    from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy
+
+    model = tiny_model(num_layers=2)
+    ids = _ids(n=40)
+    rot = KVRotation.every_layer("hadamard", 2, k=True, v=False)
+    r = rotation_matrix("hadamard", 32)
+    plain_obs, rot_obs = observe_amax(model, ids, 2), observe_amax(model, ids, 2, rotation=rot)
+    with torch.no_grad():
+        _, keys = _manual_forward(model, ids, lambda i, k, v: (k, v))
+    torch.testing.assert_close(rot_obs.k_amax[1], rotate(keys[1], r).abs().amax(dim=(0, 2, 3)))
+    torch.testing.assert_close(rot_obs.v_amax[1], plain_obs.v_amax[1])  # V not rotated
+    policy = scaled_policy(KVPolicy.from_compact("*:nvfp4", 2), rot_obs, k_center=True)
+    ev = Evaluator(model, ids, reuse_prefix=False, rotation=rot)
+    ev.reference()
+    got = ev.measure(policy)
+    with torch.no_grad():
+        ref = reference_from_logits(model(ids, use_cache=False).logits[0], ids[0])
+        with kv_cache_quantization(model, policy, rotation=rot):
+            kl, _, _ = per_token_damage(model(ids, use_cache=False).logits[0], ref)
+    assert got.kl == pytest.approx(float(kl.double().mean()), rel=1e-9)
+    ev.rotation = None
+    assert ev.measure(policy).kl != pytest.approx(got.kl, rel=1e-3)  # unrotated: other damage
