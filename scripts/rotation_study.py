@@ -44,7 +44,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-HEAD_CHARS, TAIL_CHARS = 100_000, 50_000  # text tokenized for the first / the held-out windows
+from sweep_base_study import load_study, study_parser  # noqa: E402  (scripts/ is sys.path[0])
+
 Z95 = 1.96
 
 
@@ -64,24 +65,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from vllm_nvfp4.calibration.evaluator import Evaluator
     from vllm_nvfp4.calibration.kv_hooks import KVRotation
-    from vllm_nvfp4.calibration.modeling import load_model
     from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy
     from vllm_nvfp4.calibration.selection import fp8_slots_for_budget
     from vllm_nvfp4.calibration.sensitivity import all_format, downgrade, upgrade
     from vllm_nvfp4.policy import KVPolicy
     from vllm_nvfp4.rotation import ROTATIONS
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("step", choices=("heldout", "sweep", "mix", "perlayer"))
-    ap.add_argument("model", type=Path)
-    ap.add_argument("text", type=Path)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--analysis-windows", type=int, default=2)
-    ap.add_argument("--heldout-windows", type=int, default=4)
+    ap = study_parser(__doc__, ("heldout", "sweep", "mix", "perlayer"))
     ap.add_argument("--heldout-skip", type=int, default=0)
-    ap.add_argument("--budget", type=float, default=0.62)
-    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--kinds", default=",".join(ROTATIONS))
     ap.add_argument("--sweep-kind", default="hadamard", choices=ROTATIONS)
     ap.add_argument("--sweep-rotate", default="k", choices=("k", "kv"))
@@ -89,13 +80,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     default=REPO / "results/2026-12-01-sweep-base-smollm2-cpu/sweep_fp8.json")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
     w = a.window
-    model, tok, info = load_model(a.model, a.dtype, "cpu")
-    text = a.text.read_text(encoding="utf-8")
-    head = tok(text[:HEAD_CHARS], add_special_tokens=False)["input_ids"]
-    tail = tok(text[-TAIL_CHARS:], add_special_tokens=False)["input_ids"]
+    model, info, head, tail = load_study(a.model, a.text, a.dtype)
     calib = torch.tensor(head[:w]).view(1, w)
     layers = info.num_layers
     end = len(tail) - w * a.heldout_skip
