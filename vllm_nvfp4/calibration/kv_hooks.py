@@ -29,6 +29,12 @@ What "as served" means (vLLM 0.32 semantics)
 * Non-finite K/V follow the kernels (``nonfinite="propagate"``): a bad 16-block decodes to NaN, a
   bad FP8 element stays NaN or saturates; nothing else is touched.
 
+Rotation
+--------
+Pass a :class:`KVRotation` to store chosen layers' K and/or V rotated along head_dim
+(:mod:`vllm_nvfp4.rotation`; the query rotated alike, the output rotated back): an accuracy
+experiment of the reference path, not something the serving integration does.
+
 Observe mode
 ------------
 Pass a :class:`KVObserver` to record the running per-layer, per-KV-head ``amax`` of K and V (the
