@@ -50,15 +50,6 @@ KV_BYTES = 2 << 30
 QK_GAIN = 0.5  # mild attention: bf16 rounding flips stay small in a random model
 
 
-def policy_text(types: Any) -> str:
-    full = [i for i, t in enumerate(types) if t.kind == "full"]
-    if not full:
-        return "*:nvfp4,0:fp8"
-    if any(t.kind == "sliding" for t in types):
-        return f"swa:fp8,full:nvfp4,{full[-1]}:fp8"
-    return f"full:nvfp4,{full[-1]}:fp8"
-
-
 def greedy(n: int, **kw: Any) -> Any:
     from vllm import SamplingParams
 
@@ -71,22 +62,20 @@ def gen(llm: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 
 def check_arch(arch: str, device: str, work: Path, compare_eager: bool) -> dict[str, Any]:
-    from transformers import AutoConfig
     from vllm import LLM
 
-    from vllm_nvfp4.policy import KVPolicy, layer_types_from_config
     from vllm_nvfp4.testing.kv_report import kv_cache_report
     from vllm_nvfp4.integration.block_sizes import arithmetic_request_bytes, hybrid_plan
-    from vllm_nvfp4.testing.hybrid_models import GPU_HEAD_DIMS, build_tiny_hybrid
+    from vllm_nvfp4.testing.hybrid_models import (GPU_HEAD_DIMS, build_tiny_hybrid,
+                                                  write_by_type_policy)
     from vllm_nvfp4.testing.reference import reference_logprobs
 
     head_dim = GPU_HEAD_DIMS[arch] if device == "cuda" else None  # the CUDA kernels: >= 64
     model_dir = build_tiny_hybrid(arch, work / f"{arch}-{head_dim}", qk_gain=QK_GAIN,
                                   head_dim=head_dim)
-    types = layer_types_from_config(AutoConfig.from_pretrained(model_dir).get_text_config())
-    policy = KVPolicy.from_compact(policy_text(types), len(types), layer_types=types)
-    state = not all(t.holds_kv for t in types)  # Mamba / GDN: vLLM's state, its own caching
-    (model_dir / "nvfp4_policy.json").write_text(json.dumps(policy.to_dict()))
+    policy = write_by_type_policy(model_dir)
+    # Mamba / GDN: vLLM's state, its own caching
+    state = not all(t.holds_kv for t in policy.layer_types)
     extra = {"additional_config": {"gdn_prefill_backend": "triton"}} if arch == "qwen3_next" else {}
     common = dict(model=str(model_dir), kv_cache_dtype="nvfp4_mixed", dtype="bfloat16",
                   max_model_len=4096, seed=0, kv_cache_memory_bytes=KV_BYTES,
