@@ -176,3 +176,32 @@ def test_gdn_layers_are_vllms_and_the_full_layers_ours(runs):
         assert group["layer_pages"][name] == KVPageLayout(HEADS, DIM, block, row.k, row.v).page_bytes
     assert group["page_bytes"] == block * policy.kv_bytes_per_token(HEADS, DIM, ("full",))
     assert report["num_blocks"] == KV_BYTES // report["block_bytes"]
+
+
+def test_state_pages_fill_the_blocks_and_capacity_is_the_arithmetic(runs):
+    """Under both Mamba cache modes the full-attention group is the block and every GDN group
+    fills it with whole (padded) states: vLLM's state pages differ from the states only by its
+    16-token rounding of the block. At 4096 tokens per request vLLM's KV capacity is >= 0.95x the
+    arithmetic: the full layers' formats at the configured block
+    (:func:`arithmetic_request_bytes`) plus the GDN states a request holds, unpadded."""
+    from hybrid_engines import BLOCK
+    from vllm_nvfp4.integration.block_sizes import arithmetic_request_bytes
+
+    policy = runs["policy"]
+    for run in ("main", "plain"):
+        report = runs[run]["report"]
+        block = report["configured_block_size"]
+        for g in report["groups"]:
+            if g["kind"] == "MambaSpec":
+                assert g["page_bytes"] == report["block_bytes"], (run, g)
+        for s in report["states"].values():
+            assert s["state"] <= s["page"] < s["state"] + BLOCK * s["page"] // block, (run, s)
+    report = runs["plain"]["report"]
+    needed = arithmetic_request_bytes(policy, HEADS, DIM, LONG, report["max_in_flight_tokens"],
+                                      BLOCK) + sum(s["state"] * s["blocks"]
+                                                   for s in report["states"].values())
+    ratio = report["kv_cache_size_tokens"] / (KV_BYTES / needed * LONG)
+    print(f"KV capacity {report['kv_cache_size_tokens']} tokens at {LONG} per request = "
+          f"{ratio:.3f}x the arithmetic of {policy.to_compact()}; block {report['block_bytes']} B, "
+          f"groups {[(g['kind'], g['block_size'], g['page_bytes']) for g in report['groups']]}")
+    assert ratio >= 0.95
