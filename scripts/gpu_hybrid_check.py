@@ -14,7 +14,8 @@ CUDA the models take the head dims of the real ones (:data:`GPU_HEAD_DIMS`: the 
 * sliding layers sit in sliding-window groups, full layers in the full-attention group; on
   full + sliding models vLLM formed the groups :func:`hybrid_plan` predicts (block sizes, block
   bytes, blocks per request) and a request reserves >= 0.95x the format arithmetic
-  (:func:`arithmetic_request_bytes`; not on Mamba / GDN hybrids, whose state pages vLLM sizes);
+  (:func:`arithmetic_request_bytes`); on Mamba / GDN hybrids the full-attention group is the
+  block and the widest state group fills it to under a byte per token and state;
 * greedy decoding is deterministic (graph replays; two runs that both hit the prefix cache);
 * except on Mamba / GDN hybrids (vLLM caches their state its own way; its GDN kernels and
   transformers' differ more than the KV formats do): a prefix-cache hit gives the cold tokens,
@@ -125,6 +126,14 @@ def check_arch(arch: str, device: str, work: Path, compare_eager: bool) -> dict[
     r["arithmetic_over_allocated"] = round(arithmetic / report["allocated_per_request"], 4)
     if not state:  # with Mamba / GDN state vLLM sizes those pages itself
         checks["capacity_ge_0.95_arithmetic"] = r["arithmetic_over_allocated"] >= 0.95
+    else:  # the state_alignment hook: the full group is the block, the widest state group fills it
+        full = [g for g in report["groups"] if g["kind"] == "FullAttentionSpec"]
+        widest = max((g for g in report["groups"] if g["kind"] == "MambaSpec"),
+                     key=lambda g: g["page_bytes"])
+        checks["state_groups_fill_blocks"] = (
+            len(full) == 1 and full[0]["page_bytes"] == report["block_bytes"]
+            and report["block_bytes"] - widest["page_bytes"]
+            < full[0]["block_size"] * len(widest["layer_pages"]))
     checks["cuda_graphs_on"] = str(mc.compilation_config.cudagraph_mode) not in ("NONE", "CUDAGraphMode.NONE")
     # the first run prefills cold, the next two hit the prefix cache (other kernels, other
     # rounding): determinism is between the warm runs; cold vs warm is reported
