@@ -23,9 +23,9 @@ attention layer's page holds a state page, pads the state page to exactly that p
 then gives each state group blocks of the full-attention group's bytes. It asks the backend for
 that one-token page; :func:`state_share_bytes_per_token` is ours: the full layers' bytes per token
 over the states one of their blocks is to hold, so those blocks hold exactly that many states.
-With an FP8 layer's page instead, the tiny Qwen3-Next-style model (one NVFP4 and one FP8 full
-layer: 400 B per token; six GDN layers) got 528-token blocks of 211,200 B, each GDN group one
-135,168-B state per block, and a request at 4096 tokens reserved 1.21x what it needs.
+With an FP8 layer's page instead (vLLM's default for our uint8 pages), the tiny Qwen3-Next-style
+model (one NVFP4 and one FP8 full layer: 400 B per token; six GDN layers) gets 528-token blocks
+of 211,200 B, and each GDN group fills 135,168 B of every block it holds (one state).
 """
 
 from __future__ import annotations
@@ -167,8 +167,9 @@ def state_share_bytes_per_token(policy: KVPolicy, num_kv_heads: int,
     One block of the full-attention group is to hold ``k`` state pages: vLLM's layer repeat when
     the full layers have several page sizes in equal counts (vLLM splits the state layers by it;
     at most the number of states), else the state layers spread evenly over as many groups as
-    fp8 gets (groups of at most as many states as there are full layers). The page is the full layers' bytes per token over ``k``,
-    rounded down (whatever is left of a block is under ``k`` bytes per token)."""
+    fp8 gets (groups of at most as many states as there are full layers). The page is the full
+    layers' bytes per token over ``k``, rounded down (what a block leaves is under ``k`` bytes per
+    token)."""
     layers = _layer_bytes(policy, num_kv_heads, head_dim)
     full = [b for kind, _, b in layers if kind == "full"]
     states = sum(1 for t in policy.layer_types if not t.holds_kv)
