@@ -13,10 +13,10 @@ fails at its first forward. The CPU build needs nothing like the CUDA check's
 Two engines:
 
 * ``main``  - prefix caching on: vLLM caches the GDN state at block boundaries (its
-              ``mamba_cache_mode="align"``; the block is raised until an attention page holds a
-              state page), so the prefix prompts share :data:`PREFIX` tokens, more than a block:
-              greedy twice and one by one, prefix hits, the KV-cache groups as the worker
-              allocated them;
+              ``mamba_cache_mode="align"``; the block is vLLM's alignment of attention and
+              state pages, :mod:`vllm_nvfp4.integration.state_alignment`), so the prefix prompts
+              share :data:`PREFIX` tokens, more than a block: greedy twice and one by one,
+              prefix hits, the KV-cache groups as the worker allocated them;
 * ``plain`` - prefix caching off, prefill chunks of that block size, 4096 tokens per request:
               the prefix prompts' cold tokens over the same chunk boundary as the cold prompt of
               ``main`` (in bfloat16 another boundary changes the rounding, and this random model's
