@@ -199,6 +199,8 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/nvfp4-compat"))
     ap.add_argument("--out", type=Path, default=Path("compat_h200.json"))
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--spec-prompts", type=int, default=64,
+                    help="prompts of the speculative phases (acceptance is a ratio over them)")
     a = ap.parse_args()
     global DEVICE
     DEVICE = a.device
@@ -212,8 +214,8 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model))
-    short = prompts_from(tok, 16, 48)
-    repeated = [p * 2 for p in prompts_from(tok, 16, 24)]
+    short = prompts_from(tok, a.spec_prompts, 48)
+    repeated = [p * 2 for p in prompts_from(tok, a.spec_prompts, 24)]
     for phase in a.phases.split(","):
         t = time.time()
         try:
