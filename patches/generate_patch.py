@@ -52,6 +52,13 @@ EDITS: tuple[Edit, ...] = (
          "        if config.cache_config.cache_dtype == \"nvfp4_mixed\":\n"
          "            from vllm_nvfp4.integration.model import check_engine_config\n\n"
          "            check_engine_config(config)\n\n"),
+    Edit("state_alignment", "vllm/platforms/interface.py",
+         '        """For hybrid attention/mamba models, ensure that the attention page\n'
+         '        size is >= the mamba page size, and pad the mamba page size to match.\n'
+         '        """\n',
+         "        if vllm_config.cache_config.cache_dtype == \"nvfp4_mixed\":\n"
+         "            from vllm_nvfp4.integration.state_alignment import aligning_backend\n\n"
+         "            backend_cls = aligning_backend(vllm_config, backend_cls)\n\n"),
     Edit("startup_calibration", "vllm/v1/executor/abstract.py",
          '        """Compile/warm up the model and capture cudagraphs on workers."""\n',
          "        if self.vllm_config.cache_config.cache_dtype == \"nvfp4_mixed\":\n"

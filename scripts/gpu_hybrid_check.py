@@ -14,7 +14,8 @@ CUDA the models take the head dims of the real ones (:data:`GPU_HEAD_DIMS`: the 
 * sliding layers sit in sliding-window groups, full layers in the full-attention group; on
   full + sliding models vLLM formed the groups :func:`hybrid_plan` predicts (block sizes, block
   bytes, blocks per request) and a request reserves >= 0.95x the format arithmetic
-  (:func:`arithmetic_request_bytes`; not on Mamba / GDN hybrids, whose state pages vLLM sizes);
+  (:func:`arithmetic_request_bytes`); on Mamba / GDN hybrids the full-attention group is the
+  block and the widest state group fills it to under a byte per token and state;
 * greedy decoding is deterministic (graph replays; two runs that both hit the prefix cache);
 * except on Mamba / GDN hybrids (vLLM caches their state its own way; its GDN kernels and
   transformers' differ more than the KV formats do): a prefix-cache hit gives the cold tokens,
@@ -50,15 +51,6 @@ KV_BYTES = 2 << 30
 QK_GAIN = 0.5  # mild attention: bf16 rounding flips stay small in a random model
 
 
-def policy_text(types: Any) -> str:
-    full = [i for i, t in enumerate(types) if t.kind == "full"]
-    if not full:
-        return "*:nvfp4,0:fp8"
-    if any(t.kind == "sliding" for t in types):
-        return f"swa:fp8,full:nvfp4,{full[-1]}:fp8"
-    return f"full:nvfp4,{full[-1]}:fp8"
-
-
 def greedy(n: int, **kw: Any) -> Any:
     from vllm import SamplingParams
 
@@ -71,22 +63,20 @@ def gen(llm: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 
 def check_arch(arch: str, device: str, work: Path, compare_eager: bool) -> dict[str, Any]:
-    from transformers import AutoConfig
     from vllm import LLM
 
-    from vllm_nvfp4.policy import KVPolicy, layer_types_from_config
     from vllm_nvfp4.testing.kv_report import kv_cache_report
     from vllm_nvfp4.integration.block_sizes import arithmetic_request_bytes, hybrid_plan
-    from vllm_nvfp4.testing.hybrid_models import GPU_HEAD_DIMS, build_tiny_hybrid
+    from vllm_nvfp4.testing.hybrid_models import (GPU_HEAD_DIMS, build_tiny_hybrid,
+                                                  write_by_type_policy)
     from vllm_nvfp4.testing.reference import reference_logprobs
 
     head_dim = GPU_HEAD_DIMS[arch] if device == "cuda" else None  # the CUDA kernels: >= 64
     model_dir = build_tiny_hybrid(arch, work / f"{arch}-{head_dim}", qk_gain=QK_GAIN,
                                   head_dim=head_dim)
-    types = layer_types_from_config(AutoConfig.from_pretrained(model_dir).get_text_config())
-    policy = KVPolicy.from_compact(policy_text(types), len(types), layer_types=types)
-    state = not all(t.holds_kv for t in types)  # Mamba / GDN: vLLM's state, its own caching
-    (model_dir / "nvfp4_policy.json").write_text(json.dumps(policy.to_dict()))
+    policy = write_by_type_policy(model_dir)
+    # Mamba / GDN: vLLM's state, its own caching
+    state = not all(t.holds_kv for t in policy.layer_types)
     extra = {"additional_config": {"gdn_prefill_backend": "triton"}} if arch == "qwen3_next" else {}
     common = dict(model=str(model_dir), kv_cache_dtype="nvfp4_mixed", dtype="bfloat16",
                   max_model_len=4096, seed=0, kv_cache_memory_bytes=KV_BYTES,
@@ -136,6 +126,14 @@ def check_arch(arch: str, device: str, work: Path, compare_eager: bool) -> dict[
     r["arithmetic_over_allocated"] = round(arithmetic / report["allocated_per_request"], 4)
     if not state:  # with Mamba / GDN state vLLM sizes those pages itself
         checks["capacity_ge_0.95_arithmetic"] = r["arithmetic_over_allocated"] >= 0.95
+    else:  # the state_alignment hook: the full group is the block, the widest state group fills it
+        full = [g for g in report["groups"] if g["kind"] == "FullAttentionSpec"]
+        widest = max((g for g in report["groups"] if g["kind"] == "MambaSpec"),
+                     key=lambda g: g["page_bytes"])
+        checks["state_groups_fill_blocks"] = (
+            len(full) == 1 and full[0]["page_bytes"] == report["block_bytes"]
+            and report["block_bytes"] - widest["page_bytes"]
+            < full[0]["block_size"] * len(widest["layer_pages"]))
     checks["cuda_graphs_on"] = str(mc.compilation_config.cudagraph_mode) not in ("NONE", "CUDAGraphMode.NONE")
     # the first run prefills cold, the next two hit the prefix cache (other kernels, other
     # rounding): determinism is between the warm runs; cold vs warm is reported

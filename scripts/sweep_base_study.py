@@ -46,18 +46,10 @@ class _Progress:
             print(f"  {self.n} forwards, {time.time() - self.t0:.0f} s", flush=True)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    import torch
-
-    from vllm_nvfp4.calibration.evaluator import Evaluator
-    from vllm_nvfp4.calibration.modeling import load_model
-    from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy
-    from vllm_nvfp4.calibration.selection import fp8_slots_for_budget
-    from vllm_nvfp4.calibration.sensitivity import all_format, downgrade, upgrade
-    from vllm_nvfp4.policy import KVPolicy
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("step", choices=("fp8", "nvfp4", "heldout"))
+def study_parser(doc: str, steps: Sequence[str]) -> argparse.ArgumentParser:
+    """The arguments the window studies share: STEP MODEL TEXT --out and the window options."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("step", choices=steps)
     ap.add_argument("model", type=Path)
     ap.add_argument("text", type=Path)
     ap.add_argument("--out", type=Path, required=True)
@@ -66,15 +58,39 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--heldout-windows", type=int, default=4)
     ap.add_argument("--budget", type=float, default=0.62)
     ap.add_argument("--dtype", default="float32")
-    a = ap.parse_args(argv)
-    a.out.mkdir(parents=True, exist_ok=True)
+    return ap
+
+
+def load_study(model_dir: Path, text_path: Path, dtype: str) -> tuple[Any, Any, list[int], list[int]]:
+    """``(model, info, head, tail)``: the transformers model on the CPU (one thread, seed 0), its
+    :func:`~vllm_nvfp4.calibration.modeling.load_model` info, and the token ids of TEXT's first
+    ``HEAD_CHARS`` and last ``TAIL_CHARS`` characters."""
+    import torch
+
+    from vllm_nvfp4.calibration.modeling import load_model
+
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    w = a.window
-    model, tok, info = load_model(a.model, a.dtype, "cpu")
-    text = a.text.read_text(encoding="utf-8")
+    model, tok, info = load_model(model_dir, dtype, "cpu")
+    text = text_path.read_text(encoding="utf-8")
     head = tok(text[:HEAD_CHARS], add_special_tokens=False)["input_ids"]
     tail = tok(text[-TAIL_CHARS:], add_special_tokens=False)["input_ids"]
+    return model, info, head, tail
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import torch
+
+    from vllm_nvfp4.calibration.evaluator import Evaluator
+    from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy
+    from vllm_nvfp4.calibration.selection import fp8_slots_for_budget
+    from vllm_nvfp4.calibration.sensitivity import all_format, downgrade, upgrade
+    from vllm_nvfp4.policy import KVPolicy
+
+    a = study_parser(__doc__, ("fp8", "nvfp4", "heldout")).parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    w = a.window
+    model, info, head, tail = load_study(a.model, a.text, a.dtype)
     calib = torch.tensor(head[:w]).view(1, w)
     layers = info.num_layers
     observer = observe_amax(model, calib, layers, kv_layers=info.kv_layers)

@@ -12,6 +12,7 @@ from vllm_nvfp4.integration.block_sizes import (
     choose_block_sizes,
     hybrid_plan,
     plan_groups,
+    state_share_bytes_per_token,
 )
 from vllm_nvfp4.policy import KVPolicy, LayerType
 
@@ -34,14 +35,9 @@ def test_packing_by_hand():
     assert plan_groups((NV, NV, F8, F8), NV, 4, 32, 16, 16, 512, 64).sliding_groups == 2
 
 
-def test_plan_is_what_vllm_packs():
-    """:func:`plan_groups` against vLLM's own grouping of the same specs (block bytes, sliding
-    groups, one full-attention group) on random geometries."""
-    import random
+def _vllm_packing():
+    """vLLM's planning module and a config for its block-outermost packing (BLNHC)."""
     from types import SimpleNamespace
-
-    import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, SlidingWindowSpec
 
     try:  # vLLM 0.33
         from vllm.v1.core import kv_cache_planning as planning
@@ -50,12 +46,28 @@ def test_plan_is_what_vllm_packs():
     layout = next(x for x in planning.KVCacheLayout if x.name == "BLNHC")
     config = SimpleNamespace(speculative_config=None, cache_config=SimpleNamespace(
         get_resolved_kv_cache_layout=lambda: layout))
+    return planning, layout, config
 
-    def spec(cls, block, per_token, **kw):
-        return cls(block_size=block, num_kv_heads=1, head_size=16, head_size_v=16,
-                   dtype=torch.uint8, kv_quant_mode=KVQuantMode.NONE, num_head_slots=1,
-                   state_content_bytes=per_token, **kw)
 
+def _attention_spec(cls, block, per_token, **kw):
+    """An attention spec as ours: one head slot of ``per_token`` bytes per token."""
+    import torch
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    return cls(block_size=block, num_kv_heads=1, head_size=16, head_size_v=16,
+               dtype=torch.uint8, kv_quant_mode=KVQuantMode.NONE, num_head_slots=1,
+               state_content_bytes=per_token, **kw)
+
+
+def test_plan_is_what_vllm_packs():
+    """:func:`plan_groups` against vLLM's own grouping of the same specs (block bytes, sliding
+    groups, one full-attention group) on random geometries."""
+    import random
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    planning, layout, config = _vllm_packing()
+    spec = _attention_spec
     rng = random.Random(0)
     checked = 0
     while checked < 100:
@@ -73,6 +85,76 @@ def test_plan_is_what_vllm_packs():
         assert (kinds.count(FullAttentionSpec), kinds.count(SlidingWindowSpec),
                 planning._get_kv_cache_bytes_per_block(groups, layout)) == (
             1, plan.sliding_groups, plan.block_bytes), (full, per_token, num_sliding, fb, sb)
+        checked += 1
+
+
+def test_state_share_by_hand():
+    """The one-token page for Mamba / GDN hybrids: the full layers' bytes per token over the
+    states a full-attention block is to hold."""
+    gdn, full = LayerType("none"), LayerType("full")
+    # the tiny Qwen3-Next (2 heads, head_dim 64: NVFP4 144, FP8 256 B per token): 1 + 1 full
+    # layers, a 1:1 repeat that vLLM splits the six GDN layers by: one state per block
+    qnext = _policy(([gdn] * 3 + [full]) * 2, "full:nvfp4,7:fp8")
+    assert state_share_bytes_per_token(qnext, 2, 64) == 144 + 256
+    # Qwen3-Next-80B-shaped (2 heads, head_dim 256; 36 GDN, 12 full, first and last FP8): no
+    # repeat pattern, the 36 states over 3 groups as for fp8, 12 to a block
+    big = _policy(([gdn] * 3 + [full]) * 12, "full:nvfp4,3:fp8,47:fp8")
+    assert state_share_bytes_per_token(big, 2, 256) == (2 * 1024 + 10 * 576) // 12
+    # 2 + 2 full layers: vLLM's repeat of 2 layers per page size sets 2 states per block
+    two = _policy(([gdn] * 3 + [full]) * 4, "full:nvfp4,11:fp8,15:fp8")
+    assert state_share_bytes_per_token(two, 2, 64) == (2 * 144 + 2 * 256) // 2
+    # a repeat of 3 (3 + 3 full layers) but 2 states: one group of both
+    few = _policy([gdn] * 2 + [full] * 6, "full:nvfp4,5:fp8,6:fp8,7:fp8")
+    assert state_share_bytes_per_token(few, 2, 64) == (3 * 144 + 3 * 256) // 2
+    # 7 states, 2 full layers of one format: 4 groups (as fp8), at most 2 states each
+    odd = _policy([gdn] * 7 + [full] * 2, "full:nvfp4")
+    assert state_share_bytes_per_token(odd, 2, 64) == 2 * 144 // 2
+    # no state layers, or sliding layers: not ours to size (None)
+    assert state_share_bytes_per_token(_policy([full] * 2, "*:nvfp4"), 2, 64) is None
+    swa = LayerType("sliding", 32)
+    assert state_share_bytes_per_token(_policy([gdn, swa, full], "swa:fp8,full:nvfp4"), 2, 64) is None
+
+
+def test_state_layers_fill_the_blocks_vllm_packs():
+    """With vLLM's alignment of a Mamba / GDN hybrid at that page (attention block raised to
+    16 x cdiv(state, 16 x page), state pages padded to block x page), vLLM's own packing on random
+    geometries makes the full-attention group the block (never padded), and its state groups,
+    as even as vLLM splits them, the largest with as many states as fill that block."""
+    import random
+
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    planning, layout, config = _vllm_packing()
+    gdn, full = LayerType("none"), LayerType("full")
+    rng = random.Random(0)
+    checked = 0
+    while checked < 100:
+        num_full, num_states = rng.randint(1, 12), rng.randint(1, 40)
+        formats = [rng.choice(["fp8", "nvfp4"]) for _ in range(num_full)]
+        types = [full] * num_full + [gdn] * num_states
+        policy = _policy(types, ",".join(f"{i}:{f}" for i, f in enumerate(formats)))
+        heads, dim = rng.choice([1, 2, 4, 8]), rng.choice([64, 128, 256])
+        state = rng.randrange(20_000, 4_000_000)
+        per_token = state_share_bytes_per_token(policy, heads, dim)
+        block = 16 * -(-state // (16 * per_token))
+        specs = {f"full.{i}": _attention_spec(FullAttentionSpec, block, heads * (
+            lp.k.bytes_per_head(dim) + lp.v.bytes_per_head(dim)))
+            for i, lp in policy.kv_layers()}
+        specs |= {f"gdn.{i}": MambaSpec(shapes=((state,),), dtypes=(torch.uint8,), block_size=block,
+                                        page_size_padded=block * per_token)
+                  for i in range(num_states)}
+        if len({x.page_size_bytes for x in specs.values()}) == 1:
+            continue  # one page size (a single full layer's): vLLM groups it as any dtype
+        groups = planning._get_packed_kv_cache_groups(config, specs)
+        block_bytes = planning._get_kv_cache_bytes_per_block(groups, layout)
+        full_groups = [g for g in groups if g.layer_names[0].startswith("full.")]
+        states = sorted(len(g.layer_names) for g in groups if g.layer_names[0].startswith("gdn."))
+        full_page = block * policy.kv_bytes_per_token(heads, dim, ("full",))
+        assert len(full_groups) == 1 and full_page == block_bytes, (formats, num_states)
+        # the largest state group fills the block with the states the page was sized for
+        assert states[-1] == full_page // (block * per_token), (formats, num_states)
+        assert states[-1] - states[0] <= 1, (formats, num_states)
         checked += 1
 
 

@@ -66,6 +66,7 @@ def test_dtype_is_valid_everywhere_vllm_checks_it():
 def test_every_hook_is_installed_once():
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.executor.abstract import Executor
@@ -74,7 +75,8 @@ def test_every_hook_is_installed_once():
     from vllm_nvfp4.integration.selection import BACKEND_PATH
 
     for fn in (EngineArgs.create_engine_config, Attention.get_kv_cache_spec,
-               selector._cached_get_attn_backend, Executor.compile_or_warm_up_model):
+               selector._cached_get_attn_backend, Executor.compile_or_warm_up_model,
+               CpuPlatform._align_hybrid_block_size):
         assert getattr(fn, hooks._MARK)
         assert not getattr(fn.__wrapped__, hooks._MARK, False)  # not wrapped twice
     assert AttentionBackendEnum.CUSTOM.get_path() == BACKEND_PATH
@@ -82,8 +84,8 @@ def test_every_hook_is_installed_once():
 
     assert "VLLM_NVFP4_POLICY" in envs.environment_variables
     assert [h.name for h in hooks.HOOKS] == [
-        "cache_dtype", "custom_backend", "backend_selection", "spec", "startup_check", "env_vars",
-        "startup_calibration"]
+        "cache_dtype", "custom_backend", "backend_selection", "spec", "startup_check",
+        "state_alignment", "env_vars", "startup_calibration"]
 
 
 def _selector_config(**changes):

@@ -17,15 +17,14 @@ longer than the window. Models are float32; the log-prob check is the one of
 ``test_integration_engine.py`` (most tokens within ``LOGPROB_TOL`` of transformers run with the
 same fake quantization, and far closer to it than to the unquantized reference).
 
-Qwen3-Next-style hybrids (Gated DeltaNet) run through vLLM's CPU build in bfloat16 only; they are
-checked in ``test_hybrid_qwen3_next_*`` for the groups and determinism. Their GPU run and the
-CUDA-graph checks of every architecture are in ``scripts/gpu_hybrid_check.py``.
+The Qwen3-Next-style hybrid (Gated DeltaNet layers, whose state is vLLM's) runs through vLLM's
+CPU build in bfloat16 only; it has its own engine test, ``test_integration_hybrid_qwen3_next.py``.
+The GPU run of every architecture, with CUDA graphs, is ``scripts/gpu_hybrid_check.py``.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import math
 import os
 from pathlib import Path
@@ -34,29 +33,21 @@ from typing import Any
 import pytest
 import torch
 
+from hybrid_engines import BLOCK, PREFIX, engine, greedy, tiny_hybrid_with_policy
 from vllm_nvfp4.testing.reference import reference_logprobs
 
 pytestmark = pytest.mark.vllm
 
 LOGPROB_TOL = 1e-3
-BLOCK = 16
 NEW = 8  # greedy tokens per prompt
 KV_BYTES = int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) << 30  # conftest sets 1 GiB
 ARCHS = ("gemma3", "gpt_oss", "mistral")
 LONG = 4096  # the chunked engine's max_model_len: the cache that grows dominates, as in serving
-#: tokens the prefix prompts share, and each prompt's own tokens after them. Fewer own tokens
-#: than a block: vLLM (default ``prefix_cache_retention_interval=0``) keeps a sliding-window
+#: each prefix prompt's own tokens after the shared :data:`PREFIX`. Fewer own tokens than a block: vLLM (default ``prefix_cache_retention_interval=0``) keeps a sliding-window
 #: group's blocks hashed only for the window before ``len - 1`` rounded down to a block, and an
 #: all-sliding model (one group: nothing finds the shared prefix) can hit only those, for every
 #: KV dtype; a longer own part puts them past the shared prefix (docs/HYBRID.md).
-PREFIX, OWN = 96, 12
-
-
-def _policy_text(types: Any) -> str:
-    full = [i for i, t in enumerate(types) if t.kind == "full"]
-    if not full:
-        return "*:nvfp4,0:fp8"
-    return f"swa:fp8,full:nvfp4,{full[-1]}:fp8"
+OWN = 12
 
 
 def _prompts(tokenizer: Any) -> dict[str, list[list[int]]]:
@@ -72,43 +63,27 @@ def _prompts(tokenizer: Any) -> dict[str, list[list[int]]]:
     }
 
 
-def _greedy(n: int, **kw: Any) -> Any:
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
-
-
 def _tokens(llm: Any, prompts: list[list[int]], one_by_one: bool = False) -> list[list[int]]:
     inputs = [{"prompt_token_ids": p} for p in prompts]
     if one_by_one:
-        outs = [llm.generate([x], _greedy(NEW), use_tqdm=False)[0] for x in inputs]
+        outs = [llm.generate([x], greedy(NEW), use_tqdm=False)[0] for x in inputs]
     else:
-        outs = llm.generate(inputs, _greedy(NEW), use_tqdm=False)
+        outs = llm.generate(inputs, greedy(NEW), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def _engine(model_dir: Path, dtype: str = "float32", **overrides: Any) -> Any:
-    from vllm import LLM
-
-    kwargs = dict(model=str(model_dir), kv_cache_dtype="nvfp4_mixed", dtype=dtype,
-                  block_size=BLOCK, max_model_len=512, max_num_batched_tokens=1024,
-                  max_num_seqs=4, enforce_eager=True, distributed_executor_backend="uni", seed=0)
-    kwargs.update(overrides)
-    return LLM(**kwargs)
 
 
 def _run(model_dir: Path) -> dict[str, Any]:
     from vllm_nvfp4.testing.kv_report import kv_cache_report
 
     out: dict[str, Any] = {}
-    llm = _engine(model_dir, enable_prefix_caching=True)
+    llm = engine(model_dir, enable_prefix_caching=True)
     prompts = out["prompts"] = _prompts(llm.get_tokenizer())
     lp = llm.generate([{"prompt_token_ids": p} for p in prompts["logprob"]],
-                      _greedy(1, prompt_logprobs=0), use_tqdm=False)
+                      greedy(1, prompt_logprobs=0), use_tqdm=False)
     out["vllm_logprobs"] = torch.tensor([o.prompt_logprobs[i][t].logprob
                                          for o, p in zip(lp, prompts["logprob"])
                                          for i, t in enumerate(p) if i > 0])
-    prefix_outs = [llm.generate([{"prompt_token_ids": p}], _greedy(NEW), use_tqdm=False)[0]
+    prefix_outs = [llm.generate([{"prompt_token_ids": p}], greedy(NEW), use_tqdm=False)[0]
                    for p in prompts["prefix"]]
     out["main"] = {"short": _tokens(llm, prompts["short"]),
                    "short_again": _tokens(llm, prompts["short"]),
@@ -118,7 +93,7 @@ def _run(model_dir: Path) -> dict[str, Any]:
                    "report": llm.collective_rpc(kv_cache_report)[0]}
     del llm
     gc.collect()
-    llm = _engine(model_dir, enable_prefix_caching=False, max_num_batched_tokens=32,
+    llm = engine(model_dir, enable_prefix_caching=False, max_num_batched_tokens=32,
                   max_model_len=LONG)
     out["chunked"] = {"short": _tokens(llm, prompts["short"]),
                       "prefix": _tokens(llm, prompts["prefix"]),
@@ -130,18 +105,11 @@ def _run(model_dir: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module", params=ARCHS)
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from transformers import AutoConfig
-
-    from vllm_nvfp4.policy import KVPolicy, layer_types_from_config
-    from vllm_nvfp4.testing.hybrid_models import build_tiny_hybrid
-
     # gpt-oss's random MoE with sinks is chaotic at the default q/k gain (2.8 nats between the
     # quantized and the unquantized reference): a milder one keeps the comparison meaningful
-    model_dir = build_tiny_hybrid(request.param, tmp_path_factory.mktemp("hy") / request.param,
-                                  qk_gain=1.0 if request.param == "gpt_oss" else 2.0)
-    types = layer_types_from_config(AutoConfig.from_pretrained(model_dir).get_text_config())
-    policy = KVPolicy.from_compact(_policy_text(types), len(types), layer_types=types)
-    (model_dir / "nvfp4_policy.json").write_text(json.dumps(policy.to_dict()))
+    model_dir, policy = tiny_hybrid_with_policy(
+        request.param, tmp_path_factory.mktemp("hy") / request.param,
+        qk_gain=1.0 if request.param == "gpt_oss" else 2.0)
     return {"arch": request.param, "model_dir": model_dir, "policy": policy, **_run(model_dir)}
 
 

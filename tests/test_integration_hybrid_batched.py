@@ -19,14 +19,12 @@ is recorded, and the test checks that this, and not the attention, is where the 
 from __future__ import annotations
 
 import gc
-import json
-from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 import torch
 
-from test_integration_hybrid import BLOCK, PREFIX, _engine, _greedy, _policy_text
+from hybrid_engines import BLOCK, PREFIX, engine, greedy, tiny_hybrid_with_policy
 
 pytestmark = pytest.mark.vllm
 
@@ -98,18 +96,11 @@ def _prefill_rows(calls: list[dict[str, Any]], request: Optional[int] = None) ->
 
 @pytest.fixture(scope="module")
 def batched_and_alone(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from transformers import AutoConfig
-
-    from vllm_nvfp4.policy import KVPolicy, layer_types_from_config
-    from vllm_nvfp4.testing.hybrid_models import build_tiny_hybrid
-
-    model_dir = build_tiny_hybrid("gpt_oss", tmp_path_factory.mktemp("bp") / "gpt_oss", qk_gain=1.0)
-    types = layer_types_from_config(AutoConfig.from_pretrained(model_dir).get_text_config())
-    policy = KVPolicy.from_compact(_policy_text(types), len(types), layer_types=types)
-    (model_dir / "nvfp4_policy.json").write_text(json.dumps(policy.to_dict()))
+    model_dir, _ = tiny_hybrid_with_policy("gpt_oss", tmp_path_factory.mktemp("bp") / "gpt_oss",
+                                           qk_gain=1.0)
     with pytest.MonkeyPatch.context() as mp:
         calls = _record_calls(mp)
-        llm = _engine(model_dir, enable_prefix_caching=False, max_num_batched_tokens=32,
+        llm = engine(model_dir, enable_prefix_caching=False, max_num_batched_tokens=32,
                       max_model_len=1024)
         import inspect
         import textwrap
@@ -117,14 +108,14 @@ def batched_and_alone(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
         ids = llm.get_tokenizer()(inspect.getsource(textwrap))["input_ids"]
         prompts = [ids[:PREFIX] + ids[2000 + 30 * i:2000 + 30 * i + OWN] for i in range(3)]
         out: dict[str, Any] = {"prompts": prompts}
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(NEW), use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(NEW), use_tqdm=False)
         out["batched_tokens"] = [list(o.outputs[0].token_ids) for o in outs]
         out["batched"] = _prefill_rows(calls)
         out["alone_max"] = max(c["alone"] for c in calls)
         out["single"], out["single_tokens"] = {}, []
         for i, p in enumerate(prompts):
             calls.clear()
-            o = llm.generate([{"prompt_token_ids": p}], _greedy(NEW), use_tqdm=False)[0]
+            o = llm.generate([{"prompt_token_ids": p}], greedy(NEW), use_tqdm=False)[0]
             out["single_tokens"].append(list(o.outputs[0].token_ids))
             out["single"].update(_prefill_rows(calls, request=i))
         del llm

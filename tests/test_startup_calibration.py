@@ -286,3 +286,22 @@ def test_tp2_ranks_calibrate_their_heads_into_one_policy(tmp_path: Path):
     p1, p2 = KVPolicy.load(f1), KVPolicy.load(f2)
     for a, b in zip(p1.layers, p2.layers):
         assert (a.k_scale, a.v_global_scale) == pytest.approx((b.k_scale, b.v_global_scale), rel=1e-4)
+
+
+def test_state_layer_models_skip_startup_calibration_with_a_reason(tiny_model_dir: Path, tmp_path: Path):
+    """Through vLLM's engine config: a Qwen3-Next-style model (Gated DeltaNet state layers) is
+    not calibrated at start-up - its GDN layers need the scheduler's per-step state metadata -
+    and says so; a dense model with no policy is."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_nvfp4.integration.startup_calibration import skip_reason
+    from vllm_nvfp4.testing.hybrid_models import build_tiny_hybrid
+
+    def config(model: Path, **kw: Any) -> Any:
+        return EngineArgs(model=str(model), kv_cache_dtype="nvfp4_mixed", max_model_len=256,
+                          **kw).create_engine_config()
+
+    gdn = build_tiny_hybrid("qwen3_next", tmp_path / "qwen3_next")
+    assert skip_reason(config(gdn, dtype="bfloat16")) == (
+        "not supported for models with Mamba / linear-attention (state) layers")
+    assert skip_reason(config(tiny_model_dir, dtype="float32")) is None

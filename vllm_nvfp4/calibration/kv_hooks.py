@@ -29,6 +29,12 @@ What "as served" means (vLLM 0.32 semantics)
 * Non-finite K/V follow the kernels (``nonfinite="propagate"``): a bad 16-block decodes to NaN, a
   bad FP8 element stays NaN or saturates; nothing else is touched.
 
+Rotation
+--------
+Pass a :class:`KVRotation` to store chosen layers' K and/or V rotated along head_dim
+(:mod:`vllm_nvfp4.rotation`; the query rotated alike, the output rotated back): an accuracy
+experiment of the reference path, not something the serving integration does.
+
 Observe mode
 ------------
 Pass a :class:`KVObserver` to record the running per-layer, per-KV-head ``amax`` of K and V (the
@@ -54,6 +60,7 @@ from vllm_nvfp4.formats import (
     nvfp4_quantize,
 )
 from vllm_nvfp4.key_transform import stored_keys
+from vllm_nvfp4.rotation import rotate, rotation_matrix, unrotate
 from vllm_nvfp4.policy import KVPolicy, LayerType, PolicyError, layer_types_from_config
 
 HOOK_PREFIX = "vllm_nvfp4_kv|"
@@ -198,12 +205,32 @@ def transform_qk(query: torch.Tensor, key: torch.Tensor, lam: Optional[torch.Ten
     return query, key
 
 
+@dataclass(frozen=True)
+class KVRotation:
+    """Which layers' K and V the cache stores rotated (:mod:`vllm_nvfp4.rotation`, ``kind``).
+
+    A rotated K also rotates the query (``q . k`` unchanged); a rotated V rotates the attention
+    output back. Rotation comes first: observation, K centering/smoothing and quantization all
+    see the rotated vectors (centering commutes with it: ``R k - R mu = R (k - mu)``)."""
+
+    kind: str
+    k_layers: frozenset[int]
+    v_layers: frozenset[int]
+
+    @classmethod
+    def every_layer(cls, kind: str, num_layers: int, k: bool = True, v: bool = True) -> "KVRotation":
+        """``kind`` on K (``k``) and/or V (``v``) of every layer."""
+        layers = frozenset(range(num_layers))
+        return cls(kind, layers if k else frozenset(), layers if v else frozenset())
+
+
 @dataclass
 class _HookState:
     base: str
     quants: Optional[list[_LayerQuant]]
     observer: Optional[KVObserver]
     nonfinite: NonFinite
+    rotation: Optional[KVRotation] = None
     calls: int = 0
 
 
@@ -213,14 +240,19 @@ _LOCK = threading.Lock()
 
 
 def _make_wrapper(base_name: str) -> Callable[..., Any]:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, attention_mask: Optional[torch.Tensor], **kwargs: Any) -> Any:
         state = _ACTIVE.get(id(module.config))
         if state is not None:
             layer = module.layer_idx
             state.calls += 1
+            rot = state.rotation
+            matrix = None if rot is None else rotation_matrix(rot.kind, key.shape[-1])
+            if rot is not None and layer in rot.k_layers:
+                query, key = rotate(query, matrix), rotate(key, matrix)
+            rotate_v = rot is not None and layer in rot.v_layers
+            if rotate_v:
+                value = rotate(value, matrix)
             if state.observer is not None:
                 state.observer.observe(layer, key, value)
             if state.quants is not None:
@@ -229,12 +261,23 @@ def _make_wrapper(base_name: str) -> Callable[..., Any]:
                     query, key = transform_qk(query, key, lq.k_smooth, lq.k_center)
                 key = fake_quantize(key, lq.k_fmt, lq.k_scale, state.nonfinite).to(query.dtype)
                 value = fake_quantize(value, lq.v_fmt, lq.v_scale, state.nonfinite).to(query.dtype)
-        if base_name == "eager":  # not in the registry: every model ships its own (sinks, soft-cap)
-            return _model_eager(module)(module, query, key, value, attention_mask, **kwargs)
-        return ALL_ATTENTION_FUNCTIONS[base_name](module, query, key, value, attention_mask, **kwargs)
+            if rotate_v:  # output [batch, seq, heads, head_dim], rotated back
+                out, weights = _attend(base_name, module, query, key, value, attention_mask, **kwargs)
+                return unrotate(out, matrix), weights
+        return _attend(base_name, module, query, key, value, attention_mask, **kwargs)
 
     attention.__name__ = f"vllm_nvfp4_kv_{base_name}"
     return attention
+
+
+def _attend(base_name: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+            value: torch.Tensor, attention_mask: Optional[torch.Tensor], **kwargs: Any) -> Any:
+    """The base attention implementation ``base_name``; returns ``(output, weights)``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if base_name == "eager":  # not in the registry: every model ships its own (sinks, soft-cap)
+        return _model_eager(module)(module, query, key, value, attention_mask, **kwargs)
+    return ALL_ATTENTION_FUNCTIONS[base_name](module, query, key, value, attention_mask, **kwargs)
 
 
 def _model_eager(module: torch.nn.Module) -> Callable[..., Any]:
@@ -305,10 +348,12 @@ def kv_cache_quantization(
     policy: Optional[KVPolicy] = None,
     observer: Optional[KVObserver] = None,
     nonfinite: NonFinite = "propagate",
+    rotation: Optional[KVRotation] = None,
 ) -> Iterator[_HookState]:
     """Within the block, ``model`` runs with K/V fake-quantized per ``policy`` and/or observed.
 
-    ``policy=None`` leaves K/V untouched (pure observation or a BF16 reference). Raises
+    ``policy=None`` leaves K/V untouched (pure observation or a BF16 reference). ``rotation``:
+    the layers whose K/V are rotated before observation and quantization (:class:`KVRotation`). Raises
     :class:`~vllm_nvfp4.policy.PolicyError` if the policy does not fit the model and
     ``RuntimeError`` for models it cannot hook. Yields the hook state (``.calls`` counts the
     attention calls that went through the hook, a check that the model is supported).
@@ -332,7 +377,8 @@ def kv_cache_quantization(
     if base not in _BASE_IMPLEMENTATIONS:
         raise RuntimeError(f"attention implementation {base!r} is not supported; load with sdpa or eager")
     register_hooks()
-    state = _HookState(base, _layer_quants(policy) if policy is not None else None, observer, nonfinite)
+    state = _HookState(base, _layer_quants(policy) if policy is not None else None, observer, nonfinite,
+                       rotation)
     keys = {id(m.config) for m in mods}
     with _LOCK:
         if any(k in _ACTIVE for k in keys):

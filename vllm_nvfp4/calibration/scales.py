@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from vllm_nvfp4.calibration.kv_hooks import KVObserver, kv_cache_quantization
+from vllm_nvfp4.calibration.kv_hooks import KVObserver, KVRotation, kv_cache_quantization
 from vllm_nvfp4.calibration.modeling import input_device
 from vllm_nvfp4.calibration.progress import progress
 from vllm_nvfp4.formats import fp8_scale_from_amax, nvfp4_global_scale
@@ -35,12 +35,14 @@ logger = logging.getLogger(__name__)
 
 @torch.no_grad()
 def observe_amax(model: torch.nn.Module, windows: torch.Tensor, num_layers: int,
-                 desc: str = "calibrate", kv_layers: Optional[Sequence[int]] = None) -> KVObserver:
+                 desc: str = "calibrate", kv_layers: Optional[Sequence[int]] = None,
+                 rotation: Optional[KVRotation] = None) -> KVObserver:
     """Run ``windows [n, T]`` one at a time and return the per-layer, per-head K/V amax
-    (``num_layers`` decoder layers, of which ``kv_layers`` (default: all) hold a KV cache)."""
+    (``num_layers`` decoder layers, of which ``kv_layers`` (default: all) hold a KV cache),
+    of the rotated K/V where ``rotation`` rotates them."""
     observer = KVObserver(num_layers, kv_layers)
     device = input_device(model)
-    with kv_cache_quantization(model, observer=observer):
+    with kv_cache_quantization(model, observer=observer, rotation=rotation):
         for row in progress(windows, desc=desc, unit="window"):
             model(row.unsqueeze(0).to(device), use_cache=False)
     missing = observer.missing_layers()

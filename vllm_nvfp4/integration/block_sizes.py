@@ -16,12 +16,23 @@ request at ``max_model_len`` takes from the pool, as vLLM counts it when it size
 the plans within :data:`TOLERANCE` of the least bytes it takes the one with the finest
 scheduler granularity (the lcm of the block sizes: prefix-cache hits land on its multiples), then
 the configured full block size, then the smallest blocks.
+
+Models with Mamba / Gated-DeltaNet layers (their state pages are vLLM's) get their block size
+from vLLM (``Platform._align_hybrid_block_size``): it raises the attention block until one
+attention layer's page holds a state page, pads the state page to exactly that page, and vLLM
+then gives each state group blocks of the full-attention group's bytes. It asks the backend for
+that one-token page; :func:`state_share_bytes_per_token` is ours: the full layers' bytes per token
+over the states one of their blocks is to hold, so those blocks hold exactly that many states.
+With an FP8 layer's page instead (vLLM's default for our uint8 pages), the tiny Qwen3-Next-style
+model (one NVFP4 and one FP8 full layer: 400 B per token; six GDN layers) gets 528-token blocks
+of 211,200 B, and each GDN group fills 135,168 B of every block it holds (one state).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
@@ -68,16 +79,16 @@ def held_tokens(window: int, max_model_len: int, in_flight_tokens: int) -> int:
     return min(window - 1 + in_flight_tokens, max_model_len)
 
 
-def _repeats_per_group(full_layers_per_page: tuple[int, ...], num_sliding: int) -> int | None:
-    """vLLM's split of a sliding bucket that is not a free "state bucket": when the full layers
-    have several page sizes, as many layers of each (a 1:1 pattern), that count is the floor of
-    the layers per group, and the group size minimises padding (ties: larger). None when the
-    sliding layers are a state bucket (split only by what fits a block)."""
+def _repeats_per_group(full_layers_per_page: tuple[int, ...], num_split: int) -> int | None:
+    """vLLM's split of the ``num_split`` sliding or state layers (one page size): when the full
+    layers have several page sizes, as many layers of each (a 1:1 pattern), that count is the
+    floor of the layers per group, and the group size minimises padding (ties: larger). None
+    otherwise: the sliding / state layers are a state bucket (split only by what fits a block)."""
     counts = set(full_layers_per_page)
     if len(full_layers_per_page) < 2 or len(counts) != 1:
         return None
     (floor,) = counts
-    values = (floor, num_sliding)
+    values = (floor, num_split)
     return min(range(floor, max(values) + 1),
                key=lambda d: (sum((d - x % d) % d for x in values), -d))
 
@@ -146,6 +157,27 @@ def hybrid_plan(policy: KVPolicy, num_kv_heads: int, head_dim: int, configured_b
     ((window, per_token),) = sliding
     return choose_block_sizes(full, per_token, len(layers) - len(full), window, configured_block,
                               max_model_len, in_flight_tokens)
+
+
+def state_share_bytes_per_token(policy: KVPolicy, num_kv_heads: int,
+                                head_dim: int) -> Optional[int]:
+    """The one-token attention page vLLM is to size a state-layer hybrid's blocks by (module
+    doc), for a policy of full-attention layers and layers without KV cache; None for any other.
+
+    One block of the full-attention group is to hold ``k`` state pages: vLLM's layer repeat when
+    the full layers have several page sizes in equal counts (vLLM splits the state layers by it;
+    at most the number of states), else the state layers spread evenly over as many groups as
+    fp8 gets (groups of at most as many states as there are full layers). The page is the full
+    layers' bytes per token over ``k``, rounded down (what a block leaves is under ``k`` bytes per
+    token)."""
+    layers = _layer_bytes(policy, num_kv_heads, head_dim)
+    full = [b for kind, _, b in layers if kind == "full"]
+    states = sum(1 for t in policy.layer_types if not t.holds_kv)
+    if not states or not full or len(full) != len(layers):
+        return None
+    repeats = _repeats_per_group(tuple(Counter(full).values()), states)
+    k = min(repeats, states) if repeats is not None else _cdiv(states, _cdiv(states, len(full)))
+    return sum(full) // k
 
 
 def arithmetic_request_bytes(policy: KVPolicy, num_kv_heads: int, head_dim: int,

@@ -22,6 +22,9 @@ custom_backend     ``AttentionBackendEnum.CUSTOM`` -> our backend          selec
 backend_selection  v1/attention/selector.py ``_cached_get_attn_backend``  selection.select_backend
 spec               Attention.get_kv_cache_spec (per-layer page size)      spec.kv_cache_spec
 startup_check      EngineArgs.create_engine_config (front-end checks)     model.check_engine_config
+state_alignment    platforms/interface.py ``Platform._align_hybrid_       state_alignment.
+                   block_size`` (Mamba / GDN hybrids: attention page      aligning_backend
+                   per token that the state pages are sized by)
 env_vars           envs.py ``environment_variables`` (+ VLLM_NVFP4_*;     env_vars.register_with_
                    plugin-only)                                           vllm
 startup_           v1/executor/abstract.py                                startup_calibration.
@@ -141,6 +144,25 @@ def _install_startup_check() -> None:
     _replace(EngineArgs, "create_engine_config", make)
 
 
+def _install_state_alignment() -> None:
+    from vllm.platforms.interface import Platform
+
+    from vllm_nvfp4.integration.state_alignment import aligning_backend
+
+    original = Platform.__dict__["_align_hybrid_block_size"].__func__
+    if getattr(original, _MARK, False):
+        return
+
+    def _align_hybrid_block_size(cls: Any, vllm_config: Any, backend_cls: type) -> None:
+        if is_ours(vllm_config.cache_config.cache_dtype):
+            backend_cls = aligning_backend(vllm_config, backend_cls)
+        return original(cls, vllm_config, backend_cls)
+
+    functools.update_wrapper(_align_hybrid_block_size, original)
+    setattr(_align_hybrid_block_size, _MARK, True)
+    Platform._align_hybrid_block_size = classmethod(_align_hybrid_block_size)
+
+
 def _install_env_vars() -> None:
     from vllm_nvfp4.env_vars import register_with_vllm
 
@@ -184,6 +206,11 @@ HOOKS: tuple[Hook, ...] = (
          "runs in the front-end process of serve / LLM() / lm-eval, so a bad policy or an "
          "unsupported model fails before any worker starts, with a message naming the problem",
          "check_engine_config", ("vllm/engine/arg_utils.py",), _install_startup_check),
+    Hook("state_alignment", "vllm.platforms.interface:Platform._align_hybrid_block_size",
+         "on Mamba / GDN hybrids vLLM sizes the attention block and pads the state pages by the "
+         "backend's page for one token of an attention layer; nvfp4_mixed layers have no one "
+         "page, and an FP8 layer's left the state groups' blocks a third empty",
+         "aligning_backend", ("vllm/platforms/interface.py",), _install_state_alignment),
     Hook("env_vars", "vllm.envs:environment_variables",
          "vLLM warns 'Unknown vLLM environment variable detected' for (or, with "
          "fail_on_environ_validation, refuses) every VLLM_* name missing from this table, so "

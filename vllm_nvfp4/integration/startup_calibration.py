@@ -24,8 +24,9 @@ after the KV cache is allocated and before vLLM's warm-up and CUDA-graph capture
    by the next start of the same model, weights, dtype, text and recipe.
 
 Off: ``VLLM_NVFP4_STARTUP_CALIBRATION=0`` (the default rule keeps scale 1.0 / 1/6, with a
-warning). Skipped with a warning under pipeline parallelism and for M-RoPE models (calibrate
-offline with ``vllm-nvfp4 calibrate``).
+warning). Skipped with a warning under pipeline parallelism, for M-RoPE models and for models
+with Mamba / linear-attention (state) layers such as Qwen3-Next (calibrate offline with
+``vllm-nvfp4 calibrate``).
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ def skip_reason(vllm_config: Any) -> Optional[str]:
         return "not supported with pipeline parallelism"
     if getattr(mc, "uses_mrope", False):
         return "not supported for M-RoPE models"
+    if any(not t.holds_kv for t in shape.layer_types):
+        # their layers' forward needs vLLM's per-step state metadata, which a calibration
+        # forward outside the scheduler does not have
+        return "not supported for models with Mamba / linear-attention (state) layers"
     return None
 
 

@@ -126,3 +126,32 @@ def build_tiny_hybrid(arch: str, out_dir: Optional[Union[str, os.PathLike]] = No
         save_tokenizer(tmp, train_tokenizer(vocab), max_pos)
 
     return cached_build(out_dir, args, f"tiny-{arch}", build)
+
+
+def by_type_policy_text(types: Any) -> str:
+    """The compact policy the hybrid checks serve, by layer type with one index beating its
+    type: ``swa:fp8,full:nvfp4,<last full>:fp8``; no sliding layer (Qwen3-Next):
+    ``full:nvfp4,<last full>:fp8``; all sliding (Mistral): ``*:nvfp4,0:fp8``. ``types``: the
+    model's :class:`~vllm_nvfp4.policy.LayerType` per decoder layer."""
+    full = [i for i, t in enumerate(types) if t.kind == "full"]
+    if not full:
+        return "*:nvfp4,0:fp8"
+    if any(t.kind == "sliding" for t in types):
+        return f"swa:fp8,full:nvfp4,{full[-1]}:fp8"
+    return f"full:nvfp4,{full[-1]}:fp8"
+
+
+def write_by_type_policy(model_dir: Union[str, os.PathLike]) -> Any:
+    """Write :func:`by_type_policy_text` for the model in ``model_dir`` as its
+    ``nvfp4_policy.json`` (the file the plugin finds next to the model); returns the
+    :class:`~vllm_nvfp4.policy.KVPolicy`."""
+    import json
+
+    from transformers import AutoConfig
+
+    from vllm_nvfp4.policy import POLICY_FILENAME, KVPolicy, layer_types_from_config
+
+    types = layer_types_from_config(AutoConfig.from_pretrained(model_dir).get_text_config())
+    policy = KVPolicy.from_compact(by_type_policy_text(types), len(types), layer_types=types)
+    (Path(model_dir) / POLICY_FILENAME).write_text(json.dumps(policy.to_dict()))
+    return policy

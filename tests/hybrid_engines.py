@@ -1,0 +1,42 @@
+"""Shared pieces of the engine tests on tiny hybrid models: the model with its by-type policy
+written next to it, the ``LLM`` settings, greedy sampling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+#: the block size the engines are configured with (tokens); the plugin (full + sliding) or vLLM
+#: (Mamba / GDN hybrids) may give a group another one
+BLOCK = 16
+#: tokens the prefix prompts of the full + sliding models share (longer than every window)
+PREFIX = 96
+
+
+def tiny_hybrid_with_policy(arch: str, out_dir: Path, **build: Any) -> tuple[Path, Any]:
+    """Build the tiny ``arch`` model (:func:`~vllm_nvfp4.testing.hybrid_models.build_tiny_hybrid`,
+    ``build``: its keyword arguments) in ``out_dir`` with the by-type policy in its directory
+    (:func:`~vllm_nvfp4.testing.hybrid_models.write_by_type_policy`); returns (dir, policy)."""
+    from vllm_nvfp4.testing.hybrid_models import build_tiny_hybrid, write_by_type_policy
+
+    model_dir = build_tiny_hybrid(arch, out_dir, **build)
+    return model_dir, write_by_type_policy(model_dir)
+
+
+def greedy(n: int, **kw: Any) -> Any:
+    """``SamplingParams`` for ``n`` greedy tokens (EOS ignored); ``kw``: more of its fields."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def engine(model_dir: Path, dtype: str = "float32", **overrides: Any) -> Any:
+    """``LLM(kv_cache_dtype="nvfp4_mixed")`` on ``model_dir``: eager, worker in this process,
+    block :data:`BLOCK`, 512 tokens per request, whole-prompt prefill; ``overrides`` win."""
+    from vllm import LLM
+
+    kwargs = dict(model=str(model_dir), kv_cache_dtype="nvfp4_mixed", dtype=dtype,
+                  block_size=BLOCK, max_model_len=512, max_num_batched_tokens=1024,
+                  max_num_seqs=4, enforce_eager=True, distributed_executor_backend="uni", seed=0)
+    kwargs.update(overrides)
+    return LLM(**kwargs)
