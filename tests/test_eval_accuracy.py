@@ -22,7 +22,7 @@ from vllm_nvfp4.evaluation.report import check_targets, markdown_table, plot
 from vllm_nvfp4.evaluation.stats import bootstrap_ratio, mean_interval, t975
 from vllm_nvfp4.evaluation.windows import tail_windows
 from vllm_nvfp4.model_shape import ModelShape
-from vllm_nvfp4.policy import KVPolicy
+from vllm_nvfp4.policy import KVPolicy, default_policy
 
 SHAPE = ModelShape(num_layers=6, total_num_kv_heads=2, num_kv_heads=2, head_dim=64, max_positions=4096,
                    dtype="bfloat16")
@@ -150,6 +150,26 @@ def test_build_configs_with_policy(tmp_path: Path) -> None:
     assert KVPolicy.load(written).to_compact() == naive.to_compact()
     assert cfgs["mixed_naive"].env(written) == {"VLLM_NVFP4_POLICY": str(written.resolve())}
     assert cfgs["auto"].write_policy(tmp_path / "pol") is None and cfgs["auto"].env(None) == {}
+
+
+def test_build_configs_keep_the_models_sliding_layers(tmp_path: Path) -> None:
+    """On a model with sliding-window layers every derived policy has the model's layer types, so a
+    policy calibrated for that model lends its scales (it was refused before: types differ)."""
+    from vllm_nvfp4.policy import LayerType
+
+    types = (LayerType("sliding", 512),) * 2 + (LayerType("full"),) + (LayerType("sliding", 512),) * 2 + (LayerType("full"),)
+    shape = replace(SHAPE, layer_types=types, model_dir=str(tmp_path))
+    pol = KVPolicy.load(_calibrated(tmp_path))
+    typed = KVPolicy(tuple(replace(lp, layer_type=t) for lp, t in zip(pol.layers, types)), source="typed")
+    typed.save(tmp_path / "typed.json")
+    cfgs = {c.name: c for c in build_configs(["ours_fp8", "nvfp4_all", "mixed_calibrated", "mixed_naive", "flag_only"],
+                                             shape, tmp_path / "typed.json")}
+    for name, c in cfgs.items():
+        assert c.policy.layer_types == types, name
+    for name in ("ours_fp8", "nvfp4_all", "mixed_naive"):
+        assert [lp.k_scale for lp in cfgs[name].policy.layers] == [0.01 * (i + 1) for i in range(6)]
+    assert cfgs["flag_only"].policy.to_compact() == default_policy(6, types).to_compact()
+    assert build_configs(["nvfp4_all"], shape)[0].policy.layer_types == types  # no --policy: no scales, same types
 
 
 def test_ours_fp8_from_an_all_fp8_policy(tmp_path: Path) -> None:
