@@ -1,0 +1,88 @@
+"""Compile the Gluon FP8-tensor-core K-side prototype (:mod:`vllm_nvfp4.kernels.gluon_qk`) for
+sm_90 WITHOUT a GPU and count its whole-tile loop like ``compile_sm90.py`` counts today's kernel
+(registers, spills, SASS instructions per token-head, the MMA opcodes; optional SASS dump).
+
+    PYTHONPATH=/tmp/t36:. TRITON_CACHE_DIR=/tmp/tc36 python3 benchmarks/compile_gluon_sm90.py \\
+        [--tile 64] [--group 4] [--sass DIR]
+
+(Triton 3.6, the H200's, installed as ``compile_sm90.py``'s docstring says.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.experimental.gluon._runtime import GluonASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.compile_sm90 import TARGET, tile_loops  # noqa: E402
+from vllm_nvfp4.kernels import gluon_qk  # noqa: E402
+from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
+
+
+def kernel_src(lay: KVPageLayout, tile_n: int, group: int) -> GluonASTSource:
+    """The prototype for layout ``lay`` (NVFP4 K) as Gluon source for ``triton.compile``."""
+    fn = gluon_qk.nvfp4_qk_scores_kernel
+    sig = dict(query_ptr="*bf16", out_ptr="*fp32", cache_ptr="*u8", k_scale_ptr="*fp32",
+               block_table_ptr="*i32", seq_lens_ptr="*i32")
+    for n in ("stride_qt", "stride_qh", "stride_os", "stride_oh", "stride_blk", "stride_bt"):
+        sig[n] = "i32"
+    const = dict(HQ=group * lay.num_kv_heads, G=group, D=lay.head_dim, BLOCK=lay.block_size,
+                 K_DATA=lay.k_data_offset, K_SCALE=lay.k_scale_offset, TILE_N=tile_n)
+    sig.update({k: "constexpr" for k in const})
+    sig = {n: sig[n] for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
+             if n.endswith("_ptr") or n in ("stride_qt", "stride_blk", "stride_os")}
+    return GluonASTSource(fn=fn, signature=sig,
+                          constexprs={(list(sig).index(k),): v for k, v in const.items()},
+                          attrs=attrs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tile", type=int, default=64, help="keys per tile (TILE_N)")
+    ap.add_argument("--group", type=int, default=4, help="query heads per KV head (<= 8)")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--sass", help="write the SASS and TTGIR into this folder")
+    args = ap.parse_args()
+    lay = KVPageLayout(8, args.head_dim, 16, "nvfp4", "nvfp4")
+    k = triton.compile(kernel_src(lay, args.tile, args.group), target=TARGET,
+                       options=dict(num_warps=1, num_stages=1))
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+    res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    regs = re.search(r"REG:(\d+)", res)
+    loops = tile_loops(sass)
+    if not loops:
+        raise SystemExit("no tile loop found in the SASS")
+    body = loops[0]
+    total = sum(body.values())
+    stores = sum(c for o, c in body.items() if o.startswith("STG"))
+    mma = {o: c for o, c in body.items() if "MMA" in o}
+    spills = sum(c for o, c in body.items() if o.startswith(("STL", "LDL")))
+    print(f"triton {triton.__version__} gluon K-side prototype D {args.head_dim} tile {args.tile} "
+          f"group {args.group}: regs {regs.group(1) if regs else '?'} spill {spills} loop {total} "
+          f"instr/warp ({total / args.tile:.2f} per token-head; without the {stores} score stores "
+          f"{(total - stores) / args.tile:.2f}) MMA {mma}")
+    print("  " + ", ".join(f"{o}:{c}" for o, c in body.most_common(20)))
+    print("  ptx mma:", sorted(set(re.findall(r"mma\.sync\.aligned\.[\w.]+", k.asm["ptx"]))))
+    if args.sass:
+        os.makedirs(args.sass, exist_ok=True)
+        name = f"gluon_qk_d{args.head_dim}_t{args.tile}_g{args.group}"
+        with open(os.path.join(args.sass, name + ".sass"), "w") as out:
+            out.write(sass)
+        with open(os.path.join(args.sass, name + ".ttgir"), "w") as out:
+            out.write(k.asm["ttgir"])
+
+
+if __name__ == "__main__":
+    main()
