@@ -49,7 +49,7 @@ and.b32 u, $2, 0x80808080;
 or.b32 $1, u, t;
 }""")
 #: ``2^6``: the bit-placed E4M3 bytes are ``e2m1 * 2^-6``
-E2M1_BIT_PLACEMENT_SCALE = 64.0
+E2M1_BIT_PLACEMENT_SCALE = ttgl.constexpr(64.0)
 
 
 @gluon.jit
@@ -164,7 +164,7 @@ def nvfp4_qk_scores_kernel(
            (_query_operand(q_cols, col_ok, qs, 1, 1, 0, B_LAYOUT),
             _query_operand(q_cols, col_ok, qs, 1, 1, 1, B_LAYOUT))))  # [group][plane][parity]
 
-    k_scale = ttgl.load(k_scale_ptr) * qs * 64.0
+    k_scale = ttgl.load(k_scale_ptr + kv_head) * qs * E2M1_BIT_PLACEMENT_SCALE
     rows = ttgl.arange(0, TILE_N, layout=ttgl.SliceLayout(1, MMA))
     out_cols = ttgl.arange(0, 8, layout=ttgl.SliceLayout(0, MMA))
     out_base = (out_ptr + seq.to(ttgl.int64) * stride_os
