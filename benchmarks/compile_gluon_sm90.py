@@ -13,15 +13,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import triton
 from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from benchmarks.compile_sm90 import TARGET, tile_loops  # noqa: E402
+from benchmarks.compile_sm90 import TARGET, cubin_sass, tile_loops, write_sass  # noqa: E402
 from vllm_nvfp4.kernels import gluon_qk  # noqa: E402
 from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
 
@@ -54,13 +52,7 @@ def main() -> None:
     lay = KVPageLayout(8, args.head_dim, 16, "nvfp4", "nvfp4")
     k = triton.compile(kernel_src(lay, args.tile, args.group), target=TARGET,
                        options=dict(num_warps=1, num_stages=1))
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
-    res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
-    regs = re.search(r"REG:(\d+)", res)
+    sass, regs = cubin_sass(k.asm["cubin"])
     loops = tile_loops(sass)
     if not loops:
         raise SystemExit("no tile loop found in the SASS")
@@ -70,18 +62,14 @@ def main() -> None:
     mma = {o: c for o, c in body.items() if "MMA" in o}
     spills = sum(c for o, c in body.items() if o.startswith(("STL", "LDL")))
     print(f"triton {triton.__version__} gluon K-side prototype D {args.head_dim} tile {args.tile} "
-          f"group {args.group}: regs {regs.group(1) if regs else '?'} spill {spills} loop {total} "
+          f"group {args.group}: regs {regs} spill {spills} loop {total} "
           f"instr/warp ({total / args.tile:.2f} per token-head; without the {stores} score stores "
           f"{(total - stores) / args.tile:.2f}) MMA {mma}")
     print("  " + ", ".join(f"{o}:{c}" for o, c in body.most_common(20)))
     print("  ptx mma:", sorted(set(re.findall(r"mma\.sync\.aligned\.[\w.]+", k.asm["ptx"]))))
     if args.sass:
-        os.makedirs(args.sass, exist_ok=True)
-        name = f"gluon_qk_d{args.head_dim}_t{args.tile}_g{args.group}"
-        with open(os.path.join(args.sass, name + ".sass"), "w") as out:
-            out.write(sass)
-        with open(os.path.join(args.sass, name + ".ttgir"), "w") as out:
-            out.write(k.asm["ttgir"])
+        write_sass(args.sass, f"gluon_qk_d{args.head_dim}_t{args.tile}_g{args.group}", sass,
+                   k.asm["ttgir"])
 
 
 if __name__ == "__main__":
