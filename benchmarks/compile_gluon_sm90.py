@@ -24,9 +24,15 @@ from vllm_nvfp4.kernels import gluon_qk  # noqa: E402
 from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
 
 
-def kernel_src(lay: KVPageLayout, tile_n: int, group: int) -> GluonASTSource:
-    """The prototype for layout ``lay`` (NVFP4 K) as Gluon source for ``triton.compile``."""
-    fn = gluon_qk.nvfp4_qk_scores_kernel
+#: --mma choice -> (kernel, warps)
+KERNELS = {"mma_v2": (gluon_qk.nvfp4_qk_scores_kernel, 1),
+           "wgmma": (gluon_qk.nvfp4_qk_scores_wgmma_kernel, 4)}
+
+
+def kernel_src(lay: KVPageLayout, tile_n: int, group: int, mma: str) -> GluonASTSource:
+    """The prototype (``mma``: a key of KERNELS) for layout ``lay`` (NVFP4 K) as Gluon source
+    for ``triton.compile``."""
+    fn = KERNELS[mma][0]
     sig = dict(query_ptr="*bf16", out_ptr="*fp32", cache_ptr="*u8", k_scale_ptr="*fp32",
                block_table_ptr="*i32", seq_lens_ptr="*i32")
     for n in ("stride_qt", "stride_qh", "stride_os", "stride_oh", "stride_blk", "stride_bt"):
@@ -47,11 +53,14 @@ def main() -> None:
     ap.add_argument("--tile", type=int, default=64, help="keys per tile (TILE_N)")
     ap.add_argument("--group", type=int, default=4, help="query heads per KV head (<= 8)")
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--mma", choices=list(KERNELS), default="mma_v2",
+                    help="mma_v2: mma.sync m16n8k32 e4m3, 1 warp; wgmma: m64n32k32, 4 warps")
     ap.add_argument("--sass", help="write the SASS and TTGIR into this folder")
     args = ap.parse_args()
     lay = KVPageLayout(8, args.head_dim, 16, "nvfp4", "nvfp4")
-    k = triton.compile(kernel_src(lay, args.tile, args.group), target=TARGET,
-                       options=dict(num_warps=1, num_stages=1))
+    warps = KERNELS[args.mma][1]
+    k = triton.compile(kernel_src(lay, args.tile, args.group, args.mma), target=TARGET,
+                       options=dict(num_warps=warps, num_stages=1))
     sass, regs = cubin_sass(k.asm["cubin"])
     loops = tile_loops(sass)
     if not loops:
@@ -61,15 +70,17 @@ def main() -> None:
     stores = sum(c for o, c in body.items() if o.startswith("STG"))
     mma = {o: c for o, c in body.items() if "MMA" in o}
     spills = sum(c for o, c in body.items() if o.startswith(("STL", "LDL")))
-    print(f"triton {triton.__version__} gluon K-side prototype D {args.head_dim} tile {args.tile} "
-          f"group {args.group}: regs {regs} spill {spills} loop {total} "
-          f"instr/warp ({total / args.tile:.2f} per token-head; without the {stores} score stores "
-          f"{(total - stores) / args.tile:.2f}) MMA {mma}")
+    per = warps / args.tile  # token-heads per warp-instruction of the loop
+    print(f"triton {triton.__version__} gluon K-side prototype {args.mma} D {args.head_dim} "
+          f"tile {args.tile} warps {warps} group {args.group}: regs {regs} spill {spills} "
+          f"loop {total} instr/warp ({total * per:.2f} per token-head; without the {stores} score "
+          f"stores {(total - stores) * per:.2f}) MMA {mma}")
     print("  " + ", ".join(f"{o}:{c}" for o, c in body.most_common(20)))
-    print("  ptx mma:", sorted(set(re.findall(r"mma\.sync\.aligned\.[\w.]+", k.asm["ptx"]))))
+    print("  ptx mma:", sorted(set(re.findall(r"(?:mma\.sync|wgmma\.mma_async)\.[\w.]+",
+                                               k.asm["ptx"]))))
     if args.sass:
-        write_sass(args.sass, f"gluon_qk_d{args.head_dim}_t{args.tile}_g{args.group}", sass,
-                   k.asm["ttgir"])
+        write_sass(args.sass, f"gluon_qk_{args.mma}_d{args.head_dim}_t{args.tile}_g{args.group}",
+                   sass, k.asm["ttgir"])
 
 
 if __name__ == "__main__":
