@@ -49,9 +49,11 @@ def test_scores_match_the_float64_reference(kernel, group, tile):
         kd = roundtrip(batch.keys[i], "nvfp4", batch.k_scale)  # [L, H, D] float64
         qd = q[i].double().cpu().view(KV_HEADS, group, 128)
         want = torch.einsum("hgd,lhd->hgl", qd, kd).reshape(KV_HEADS * group, length)
-        bound = torch.einsum("hgd,lhd->hgl", qd.abs(), kd.abs()).reshape(KV_HEADS * group, length)
+        # q as E4M3 hi + lo: relative error <= 2^-8, plus lo's subnormal step 2^-9 of qs / 2
+        qs = qd.abs().amax(dim=(1, 2), keepdim=True) / 448  # [H, 1, 1], per KV head's group
+        bound = (torch.einsum("hgd,lhd->hgl", 2.0 ** -8 * qd.abs() + 2.0 ** -10 * qs, kd.abs())
+                 .reshape(KV_HEADS * group, length))
         got = out[i, :, :length].double().cpu()
         err = (got - want).abs()
-        # q as E4M3 hi + lo keeps ~8 significant bits; products and FP32 sums add little
-        assert bool((err <= 2.0 ** -8 * bound + 1e-6).all()), float((err / bound).max())
+        assert bool((err <= 1.01 * bound + 1e-6).all()), float((err / bound).max())
         assert bool(out[i, :, length:].isnan().all()), "no key past seq_len is written"
