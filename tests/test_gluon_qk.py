@@ -10,9 +10,34 @@ import torch
 from tests.paged_cases import make_batch, roundtrip
 from vllm_nvfp4.layout import KVPageLayout
 
+from vllm_nvfp4.formats import e2m1_value
+from vllm_nvfp4.layout import nvfp4_element_order
+
 CUDA = torch.cuda.is_available()
-pytestmark = pytest.mark.skipif(not CUDA, reason="Gluon kernels run on the GPU only (no interpreter)")
+needs_gpu = pytest.mark.skipif(not CUDA, reason="Gluon kernels run on the GPU only (no interpreter)")
 KV_HEADS = 3
+
+
+def _as_e4m3(byte: torch.Tensor) -> torch.Tensor:
+    return byte.to(torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def test_bit_placement_gives_e2m1_times_2_to_the_minus_6_for_every_byte():
+    x = torch.arange(256, dtype=torch.int32)  # one byte: low nibble, high nibble
+    lo = ((x << 4) & 0x80) | ((x << 2) & 0x1C)  # the prototype's inline asm, per byte
+    hi = (x & 0x80) | ((x >> 2) & 0x1C)
+    assert torch.equal(_as_e4m3(lo) * 64, e2m1_value((x & 0xF).to(torch.uint8)))
+    assert torch.equal(_as_e4m3(hi) * 64, e2m1_value((x >> 4).to(torch.uint8)))
+
+
+def test_byte_of_a_group_holds_the_elements_the_prototype_assumes():
+    order = nvfp4_element_order(128).view(2, 32, 2)  # [group, byte, low/high nibble] -> element
+    b = torch.arange(32)
+    for g in range(2):
+        assert torch.equal(order[g, :, 0], 64 * g + 32 * (b % 2) + b // 2)
+        assert torch.equal(order[g, :, 1], 64 * g + 16 + 32 * (b % 2) + b // 2)
+        for plane in range(2):  # the block whose scale each MMA pair's partial score takes
+            assert torch.equal(order[g, :, plane] // 16, 4 * g + 2 * (b % 2) + plane)
 
 
 def _run(kernel: str, group: int, tile: int, seqs: list[tuple[int, int]], seed: int = 7):
@@ -37,6 +62,7 @@ def _run(kernel: str, group: int, tile: int, seqs: list[tuple[int, int]], seed: 
     return batch, q, out
 
 
+@needs_gpu
 @pytest.mark.parametrize("kernel,group,tile", [("mma_v2", 4, 64), ("mma_v2", 8, 64),
                                                ("mma_v2", 4, 32), ("wgmma", 4, 64),
                                                ("wgmma", 8, 64), ("wgmma", 2, 64)])
