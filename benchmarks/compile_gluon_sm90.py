@@ -29,7 +29,8 @@ KERNELS = {"mma_v2": (gluon_qk.nvfp4_qk_scores_kernel, 1),
            "wgmma": (gluon_qk.nvfp4_qk_scores_wgmma_kernel, 4)}
 
 
-def kernel_src(lay: KVPageLayout, tile_n: int, group: int, mma: str) -> GluonASTSource:
+def kernel_src(lay: KVPageLayout, tile_n: int, group: int, mma: str, splits: int,
+               write_scores: bool) -> GluonASTSource:
     """The prototype (``mma``: a key of KERNELS) for layout ``lay`` (NVFP4 K) as Gluon source
     for ``triton.compile``."""
     fn = KERNELS[mma][0]
@@ -38,7 +39,8 @@ def kernel_src(lay: KVPageLayout, tile_n: int, group: int, mma: str) -> GluonAST
     for n in ("stride_qt", "stride_qh", "stride_os", "stride_oh", "stride_blk", "stride_bt"):
         sig[n] = "i32"
     const = dict(HQ=group * lay.num_kv_heads, G=group, D=lay.head_dim, BLOCK=lay.block_size,
-                 K_DATA=lay.k_data_offset, K_SCALE=lay.k_scale_offset, TILE_N=tile_n)
+                 K_DATA=lay.k_data_offset, K_SCALE=lay.k_scale_offset, TILE_N=tile_n,
+                 NUM_SPLITS=splits, WRITE_SCORES=write_scores)
     sig.update({k: "constexpr" for k in const})
     sig = {n: sig[n] for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
@@ -53,13 +55,17 @@ def main() -> None:
     ap.add_argument("--tile", type=int, default=64, help="keys per tile (TILE_N)")
     ap.add_argument("--group", type=int, default=4, help="query heads per KV head (<= 8)")
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--splits", type=int, default=8, help="NUM_SPLITS (key ranges per program)")
+    ap.add_argument("--write-scores", action="store_true",
+                    help="write every score (the test's mode) instead of a running max")
     ap.add_argument("--mma", choices=list(KERNELS), default="mma_v2",
                     help="mma_v2: mma.sync m16n8k32 e4m3, 1 warp; wgmma: m64n32k32, 4 warps")
     ap.add_argument("--sass", help="write the SASS and TTGIR into this folder")
     args = ap.parse_args()
     lay = KVPageLayout(8, args.head_dim, 16, "nvfp4", "nvfp4")
     warps = KERNELS[args.mma][1]
-    k = triton.compile(kernel_src(lay, args.tile, args.group, args.mma), target=TARGET,
+    k = triton.compile(kernel_src(lay, args.tile, args.group, args.mma, args.splits,
+                                  args.write_scores), target=TARGET,
                        options=dict(num_warps=warps, num_stages=1))
     sass, regs = cubin_sass(k.asm["cubin"])
     loops = tile_loops(sass)
@@ -72,7 +78,8 @@ def main() -> None:
     spills = sum(c for o, c in body.items() if o.startswith(("STL", "LDL")))
     per = warps / args.tile  # token-heads per warp-instruction of the loop
     print(f"triton {triton.__version__} gluon K-side prototype {args.mma} D {args.head_dim} "
-          f"tile {args.tile} warps {warps} group {args.group}: regs {regs} spill {spills} "
+          f"tile {args.tile} warps {warps} group {args.group} splits {args.splits}"
+          f"{' write-scores' if args.write_scores else ''}: regs {regs} spill {spills} "
           f"loop {total} instr/warp ({total * per:.2f} per token-head; without the {stores} score "
           f"stores {(total - stores) * per:.2f}) MMA {mma}")
     print("  " + ", ".join(f"{o}:{c}" for o, c in body.most_common(20)))

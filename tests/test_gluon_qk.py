@@ -40,8 +40,10 @@ def test_byte_of_a_group_holds_the_elements_the_prototype_assumes():
             assert torch.equal(order[g, :, plane] // 16, 4 * g + 2 * (b % 2) + plane)
 
 
-def _run(kernel: str, group: int, tile: int, seqs: list[tuple[int, int]], seed: int = 7):
-    """``(batch, query bf16 [S, HQ, D], scores fp32 [S, HQ, max_len], NaN past each length)``."""
+def _run(kernel: str, group: int, tile: int, seqs: list[tuple[int, int]], splits: int = 1,
+         write_scores: bool = True, seed: int = 7):
+    """``(batch, query bf16 [S, HQ, D], out)``: ``out`` fp32 ``[S, HQ, max_len]`` scores (NaN past
+    each length) or, without ``write_scores``, ``[S, HQ, splits]`` each split's largest score."""
     from vllm_nvfp4.kernels import gluon_qk
 
     fn, warps = {"mma_v2": (gluon_qk.nvfp4_qk_scores_kernel, 1),
@@ -50,14 +52,15 @@ def _run(kernel: str, group: int, tile: int, seqs: list[tuple[int, int]], seed: 
     batch = make_batch(lay, seqs, num_q_heads=KV_HEADS * group, q_dtype=torch.bfloat16,
                        device="cuda", seed=seed)
     q = batch.query.contiguous()  # one decode query row per sequence
-    out = torch.full((len(seqs), KV_HEADS * group, batch.max_seq_len), float("nan"),
-                     device="cuda")
-    fn[(len(seqs), KV_HEADS)](
+    out = torch.full((len(seqs), KV_HEADS * group, batch.max_seq_len if write_scores else splits),
+                     float("nan"), device="cuda")
+    fn[(len(seqs), KV_HEADS, splits)](
         q, out, batch.cache, batch.k_scale.float().contiguous(), batch.block_table,
         batch.seq_lens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         batch.cache.stride(0), batch.block_table.stride(0),
         HQ=KV_HEADS * group, G=group, D=128, BLOCK=16, K_DATA=lay.k_data_offset,
-        K_SCALE=lay.k_scale_offset, TILE_N=tile, num_warps=warps)
+        K_SCALE=lay.k_scale_offset, TILE_N=tile, NUM_SPLITS=splits, WRITE_SCORES=write_scores,
+        num_warps=warps)
     torch.cuda.synchronize()
     return batch, q, out
 
@@ -67,10 +70,9 @@ def _run(kernel: str, group: int, tile: int, seqs: list[tuple[int, int]], seed: 
                                                ("mma_v2", 4, 32), ("wgmma", 4, 64),
                                                ("wgmma", 8, 64), ("wgmma", 2, 64)])
 def test_scores_match_the_float64_reference(kernel, group, tile):
-    if kernel == "wgmma" and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("wgmma needs sm_90")
+    _skip_without_wgmma(kernel)
     seqs = [(1, 1), (77, 1), (64, 1), (203, 1), (128, 1)]  # odd lengths, whole tiles, tails
-    batch, q, out = _run(kernel, group, tile, seqs)
+    batch, q, out = _run(kernel, group, tile, seqs, splits=3)
     for i, (length, _) in enumerate(seqs):
         kd = roundtrip(batch.keys[i], "nvfp4", batch.k_scale)  # [L, H, D] float64
         qd = q[i].double().cpu().view(KV_HEADS, group, 128)
@@ -83,3 +85,26 @@ def test_scores_match_the_float64_reference(kernel, group, tile):
         err = (got - want).abs()
         assert bool((err <= 1.01 * bound + 1e-6).all()), float((err / bound).max())
         assert bool(out[i, :, length:].isnan().all()), "no key past seq_len is written"
+
+
+def _skip_without_wgmma(kernel: str) -> None:
+    if kernel == "wgmma" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("wgmma needs sm_90")
+
+
+@needs_gpu
+@pytest.mark.parametrize("kernel", ["mma_v2", "wgmma"])
+def test_max_mode_gives_each_splits_largest_score(kernel):
+    _skip_without_wgmma(kernel)
+    seqs = [(77, 1), (203, 1), (1000, 1)]
+    splits, tile = 4, 64
+    _, _, scores = _run(kernel, 4, tile, seqs, splits=1)
+    _, _, maxima = _run(kernel, 4, tile, seqs, splits=splits, write_scores=False)
+    for i, (length, _) in enumerate(seqs):
+        tiles = -(-length // tile)
+        per = -(-tiles // splits)
+        for split in range(splits):
+            lo, hi = split * per * tile, min((split + 1) * per * tile, length)
+            want = (scores[i, :, lo:hi].amax(dim=-1) if lo < hi
+                    else torch.full_like(maxima[i, :, split], float("-inf")))
+            torch.testing.assert_close(maxima[i, :, split], want, rtol=0, atol=0)

@@ -99,19 +99,52 @@ def _query_scale(q_row_ptr, stride_qh, G: ttgl.constexpr, D: ttgl.constexpr,
 
 
 @gluon.jit
-def _store_scores(out_ptr, scores, seq, kv_head, tile_start, seq_len, stride_os, stride_oh,
-                  MASKED: ttgl.constexpr, G: ttgl.constexpr, TILE_N: ttgl.constexpr):
-    """Write ``scores [TILE_N, 8]`` (any layout) to ``out[seq, kv_head * G + h, tile_start + n]``
-    for ``h < G`` (and, where ``MASKED``, keys below ``seq_len``)."""
+def _emit(out_ptr, scores, run_max, seq, kv_head, tile_start, seq_len, stride_os, stride_oh,
+          MASKED: ttgl.constexpr, G: ttgl.constexpr, TILE_N: ttgl.constexpr,
+          WRITE_SCORES: ttgl.constexpr):
+    """Consume the scores ``[TILE_N, 8]`` (any layout) of keys ``tile_start ..``: with
+    ``WRITE_SCORES`` write them to ``out[seq, kv_head * G + h, tile_start + n]`` (``h < G``,
+    keys below ``seq_len``), else fold them into the running max ``run_max [TILE_N, 8]`` (same
+    layout; reduced over keys once, by :func:`_store_max`). Returns the running max."""
     layout: ttgl.constexpr = scores.type.layout
     rows = tile_start + ttgl.arange(0, TILE_N, layout=ttgl.SliceLayout(1, layout))
     cols = ttgl.arange(0, 8, layout=ttgl.SliceLayout(0, layout))
-    ptrs = (out_ptr + seq.to(ttgl.int64) * stride_os
-            + (kv_head * G + cols)[None, :] * stride_oh + rows[:, None])
-    ok = (cols < G)[None, :]
-    if MASKED:
-        ok = ok & (rows < seq_len)[:, None]
-    ttgl.store(ptrs, scores, mask=ok)
+    if WRITE_SCORES:
+        ptrs = (out_ptr + seq.to(ttgl.int64) * stride_os
+                + (kv_head * G + cols)[None, :] * stride_oh + rows[:, None])
+        ok = (cols < G)[None, :]
+        if MASKED:
+            ok = ok & (rows < seq_len)[:, None]
+        ttgl.store(ptrs, scores, mask=ok)
+        return run_max
+    else:
+        if MASKED:
+            scores = ttgl.where((rows < seq_len)[:, None], scores, float("-inf"))
+        return ttgl.maximum(run_max, scores)
+
+
+@gluon.jit
+def _tile_range(seq_len, TILE_N: ttgl.constexpr, NUM_SPLITS: ttgl.constexpr):
+    """``(first, end_of_whole, tail)`` tiles of this program's split (program axis 2): whole
+    tiles ``first .. end_of_whole - 1``; ``tail`` whether the masked last tile is also its own."""
+    tiles = (seq_len + TILE_N - 1) // TILE_N
+    per = (tiles + NUM_SPLITS - 1) // NUM_SPLITS
+    first = ttgl.program_id(2) * per
+    end = ttgl.minimum(first + per, tiles)
+    whole = seq_len // TILE_N
+    return first, ttgl.minimum(end, whole), (whole < end) & (whole >= first) & (whole < tiles)
+
+
+@gluon.jit
+def _store_max(out_ptr, run_max, seq, kv_head, stride_os, stride_oh, G: ttgl.constexpr,
+               WRITE_SCORES: ttgl.constexpr):
+    """Without ``WRITE_SCORES``: ``out[seq, kv_head * G + h, split]`` = the largest
+    ``run_max[:, h]`` (``h < G``)."""
+    if not WRITE_SCORES:
+        col_max = ttgl.max(run_max, axis=0)
+        cols = ttgl.arange(0, 8, layout=col_max.type.layout)
+        ttgl.store(out_ptr + seq.to(ttgl.int64) * stride_os + (kv_head * G + cols) * stride_oh
+                   + ttgl.program_id(2), col_max, mask=cols < G)
 
 
 @gluon.jit
@@ -166,10 +199,13 @@ def nvfp4_qk_scores_kernel(
     stride_qt, stride_qh, stride_os, stride_oh, stride_blk, stride_bt,
     HQ: ttgl.constexpr, G: ttgl.constexpr, D: ttgl.constexpr, BLOCK: ttgl.constexpr,
     K_DATA: ttgl.constexpr, K_SCALE: ttgl.constexpr, TILE_N: ttgl.constexpr,
+    NUM_SPLITS: ttgl.constexpr, WRITE_SCORES: ttgl.constexpr,
 ):
-    """``out[s, h, n] = query[s, h] . K[s, n]`` in FP32 for each sequence ``s`` (program axis 0),
-    KV head (axis 1), query head ``h`` of its group and key ``n < seq_len``; K is the exact
-    NVFP4 decoding (``e2m1 * block scale * k_scale``)."""
+    """Scores ``query[s, h] . K[s, n]`` (FP32) for each sequence ``s`` (program axis 0), KV head
+    (axis 1), query head ``h`` of its group and key ``n < seq_len``, K the exact NVFP4 decoding
+    (``e2m1 * block scale * k_scale``); axis 2 splits the keys into ``NUM_SPLITS`` ranges of
+    whole tiles. ``WRITE_SCORES``: ``out[s, h, n]`` = the score; else ``out[s, h, split]`` = the
+    largest score of the split (``-inf`` if it has no keys): the K side alone, for timing."""
     MMA: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                       instr_shape=[16, 8])
     A_LAYOUT: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
@@ -195,17 +231,20 @@ def nvfp4_qk_scores_kernel(
             _query_operand(q_cols, col_ok, qs, 1, 1, 1, B_LAYOUT))))  # [group][plane][parity]
 
     k_scale = ttgl.load(k_scale_ptr + kv_head) * qs * E2M1_BIT_PLACEMENT_SCALE
-    whole = seq_len // TILE_N
-    for t in range(whole):
+    run_max = ttgl.full([TILE_N, 8], float("-inf"), ttgl.float32, layout=MMA)
+    first, end_whole, tail = _tile_range(seq_len, TILE_N, NUM_SPLITS)
+    for t in range(first, end_whole):
         acc = _tile_scores(cache_ptr, block_table_row, t * TILE_N, seq_len, stride_blk, kv_head,
                            bq, False, BLOCK, D, K_DATA, K_SCALE, TILE_N, MMA, A_LAYOUT)
-        _store_scores(out_ptr, acc * k_scale, seq, kv_head, t * TILE_N, seq_len, stride_os,
-                      stride_oh, False, G, TILE_N)
-    if whole * TILE_N < seq_len:
-        acc = _tile_scores(cache_ptr, block_table_row, whole * TILE_N, seq_len, stride_blk,
-                           kv_head, bq, True, BLOCK, D, K_DATA, K_SCALE, TILE_N, MMA, A_LAYOUT)
-        _store_scores(out_ptr, acc * k_scale, seq, kv_head, whole * TILE_N, seq_len, stride_os,
-                      stride_oh, True, G, TILE_N)
+        run_max = _emit(out_ptr, acc * k_scale, run_max, seq, kv_head, t * TILE_N, seq_len,
+                        stride_os, stride_oh, False, G, TILE_N, WRITE_SCORES)
+    if tail:
+        start = (seq_len // TILE_N) * TILE_N
+        acc = _tile_scores(cache_ptr, block_table_row, start, seq_len, stride_blk, kv_head, bq,
+                           True, BLOCK, D, K_DATA, K_SCALE, TILE_N, MMA, A_LAYOUT)
+        run_max = _emit(out_ptr, acc * k_scale, run_max, seq, kv_head, start, seq_len,
+                        stride_os, stride_oh, True, G, TILE_N, WRITE_SCORES)
+    _store_max(out_ptr, run_max, seq, kv_head, stride_os, stride_oh, G, WRITE_SCORES)
 
 
 # ---------------------------------------------------------------------------- wgmma variant
@@ -243,10 +282,16 @@ def _query_smem(q_row_ptr, stride_qh, qs, G: ttgl.constexpr, GROUP: ttgl.constex
 
 
 @gluon.jit
+def _parity_split(part, TILE_N: ttgl.constexpr):
+    """``[TILE_N, 16]`` (columns parity, head) -> its two ``[TILE_N, 8]`` halves (register-local)."""
+    return part.reshape([TILE_N, 2, 8]).permute((0, 2, 1)).split()
+
+
+@gluon.jit
 def _add_scaled_wgmma(acc, part, scale_words, BLOCK_EVEN: ttgl.constexpr, TILE_N: ttgl.constexpr):
     """``acc [TILE_N, 8]`` plus the scores of one wgmma result ``part [TILE_N, 16]`` (columns
     parity, head): ``sum over parity of scale(block of that parity) * part``."""
-    p0, p1 = part.reshape([TILE_N, 2, 8]).permute((0, 2, 1)).split()  # [n, head] each
+    p0, p1 = _parity_split(part, TILE_N)
     rows: ttgl.constexpr = ttgl.SliceLayout(1, p0.type.layout)
     s0 = ttgl.convert_layout(_block_scale(scale_words, BLOCK_EVEN), rows)
     s1 = ttgl.convert_layout(_block_scale(scale_words, BLOCK_EVEN + 2), rows)
@@ -303,6 +348,7 @@ def nvfp4_qk_scores_wgmma_kernel(
     stride_qt, stride_qh, stride_os, stride_oh, stride_blk, stride_bt,
     HQ: ttgl.constexpr, G: ttgl.constexpr, D: ttgl.constexpr, BLOCK: ttgl.constexpr,
     K_DATA: ttgl.constexpr, K_SCALE: ttgl.constexpr, TILE_N: ttgl.constexpr,
+    NUM_SPLITS: ttgl.constexpr, WRITE_SCORES: ttgl.constexpr,
 ):
     """:func:`nvfp4_qk_scores_kernel` on FP8 ``wgmma`` (4 warps, 64 keys per tile, m64n32k32):
     the query operands of both parities and both halves sit side by side on N (32 columns), so
@@ -326,16 +372,20 @@ def nvfp4_qk_scores_wgmma_kernel(
            _query_smem(q_row_ptr, stride_qh, qs, G, 1, 1, Q_LAYOUT, SMEM)))  # [group][plane]
     fence_async_shared()
     k_scale = ttgl.load(k_scale_ptr + kv_head) * qs * E2M1_BIT_PLACEMENT_SCALE
-    whole = seq_len // TILE_N
-    for t in range(whole):
+    run_max, _ = _parity_split(ttgl.full([TILE_N, 16], float("-inf"), ttgl.float32, layout=MMA),
+                               TILE_N)
+    first, end_whole, tail = _tile_range(seq_len, TILE_N, NUM_SPLITS)
+    for t in range(first, end_whole):
         acc = _tile_scores_wgmma(cache_ptr, block_table_row, t * TILE_N, seq_len, stride_blk,
                                  kv_head, bq, False, BLOCK, D, K_DATA, K_SCALE, TILE_N, MMA,
                                  A_LAYOUT)
-        _store_scores(out_ptr, acc * k_scale, seq, kv_head, t * TILE_N, seq_len, stride_os,
-                      stride_oh, False, G, TILE_N)
-    if whole * TILE_N < seq_len:
-        acc = _tile_scores_wgmma(cache_ptr, block_table_row, whole * TILE_N, seq_len, stride_blk,
+        run_max = _emit(out_ptr, acc * k_scale, run_max, seq, kv_head, t * TILE_N, seq_len,
+                        stride_os, stride_oh, False, G, TILE_N, WRITE_SCORES)
+    if tail:
+        start = (seq_len // TILE_N) * TILE_N
+        acc = _tile_scores_wgmma(cache_ptr, block_table_row, start, seq_len, stride_blk,
                                  kv_head, bq, True, BLOCK, D, K_DATA, K_SCALE, TILE_N, MMA,
                                  A_LAYOUT)
-        _store_scores(out_ptr, acc * k_scale, seq, kv_head, whole * TILE_N, seq_len, stride_os,
-                      stride_oh, True, G, TILE_N)
+        run_max = _emit(out_ptr, acc * k_scale, run_max, seq, kv_head, start, seq_len,
+                        stride_os, stride_oh, True, G, TILE_N, WRITE_SCORES)
+    _store_max(out_ptr, run_max, seq, kv_head, stride_os, stride_oh, G, WRITE_SCORES)
