@@ -80,8 +80,9 @@ def main() -> None:
     print(f"triton {triton.__version__} gluon K-side prototype {args.mma} D {args.head_dim} "
           f"tile {args.tile} warps {warps} group {args.group} splits {args.splits}"
           f"{' write-scores' if args.write_scores else ''}: regs {regs} spill {spills} "
-          f"loop {total} instr/warp ({total * per:.2f} per token-head; without the {stores} score "
-          f"stores {(total - stores) * per:.2f}) MMA {mma}")
+          f"loop {total} instr/warp ({total * per:.2f} per token-head"
+          f"{f'; without the {stores} score stores {(total - stores) * per:.2f}' if stores else ''}"
+          f") MMA {mma}")
     print("  " + ", ".join(f"{o}:{c}" for o, c in body.most_common(20)))
     print("  ptx mma:", sorted(set(re.findall(r"(?:mma\.sync|wgmma\.mma_async)\.[\w.]+",
                                                k.asm["ptx"]))))
