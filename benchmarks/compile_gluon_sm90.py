@@ -1,9 +1,9 @@
-"""Compile the Gluon FP8-tensor-core K-side prototype (:mod:`vllm_nvfp4.kernels.gluon_qk`) for
+"""Compile a Gluon FP8-tensor-core K-side prototype (:mod:`vllm_nvfp4.kernels.gluon_qk`) for
 sm_90 WITHOUT a GPU and count its whole-tile loop like ``compile_sm90.py`` counts today's kernel
 (registers, spills, SASS instructions per token-head, the MMA opcodes; optional SASS dump).
 
     PYTHONPATH=/tmp/t36:. TRITON_CACHE_DIR=/tmp/tc36 python3 benchmarks/compile_gluon_sm90.py \\
-        [--tile 64] [--group 4] [--sass DIR]
+        [--mma mma_v2|wgmma] [--write-scores] [--splits 8] [--group 4] [--sass DIR]
 
 (Triton 3.6, the H200's, installed as ``compile_sm90.py``'s docstring says.)
 """
@@ -24,21 +24,16 @@ from vllm_nvfp4.kernels import gluon_qk  # noqa: E402
 from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
 
 
-#: --mma choice -> (kernel, warps)
-KERNELS = {"mma_v2": (gluon_qk.nvfp4_qk_scores_kernel, 1),
-           "wgmma": (gluon_qk.nvfp4_qk_scores_wgmma_kernel, 4)}
-
-
 def kernel_src(lay: KVPageLayout, tile_n: int, group: int, mma: str, splits: int,
                write_scores: bool) -> GluonASTSource:
-    """The prototype (``mma``: a key of KERNELS) for layout ``lay`` (NVFP4 K) as Gluon source
-    for ``triton.compile``."""
-    fn = KERNELS[mma][0]
+    """The prototype ``mma`` (a key of ``gluon_qk.PROTOTYPES``) for layout ``lay`` (NVFP4 K), as
+    Gluon source for ``triton.compile``."""
+    fn = gluon_qk.PROTOTYPES[mma][0]
     sig = dict(query_ptr="*bf16", out_ptr="*fp32", cache_ptr="*u8", k_scale_ptr="*fp32",
                block_table_ptr="*i32", seq_lens_ptr="*i32")
     for n in ("stride_qt", "stride_qh", "stride_os", "stride_oh", "stride_blk", "stride_bt"):
         sig[n] = "i32"
-    const = dict(HQ=group * lay.num_kv_heads, G=group, D=lay.head_dim, BLOCK=lay.block_size,
+    const = dict(G=group, D=lay.head_dim, BLOCK=lay.block_size,
                  K_DATA=lay.k_data_offset, K_SCALE=lay.k_scale_offset, TILE_N=tile_n,
                  NUM_SPLITS=splits, WRITE_SCORES=write_scores)
     sig.update({k: "constexpr" for k in const})
@@ -58,12 +53,12 @@ def main() -> None:
     ap.add_argument("--splits", type=int, default=8, help="NUM_SPLITS (key ranges per program)")
     ap.add_argument("--write-scores", action="store_true",
                     help="write every score (the test's mode) instead of a running max")
-    ap.add_argument("--mma", choices=list(KERNELS), default="mma_v2",
+    ap.add_argument("--mma", choices=list(gluon_qk.PROTOTYPES), default="mma_v2",
                     help="mma_v2: mma.sync m16n8k32 e4m3, 1 warp; wgmma: m64n32k32, 4 warps")
     ap.add_argument("--sass", help="write the SASS and TTGIR into this folder")
     args = ap.parse_args()
     lay = KVPageLayout(8, args.head_dim, 16, "nvfp4", "nvfp4")
-    warps = KERNELS[args.mma][1]
+    warps = gluon_qk.PROTOTYPES[args.mma][1]
     k = triton.compile(kernel_src(lay, args.tile, args.group, args.mma, args.splits,
                                   args.write_scores), target=TARGET,
                        options=dict(num_warps=warps, num_stages=1))

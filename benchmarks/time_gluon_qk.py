@@ -26,15 +26,13 @@ import bench_decode as bd  # noqa: E402
 from vllm_nvfp4.kernels import gluon_qk  # noqa: E402
 from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
 
-#: prototype -> (kernel, warps, keys per tile)
-PROTOTYPES = {"mma_v2": (gluon_qk.nvfp4_qk_scores_kernel, 1, 64),
-              "wgmma": (gluon_qk.nvfp4_qk_scores_wgmma_kernel, 4, 64)}
 SPLITS = 8
+TILE_N = 64
 
 
 def time_k_side(name: str, lay: KVPageLayout, b: "bd.Batch", cache: torch.Tensor) -> float:
     """Microseconds of prototype ``name`` over every key of ``b`` (running-max mode)."""
-    fn, warps, tile = PROTOTYPES[name]
+    fn, warps = gluon_qk.PROTOTYPES[name]
     k_scale = torch.full((bd.HKV,), 0.01, device=cache.device)
     out = torch.empty(b.batch, bd.HQ, SPLITS, device=cache.device)
     q = b.query
@@ -43,8 +41,8 @@ def time_k_side(name: str, lay: KVPageLayout, b: "bd.Batch", cache: torch.Tensor
         fn[(b.batch, bd.HKV, SPLITS)](
             q, out, cache, k_scale, b.block_table, b.seq_lens, q.stride(0), q.stride(1),
             out.stride(0), out.stride(1), cache.stride(0), b.block_table.stride(0),
-            HQ=bd.HQ, G=bd.HQ // bd.HKV, D=bd.D, BLOCK=bd.BS, K_DATA=lay.k_data_offset,
-            K_SCALE=lay.k_scale_offset, TILE_N=tile, NUM_SPLITS=SPLITS, WRITE_SCORES=False,
+            G=bd.HQ // bd.HKV, D=bd.D, BLOCK=bd.BS, K_DATA=lay.k_data_offset,
+            K_SCALE=lay.k_scale_offset, TILE_N=TILE_N, NUM_SPLITS=SPLITS, WRITE_SCORES=False,
             num_warps=warps)
     us = bd.timer(run, False)
     if not bool(torch.isfinite(out).all()):
@@ -69,7 +67,7 @@ def main() -> None:
         out = torch.empty_like(b.query)
         rows = [("decode_nvfp4", bd.run_ours(lay, b, cache, out, False),
                  bd.kv_bytes(b, per_token_head))]
-        for name in PROTOTYPES:
+        for name in gluon_qk.PROTOTYPES:
             try:
                 rows.append((f"k_side_{name}", time_k_side(name, lay, b, cache),
                              bd.kv_bytes(b, per_token_head // 2)))

@@ -46,8 +46,7 @@ def _run(kernel: str, group: int, tile: int, seqs: list[tuple[int, int]], splits
     each length) or, without ``write_scores``, ``[S, HQ, splits]`` each split's largest score."""
     from vllm_nvfp4.kernels import gluon_qk
 
-    fn, warps = {"mma_v2": (gluon_qk.nvfp4_qk_scores_kernel, 1),
-                 "wgmma": (gluon_qk.nvfp4_qk_scores_wgmma_kernel, 4)}[kernel]
+    fn, warps = gluon_qk.PROTOTYPES[kernel]
     lay = KVPageLayout(KV_HEADS, 128, 16, "nvfp4", "nvfp4")
     batch = make_batch(lay, seqs, num_q_heads=KV_HEADS * group, q_dtype=torch.bfloat16,
                        device="cuda", seed=seed)
@@ -58,7 +57,7 @@ def _run(kernel: str, group: int, tile: int, seqs: list[tuple[int, int]], splits
         q, out, batch.cache, batch.k_scale.float().contiguous(), batch.block_table,
         batch.seq_lens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         batch.cache.stride(0), batch.block_table.stride(0),
-        HQ=KV_HEADS * group, G=group, D=128, BLOCK=16, K_DATA=lay.k_data_offset,
+        G=group, D=128, BLOCK=16, K_DATA=lay.k_data_offset,
         K_SCALE=lay.k_scale_offset, TILE_N=tile, NUM_SPLITS=splits, WRITE_SCORES=write_scores,
         num_warps=warps)
     torch.cuda.synchronize()

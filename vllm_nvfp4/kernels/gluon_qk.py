@@ -155,33 +155,50 @@ def _block_scale(scale_words, BLOCK_INDEX: ttgl.constexpr):
 
 
 @gluon.jit
+def _tile_scale_words(cache_ptr, block_table_row, tile_start, seq_len, stride_blk, kv_head,
+                      MASKED: ttgl.constexpr, BLOCK: ttgl.constexpr, D: ttgl.constexpr,
+                      K_SCALE: ttgl.constexpr, TILE_N: ttgl.constexpr, ROWS: ttgl.constexpr):
+    """int64 ``[TILE_N]`` (layout ``ROWS``): the 8 token-major block-scale bytes of each key
+    ``tile_start ..`` (0 past ``seq_len`` where ``MASKED``)."""
+    rows = tile_start + ttgl.arange(0, TILE_N, layout=ROWS)
+    blk = _load(block_table_row + rows // BLOCK, rows < seq_len, MASKED)
+    off = blk.to(ttgl.int64) * stride_blk + K_SCALE + (kv_head * BLOCK + rows % BLOCK) * (D // 16)
+    return _load((cache_ptr + off).to(ttgl.pointer_type(ttgl.int64), bitcast=True),
+                 rows < seq_len, MASKED)
+
+
+@gluon.jit
+def _group_operands(cache_ptr, block_table_row, tile_start, seq_len, stride_blk, kv_head,
+                    GROUP: ttgl.constexpr, MASKED: ttgl.constexpr, BLOCK: ttgl.constexpr,
+                    D: ttgl.constexpr, K_DATA: ttgl.constexpr, TILE_N: ttgl.constexpr,
+                    A_LAYOUT: ttgl.constexpr):
+    """``(low, high)`` nibble planes, E4M3 ``[TILE_N, 32]`` in ``A_LAYOUT``, of the 32 bytes of
+    group ``GROUP`` of keys ``tile_start ..`` (bit placement: ``e2m1 * 2^-6``)."""
+    rows = tile_start + ttgl.arange(0, TILE_N, layout=ttgl.SliceLayout(1, A_LAYOUT))
+    blk = _load(block_table_row + rows // BLOCK, rows < seq_len, MASKED)
+    row = blk.to(ttgl.int64) * stride_blk + K_DATA + (kv_head * BLOCK + rows % BLOCK) * (D // 2)
+    cols = GROUP * GROUP_BYTES + ttgl.arange(0, GROUP_BYTES, layout=ttgl.SliceLayout(0, A_LAYOUT))
+    words = _load(cache_ptr + row[:, None] + cols[None, :], (rows < seq_len)[:, None], MASKED)
+    return ttgl.inline_asm_elementwise(_E2M1_TO_E4M3, "=r,=r,r", [words],
+                                       dtype=(ttgl.float8e4nv, ttgl.float8e4nv), is_pure=True,
+                                       pack=4)
+
+
+@gluon.jit
 def _tile_scores(cache_ptr, block_table_row, tile_start, seq_len, stride_blk, kv_head,
-                 bq, MASKED: ttgl.constexpr, BLOCK: ttgl.constexpr, D: ttgl.constexpr, K_DATA: ttgl.constexpr,
-                 K_SCALE: ttgl.constexpr, TILE_N: ttgl.constexpr, MMA: ttgl.constexpr,
-                 A_LAYOUT: ttgl.constexpr):
+                 bq, MASKED: ttgl.constexpr, BLOCK: ttgl.constexpr, D: ttgl.constexpr,
+                 K_DATA: ttgl.constexpr, K_SCALE: ttgl.constexpr, TILE_N: ttgl.constexpr,
+                 MMA: ttgl.constexpr, A_LAYOUT: ttgl.constexpr):
     """Scores ``[TILE_N, 8]`` (MMA layout, FP32, before the query and 2^6 factors) of the keys
     ``tile_start ..`` against the query operands ``bq[group][plane][parity] = (hi, lo)``."""
-    W: ttgl.constexpr = D // 2
-    rows_a = tile_start + ttgl.arange(0, TILE_N, layout=ttgl.SliceLayout(1, A_LAYOUT))
-    blk_a = _load(block_table_row + rows_a // BLOCK, rows_a < seq_len, MASKED)
-    row_base = (blk_a.to(ttgl.int64) * stride_blk + K_DATA
-                + (kv_head * BLOCK + rows_a % BLOCK) * W)
-    cols = ttgl.arange(0, GROUP_BYTES, layout=ttgl.SliceLayout(0, A_LAYOUT))
-
-    rows_c = tile_start + ttgl.arange(0, TILE_N, layout=ttgl.SliceLayout(1, MMA))
-    blk_c = _load(block_table_row + rows_c // BLOCK, rows_c < seq_len, MASKED)
-    scale_off = (blk_c.to(ttgl.int64) * stride_blk + K_SCALE
-                 + (kv_head * BLOCK + rows_c % BLOCK) * (D // 16))
-    words_ptr = (cache_ptr + scale_off).to(ttgl.pointer_type(ttgl.int64), bitcast=True)
-    scale_words = _load(words_ptr, rows_c < seq_len, MASKED)
+    scale_words = _tile_scale_words(cache_ptr, block_table_row, tile_start, seq_len, stride_blk,
+                                    kv_head, MASKED, BLOCK, D, K_SCALE, TILE_N,
+                                    ttgl.SliceLayout(1, MMA))
 
     acc = ttgl.zeros([TILE_N, 8], ttgl.float32, layout=MMA)
     for g in ttgl.static_range(D // 64):
-        ptrs = cache_ptr + row_base[:, None] + (g * GROUP_BYTES + cols)[None, :]
-        words = _load(ptrs, (rows_a < seq_len)[:, None], MASKED)
-        lo, hi = ttgl.inline_asm_elementwise(
-            _E2M1_TO_E4M3, "=r,=r,r", [words], dtype=(ttgl.float8e4nv, ttgl.float8e4nv),
-            is_pure=True, pack=4)
+        lo, hi = _group_operands(cache_ptr, block_table_row, tile_start, seq_len, stride_blk,
+                                 kv_head, g, MASKED, BLOCK, D, K_DATA, TILE_N, A_LAYOUT)
         for plane in ttgl.static_range(2):
             a = hi if plane == 1 else lo
             for parity in ttgl.static_range(2):
@@ -194,10 +211,35 @@ def _tile_scores(cache_ptr, block_table_row, tile_start, seq_len, stride_blk, kv
 
 
 @gluon.jit
+def _scan_keys(TILE_FN: ttgl.constexpr, out_ptr, cache_ptr, block_table_row, seq, kv_head,
+               seq_len, stride_os, stride_oh, stride_blk, bq, k_scale, run_max,
+               G: ttgl.constexpr, BLOCK: ttgl.constexpr, D: ttgl.constexpr,
+               K_DATA: ttgl.constexpr, K_SCALE: ttgl.constexpr, TILE_N: ttgl.constexpr,
+               NUM_SPLITS: ttgl.constexpr, WRITE_SCORES: ttgl.constexpr, MMA: ttgl.constexpr,
+               A_LAYOUT: ttgl.constexpr):
+    """This program's split of the keys: whole tiles unmasked, then the masked tail tile, each
+    scored by ``TILE_FN`` (:func:`_tile_scores` or :func:`_tile_scores_wgmma`), times
+    ``k_scale``, and written or folded into ``run_max`` (:func:`_emit`, :func:`_store_max`)."""
+    first, end_whole, tail = _tile_range(seq_len, TILE_N, NUM_SPLITS)
+    for t in range(first, end_whole):
+        acc = TILE_FN(cache_ptr, block_table_row, t * TILE_N, seq_len, stride_blk, kv_head, bq,
+                      False, BLOCK, D, K_DATA, K_SCALE, TILE_N, MMA, A_LAYOUT)
+        run_max = _emit(out_ptr, acc * k_scale, run_max, seq, kv_head, t * TILE_N, seq_len,
+                        stride_os, stride_oh, False, G, TILE_N, WRITE_SCORES)
+    if tail:
+        start = (seq_len // TILE_N) * TILE_N
+        acc = TILE_FN(cache_ptr, block_table_row, start, seq_len, stride_blk, kv_head, bq, True,
+                      BLOCK, D, K_DATA, K_SCALE, TILE_N, MMA, A_LAYOUT)
+        run_max = _emit(out_ptr, acc * k_scale, run_max, seq, kv_head, start, seq_len,
+                        stride_os, stride_oh, True, G, TILE_N, WRITE_SCORES)
+    _store_max(out_ptr, run_max, seq, kv_head, stride_os, stride_oh, G, WRITE_SCORES)
+
+
+@gluon.jit
 def nvfp4_qk_scores_kernel(
     query_ptr, out_ptr, cache_ptr, k_scale_ptr, block_table_ptr, seq_lens_ptr,
     stride_qt, stride_qh, stride_os, stride_oh, stride_blk, stride_bt,
-    HQ: ttgl.constexpr, G: ttgl.constexpr, D: ttgl.constexpr, BLOCK: ttgl.constexpr,
+    G: ttgl.constexpr, D: ttgl.constexpr, BLOCK: ttgl.constexpr,
     K_DATA: ttgl.constexpr, K_SCALE: ttgl.constexpr, TILE_N: ttgl.constexpr,
     NUM_SPLITS: ttgl.constexpr, WRITE_SCORES: ttgl.constexpr,
 ):
@@ -232,19 +274,9 @@ def nvfp4_qk_scores_kernel(
 
     k_scale = ttgl.load(k_scale_ptr + kv_head) * qs * E2M1_BIT_PLACEMENT_SCALE
     run_max = ttgl.full([TILE_N, 8], float("-inf"), ttgl.float32, layout=MMA)
-    first, end_whole, tail = _tile_range(seq_len, TILE_N, NUM_SPLITS)
-    for t in range(first, end_whole):
-        acc = _tile_scores(cache_ptr, block_table_row, t * TILE_N, seq_len, stride_blk, kv_head,
-                           bq, False, BLOCK, D, K_DATA, K_SCALE, TILE_N, MMA, A_LAYOUT)
-        run_max = _emit(out_ptr, acc * k_scale, run_max, seq, kv_head, t * TILE_N, seq_len,
-                        stride_os, stride_oh, False, G, TILE_N, WRITE_SCORES)
-    if tail:
-        start = (seq_len // TILE_N) * TILE_N
-        acc = _tile_scores(cache_ptr, block_table_row, start, seq_len, stride_blk, kv_head, bq,
-                           True, BLOCK, D, K_DATA, K_SCALE, TILE_N, MMA, A_LAYOUT)
-        run_max = _emit(out_ptr, acc * k_scale, run_max, seq, kv_head, start, seq_len,
-                        stride_os, stride_oh, True, G, TILE_N, WRITE_SCORES)
-    _store_max(out_ptr, run_max, seq, kv_head, stride_os, stride_oh, G, WRITE_SCORES)
+    _scan_keys(_tile_scores, out_ptr, cache_ptr, block_table_row, seq, kv_head, seq_len,
+               stride_os, stride_oh, stride_blk, bq, k_scale, run_max, G, BLOCK, D, K_DATA,
+               K_SCALE, TILE_N, NUM_SPLITS, WRITE_SCORES, MMA, A_LAYOUT)
 
 
 # ---------------------------------------------------------------------------- wgmma variant
@@ -308,28 +340,15 @@ def _tile_scores_wgmma(cache_ptr, block_table_row, tile_start, seq_len, stride_b
                        MMA: ttgl.constexpr, A_LAYOUT: ttgl.constexpr):
     """Scores ``[TILE_N, 8]`` (before the query and 2^6 factors) of keys ``tile_start ..``
     against the shared-memory query operands ``bq[group][plane]`` (:func:`_query_tile_wgmma`)."""
-    W: ttgl.constexpr = D // 2
-    rows_a = tile_start + ttgl.arange(0, TILE_N, layout=ttgl.SliceLayout(1, A_LAYOUT))
-    blk_a = _load(block_table_row + rows_a // BLOCK, rows_a < seq_len, MASKED)
-    row_base = (blk_a.to(ttgl.int64) * stride_blk + K_DATA
-                + (kv_head * BLOCK + rows_a % BLOCK) * W)
-    cols = ttgl.arange(0, GROUP_BYTES, layout=ttgl.SliceLayout(0, A_LAYOUT))
-
-    rows_c = tile_start + ttgl.arange(0, TILE_N, layout=ttgl.SliceLayout(1, MMA))
-    blk_c = _load(block_table_row + rows_c // BLOCK, rows_c < seq_len, MASKED)
-    scale_off = (blk_c.to(ttgl.int64) * stride_blk + K_SCALE
-                 + (kv_head * BLOCK + rows_c % BLOCK) * (D // 16))
-    words_ptr = (cache_ptr + scale_off).to(ttgl.pointer_type(ttgl.int64), bitcast=True)
-    scale_words = _load(words_ptr, rows_c < seq_len, MASKED)
+    scale_words = _tile_scale_words(cache_ptr, block_table_row, tile_start, seq_len, stride_blk,
+                                    kv_head, MASKED, BLOCK, D, K_SCALE, TILE_N,
+                                    ttgl.SliceLayout(1, MMA))
 
     zero = ttgl.zeros([TILE_N, 16], ttgl.float32, layout=MMA)
     parts = ()  # [group * 2 + plane], in flight until the one wait below
     for g in ttgl.static_range(D // 64):
-        ptrs = cache_ptr + row_base[:, None] + (g * GROUP_BYTES + cols)[None, :]
-        words = _load(ptrs, (rows_a < seq_len)[:, None], MASKED)
-        lo, hi = ttgl.inline_asm_elementwise(
-            _E2M1_TO_E4M3, "=r,=r,r", [words], dtype=(ttgl.float8e4nv, ttgl.float8e4nv),
-            is_pure=True, pack=4)
+        lo, hi = _group_operands(cache_ptr, block_table_row, tile_start, seq_len, stride_blk,
+                                 kv_head, g, MASKED, BLOCK, D, K_DATA, TILE_N, A_LAYOUT)
         for plane in ttgl.static_range(2):
             a = hi if plane == 1 else lo
             q_hi, q_lo = bq[g][plane]
@@ -346,13 +365,14 @@ def _tile_scores_wgmma(cache_ptr, block_table_row, tile_start, seq_len, stride_b
 def nvfp4_qk_scores_wgmma_kernel(
     query_ptr, out_ptr, cache_ptr, k_scale_ptr, block_table_ptr, seq_lens_ptr,
     stride_qt, stride_qh, stride_os, stride_oh, stride_blk, stride_bt,
-    HQ: ttgl.constexpr, G: ttgl.constexpr, D: ttgl.constexpr, BLOCK: ttgl.constexpr,
+    G: ttgl.constexpr, D: ttgl.constexpr, BLOCK: ttgl.constexpr,
     K_DATA: ttgl.constexpr, K_SCALE: ttgl.constexpr, TILE_N: ttgl.constexpr,
     NUM_SPLITS: ttgl.constexpr, WRITE_SCORES: ttgl.constexpr,
 ):
-    """:func:`nvfp4_qk_scores_kernel` on FP8 ``wgmma`` (4 warps, 64 keys per tile, m64n32k32):
-    the query operands of both parities and both halves sit side by side on N (32 columns), so
-    one wgmma per group and plane replaces the 8 MMAs of the ``mma.sync`` variant."""
+    """:func:`nvfp4_qk_scores_kernel` on FP8 ``wgmma`` (4 warps, 64 keys per tile, m64n16k32,
+    issued asynchronously, one wait per tile): the query operands of both byte parities sit side
+    by side on N (16 columns), so per group and plane one chained pair (hi, lo) replaces the
+    2 x 2 MMAs of the ``mma.sync`` variant."""
     ttgl.static_assert(D == 128, "the prototype reads a token's 8 block scales as one word")
     ttgl.static_assert(TILE_N == 64, "one warpgroup: 64 keys")
     MMA: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -374,18 +394,10 @@ def nvfp4_qk_scores_wgmma_kernel(
     k_scale = ttgl.load(k_scale_ptr + kv_head) * qs * E2M1_BIT_PLACEMENT_SCALE
     run_max, _ = _parity_split(ttgl.full([TILE_N, 16], float("-inf"), ttgl.float32, layout=MMA),
                                TILE_N)
-    first, end_whole, tail = _tile_range(seq_len, TILE_N, NUM_SPLITS)
-    for t in range(first, end_whole):
-        acc = _tile_scores_wgmma(cache_ptr, block_table_row, t * TILE_N, seq_len, stride_blk,
-                                 kv_head, bq, False, BLOCK, D, K_DATA, K_SCALE, TILE_N, MMA,
-                                 A_LAYOUT)
-        run_max = _emit(out_ptr, acc * k_scale, run_max, seq, kv_head, t * TILE_N, seq_len,
-                        stride_os, stride_oh, False, G, TILE_N, WRITE_SCORES)
-    if tail:
-        start = (seq_len // TILE_N) * TILE_N
-        acc = _tile_scores_wgmma(cache_ptr, block_table_row, start, seq_len, stride_blk,
-                                 kv_head, bq, True, BLOCK, D, K_DATA, K_SCALE, TILE_N, MMA,
-                                 A_LAYOUT)
-        run_max = _emit(out_ptr, acc * k_scale, run_max, seq, kv_head, start, seq_len,
-                        stride_os, stride_oh, True, G, TILE_N, WRITE_SCORES)
-    _store_max(out_ptr, run_max, seq, kv_head, stride_os, stride_oh, G, WRITE_SCORES)
+    _scan_keys(_tile_scores_wgmma, out_ptr, cache_ptr, block_table_row, seq, kv_head, seq_len,
+               stride_os, stride_oh, stride_blk, bq, k_scale, run_max, G, BLOCK, D, K_DATA,
+               K_SCALE, TILE_N, NUM_SPLITS, WRITE_SCORES, MMA, A_LAYOUT)
+
+
+#: prototype name -> (kernel, warps per program)
+PROTOTYPES = {"mma_v2": (nvfp4_qk_scores_kernel, 1), "wgmma": (nvfp4_qk_scores_wgmma_kernel, 4)}
