@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.paged_cases import make_batch, roundtrip
+from paged_cases import make_batch, roundtrip
 from vllm_nvfp4.layout import KVPageLayout
 
 from vllm_nvfp4.formats import e2m1_value
