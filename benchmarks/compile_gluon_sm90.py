@@ -1,4 +1,4 @@
-"""Compile a Gluon FP8-tensor-core K-side prototype (:mod:`vllm_nvfp4.kernels.gluon_qk`) for
+"""Compile a Gluon FP8-tensor-core K-side prototype (:mod:`benchmarks.gluon_qk`) for
 sm_90 WITHOUT a GPU and count its whole-tile loop like ``compile_sm90.py`` counts today's kernel
 (registers, spills, SASS instructions per token-head, the MMA opcodes; optional SASS dump).
 
@@ -20,7 +20,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.compile_sm90 import TARGET, cubin_sass, tile_loops, write_sass  # noqa: E402
-from vllm_nvfp4.kernels import gluon_qk  # noqa: E402
+from benchmarks import gluon_qk  # noqa: E402
 from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
 
 

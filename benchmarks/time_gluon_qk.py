@@ -1,4 +1,4 @@
-"""Time the Gluon FP8-tensor-core K-side prototypes (:mod:`vllm_nvfp4.kernels.gluon_qk`, running-
+"""Time the Gluon FP8-tensor-core K-side prototypes (:mod:`benchmarks.gluon_qk`, running-
 max mode: the K side alone) against today's whole NVFP4 decode, on
 the H200 (sm_90). Shapes as ``scripts/bench_decode.py`` (32 q / 8 KV heads, head_dim 128, block
 16, decode batch x context), CUDA-graph replays (``bench_decode.timer``). JSON to ``--out``,
@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
 import bench_decode as bd  # noqa: E402
-from vllm_nvfp4.kernels import gluon_qk  # noqa: E402
+from benchmarks import gluon_qk  # noqa: E402
 from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
 
 SPLITS = 8

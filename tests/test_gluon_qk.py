@@ -44,7 +44,7 @@ def _run(kernel: str, group: int, tile: int, seqs: list[tuple[int, int]], splits
          write_scores: bool = True, seed: int = 7):
     """``(batch, query bf16 [S, HQ, D], out)``: ``out`` fp32 ``[S, HQ, max_len]`` scores (NaN past
     each length) or, without ``write_scores``, ``[S, HQ, splits]`` each split's largest score."""
-    from vllm_nvfp4.kernels import gluon_qk
+    from benchmarks import gluon_qk
 
     fn, warps = gluon_qk.PROTOTYPES[kernel]
     lay = KVPageLayout(KV_HEADS, 128, 16, "nvfp4", "nvfp4")
