@@ -123,6 +123,27 @@ def tile_loops(sass: str) -> list[collections.Counter]:
     return [body for _, body in sorted(loops, key=lambda lb: lb[0])]
 
 
+def cubin_sass(cubin: bytes) -> tuple[str, str]:
+    """``(SASS, registers per thread)`` of a compiled kernel, by Triton's bundled cuobjdump."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+    res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True,
+                         text=True).stdout
+    os.unlink(f.name)
+    regs = re.search(r"REG:(\d+)", res)
+    return sass, regs.group(1) if regs else "?"
+
+
+def write_sass(folder: str, name: str, sass: str, ttgir: str) -> None:
+    """Write ``name.sass`` and ``name.ttgir`` into ``folder`` (created)."""
+    os.makedirs(folder, exist_ok=True)
+    for ext, text in (("sass", sass), ("ttgir", ttgir)):
+        with open(os.path.join(folder, f"{name}.{ext}"), "w") as out:
+            out.write(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sass", help="write SASS (and TTGIR) files into this folder")
@@ -148,7 +169,6 @@ def main() -> None:
         A = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = A  # dataclasses look their module up
         spec.loader.exec_module(A)
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     configs = [(f"{kf}+{vf}", shape.tile_n, "decode", shape.num_warps)
                for kf, vf in (("fp8", "fp8"), ("nvfp4", "nvfp4"), ("fp8", "nvfp4"), ("nvfp4", "fp8"))
                for shape in [A.launch_defaults(KVPageLayout(8, args.head_dim, 16, kf, vf), True)]]
@@ -168,13 +188,7 @@ def main() -> None:
                            target=TARGET,
                            options=dict(num_warps=warps, num_stages=args.stages,
                                         **({"maxnreg": args.maxnreg} if args.maxnreg else {})))
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(k.asm["cubin"])
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
-        res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True,
-                             text=True).stdout
-        os.unlink(f.name)
-        regs = re.search(r"REG:(\d+)", res)
+        sass, regs = cubin_sass(k.asm["cubin"])
         loops = tile_loops(sass) or [collections.Counter()]
         body = loops[0]
         tail = (f", masked tail loop {sum(loops[1].values()) * warps / tile:.1f}"
@@ -185,17 +199,13 @@ def main() -> None:
         print(f"triton {triton.__version__} D {args.head_dim} {fmt:11} {kind:7} tile {tile:3} "
               f"group {args.group}{' sinks' if args.sinks else ''} "
               f"warps {warps} stages {args.stages}{''.join(' ' + v for v in variants)}: "
-              f"regs {regs.group(1) if regs else '?'} smem {k.metadata.shared} "
+              f"regs {regs} smem {k.metadata.shared} "
               f"loop {sum(body.values())} instr/warp "
               f"({sum(body.values()) * warps / tile:.1f} per token-head{tail}; STS/LDS/LDSM/BAR "
               f"{smem_ops}, spill {spills})  {top}")
         if args.sass:
-            os.makedirs(args.sass, exist_ok=True)
-            name = f"{kind}_d{args.head_dim}_{fmt}_t{tile}_w{warps}_s{args.splits}"
-            with open(os.path.join(args.sass, name + ".sass"), "w") as out:
-                out.write(sass)
-            with open(os.path.join(args.sass, name + ".ttgir"), "w") as out:
-                out.write(k.asm["ttgir"])
+            write_sass(args.sass, f"{kind}_d{args.head_dim}_{fmt}_t{tile}_w{warps}_s{args.splits}",
+                       sass, k.asm["ttgir"])
 
 
 if __name__ == "__main__":

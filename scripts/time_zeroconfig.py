@@ -5,13 +5,12 @@
     python scripts/time_zeroconfig.py analyze --out OUT [--preset llama8b] [--device cuda]
 
 ``startup``: a weight-less Llama-3.1-8B-shaped model (:func:`vllm_nvfp4.testing.weightless.
-build_weightless_model`, ``load_format="dummy"``) is started four times with
-``kv_cache_dtype="nvfp4_mixed"`` and no policy, each in a fresh process: start-up calibration off,
-on with an empty cache (it calibrates), on again (it reuses the cache). The first start fills
-vLLM's compile cache, so "off" may include compilation the others skip: ``added_s`` holds both the
-difference to "off" and ``calibrating_vs_cached`` (two warm starts, one calibrating);
-``--warm-up`` adds a first start that fills the cache. Writes ``OUT/startup.json`` (after every
-start) with each ``LLM()`` wall time and the calibration's own logged time.
+build_weightless_model`, ``load_format="dummy"``) is started with ``kv_cache_dtype="nvfp4_mixed"``
+and no policy, each start in a fresh process, ``--repeats`` rounds of: start-up calibration off,
+on with an empty cache (it calibrates), on again (it reuses the cache). ``--warm-up`` adds a first
+start that fills vLLM's compile cache, so that no timed start compiles the model. Writes
+``OUT/startup.json`` (after every start): each ``LLM()`` wall time with the calibration's own
+logged time, the median of each kind and ``added_s`` (the medians' differences).
 
 ``analyze``: the same shape with random bf16 weights saved as safetensors (``OUT/model``, 16 GB
 for the 8B preset), then ``vllm-nvfp4 analyze`` on the built-in text with its default windows
@@ -28,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -82,29 +82,39 @@ def _start_once(model: Path, cache: Path, calibrate: bool, max_model_len: int) -
     return result
 
 
-def run_startup(out: Path, preset: str, max_model_len: int, warm_up: bool) -> dict[str, Any]:
+def _medians(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Median ``LLM()`` wall time of each start kind (run names are ``kind#round``)."""
+    kinds: dict[str, list[float]] = {}
+    for name, run in runs.items():
+        kinds.setdefault(name.split("#")[0], []).append(run["llm_start_s"])
+    return {kind: statistics.median(times) for kind, times in kinds.items() if kind != "warm-up"}
+
+
+def run_startup(out: Path, preset: str, max_model_len: int, warm_up: bool,
+                repeats: int = 1) -> dict[str, Any]:
     from vllm_nvfp4.testing.weightless import build_weightless_model
 
     model = build_weightless_model(out / f"{preset}-weightless", preset)
     cache = out / "cache"
-    shutil.rmtree(cache, ignore_errors=True)
     result: dict[str, Any] = {"preset": preset, "model": str(model), "max_model_len": max_model_len,
-                              "warm_up": warm_up, "runs": {}, "added_s": {}}
-    starts = [("off", False), ("calibrating", True), ("cached", True)]
-    for name, calibrate in [("warm-up", False)] * warm_up + starts:
+                              "warm_up": warm_up, "repeats": repeats, "runs": {}}
+    rounds = [f"{kind}#{r}" for r in range(1, repeats + 1) for kind in ("off", "calibrating", "cached")]
+    for name in ["warm-up"] * warm_up + rounds:
+        kind = name.split("#")[0]
+        if kind == "calibrating":
+            shutil.rmtree(cache, ignore_errors=True)  # an empty cache: this start calibrates
         log(f"engine start: {name}")
-        run = result["runs"][name] = _start_once(model, cache, calibrate, max_model_len)
+        run = result["runs"][name] = _start_once(model, cache, kind in ("calibrating", "cached"),
+                                                 max_model_len)
         log(f"  {run}")
-        if name in ("calibrating", "cached"):
-            result["added_s"][name] = round(run["llm_start_s"] - result["runs"]["off"]["llm_start_s"], 2)
-        if name == "cached":  # both starts found the compile cache warm; only one calibrated
-            result["added_s"]["calibrating_vs_cached"] = round(
-                result["runs"]["calibrating"]["llm_start_s"] - run["llm_start_s"], 2)
+        med = result["median_s"] = _medians(result["runs"])
+        result["added_s"] = {f"{k}_vs_{base}": round(med[k] - med[base], 2)
+                             for k, base in (("calibrating", "off"), ("cached", "off"),
+                                             ("calibrating", "cached")) if k in med and base in med}
         (out / "startup.json").write_text(json.dumps(result, indent=2) + "\n")  # after every start
     return result
 
 
-# ---------------------------------------------------------------------------- analyze
 def random_weight_model(out: Path, preset: str, shard_bytes: int = 4 << 30) -> Path:
     """The preset's config with random bf16 weights (normal, std 0.02; norms 1), saved as
     safetensors shards of about ``shard_bytes``: made on the GPU when there is one, with the
@@ -205,6 +215,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.add_argument("--warm-up", action="store_true",
                        help="startup: one more start first (calibration off) that fills vLLM's compile "
                             "cache, so that 'off' finds it warm like the others")
+        p.add_argument("--repeats", type=int, default=1,
+                       help="startup: rounds of off / calibrating / cached starts (medians reported)")
     p = sub.add_parser("startup-child")
     p.add_argument("--model", required=True)
     p.add_argument("--max-model-len", type=int, default=8192)
@@ -216,7 +228,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.preset not in PRESETS:
         ap.error(f"--preset must be one of {', '.join(PRESETS)}, got {a.preset!r}")
     max_model_len = a.max_model_len or min(8192, PRESETS[a.preset]["max_pos"])
-    result = run_startup(a.out, a.preset, max_model_len, a.warm_up) if a.mode == "startup" else \
+    result = run_startup(a.out, a.preset, max_model_len, a.warm_up, a.repeats) if a.mode == "startup" else \
         run_analyze(a.out, a.preset, a.device, a.windows)
     print(json.dumps(result, indent=2))
     return 0

@@ -58,3 +58,22 @@ def test_engine_config_with_policy_variable_passes_strict_validation(tiny_model_
     with pytest.raises(ValueError, match=r"no usable KV policy for \S+: policy file \S+typo.json "
                                          r"\(from \$VLLM_NVFP4_POLICY\) does not exist$"):
         config()
+
+
+def test_our_variables_do_not_change_vllms_compile_cache_key(monkeypatch):
+    """vLLM hashes its variable table into the torch.compile cache key: ours must not enter it
+    (a policy or start-up calibration switched off would recompile the model), vLLM's still do."""
+    from vllm import envs
+
+    from vllm_nvfp4.integration.hooks import install
+
+    install()
+    for name in ENV_VARS:
+        monkeypatch.setenv(name, "1")
+    first = envs.compile_factors()
+    for name in ENV_VARS:
+        monkeypatch.setenv(name, "0")
+    assert envs.compile_factors() == first
+    assert not set(first) & set(ENV_VARS)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")  # a vLLM variable still counts
+    assert envs.compile_factors()["VLLM_BATCH_INVARIANT"] != first["VLLM_BATCH_INVARIANT"]

@@ -85,7 +85,7 @@ def test_every_hook_is_installed_once():
     assert "VLLM_NVFP4_POLICY" in envs.environment_variables
     assert [h.name for h in hooks.HOOKS] == [
         "cache_dtype", "custom_backend", "backend_selection", "spec", "startup_check",
-        "state_alignment", "env_vars", "startup_calibration"]
+        "state_alignment", "env_vars", "compile_factors", "startup_calibration"]
 
 
 def _selector_config(**changes):

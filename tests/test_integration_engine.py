@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_helpers import generate, token_ids
 
 pytestmark = pytest.mark.vllm
 
@@ -97,23 +98,6 @@ def _prompts(tokenizer: Any) -> dict[str, list[list[int]]]:
     }
 
 
-def _greedy(n: int) -> Any:
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def _generate(llm: Any, prompts: list[list[int]], n: int, one_by_one: bool = False) -> list[Any]:
-    inputs = [{"prompt_token_ids": p} for p in prompts]
-    if one_by_one:
-        return [llm.generate([x], _greedy(n), use_tqdm=False)[0] for x in inputs]
-    return llm.generate(inputs, _greedy(n), use_tqdm=False)
-
-
-def _tokens(outputs: list[Any]) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
 def _worker_report(worker: Any) -> dict:
     """What the worker allocated: groups, per-layer page sizes and scales (runs in the worker)."""
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
@@ -177,28 +161,28 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
                       [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
                      for o in dec]
     out["main"] = {
-        "short": _tokens(_generate(llm, prompts["short"], SHORT_NEW)),
-        "short_again": _tokens(_generate(llm, prompts["short"], SHORT_NEW)),
-        "short_single": _tokens(_generate(llm, prompts["short"][:2], SHORT_NEW, one_by_one=True)),
-        "prefix_outputs": _generate(llm, prompts["prefix"], 24, one_by_one=True),
-        "long": _tokens(_generate(llm, prompts["long"], 24)),
+        "short": token_ids(generate(llm, prompts["short"], SHORT_NEW)),
+        "short_again": token_ids(generate(llm, prompts["short"], SHORT_NEW)),
+        "short_single": token_ids(generate(llm, prompts["short"][:2], SHORT_NEW, one_by_one=True)),
+        "prefix_outputs": generate(llm, prompts["prefix"], 24, one_by_one=True),
+        "long": token_ids(generate(llm, prompts["long"], 24)),
         "report": llm.collective_rpc(_worker_report)[0],
         "num_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
     }
-    out["main"]["prefix"] = _tokens(out["main"]["prefix_outputs"])
+    out["main"]["prefix"] = token_ids(out["main"]["prefix_outputs"])
     del llm
     gc.collect()
 
     llm = _engine(model_dir, enable_prefix_caching=False)
-    out["nopc"] = {"short": _tokens(_generate(llm, prompts["short"], SHORT_NEW)),
-                   "prefix": _tokens(_generate(llm, prompts["prefix"], 24)),
-                   "long": _tokens(_generate(llm, prompts["long"], 24))}
+    out["nopc"] = {"short": token_ids(generate(llm, prompts["short"], SHORT_NEW)),
+                   "prefix": token_ids(generate(llm, prompts["prefix"], 24)),
+                   "long": token_ids(generate(llm, prompts["long"], 24))}
     del llm
     gc.collect()
 
     llm = _engine(model_dir, enable_prefix_caching=False, max_num_batched_tokens=64)
-    out["chunked"] = {"long": _tokens(_generate(llm, prompts["long"], 24)),
-                      "prefix": _tokens(_generate(llm, prompts["prefix"], 24))}
+    out["chunked"] = {"long": token_ids(generate(llm, prompts["long"], 24)),
+                      "prefix": token_ids(generate(llm, prompts["prefix"], 24))}
     del llm
     gc.collect()
 
@@ -206,7 +190,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     llm = _engine(model_dir, enable_prefix_caching=False, max_model_len=256,
                   num_gpu_blocks_override=24, disable_log_stats=False)
     before = _preemptions(llm)
-    out["preempt"] = {"short": _tokens(_generate(llm, prompts["short"], SHORT_NEW)),
+    out["preempt"] = {"short": token_ids(generate(llm, prompts["short"], SHORT_NEW)),
                       "num_preemptions": _preemptions(llm) - before}
     del llm
     gc.collect()
@@ -272,7 +256,7 @@ def test_greedy_generation_is_deterministic_and_batch_independent(runs):
     assert len({tuple(t) for t in main["short"]}) == len(main["short"])
 
 
-def test_prefix_cache_hits_give_the_same_tokens(runs):
+def test_prefix_cache_hits_give_the_sametoken_ids(runs):
     hits = [o.num_cached_tokens for o in runs["main"]["prefix_outputs"]]
     assert hits[0] == 0 and all(h >= 192 for h in hits[1:]), f"prefix cache hits {hits}"
     assert runs["main"]["prefix"] == runs["nopc"]["prefix"]
@@ -280,13 +264,13 @@ def test_prefix_cache_hits_give_the_same_tokens(runs):
     assert runs["main"]["long"] == runs["nopc"]["long"]
 
 
-def test_chunked_prefill_gives_the_same_tokens(runs):
+def test_chunked_prefill_gives_the_sametoken_ids(runs):
     assert all(len(p) > 6 * 64 for p in runs["prompts"]["long"])  # >= 7 chunks
     assert runs["chunked"]["long"] == runs["nopc"]["long"]
     assert runs["chunked"]["prefix"] == runs["nopc"]["prefix"]
 
 
-def test_preemption_and_recompute_give_the_same_tokens(runs):
+def test_preemption_and_recompute_give_the_sametoken_ids(runs):
     assert runs["preempt"]["num_preemptions"] > 0, "the tiny cache did not force a preemption"
     assert runs["preempt"]["short"] == runs["nopc"]["short"]
 

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import torch
 
-from hybrid_engines import BLOCK, PREFIX, engine, greedy, tiny_hybrid_with_policy
+from engine_helpers import BLOCK, PREFIX, engine, greedy, tiny_hybrid_with_policy
 from vllm_nvfp4.testing.reference import reference_logprobs
 
 pytestmark = pytest.mark.vllm

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from hybrid_engines import BLOCK, PREFIX, engine, greedy, tiny_hybrid_with_policy
+from engine_helpers import BLOCK, PREFIX, engine, greedy, tiny_hybrid_with_policy
 
 pytestmark = pytest.mark.vllm
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import pytest
 
-from hybrid_engines import engine, greedy, tiny_hybrid_with_policy
+from engine_helpers import engine, generate, tiny_hybrid_with_policy, token_ids
 
 pytestmark = pytest.mark.vllm
 
@@ -81,35 +81,24 @@ def _report(llm: Any) -> dict[str, Any]:
             "mamba_cache_mode": llm.llm_engine.vllm_config.cache_config.mamba_cache_mode}
 
 
-def _tokens(llm: Any, prompts: list[list[int]], one_by_one: bool = False) -> list[Any]:
-    inputs = [{"prompt_token_ids": p} for p in prompts]
-    if one_by_one:
-        return [llm.generate([x], greedy(NEW), use_tqdm=False)[0] for x in inputs]
-    return llm.generate(inputs, greedy(NEW), use_tqdm=False)
-
-
-def _ids(outputs: list[Any]) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
 def _run(model_dir: Path) -> dict[str, Any]:
     llm = engine(model_dir, dtype="bfloat16", enable_prefix_caching=True, max_model_len=1024)
     ids = llm.get_tokenizer()(inspect.getsource(textwrap))["input_ids"]
     prompts = {"short": [ids[1200 + 100 * i:1200 + 100 * i + 100 + 4 * i] for i in range(3)],
                "prefix": [ids[:PREFIX] + ids[2000 + 30 * i:2000 + 30 * i + OWN] for i in range(3)]}
-    prefix_outs = _tokens(llm, prompts["prefix"], one_by_one=True)
-    main = {"short": _ids(_tokens(llm, prompts["short"])),
-            "short_again": _ids(_tokens(llm, prompts["short"])),
-            "short_single": _ids(_tokens(llm, prompts["short"][:2], one_by_one=True)),
-            "prefix": _ids(prefix_outs), "prefix_hits": [o.num_cached_tokens for o in prefix_outs],
+    prefix_outs = generate(llm, prompts["prefix"], NEW, one_by_one=True)
+    main = {"short": token_ids(generate(llm, prompts["short"], NEW)),
+            "short_again": token_ids(generate(llm, prompts["short"], NEW)),
+            "short_single": token_ids(generate(llm, prompts["short"][:2], NEW, one_by_one=True)),
+            "prefix": token_ids(prefix_outs), "prefix_hits": [o.num_cached_tokens for o in prefix_outs],
             "report": _report(llm)}
     del llm
     gc.collect()
     block = main["report"]["configured_block_size"]
     llm = engine(model_dir, dtype="bfloat16", enable_prefix_caching=False, max_model_len=LONG,
                  max_num_batched_tokens=block)
-    plain = {"short": _ids(_tokens(llm, prompts["short"])),
-             "prefix": _ids(_tokens(llm, prompts["prefix"], one_by_one=True)),
+    plain = {"short": token_ids(generate(llm, prompts["short"], NEW)),
+             "prefix": token_ids(generate(llm, prompts["prefix"], NEW, one_by_one=True)),
              "report": _report(llm)}
     del llm
     gc.collect()
@@ -184,7 +173,7 @@ def test_state_pages_fill_the_blocks_and_capacity_is_the_arithmetic(runs):
     16-token rounding of the block. At 4096 tokens per request vLLM's KV capacity is >= 0.95x the
     arithmetic: the full layers' formats at the configured block
     (:func:`arithmetic_request_bytes`) plus the GDN states a request holds, unpadded."""
-    from hybrid_engines import BLOCK
+    from engine_helpers import BLOCK
     from vllm_nvfp4.integration.block_sizes import arithmetic_request_bytes
 
     policy = runs["policy"]

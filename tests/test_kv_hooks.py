@@ -13,7 +13,8 @@ from vllm_nvfp4.calibration.kv_hooks import (
     kv_cache_quantization,
 )
 from vllm_nvfp4.testing.models import build_tiny_llama
-from vllm_nvfp4.formats import fp8_dequantize, fp8_quantize, nvfp4_dequantize, nvfp4_quantize
+from vllm_nvfp4.formats import (fp8_dequantize, fp8_quantize, nvfp4_dequantize,
+                                nvfp4_dequantize_folded, nvfp4_quantize)
 from vllm_nvfp4.policy import (
     DEFAULT_FP8_SCALE,
     DEFAULT_NVFP4_GLOBAL_SCALE,
@@ -215,6 +216,28 @@ def test_cached_generation_quantizes_each_token_once():
             cache = o.past_key_values
             steps.append(o.logits[:, -1].float())
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 30:], atol=1e-4, rtol=1e-4)
+
+
+def test_folded_nvfp4_decoding_matches_manual_forward():
+    model = tiny_model(num_layers=2)
+    ids = _ids()
+    g = 0.002  # amax ~1: block scales ~80-110, products that often need more than 3 mantissa bits
+
+    def folded(i, k, v):
+        return tuple(nvfp4_dequantize_folded(*nvfp4_quantize(x, g), g, x.dtype) for x in (k, v))
+
+    policy = KVPolicy.from_compact("*:nvfp4", 2)
+    for i in range(2):
+        policy = policy.with_layer(i, k_global_scale=g, v_global_scale=g)
+    with torch.no_grad():
+        manual, _ = _manual_forward(model, ids, folded)
+        with kv_cache_quantization(model, policy, nvfp4_decoding="folded"):
+            hooked = model(ids, use_cache=False).logits.float()
+    torch.testing.assert_close(hooked, manual, atol=2e-5, rtol=2e-5)
+    assert (hooked - _logits(model, ids, policy)).abs().max() > 1e-5  # differs from exact
+    with pytest.raises(ValueError, match="nvfp4_decoding must be one of exact, folded"):
+        with kv_cache_quantization(model, policy, nvfp4_decoding="fold"):
+            pass
 
 
 def test_implementation_restored_and_bad_policy_rejected():

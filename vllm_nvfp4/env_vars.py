@@ -49,6 +49,15 @@ def register_with_vllm() -> None:
         envs.environment_variables.setdefault(name, _getter(name))
 
 
+def without_ours(factors: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's compile-cache environment factors (name -> value) without the variables of
+    :data:`ENV_VARS`. None of them changes what torch.compile traces: our attention runs inside
+    vLLM's opaque attention op, and the policy only sizes the KV pages, which no compiled graph
+    takes as input. Left in, setting one (a policy, start-up calibration off, a cache path)
+    would make vLLM recompile the whole model, tens of seconds per start."""
+    return {name: value for name, value in factors.items() if name not in ENV_VARS}
+
+
 def unknown_variables(environ: dict[str, str]) -> list[str]:
     """``VLLM_NVFP4_*`` names set in ``environ`` that vllm-nvfp4 does not read (typos)."""
     return sorted(n for n in environ if n.startswith(PREFIX) and n not in ENV_VARS)

@@ -24,6 +24,12 @@ NVFP4 (per head vector of ``D`` elements, ``D % 16 == 0``)
   decodes to +-0.
 * Dequantization: ``x = E2M1_VALUES[c] * (float(s) * g)`` in FP32 with the sign applied.
 * Bytes per head: ``D/2 + D/16`` (= 1.125 D / 2 ... i.e. 0.5625 bytes per element).
+* Scale-folded decoding (:func:`nvfp4_dequantize_folded`, the input of an FP8 tensor-core route,
+  not what the kernels do today): each element becomes ONE E4M3 value,
+  ``f = e4m3(E2M1_VALUES[c] * float(s) * 2^-NVFP4_FOLD_EXPONENT)``, and decodes to
+  ``f * (2^NVFP4_FOLD_EXPONENT * g)``. ``e2m1 * s`` reaches 6 * 448 = 2688, so the power of two
+  keeps it below 448 (no saturation); the E4M3 rounding (RNE, 3 mantissa bits, subnormals from
+  2^-9) is the only difference from the exact decoding.
 
 FP8 (E4M3, vLLM's convention)
 -----------------------------
@@ -54,6 +60,8 @@ E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 NVFP4_BLOCK_SIZE = 16
 NVFP4_SCALE_NAN_BYTE = 0x7F
+#: ``e2m1 * block_scale`` is stored folded as E4M3 times ``2^NVFP4_FOLD_EXPONENT``: 6 * 448 / 8 < 448
+NVFP4_FOLD_EXPONENT = 3
 
 
 
@@ -161,6 +169,11 @@ def fp8_scale_from_amax(amax: ScaleLike) -> torch.Tensor:
     return a / E4M3_MAX
 
 
+def e4m3_round(x: torch.Tensor) -> torch.Tensor:
+    """FP32 ``x`` rounded to E4M3 (RNE, saturating at +-448, NaN kept): ``float8_e4m3fn``."""
+    return torch.clamp(x.float(), -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
 def e2m1_code(q: torch.Tensor) -> torch.Tensor:
     """Round FP32 ``q`` to E2M1 nibbles (RNE, ties to even code, saturate at 6). Returns uint8."""
     m = q.abs()
@@ -215,8 +228,8 @@ def nvfp4_quantize(
     xb = x.float().reshape(*x.shape[:-1], d // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE)
     bad = ~torch.isfinite(xb).all(dim=-1)  # [..., D/16]
     amax = torch.where(bad.unsqueeze(-1), 0.0, xb).abs().amax(dim=-1)
-    scale_f = torch.clamp(amax / (g * E2M1_MAX), max=E4M3_MAX)
-    scales = scale_f.to(torch.float8_e4m3fn)
+    scale_f = amax / (g * E2M1_MAX)
+    scales = e4m3_round(scale_f)
     scales = torch.where(bad, torch.full_like(scale_f, float("nan")), scales.float()).to(
         torch.float8_e4m3fn
     )
@@ -230,13 +243,11 @@ def nvfp4_quantize(
     return packed, scales
 
 
-def nvfp4_dequantize(
-    packed: torch.Tensor,
-    block_scales: torch.Tensor,
-    global_scale: ScaleLike,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Decode NVFP4 ``packed uint8 [..., D/2]`` + ``block_scales e4m3 [..., D/16]`` to ``[..., D]``."""
+def _nvfp4_blocks(
+    packed: torch.Tensor, block_scales: torch.Tensor, global_scale: ScaleLike
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checked NVFP4 operands as ``(e2m1 values FP32 [..., D/16, 16], block scales FP32
+    [..., D/16, 1], global scale FP32 broadcast to [..., 1, 1])``."""
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed must be uint8, got {packed.dtype}")
     if block_scales.dtype != torch.float8_e4m3fn:
@@ -255,8 +266,36 @@ def nvfp4_dequantize(
     g = torch.broadcast_to(g, packed.shape[:-1]).unsqueeze(-1).unsqueeze(-1)
     nibbles = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], d)
     vals = e2m1_value(nibbles).reshape(*packed.shape[:-1], d // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE)
-    se = block_scales.float().unsqueeze(-1) * g
-    return (vals * se).reshape(*packed.shape[:-1], d).to(dtype)
+    return vals, block_scales.float().unsqueeze(-1), g
+
+
+def nvfp4_dequantize(
+    packed: torch.Tensor,
+    block_scales: torch.Tensor,
+    global_scale: ScaleLike,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Decode NVFP4 ``packed uint8 [..., D/2]`` + ``block_scales e4m3 [..., D/16]`` to ``[..., D]``."""
+    vals, s, g = _nvfp4_blocks(packed, block_scales, global_scale)
+    return (vals * (s * g)).reshape(*packed.shape[:-1], -1).to(dtype)
+
+
+def nvfp4_dequantize_folded(
+    packed: torch.Tensor,
+    block_scales: torch.Tensor,
+    global_scale: ScaleLike,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Scale-folded NVFP4 decoding (module doc): ``e4m3(e2m1 * s * 2^-3) * (8 * g)``.
+
+    Same arguments and shapes as :func:`nvfp4_dequantize`; differs from it only where
+    ``e2m1 * s`` needs more than E4M3's 3 mantissa bits or falls below its subnormal step 2^-9
+    (after the 2^-3).
+    """
+    vals, s, g = _nvfp4_blocks(packed, block_scales, global_scale)
+    fold = 2.0 ** NVFP4_FOLD_EXPONENT
+    folded = e4m3_round(vals * s / fold).float()
+    return (folded * (fold * g)).reshape(*packed.shape[:-1], -1).to(dtype)
 
 
 def fp8_quantize(x: torch.Tensor, scale: ScaleLike, nonfinite: NonFinite = "raise") -> torch.Tensor:
@@ -264,8 +303,7 @@ def fp8_quantize(x: torch.Tensor, scale: ScaleLike, nonfinite: NonFinite = "rais
     _check_float_input(x)
     _check_nonfinite(x, nonfinite)
     s = _as_scale_tensor(scale, x, "scale")
-    q = torch.clamp(x.float() / s, -E4M3_MAX, E4M3_MAX)
-    return q.to(torch.float8_e4m3fn)
+    return e4m3_round(x.float() / s)
 
 
 def fp8_dequantize(

@@ -57,6 +57,7 @@ from vllm_nvfp4.formats import (
     fp8_dequantize,
     fp8_quantize,
     nvfp4_dequantize,
+    nvfp4_dequantize_folded,
     nvfp4_quantize,
 )
 from vllm_nvfp4.key_transform import stored_keys
@@ -67,9 +68,17 @@ HOOK_PREFIX = "vllm_nvfp4_kv|"
 _BASE_IMPLEMENTATIONS = ("sdpa", "eager")
 
 ScaleArg = Union[float, Sequence[float], torch.Tensor]
+#: how an NVFP4 cache is read back: the exact decoding (what the kernels do) or the scale-folded
+#: one of an FP8 tensor-core route (:func:`~vllm_nvfp4.formats.nvfp4_dequantize_folded`)
+NVFP4_DECODINGS = {"exact": nvfp4_dequantize, "folded": nvfp4_dequantize_folded}
 
 
 # ---------------------------------------------------------------------------- fake quantization
+def _check_decoding(name: str) -> None:
+    if name not in NVFP4_DECODINGS:
+        raise ValueError(f"nvfp4_decoding must be one of {', '.join(NVFP4_DECODINGS)}, got {name!r}")
+
+
 def _head_scale(scale: ScaleArg, num_heads: int, extra_dims: int) -> torch.Tensor:
     """FP32 scale broadcastable over ``[..., heads, seq, (head_dim)]``: scalar or ``[heads, 1(, 1)]``."""
     s = torch.as_tensor(scale, dtype=torch.float32)
@@ -82,7 +91,8 @@ def _head_scale(scale: ScaleArg, num_heads: int, extra_dims: int) -> torch.Tenso
 
 
 def fake_quantize(
-    x: torch.Tensor, fmt: str, scale: ScaleArg, nonfinite: NonFinite = "propagate"
+    x: torch.Tensor, fmt: str, scale: ScaleArg, nonfinite: NonFinite = "propagate",
+    nvfp4_decoding: str = "exact",
 ) -> torch.Tensor:
     """Quantize and dequantize ``x [..., kv_heads, seq, head_dim]`` as the cache stores it.
 
@@ -92,10 +102,12 @@ def fake_quantize(
             amax/2688).
         scale: a positive float, or one per KV head (sequence or tensor ``[kv_heads]``).
         nonfinite: passed to the formats reference (``"propagate"`` = the kernels' behaviour).
+        nvfp4_decoding: a key of :data:`NVFP4_DECODINGS` (NVFP4 only).
     Returns:
         Tensor of ``x.shape`` and ``x.dtype``: FP32 dequantization cast to ``x.dtype``.
     """
     fmt = check_kv_format(fmt)
+    _check_decoding(nvfp4_decoding)
     if x.dim() < 3:
         raise ValueError(f"expected [..., kv_heads, seq, head_dim], got shape {tuple(x.shape)}")
     heads = x.shape[-3]
@@ -104,7 +116,7 @@ def fake_quantize(
         return fp8_dequantize(fp8_quantize(x, s, nonfinite=nonfinite), s, dtype=x.dtype)
     g = _head_scale(scale, heads, extra_dims=1).to(x.device)
     packed, block_scales = nvfp4_quantize(x, g, nonfinite=nonfinite)
-    return nvfp4_dequantize(packed, block_scales, g, dtype=x.dtype)
+    return NVFP4_DECODINGS[nvfp4_decoding](packed, block_scales, g, dtype=x.dtype)
 
 
 # ---------------------------------------------------------------------------- observation
@@ -231,6 +243,7 @@ class _HookState:
     observer: Optional[KVObserver]
     nonfinite: NonFinite
     rotation: Optional[KVRotation] = None
+    nvfp4_decoding: str = "exact"
     calls: int = 0
 
 
@@ -259,8 +272,10 @@ def _make_wrapper(base_name: str) -> Callable[..., Any]:
                 lq = state.quants[layer]
                 if lq.k_smooth is not None or lq.k_center is not None:
                     query, key = transform_qk(query, key, lq.k_smooth, lq.k_center)
-                key = fake_quantize(key, lq.k_fmt, lq.k_scale, state.nonfinite).to(query.dtype)
-                value = fake_quantize(value, lq.v_fmt, lq.v_scale, state.nonfinite).to(query.dtype)
+                key = fake_quantize(key, lq.k_fmt, lq.k_scale, state.nonfinite,
+                                    state.nvfp4_decoding).to(query.dtype)
+                value = fake_quantize(value, lq.v_fmt, lq.v_scale, state.nonfinite,
+                                      state.nvfp4_decoding).to(query.dtype)
             if rotate_v:  # output [batch, seq, heads, head_dim], rotated back
                 out, weights = _attend(base_name, module, query, key, value, attention_mask, **kwargs)
                 return unrotate(out, matrix), weights
@@ -349,11 +364,13 @@ def kv_cache_quantization(
     observer: Optional[KVObserver] = None,
     nonfinite: NonFinite = "propagate",
     rotation: Optional[KVRotation] = None,
+    nvfp4_decoding: str = "exact",
 ) -> Iterator[_HookState]:
     """Within the block, ``model`` runs with K/V fake-quantized per ``policy`` and/or observed.
 
     ``policy=None`` leaves K/V untouched (pure observation or a BF16 reference). ``rotation``:
-    the layers whose K/V are rotated before observation and quantization (:class:`KVRotation`). Raises
+    the layers whose K/V are rotated before observation and quantization (:class:`KVRotation`).
+    ``nvfp4_decoding``: how NVFP4 layers are read back (:data:`NVFP4_DECODINGS`). Raises
     :class:`~vllm_nvfp4.policy.PolicyError` if the policy does not fit the model and
     ``RuntimeError`` for models it cannot hook. Yields the hook state (``.calls`` counts the
     attention calls that went through the hook, a check that the model is supported).
@@ -376,9 +393,10 @@ def kv_cache_quantization(
         raise RuntimeError("kv_cache_quantization blocks cannot be nested on the same model")
     if base not in _BASE_IMPLEMENTATIONS:
         raise RuntimeError(f"attention implementation {base!r} is not supported; load with sdpa or eager")
+    _check_decoding(nvfp4_decoding)
     register_hooks()
     state = _HookState(base, _layer_quants(policy) if policy is not None else None, observer, nonfinite,
-                       rotation)
+                       rotation, nvfp4_decoding)
     keys = {id(m.config) for m in mods}
     with _LOCK:
         if any(k in _ACTIVE for k in keys):

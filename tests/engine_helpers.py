@@ -1,5 +1,5 @@
-"""Shared pieces of the engine tests on tiny hybrid models: the model with its by-type policy
-written next to it, the ``LLM`` settings, greedy sampling."""
+"""Shared pieces of the engine tests: greedy sampling and generation; for the tiny hybrid models
+the model with its by-type policy written next to it and the ``LLM`` settings."""
 
 from __future__ import annotations
 
@@ -28,6 +28,19 @@ def greedy(n: int, **kw: Any) -> Any:
     from vllm import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def generate(llm: Any, prompts: list[list[int]], n: int, one_by_one: bool = False) -> list[Any]:
+    """``n`` greedy tokens for each prompt (token ids): one batch, or one request at a time."""
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    if one_by_one:
+        return [llm.generate([x], greedy(n), use_tqdm=False)[0] for x in inputs]
+    return llm.generate(inputs, greedy(n), use_tqdm=False)
+
+
+def token_ids(outputs: list[Any]) -> list[list[int]]:
+    """The generated token ids of each ``RequestOutput``."""
+    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 def engine(model_dir: Path, dtype: str = "float32", **overrides: Any) -> Any:
