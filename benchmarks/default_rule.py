@@ -92,19 +92,15 @@ def candidate_policies(names: Sequence[str], layer_types: Sequence[LayerType]
 
 
 # ------------------------------------------------------------------------------------ accuracy
-def _windows(tokenizer: Any, path: Path, window: int, count: int, bos: Optional[int]) -> Any:
-    """``count`` windows ``[count, window]`` of ``path``; the first token ``bos`` when given."""
+def _windows(tokenizer: Any, path: Path, window: int, count: int) -> Any:
+    """``count`` windows ``[count, window]`` of ``path``, each led by the tokenizer's BOS if it adds one."""
     from vllm_nvfp4.calibration.data import load_windows
 
-    t = load_windows([path], tokenizer, window, count).eval
-    if bos is not None:
-        t[:, 0] = bos
-    return t
+    return load_windows([path], tokenizer, window, count).eval
 
 
 def measure_model(model_dir: Path, names: Sequence[str], eval_text: Path, window: int,
-                  windows: int, calib_window: int, calib_windows: int, dtype: str,
-                  bos: Optional[int]) -> dict[str, Any]:
+                  windows: int, calib_window: int, calib_windows: int, dtype: str) -> dict[str, Any]:
     """Calibrate (start-up recipe) and measure every distinct candidate on one model."""
     from vllm_nvfp4.calibration.builtin_text import BUILTIN_TEXT
     from vllm_nvfp4.calibration.commands import soft_capped
@@ -114,10 +110,10 @@ def measure_model(model_dir: Path, names: Sequence[str], eval_text: Path, window
 
     t0 = time.time()
     model, tokenizer, info = load_model(model_dir, dtype, "cpu")
-    calib = _windows(tokenizer, BUILTIN_TEXT, calib_window, calib_windows, bos)
+    calib = _windows(tokenizer, BUILTIN_TEXT, calib_window, calib_windows)
     observer = observe_amax(model, calib, info.num_layers, kv_layers=info.kv_layers)
     k_center = not soft_capped(model_dir)
-    held_out = _windows(tokenizer, eval_text, window, windows, bos)
+    held_out = _windows(tokenizer, eval_text, window, windows)
     evs = [Evaluator(model, held_out[w:w + 1], reuse_prefix=False) for w in range(windows)]
     refs = [ev.reference() for ev in evs]
     out: dict[str, Any] = {"model": str(model_dir), "layer_types": [t.label() for t in info.layer_types],
@@ -188,7 +184,7 @@ def run_accuracy(a: argparse.Namespace) -> dict[str, Any]:
         runs = []
         for d in dirs:
             r = measure_model(d, a.candidates, eval_text, a.window, a.windows, a.calib_window,
-                              a.calib_windows, a.dtype, a.bos)
+                              a.calib_windows, a.dtype)
             print(f"{label} {d.name}: " + ", ".join(
                 f"{n} kl={r['results'][n]['kl']:.5f}" for n in a.candidates) + f" ({r['seconds']} s)",
                 file=sys.stderr, flush=True)
@@ -294,7 +290,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      help="candidates measured (a, today's rule, is always among them)")
     acc.add_argument("--model", default=None, help="a real model directory instead of the tiny ones")
     acc.add_argument("--dtype", default="float32")
-    acc.add_argument("--bos", type=int, default=None, help="token id put first in every window")
     acc.add_argument("--eval-text", default=None, help="held-out text (default: the Brown corpus asset)")
     acc.add_argument("--window", type=int, default=512, help="tokens per held-out window")
     acc.add_argument("--windows", type=int, default=8)

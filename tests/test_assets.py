@@ -42,14 +42,36 @@ def test_fix_tokenizer_files_sets_eos_pad_and_drops_bos(tmp_path):
         {"added_tokens": [{"id": 7, "content": "<|im_end|>"}, {"id": 9, "content": "<|endoftext|>"}]}))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "add_bos_token": True}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    prepare_assets.fix_tokenizer_files(tmp_path, "<|im_end|>", "<|endoftext|>", 32768)
+    prepare_assets.fix_tokenizer_files(tmp_path, None, "<|im_end|>", "<|endoftext|>", 32768)
     tc = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert tc["bos_token"] is None and tc["add_bos_token"] is False
     assert (tc["eos_token"], tc["pad_token"], tc["model_max_length"]) == ("<|im_end|>", "<|endoftext|>", 32768)
     assert json.loads((tmp_path / "generation_config.json").read_text()) == {"eos_token_id": 7, "pad_token_id": 9}
     assert not (tmp_path / "tokenizer.model").exists()
     with pytest.raises(RuntimeError, match="no added token"):
-        prepare_assets.fix_tokenizer_files(tmp_path, "<|im_end|>", "<pad>", 32768)
+        prepare_assets.fix_tokenizer_files(tmp_path, None, "<|im_end|>", "<pad>", 32768)
+
+
+def test_fix_tokenizer_files_with_bos_makes_the_tokenizer_add_it(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer
+
+    from vllm_nvfp4.calibration.data import text_prefix
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "hello": 3, "world": 4, "[UNK]": 5}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.add_special_tokens(["<pad>", "<eos>", "<bos>"])
+    tk.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "add_bos_token": False}))
+    with pytest.raises(RuntimeError, match="no added token"):
+        prepare_assets.fix_tokenizer_files(tmp_path, "<s>", "<eos>", "<pad>", 4096)
+    prepare_assets.fix_tokenizer_files(tmp_path, "<bos>", "<eos>", "<pad>", 4096)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert tok("hello world")["input_ids"] == [2, 3, 4] and tok.bos_token == "<bos>"
+    assert tok("hello world", add_special_tokens=False)["input_ids"] == [3, 4] and text_prefix(tok) == [2]
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    assert gen == {"bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
 
 
 def test_qwen_gguf_pieces_are_the_22_parts_in_order():
@@ -116,8 +138,10 @@ def test_gemma3_270m_directory_has_sliding_and_full_layers():
     from vllm_nvfp4.policy import LayerType, layer_types_from_config
 
     tok = AutoTokenizer.from_pretrained(str(d))
-    assert tok.bos_token is None and tok.eos_token == "<eos>" and tok.pad_token == "<pad>"
-    assert tok.convert_tokens_to_ids("<bos>") == 2
+    assert tok.bos_token == "<bos>" and tok.eos_token == "<eos>" and tok.pad_token == "<pad>"
+    ids = tok("Hello world")["input_ids"]
+    assert ids[0] == 2 and tok.convert_ids_to_tokens(ids[1:2]) == ["Hello"]  # Gemma needs its <bos> first
+    assert json.loads((d / "generation_config.json").read_text())["bos_token_id"] == 2
     types = layer_types_from_config(AutoConfig.from_pretrained(str(d)))
     assert types == ((LayerType("sliding", 512),) * 5 + (LayerType("full"),)) * 3
     cfg = json.loads((d / "config.json").read_text())

@@ -22,7 +22,7 @@ from vllm_nvfp4.evaluation.report import check_targets, markdown_table, plot
 from vllm_nvfp4.evaluation.stats import bootstrap_ratio, mean_interval, t975
 from vllm_nvfp4.evaluation.windows import tail_windows
 from vllm_nvfp4.model_shape import ModelShape
-from vllm_nvfp4.policy import KVPolicy
+from vllm_nvfp4.policy import KVPolicy, default_policy
 
 SHAPE = ModelShape(num_layers=6, total_num_kv_heads=2, num_kv_heads=2, head_dim=64, max_positions=4096,
                    dtype="bfloat16")
@@ -84,6 +84,16 @@ class _CharTokenizer:
         return {"input_ids": [ord(c) % 256 for c in text]}
 
 
+class _BosCharTokenizer(_CharTokenizer):
+    """One token per character, and BOS id 300 first when special tokens are added (as Gemma's)."""
+
+    BOS = 300
+
+    def __call__(self, text: str, add_special_tokens: bool = True, verbose: bool = True) -> dict:
+        ids = super().__call__(text)["input_ids"]
+        return {"input_ids": [self.BOS, *ids] if add_special_tokens else ids}
+
+
 def test_passkey_trials_fit_and_hold_the_key() -> None:
     trials = passkey.build_trials(_CharTokenizer(), 2000, [0.1, 0.5, 0.9], seed=1)
     assert len({t.key for t in trials}) == 3
@@ -140,6 +150,26 @@ def test_build_configs_with_policy(tmp_path: Path) -> None:
     assert KVPolicy.load(written).to_compact() == naive.to_compact()
     assert cfgs["mixed_naive"].env(written) == {"VLLM_NVFP4_POLICY": str(written.resolve())}
     assert cfgs["auto"].write_policy(tmp_path / "pol") is None and cfgs["auto"].env(None) == {}
+
+
+def test_build_configs_keep_the_models_sliding_layers(tmp_path: Path) -> None:
+    """On a model with sliding-window layers every derived policy has the model's layer types, so a
+    policy calibrated for that model lends its scales (it was refused before: types differ)."""
+    from vllm_nvfp4.policy import LayerType
+
+    types = (LayerType("sliding", 512),) * 2 + (LayerType("full"),) + (LayerType("sliding", 512),) * 2 + (LayerType("full"),)
+    shape = replace(SHAPE, layer_types=types, model_dir=str(tmp_path))
+    pol = KVPolicy.load(_calibrated(tmp_path))
+    typed = KVPolicy(tuple(replace(lp, layer_type=t) for lp, t in zip(pol.layers, types)), source="typed")
+    typed.save(tmp_path / "typed.json")
+    cfgs = {c.name: c for c in build_configs(["ours_fp8", "nvfp4_all", "mixed_calibrated", "mixed_naive", "flag_only"],
+                                             shape, tmp_path / "typed.json")}
+    for name, c in cfgs.items():
+        assert c.policy.layer_types == types, name
+    for name in ("ours_fp8", "nvfp4_all", "mixed_naive"):
+        assert [lp.k_scale for lp in cfgs[name].policy.layers] == [0.01 * (i + 1) for i in range(6)]
+    assert cfgs["flag_only"].policy.to_compact() == default_policy(6, types).to_compact()
+    assert build_configs(["nvfp4_all"], shape)[0].policy.layer_types == types  # no --policy: no scales, same types
 
 
 def test_ours_fp8_from_an_all_fp8_policy(tmp_path: Path) -> None:
@@ -268,6 +298,27 @@ def test_tail_windows_come_from_the_end(tmp_path: Path) -> None:
     assert all(t == ord("b") for t in w[-1]) and w[0][0] == ord("b")
     with pytest.raises(ValueError, match="need"):
         tail_windows(f, _CharTokenizer(), 10, 1000)
+
+
+def test_windows_and_passkey_prompts_start_with_the_tokenizers_bos(tmp_path: Path) -> None:
+    from vllm_nvfp4.calibration.data import load_windows, text_prefix
+
+    bos = _BosCharTokenizer.BOS
+    assert text_prefix(_BosCharTokenizer()) == [bos] and text_prefix(_CharTokenizer()) == []
+    f = tmp_path / "t.txt"
+    text = "".join(chr(97 + i % 26) for i in range(5000))
+    f.write_text(text)
+    tail = tail_windows(f, _BosCharTokenizer(), 2, 100)
+    assert [w[0] for w in tail] == [bos, bos] and [len(w) for w in tail] == [100, 100]
+    assert "".join(chr(t) for w in tail for t in w[1:]) == text[-198:]  # 99 text tokens each, consecutive
+    lw = load_windows([f], _BosCharTokenizer(), 50, count=2, calib=1)
+    assert lw.calib.shape == (1, 50) and lw.eval.shape == (2, 50)
+    rows = [lw.calib[0].tolist(), *lw.eval.tolist()]
+    assert [r[0] for r in rows] == [bos] * 3
+    assert "".join(chr(t) for r in rows for t in r[1:]) == text[:147]
+    for t in passkey.build_trials(_BosCharTokenizer(), 2000, [0.1, 0.9], seed=1):
+        assert t.prompt_token_ids[0] == bos and bos not in t.prompt_token_ids[1:]
+        assert 1800 < len(t.token_ids) <= 2000
 
 
 def _results(mixed_dnll: float, mixed_pk: int) -> dict:

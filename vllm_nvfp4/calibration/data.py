@@ -3,8 +3,10 @@
 Accepted files: plain text (anything but ``.jsonl``), or JSON Lines with a ``text`` field or
 GSM8K-style ``question`` / ``answer`` fields (rendered ``Question: ...\\nAnswer: ...``). Several
 files are concatenated in the order given, separated by blank lines. The concatenated text is
-tokenized once (no special tokens added) and cut into consecutive, non-overlapping windows; the
-first ``calib`` windows calibrate the scales, the next ``count`` are held out for evaluation.
+tokenized once (no special tokens added) and cut into consecutive, non-overlapping pieces; each
+window is the tokenizer's text prefix (its BOS, for tokenizers that add one, see
+:func:`text_prefix`) followed by one piece, as a request starts. The first ``calib`` windows
+calibrate the scales, the next ``count`` are held out for evaluation.
 """
 
 from __future__ import annotations
@@ -53,6 +55,19 @@ def read_text(path: Path) -> str:
             raise DataError(f"{path}:{n}: malformed JSON at column {e.colno}: {e.msg}") from None
         records.append(_jsonl_record(obj, f"{path}:{n}"))
     return "\n\n".join(records)
+
+
+def text_prefix(tokenizer: Any) -> list[int]:
+    """Token ids the tokenizer puts before every text: ``[bos]`` for tokenizers that add a BOS, else ``[]``.
+
+    Raises :class:`DataError` when the tokenizer's special tokens do not wrap the plain encoding.
+    """
+    plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    full = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[:start]
+    raise DataError(f"the tokenizer's encoding with special tokens {full} does not contain the plain one {plain}")
 
 
 def _tokenize_enough(tokenizer: Any, text: str, need: int, chunk_chars: int = 1 << 18) -> list[int]:
@@ -116,14 +131,17 @@ def load_windows(
         texts.append(text)
         files.append({"path": str(p), "sha256": hashlib.sha256(p.read_bytes()).hexdigest(),
                       "bytes": p.stat().st_size})
-    need = (calib + count) * window
+    prefix = text_prefix(tokenizer)
+    piece = window - len(prefix)
+    need = (calib + count) * piece
     ids = _tokenize_enough(tokenizer, "\n\n".join(texts), need)
     if len(ids) < need:
         raise DataError(
             f"the data holds {len(ids)} tokens, but {calib} calibration + {count} evaluation windows "
-            f"of {window} tokens need {need}; add data or use fewer/shorter windows"
+            f"of {piece} text tokens need {need}; add data or use fewer/shorter windows"
         )
-    t = torch.tensor(ids[:need], dtype=torch.long).view(calib + count, window)
+    t = torch.tensor(ids[:need], dtype=torch.long).view(calib + count, piece)
+    t = torch.cat([torch.tensor(prefix, dtype=torch.long).expand(calib + count, -1), t], dim=1)
     return TokenWindows(calib=t[:calib], eval=t[calib:], files=tuple(files), total_tokens=len(ids))
 
 

@@ -91,7 +91,8 @@ def with_scales_of(formats: KVPolicy, scales: Optional[KVPolicy], source: str) -
     """``formats``' per-layer formats with every scale (and K smoothing) of ``scales`` (no
     scales if ``None``)."""
     if scales is None:
-        return KVPolicy(tuple(LayerPolicy(lp.k, lp.v) for lp in formats.layers), source=source)
+        return KVPolicy(tuple(LayerPolicy(lp.k, lp.v, layer_type=lp.layer_type) for lp in formats.layers),
+                        source=source)
     return with_formats(scales, formats, provenance={"scales_from": scales.source}, source=source)
 
 
@@ -127,6 +128,7 @@ def build_configs(names: Sequence[str], shape: ModelShape, policy_path: Optional
         if budget is not None and frac > budget + 1e-9:
             logger.warning("policy %s uses %.4fx FP8 bytes, above --budget %.4f", policy_path, frac, budget)
     L = shape.num_layers
+    types = shape.layer_types or None  # the model's sliding / full layers (None: all full attention)
     scales_note = "calibrated scales" if calibrated is not None else "default scales (no --policy)"
     out = []
     for name in names:
@@ -138,10 +140,10 @@ def build_configs(names: Sequence[str], shape: ModelShape, policy_path: Optional
             out.append(KVConfig(name, OURS, f"nvfp4_mixed, every layer FP8, calibrated policy {fp8_policy_path}",
                                 fp8_policy))
         elif name == "ours_fp8":
-            pol = with_scales_of(KVPolicy.from_compact("*:fp8", L), calibrated, "eval: all FP8")
+            pol = with_scales_of(KVPolicy.from_compact("*:fp8", L, layer_types=types), calibrated, "eval: all FP8")
             out.append(KVConfig(name, OURS, f"nvfp4_mixed, every layer FP8, {scales_note}", pol))
         elif name == "nvfp4_all":
-            pol = with_scales_of(KVPolicy.from_compact("*:nvfp4", L), calibrated, "eval: all NVFP4")
+            pol = with_scales_of(KVPolicy.from_compact("*:nvfp4", L, layer_types=types), calibrated, "eval: all NVFP4")
             out.append(KVConfig(name, OURS, f"nvfp4_mixed, every layer NVFP4, {scales_note}", pol))
         elif name == "mixed_calibrated":
             if calibrated is None:
@@ -154,12 +156,12 @@ def build_configs(names: Sequence[str], shape: ModelShape, policy_path: Optional
                 slots = fp8_slots_for_budget(L, budget)
             else:
                 raise ConfigError("mixed_naive needs --policy (its FP8 slot count) or --budget")
-            pol = with_scales_of(naive_formats(L, slots), calibrated, f"eval: naive first/last ({slots} FP8 slots)")
+            pol = with_scales_of(naive_formats(L, slots, types), calibrated, f"eval: naive first/last ({slots} FP8 slots)")
             out.append(KVConfig(name, OURS, f"nvfp4_mixed, first/last-N FP8 ({slots} FP8 slots), {scales_note}", pol))
         elif name == "flag_only":
             if shape.model_dir is not None and (Path(shape.model_dir) / POLICY_FILENAME).is_file():
                 raise ConfigError(f"flag_only: {shape.model_dir}/{POLICY_FILENAME} exists and an engine "
                                   "would serve it; move it away to measure the zero-config start")
             out.append(KVConfig(name, OURS, "nvfp4_mixed, no policy: default rule, start-up calibration",
-                                default_policy(L), zero_config=True))
+                                default_policy(L, types), zero_config=True))
     return out

