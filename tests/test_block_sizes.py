@@ -13,6 +13,7 @@ from vllm_nvfp4.integration.block_sizes import (
     hybrid_plan,
     plan_groups,
     state_share_bytes_per_token,
+    unpackable_sliding_formats,
 )
 from vllm_nvfp4.policy import KVPolicy, LayerType
 
@@ -220,3 +221,21 @@ def test_tiny_hybrids_hold_more_than_fp8(types, dim, compact):
     fp8 = _policy(types, "*:fp8")
     plan = hybrid_plan(policy, 2, dim, 16, 4096, 32)
     assert arithmetic_request_bytes(fp8, 2, dim, 4096, 32, 16) / plan.request_bytes >= 1.6
+
+
+def test_sliding_layers_of_unequal_format_counts_next_to_full_layers_are_named():
+    """vLLM 0.32 loses layers (StopIteration) when it splits a sliding bucket of several page
+    sizes in unequal numbers next to full layers: such a policy is named for the start-up
+    error; one format pair, equal numbers (vLLM's 1:1 pattern) or no full layer pass."""
+    gemma = tuple(LayerType() if i % 6 == 5 else LayerType("sliding", 512) for i in range(18))
+    tune = "0-1:nvfp4,2:k=fp8,v=nvfp4,3:nvfp4,4:k=fp8,v=nvfp4,5-7:nvfp4,8:k=fp8,v=nvfp4,9:nvfp4," \
+           "10:k=fp8,v=nvfp4,11-17:nvfp4"
+    assert unpackable_sliding_formats(_policy(gemma, tune)) == (
+        "11 with k=nvfp4,v=nvfp4 (layers 0, 1, 3, 6, 7, 9, 12, 13, 14, 15, 16); "
+        "4 with k=fp8,v=nvfp4 (layers 2, 4, 8, 10)")
+    assert unpackable_sliding_formats(_policy(gemma, "swa:fp8,full:nvfp4,17:fp8")) is None
+    equal = (LayerType(), *[LayerType("sliding", 32)] * 4)
+    assert unpackable_sliding_formats(_policy(equal, "1-2:fp8,*:nvfp4")) is None
+    assert unpackable_sliding_formats(_policy(equal, "1:fp8,*:nvfp4")) is not None
+    mistral = (LayerType("sliding", 64),) * 6
+    assert unpackable_sliding_formats(_policy(mistral, "0:fp8,*:nvfp4")) is None

@@ -159,6 +159,25 @@ def hybrid_plan(policy: KVPolicy, num_kv_heads: int, head_dim: int, configured_b
                               max_model_len, in_flight_tokens)
 
 
+def unpackable_sliding_formats(policy: KVPolicy) -> Optional[str]:
+    """Why vLLM 0.32 cannot group this policy's sliding-window layers, or None.
+
+    Next to full-attention layers, vLLM packs the sliding layers of several page sizes (K/V
+    format pairs) only in equal numbers (a 1:1 pattern); in unequal numbers its
+    ``_get_packed_kv_cache_groups`` splits them into groups that drop layers and fails with a
+    bare ``StopIteration``. Returns the format pairs and their layer counts for the error."""
+    if not any(lp.layer_type.kind == "full" for _, lp in policy.kv_layers()):
+        return None
+    pairs: dict[str, list[int]] = {}
+    for i, lp in policy.kv_layers():
+        if lp.layer_type.kind == "sliding":
+            pairs.setdefault(f"k={lp.k},v={lp.v}", []).append(i)
+    if len(pairs) < 2 or len({len(layers) for layers in pairs.values()}) == 1:
+        return None
+    return "; ".join(f"{len(layers)} with {pair} (layers {', '.join(map(str, layers))})"
+                     for pair, layers in pairs.items())
+
+
 def state_share_bytes_per_token(policy: KVPolicy, num_kv_heads: int,
                                 head_dim: int) -> Optional[int]:
     """The one-token attention page vLLM is to size a state-layer hybrid's blocks by (module

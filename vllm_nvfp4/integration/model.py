@@ -17,7 +17,7 @@ import weakref
 from typing import Any, Optional
 
 from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, KVFormat
-from vllm_nvfp4.integration.block_sizes import hybrid_plan
+from vllm_nvfp4.integration.block_sizes import hybrid_plan, unpackable_sliding_formats
 from vllm_nvfp4.layout import PAGE_ALIGN, KVPageLayout
 from vllm_nvfp4.model_shape import ModelShape
 from vllm_nvfp4.policy import (
@@ -295,6 +295,14 @@ def check_engine_config(vllm_config: Any) -> KVPolicy:
         policy = model_policy(vllm_config)
     except PolicyError as e:
         raise PolicyError(f"kv_cache_dtype={CACHE_DTYPE}: no usable KV policy for {mc.model}: {e}") from None
+    mix = unpackable_sliding_formats(policy)
+    if mix is not None:
+        raise Nvfp4MixedConfigError(
+            f"kv_cache_dtype={CACHE_DTYPE}: vLLM's KV-cache manager cannot group sliding-window "
+            f"layers of different K/V formats in unequal numbers next to full-attention layers; "
+            f"the policy's sliding layers are {mix}. Give every sliding layer the same 'k' and "
+            "'v' formats: in a compact policy a type rule such as 'swa:fp8' with no index rule "
+            "naming a sliding layer, in nvfp4_policy.json equal 'k'/'v' in their rows")
     layout = choose_kv_cache_layout(vllm_config, shape)
     logger.info("vllm-nvfp4: %s", policy.describe())
     if layout is not None:
