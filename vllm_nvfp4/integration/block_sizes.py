@@ -163,9 +163,11 @@ def unpackable_sliding_formats(policy: KVPolicy) -> Optional[str]:
     """Why vLLM 0.32 cannot group this policy's sliding-window layers, or None.
 
     Next to full-attention layers, vLLM packs the sliding layers of several page sizes (K/V
-    format pairs) only in equal numbers (a 1:1 pattern); in unequal numbers its
-    ``_get_packed_kv_cache_groups`` splits them into groups that drop layers and fails with a
-    bare ``StopIteration``. Returns the format pairs and their layer counts for the error."""
+    format pairs) by a repeat pattern that assumes equal numbers of each; in unequal numbers,
+    whenever its ``_get_packed_kv_cache_groups`` splits them into more than one group (which
+    depends on the block sizes), the pattern drops layers and it fails with a bare
+    ``StopIteration``. Every unequal mix is named, also one that would happen to fit one group.
+    Returns the format pairs and their layer counts for the error."""
     if not any(lp.layer_type.kind == "full" for _, lp in policy.kv_layers()):
         return None
     pairs: dict[str, list[int]] = {}
