@@ -108,6 +108,13 @@ def _calibrate_like(model_dir: Path, cache_file: Path) -> Any:
                          windows=data["calib_windows"], dtype="float32", k_center=True)
 
 
+def _served_formats(ref: Any, served: Any) -> Any:
+    """``ref`` (scales of both formats for every slot) with the formats of ``served``."""
+    for i, lp in served.kv_layers():
+        ref = ref.with_layer(i, k=lp.k, v=lp.v)
+    return ref
+
+
 def _assert_bound_equals(bound: dict, ref: Any, heads: int, rel: float, atol: float) -> None:
     """Every layer's bound K/V scales and K centering offsets equal ``ref``'s (per-layer scales,
     repeated over ``heads`` KV heads)."""
@@ -120,7 +127,6 @@ def _assert_bound_equals(bound: dict, ref: Any, heads: int, rel: float, atol: fl
 
 
 def test_flag_only_engine_binds_the_scales_of_calibrate(runs):
-    from vllm_nvfp4.calibration.scales import with_formats
     from vllm_nvfp4.policy import KVPolicy
 
     assert runs["calls"][0] == 1 and len(runs["files"]) == 1
@@ -129,7 +135,7 @@ def test_flag_only_engine_binds_the_scales_of_calibrate(runs):
     served = KVPolicy.load(runs["files"][0])
     assert served.provenance["formats_from"] == "start-up sensitivity"
     assert sum(lp.format_of(kv) == "fp8" for lp in served.layers for kv in "kv") == 4  # the rule's 4
-    ref = with_formats(ref, served)  # each slot's scale for the format the selection gave it
+    ref = _served_formats(ref, served)  # each slot's scale for the format the selection gave it
     _assert_bound_equals(runs["first"], ref, heads=2, rel=2e-4, atol=2e-5)
     for i, row in enumerate(ref.layers):
         bound = runs["first"][f"model.layers.{i}.self_attn.attn"]
@@ -142,17 +148,17 @@ def test_sliding_window_and_sink_model_binds_the_scales_of_calibrate(tmp_path: P
     calibration forward attends as served, so every layer's statistics equal transformers'
     with the same windows and sinks, and differ from those of the same weights without a
     window (the check can fail)."""
-    from vllm_nvfp4.calibration.scales import with_formats
     from vllm_nvfp4.policy import KVPolicy
     from vllm_nvfp4.testing.hybrid_models import build_tiny_hybrid
 
     model_dir = build_tiny_hybrid("gpt_oss", tmp_path / "gpt_oss", qk_gain=1.0)
     monkeypatch.setenv("VLLM_NVFP4_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(STARTUP_ENV, "scales")  # the statistics only (the selection: a test below)
     monkeypatch.delenv("VLLM_NVFP4_POLICY", raising=False)
     bound = _start(model_dir, max_model_len=1024)
     (cache_file,) = (tmp_path / "cache" / "startup-calibration").glob("*.json")
     served = KVPolicy.load(cache_file)  # the selected formats (the scales are calibrate's)
-    ref = with_formats(_calibrate_like(model_dir, cache_file), served)
+    ref = _served_formats(_calibrate_like(model_dir, cache_file), served)
     assert {t.window for t in ref.layer_types} == {32, None} and all(t.sinks for t in ref.layer_types)
     assert all(lp.k == lp.v == "fp8" for lp in served.layers if lp.layer_type.kind == "sliding")
     _assert_bound_equals(bound, ref, heads=2, rel=1e-3, atol=1e-4)
@@ -162,7 +168,7 @@ def test_sliding_window_and_sink_model_binds_the_scales_of_calibrate(tmp_path: P
     cfg = json.loads((unwindowed / "config.json").read_text())
     cfg["sliding_window"] = 4096  # longer than every calibration window: full attention
     (unwindowed / "config.json").write_text(json.dumps(cfg))
-    full = with_formats(_calibrate_like(unwindowed, cache_file), served)
+    full = _served_formats(_calibrate_like(unwindowed, cache_file), served)
     with pytest.raises(AssertionError):
         _assert_bound_equals(bound, full, heads=2, rel=1e-2, atol=1e-3)
 
