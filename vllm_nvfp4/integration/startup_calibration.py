@@ -341,7 +341,7 @@ def slot_damage(runner: Any, layers: dict[str, Any], windows: torch.Tensor, reci
         name = by_row[layer]
         perturb = SlotPerturbation.of(scaled, layer, kv, "nvfp4", name, layers[name].impl,
                                       runner.vllm_config)
-        total, count = 0.0, 0
+        total, count = torch.zeros((), dtype=torch.float64, device=runner.device), 0
         for chunk, hidden in zip(chunks, exact):
             moved = _forward(runner, rows, chunk, perturb=perturb)
             for ref_rows, q_rows in zip(hidden.split(LOGIT_ROWS), moved.split(LOGIT_ROWS)):
@@ -349,11 +349,11 @@ def slot_damage(runner: Any, layers: dict[str, Any], windows: torch.Tensor, reci
                 if ref is None:  # TP: the logits are gathered to rank 0
                     continue
                 kl = kl_divergence(ref.float().log_softmax(-1), q.float().log_softmax(-1))
-                total, count = total + float(kl.sum()), count + kl.numel()
+                total, count = total + kl.double().sum(), count + kl.numel()  # no host sync
         if count == 0:
             damage = None
         elif damage is not None:
-            damage[(layer, kv)] = total / count
+            damage[(layer, kv)] = float(total) / count
         if progress is not None:
             progress(done)
     return damage
