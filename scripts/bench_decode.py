@@ -193,7 +193,8 @@ def vllm_peers(b: Batch, smoke: bool) -> list[dict]:
                     block_table=b.block_table, out=out, fa_version=3,
                     q_descale=desc if kv_dtype == "fp8" else None,
                     k_descale=desc if kv_dtype == "fp8" else None,
-                    v_descale=desc if kv_dtype == "fp8" else None, s_aux=SINKS)
+                    v_descale=desc if kv_dtype == "fp8" else None,
+                    s_aux=None if SINKS is None else SINKS.to(torch.bfloat16))  # FA3 takes bf16 only
             try:
                 recs.append({"kernel": "fa3", "kv_dtype": kv_dtype, "us": timer(fa3, False),
                              "kv_bytes": kv_bytes(b, per)})
@@ -235,6 +236,7 @@ def bench_shape(batch: int, ctx: int, q_len: int, args, gen) -> list[dict]:
                     print(f"  config {cfg} failed: {e!r}"[:300])
                     continue
                 rel = float((out.float() - ref_out).norm() / ref_out.norm())
+                print(f"  {name} {batch}x{ctx} {cfg}: {us:.1f} us (rel {rel:.1e})", flush=True)
                 recs.append({"kernel": "ours_sweep", "kv_dtype": name, "config": cfg, "us": us,
                              "kv_bytes": kv_bytes(b, per), "rel_err_vs_default": rel})
                 if not rel < 1e-2:

@@ -5,8 +5,9 @@ Per architecture (tiny random-weight models of :func:`vllm_nvfp4.testing.hybrid_
 ``gemma3``, ``gpt_oss`` (sinks, MoE), ``mistral`` (window on every layer), ``qwen3_next``
 (Gated DeltaNet hybrid, MoE)), with a by-type policy written into the model directory
 (``swa:fp8,full:nvfp4,<last full>:fp8``; all-sliding: ``*:nvfp4,0:fp8``; Qwen3-Next:
-``full:nvfp4,<last full>:fp8``), engine A runs as users run it (CUDA graphs, prefix caching,
-chunked prefill of 128 tokens); with ``--compare-eager`` an engine B, eager with neither. On
+``full:nvfp4,<last full>:fp8``; ``gemma3_swa_mix``: the Gemma 3 model with sliding layers of
+two format pairs in unequal numbers, ``mixed_sliding_policy_text``), engine A runs as users run
+it (CUDA graphs, prefix caching, chunked prefill of 128 tokens); with ``--compare-eager`` an engine B, eager with neither. On
 CUDA the models take the head dims of the real ones (:data:`GPU_HEAD_DIMS`: the kernels need
 >= 64). Hard checks:
 
@@ -45,7 +46,10 @@ from typing import Any
 
 import torch
 
-ARCHS = ("gpt_oss", "gemma3", "qwen3_next", "mistral")  # in this order: the first two matter most
+ARCHS = ("gpt_oss", "gemma3", "qwen3_next", "mistral", "gemma3_swa_mix")  # the first two matter most
+#: ``gemma3_swa_mix``: the tiny Gemma 3 with sliding layers of two format pairs in unequal numbers
+#: (:func:`vllm_nvfp4.testing.hybrid_models.mixed_sliding_policy_text`)
+MIXED_SUFFIX = "_swa_mix"
 TOL_RATIO = 0.75
 KV_BYTES = 2 << 30
 QK_GAIN = 0.5  # mild attention: bf16 rounding flips stay small in a random model
@@ -68,13 +72,17 @@ def check_arch(arch: str, device: str, work: Path, compare_eager: bool) -> dict[
     from vllm_nvfp4.testing.kv_report import kv_cache_report
     from vllm_nvfp4.integration.block_sizes import arithmetic_request_bytes, hybrid_plan
     from vllm_nvfp4.testing.hybrid_models import (GPU_HEAD_DIMS, build_tiny_hybrid,
+                                                  by_type_policy_text, mixed_sliding_policy_text,
                                                   write_by_type_policy)
     from vllm_nvfp4.testing.reference import reference_logprobs
 
+    case, mixed = arch, arch.endswith(MIXED_SUFFIX)
+    arch = arch.removesuffix(MIXED_SUFFIX)
     head_dim = GPU_HEAD_DIMS[arch] if device == "cuda" else None  # the CUDA kernels: >= 64
-    model_dir = build_tiny_hybrid(arch, work / f"{arch}-{head_dim}", qk_gain=QK_GAIN,
+    model_dir = build_tiny_hybrid(arch, work / f"{case}-{head_dim}", qk_gain=QK_GAIN,
                                   head_dim=head_dim)
-    policy = write_by_type_policy(model_dir)
+    policy = write_by_type_policy(
+        model_dir, mixed_sliding_policy_text if mixed else by_type_policy_text)
     # Mamba / GDN: vLLM's state, its own caching
     state = not all(t.holds_kv for t in policy.layer_types)
     extra = {"additional_config": {"gdn_prefill_backend": "triton"}} if arch == "qwen3_next" else {}
@@ -83,7 +91,7 @@ def check_arch(arch: str, device: str, work: Path, compare_eager: bool) -> dict[
                   gpu_memory_utilization=0.5, **extra)
     if device == "cpu":  # the dry run: vLLM's CPU build compiles for minutes
         common["enforce_eager"] = True
-    r: dict[str, Any] = {"arch": arch, "policy": policy.to_compact(), "checks": {}}
+    r: dict[str, Any] = {"arch": case, "policy": policy.to_compact(), "checks": {}}
     checks = r["checks"]
     t0 = time.time()
     llm = LLM(**common, enable_prefix_caching=True, max_num_batched_tokens=128, max_num_seqs=32)
@@ -116,9 +124,10 @@ def check_arch(arch: str, device: str, work: Path, compare_eager: bool) -> dict[
     if plan is not None:  # full + sliding: the groups vLLM formed are the planned ones
         full = [g for g in report["groups"] if g["kind"] == "FullAttentionSpec"]
         r["plan"] = {k: getattr(plan, k) for k in ("full_block", "sliding_block", "sliding_groups",
-                                                   "block_bytes", "request_blocks")}
+                                                   "block_bytes", "request_blocks", "full_groups")}
         checks["groups_as_planned"] = (
-            len(full) == 1 and full[0]["block_size"] == plan.full_block
+            len(full) == plan.full_groups == 1 and full[0]["block_size"] == plan.full_block
+            and len(report["groups"]) - len(full) == plan.sliding_groups
             and full[0]["page_bytes"] == plan.full_block * policy.kv_bytes_per_token(heads, dim, ("full",))
             and report["block_bytes"] == plan.block_bytes
             and report["allocated_per_request"] == plan.request_bytes)

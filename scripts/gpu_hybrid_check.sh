@@ -12,8 +12,9 @@
 #                                                       only `vllm serve`, each family (also on CPU)
 #
 # Environment: OUT (default out/hybrid), ARCHS (default "gpt_oss gemma3 qwen3_next mistral";
-# none: skip the LLM() checks), SERVE (1), SERVE_ARCHS (default gpt_oss), CHECK_TIMEOUT (seconds
-# for the LLM() checks, 390), PORT, SERVE_TIMEOUT_S, SERVE_ARGS (scripts/serve_check.sh),
+# also gemma3_swa_mix: Gemma 3 with sliding layers of mixed formats; none: skip the LLM()
+# checks), SERVE (1), SERVE_ARCHS (default gpt_oss), CHECK_TIMEOUT (seconds for the LLM()
+# checks, 390), PORT, SERVE_TIMEOUT_S, SERVE_ARGS (scripts/serve_check.sh),
 # VLLM_BUNDLE / VLLM_SITE / PYTHON (scripts/gpu_env.sh). Without a CUDA GPU the served models
 # keep their CPU head dims (vllm_nvfp4.testing.hybrid_models).
 # Writes hybrid_h200.json, hybrid_check.log, serve_<arch>.log, serve_check.txt, gpu.txt to OUT;

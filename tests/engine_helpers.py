@@ -13,14 +13,19 @@ BLOCK = 16
 PREFIX = 96
 
 
-def tiny_hybrid_with_policy(arch: str, out_dir: Path, **build: Any) -> tuple[Path, Any]:
+def tiny_hybrid_with_policy(arch: str, out_dir: Path, mixed_sliding: bool = False,
+                            **build: Any) -> tuple[Path, Any]:
     """Build the tiny ``arch`` model (:func:`~vllm_nvfp4.testing.hybrid_models.build_tiny_hybrid`,
     ``build``: its keyword arguments) in ``out_dir`` with the by-type policy in its directory
-    (:func:`~vllm_nvfp4.testing.hybrid_models.write_by_type_policy`); returns (dir, policy)."""
-    from vllm_nvfp4.testing.hybrid_models import build_tiny_hybrid, write_by_type_policy
+    (:func:`~vllm_nvfp4.testing.hybrid_models.write_by_type_policy`; ``mixed_sliding``: the
+    sliding layers' formats mixed instead, :func:`~vllm_nvfp4.testing.hybrid_models.
+    mixed_sliding_policy_text`); returns (dir, policy)."""
+    from vllm_nvfp4.testing.hybrid_models import (build_tiny_hybrid, by_type_policy_text,
+                                                  mixed_sliding_policy_text, write_by_type_policy)
 
     model_dir = build_tiny_hybrid(arch, out_dir, **build)
-    return model_dir, write_by_type_policy(model_dir)
+    text = mixed_sliding_policy_text if mixed_sliding else by_type_policy_text
+    return model_dir, write_by_type_policy(model_dir, text)
 
 
 def greedy(n: int, **kw: Any) -> Any:

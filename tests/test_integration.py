@@ -307,20 +307,25 @@ def test_sliding_window_model_gets_typed_policy_rows(tiny_model_dir, tmp_path):
     assert config.cache_config.kv_cache_layout is None
 
 
-def test_sliding_layers_of_mixed_formats_next_to_full_ones_are_refused(tmp_path, monkeypatch):
+def test_sliding_layers_of_mixed_formats_next_to_full_ones_start(tmp_path, monkeypatch):
     """A Gemma 3 policy whose sliding layers mix format pairs in unequal numbers (as `select`
-    may choose) fails at start-up with the layers and the fix, not in vLLM's grouping."""
+    may choose) passes the start-up checks with its formats and the block-outermost layout
+    (the engine run: ``test_integration_hybrid.py``, case ``gemma3_swa_mix``)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_nvfp4.integration.model import Nvfp4MixedConfigError
+    from vllm_nvfp4.formats import KVFormat
+    from vllm_nvfp4.integration.model import model_policy
     from vllm_nvfp4.policy import POLICY_ENV
     from vllm_nvfp4.testing.hybrid_models import build_tiny_hybrid
 
     model = build_tiny_hybrid("gemma3", tmp_path / "gemma3")  # sliding, sliding, full, ... x4
     monkeypatch.setenv(POLICY_ENV, "0:k=fp8,v=nvfp4,*:nvfp4")
-    with pytest.raises(Nvfp4MixedConfigError, match=r"1 with k=fp8,v=nvfp4 \(layers 0\); 7 with "
-                       r"k=nvfp4,v=nvfp4 \(layers 1, 3, 4, .*same 'k' and 'v' formats"):
-        EngineArgs(model=str(model), kv_cache_dtype=CACHE_DTYPE, max_model_len=256).create_engine_config()
+    config = EngineArgs(model=str(model), kv_cache_dtype=CACHE_DTYPE,
+                        max_model_len=256).create_engine_config()
+    policy = model_policy(config)
+    assert [(lp.k, lp.v) for _, lp in policy.kv_layers()][:2] == [
+        (KVFormat.FP8, KVFormat.NVFP4), (KVFormat.NVFP4, KVFormat.NVFP4)]
+    assert config.cache_config.kv_cache_layout == "BLNHC"
 
 
 def _fake_config(layer_types=None, layout=None, **text):

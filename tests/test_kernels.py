@@ -218,11 +218,16 @@ def test_decode_split_count_bounds(seqs, ctx, warps):
     (64, 2, 8192, 32, 8),  # 8 splits give half the programs: the cap of 8 stays
     (16, 8, 32768, 64, 8),
     (64, 8, 4096, 64, 4),
-    (1, 8, 4096, 64, 8),  # few programs, but at most 8 splits below 8192 keys
+    (1, 8, 4096, 64, 32),  # few programs: fill the GPU while a split keeps >= 128 keys
+    (16, 2, 4096, 32, 32),
+    (16, 2, 8192, 32, 32),
+    (16, 4, 4096, 16, 16),
+    (1, 1, 1024, 64, 8),  # 8 splits of 128 keys: the tile count bounds it
 ])
 def test_decode_splits_for_few_programs(monkeypatch, seqs, kv_heads, ctx, tile_n, want):
     """On an H200's 132 SMs (1-warp programs, fill target 1056): 8 splits at most while they
-    give at least half the target, else as many as keep 1024 keys per split."""
+    give at least half the target, else as many as keep 1024 keys per split or as fill the
+    target with >= 128 keys per split."""
     monkeypatch.setattr(attn_kernels, "_num_sms", lambda device: 132)
     got = attn_kernels.decode_splits(seqs, kv_heads, ctx, tile_n, torch.device("cpu"), 1)
     assert got == want

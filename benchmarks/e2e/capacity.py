@@ -150,10 +150,10 @@ def pool_layout(kv_cache_dtype: str, shape: ModelShape, policy: Optional[str], b
                            in_flight_tokens)
         if plan is None:
             raise ValueError(f"no capacity arithmetic for policy {policy!r}: the sliding-window "
-                             "layers must share one format pair and window")
+                             "layers must share one window")
         (window,) = {t.window for t in shape.types if t.kind == "sliding"}
-        groups = (KVGroup("full", plan.full_block),) + (KVGroup("sliding", plan.sliding_block, window),
-                                                        ) * plan.sliding_groups
+        groups = ((KVGroup("full", plan.full_block),) * plan.full_groups
+                  + (KVGroup("sliding", plan.sliding_block, window),) * plan.sliding_groups)
         return PoolLayout(plan.block_bytes, groups)
     per_token = kv_bytes_per_token(kv_cache_dtype, shape, policy)
     if not shape.hybrid:

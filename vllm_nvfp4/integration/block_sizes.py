@@ -17,6 +17,14 @@ the plans within :data:`TOLERANCE` of the least bytes it takes the one with the 
 scheduler granularity (the lcm of the block sizes: prefix-cache hits land on its multiples), then
 the configured full block size, then the smallest blocks.
 
+Sliding layers of several K/V format pairs (several page sizes) in unequal numbers, as ``select``
+writes them (Gemma 3 270M: K FP8 in 4 of 15 sliding layers), must stay in one sliding group:
+vLLM splits such a bucket by a one-layer-per-page-size pattern that covers only the rarest
+pair's layers and loses the rest (:func:`plan_groups`). Only plans that keep them whole are
+searched; next to full layers of one page size that takes a full page at least as large as all
+the sliding pages at the first sliding layer's size, so the full block may exceed
+:data:`MAX_BLOCK` (:func:`_full_block_limit`).
+
 Models with Mamba / Gated-DeltaNet layers (their state pages are vLLM's) get their block size
 from vLLM (``Platform._align_hybrid_block_size``): it raises the attention block until one
 attention layer's page holds a state page, pads the state page to exactly that page, and vLLM
@@ -54,14 +62,16 @@ def _cdiv(a: int, b: int) -> int:
 class GroupPlan:
     """How vLLM packs one hybrid model's groups for the given block sizes (tokens).
 
-    ``block_bytes``: one block of the shared pool; ``sliding_groups``: the sliding-window groups
-    it forms; ``request_blocks``: the pool blocks one request at ``max_model_len`` reserves."""
+    ``block_bytes``: one block of the shared pool; ``full_groups`` / ``sliding_groups``: the
+    full-attention and sliding-window groups it forms; ``request_blocks``: the pool blocks one
+    request at ``max_model_len`` reserves."""
 
     full_block: int
     sliding_block: int
     sliding_groups: int
     block_bytes: int
     request_blocks: int
+    full_groups: int = 1
 
     @property
     def request_bytes(self) -> int:
@@ -79,6 +89,16 @@ def held_tokens(window: int, max_model_len: int, in_flight_tokens: int) -> int:
     return min(window - 1 + in_flight_tokens, max_model_len)
 
 
+def _approximate_gcd(values: tuple[int, ...], lower: int) -> int:
+    """vLLM's ``_approximate_gcd``: the group size ``d`` in ``[lower, max(values)]`` that pads
+    the values least when each is rounded up to a multiple of ``d`` (ties: larger); ``lower``
+    when it is above every value."""
+    if lower > max(values):
+        return lower
+    return min(range(lower, max(values) + 1),
+               key=lambda d: (sum((d - x % d) % d for x in values), -d))
+
+
 def _repeats_per_group(full_layers_per_page: tuple[int, ...], num_split: int) -> int | None:
     """vLLM's split of the ``num_split`` sliding or state layers (one page size): when the full
     layers have several page sizes, as many layers of each (a 1:1 pattern), that count is the
@@ -88,47 +108,89 @@ def _repeats_per_group(full_layers_per_page: tuple[int, ...], num_split: int) ->
     if len(full_layers_per_page) < 2 or len(counts) != 1:
         return None
     (floor,) = counts
-    values = (floor, num_split)
-    return min(range(floor, max(values) + 1),
-               key=lambda d: (sum((d - x % d) % d for x in values), -d))
+    return _approximate_gcd((floor, num_split), floor)
 
 
-def plan_groups(full_bytes_per_token: tuple[int, ...], sliding_bytes_per_token: int,
-                num_sliding: int, window: int, full_block: int, sliding_block: int,
-                max_model_len: int, in_flight_tokens: int) -> GroupPlan:
-    """The :class:`GroupPlan` of one full-attention bucket (its layers' bytes per token, each
-    layer's K + V) and ``num_sliding`` sliding layers of ``sliding_bytes_per_token`` each."""
-    full_page = full_block * sum(full_bytes_per_token)
-    sliding_page = sliding_block * sliding_bytes_per_token
-    per_page: dict[int, int] = {}
-    for b in full_bytes_per_token:
-        per_page[b] = per_page.get(b, 0) + 1
-    repeats = _repeats_per_group(tuple(per_page.values()), num_sliding)
-    if repeats is None:  # a state bucket: as many to a group as fit the block
-        per_group = max(max(full_page, sliding_page) // sliding_page, 1)
-        groups = _cdiv(num_sliding, per_group)
-    else:
-        groups = _cdiv(num_sliding, repeats)
-    block_bytes = max(full_page, _cdiv(num_sliding, groups) * sliding_page)
+def _balanced(pages: Counter) -> bool:
+    """Whether a bucket (layers per page size) has as many layers of each page size: vLLM's
+    repeat pattern of one layer per page size."""
+    return len(set(pages.values())) == 1
+
+
+def _widest_group(pages: Counter, groups: int) -> int:
+    """Page bytes of the largest of the ``groups`` groups vLLM splits a bucket into (each
+    takes every ``groups``-th repeat of the pattern)."""
+    return sum(_cdiv(n, groups) * page for page, n in pages.items())
+
+
+def plan_groups(full_bytes_per_token: tuple[int, ...], sliding_bytes_per_token: tuple[int, ...],
+                window: int, full_block: int, sliding_block: int, max_model_len: int,
+                in_flight_tokens: int) -> Optional[GroupPlan]:
+    """The :class:`GroupPlan` of one full-attention bucket and one sliding-window bucket (each
+    layer's bytes per token, K + V, in model order: vLLM's order of the layers), or None where
+    vLLM's ``_get_packed_kv_cache_groups`` cannot group them.
+
+    vLLM (0.32 and 0.33 alike) takes a bucket with as many layers of each page size as a repeat
+    pattern; the largest such bucket of several page sizes sets the floor of the repeats per
+    group, and every balanced bucket is split into groups of that many repeats
+    (:func:`_approximate_gcd`). Without such a bucket the sliding layers are a state bucket: one
+    group holds as many as the block (the full group or one sliding page of each size) holds
+    of the *first* sliding layer's page. A bucket of unequal page-size counts is split by the
+    pattern too, which covers only the smallest count of layers: vLLM then drops layers (0.32:
+    ``StopIteration``; 0.33: "KV cache groups miss layers"). So such a sliding bucket has a plan
+    only when it stays one group."""
+    full = Counter(full_block * b for b in full_bytes_per_token)
+    sliding = Counter(sliding_block * b for b in sliding_bytes_per_token)
+    buckets = (full, sliding)
+    floor = max((max(c.values()) for c in buckets if _balanced(c) and len(c) > 1), default=0)
+    repeats = (_approximate_gcd(tuple(max(c.values()) for c in buckets if _balanced(c)), floor)
+               if floor else None)
+
+    def split(pages: Counter) -> int:
+        return _cdiv(max(pages.values()), repeats) if repeats and _balanced(pages) else 1
+
+    full_groups, sliding_groups = split(full), split(sliding)
+    if repeats is None:  # a state bucket: as many to a group as the block holds of the first page
+        anchor = max(_widest_group(full, full_groups),
+                     _widest_group(sliding, len(sliding_bytes_per_token)))
+        per_group = max(anchor // (sliding_block * sliding_bytes_per_token[0]), 1)
+        sliding_groups = _cdiv(len(sliding_bytes_per_token), per_group)
+    if sliding_groups > 1 and not _balanced(sliding):
+        return None
+    block_bytes = max(_widest_group(full, full_groups), _widest_group(sliding, sliding_groups))
     held = held_tokens(window, max_model_len, in_flight_tokens)
-    blocks = _cdiv(max_model_len, full_block) + groups * (_cdiv(held, sliding_block) + 1)
-    return GroupPlan(full_block, sliding_block, groups, block_bytes, blocks)
+    blocks = (full_groups * _cdiv(max_model_len, full_block)
+              + sliding_groups * (_cdiv(held, sliding_block) + 1))
+    return GroupPlan(full_block, sliding_block, sliding_groups, block_bytes, blocks, full_groups)
+
+
+def _full_block_limit(full_bytes_per_token: tuple[int, ...],
+                      sliding_bytes_per_token: tuple[int, ...], configured_block: int) -> int:
+    """The largest full-attention block searched: :data:`MAX_BLOCK` (or the configured size if
+    larger), raised where needed so that a full page of that many tokens holds every sliding
+    page of :data:`BLOCK_STEP` tokens at the first sliding layer's size (then vLLM keeps sliding
+    layers of unequal format counts in one group: :func:`plan_groups`)."""
+    holds_all = BLOCK_STEP * _cdiv(len(sliding_bytes_per_token) * sliding_bytes_per_token[0],
+                                   sum(full_bytes_per_token))
+    return max(MAX_BLOCK, configured_block, holds_all)
 
 
 @functools.lru_cache(maxsize=64)
-def choose_block_sizes(full_bytes_per_token: tuple[int, ...], sliding_bytes_per_token: int,
-                       num_sliding: int, window: int, configured_block: int,
-                       max_model_len: int, in_flight_tokens: int) -> GroupPlan:
-    """The plan (module doc) for full layers of ``full_bytes_per_token`` and ``num_sliding``
-    sliding layers of one format and ``window``; full blocks from ``configured_block`` up,
-    sliding blocks from 16 up, both multiples of 16 and at most :data:`MAX_BLOCK` (or the
-    configured size if larger)."""
+def choose_block_sizes(full_bytes_per_token: tuple[int, ...],
+                       sliding_bytes_per_token: tuple[int, ...], window: int,
+                       configured_block: int, max_model_len: int,
+                       in_flight_tokens: int) -> GroupPlan:
+    """The plan (module doc) for full layers of ``full_bytes_per_token`` and sliding layers of
+    ``sliding_bytes_per_token`` (model order) and ``window``: full blocks from
+    ``configured_block`` up, sliding blocks from 16 up, both multiples of 16 and at most
+    :data:`MAX_BLOCK` (full blocks: :func:`_full_block_limit`), among those vLLM can group."""
     if configured_block % BLOCK_STEP:
         raise ValueError(f"block size must be a multiple of {BLOCK_STEP}, got {configured_block}")
-    plans = [plan_groups(full_bytes_per_token, sliding_bytes_per_token, num_sliding, window,
-                         fb, sb, max_model_len, in_flight_tokens)
-             for fb in range(configured_block, max(MAX_BLOCK, configured_block) + 1, BLOCK_STEP)
-             for sb in range(BLOCK_STEP, MAX_BLOCK + 1, BLOCK_STEP)]
+    limit = _full_block_limit(full_bytes_per_token, sliding_bytes_per_token, configured_block)
+    plans = [p for fb in range(configured_block, limit + 1, BLOCK_STEP)
+             for sb in range(BLOCK_STEP, MAX_BLOCK + 1, BLOCK_STEP)
+             if (p := plan_groups(full_bytes_per_token, sliding_bytes_per_token, window, fb, sb,
+                                  max_model_len, in_flight_tokens)) is not None]
     least = min(p.request_bytes for p in plans)
     near = [p for p in plans if p.request_bytes <= least * (1 + TOLERANCE)]
     return min(near, key=lambda p: (p.scheduler_block, p.full_block != configured_block,
@@ -145,39 +207,46 @@ def _layer_bytes(policy: KVPolicy, num_kv_heads: int, head_dim: int) -> list[tup
 
 def hybrid_plan(policy: KVPolicy, num_kv_heads: int, head_dim: int, configured_block: int,
                 max_model_len: int, in_flight_tokens: int) -> Optional[GroupPlan]:
-    """:func:`choose_block_sizes` for a policy with full-attention and sliding-window layers,
-    the sliding ones of one format pair and window; None for any other policy (one kind of
-    layer, or sliding layers that differ: vLLM keeps them in separate groups of the configured
-    block size)."""
+    """:func:`choose_block_sizes` for a policy of full-attention and sliding-window layers of
+    one window, in any mix of K/V formats; None for any other policy (one kind of layer, or
+    several windows: vLLM groups those at the configured block size)."""
     layers = _layer_bytes(policy, num_kv_heads, head_dim)
     full = tuple(b for kind, _, b in layers if kind == "full")
-    sliding = {(w, b) for kind, w, b in layers if kind == "sliding"}
-    if not full or len(sliding) != 1:
+    sliding = tuple(b for kind, _, b in layers if kind == "sliding")
+    windows = {w for kind, w, _ in layers if kind == "sliding"}
+    if not full or len(windows) != 1:
         return None
-    ((window, per_token),) = sliding
-    return choose_block_sizes(full, per_token, len(layers) - len(full), window, configured_block,
-                              max_model_len, in_flight_tokens)
+    (window,) = windows
+    return choose_block_sizes(full, sliding, window, configured_block, max_model_len,
+                              in_flight_tokens)
 
 
 def unpackable_sliding_formats(policy: KVPolicy) -> Optional[str]:
-    """Why vLLM 0.32 cannot group this policy's sliding-window layers, or None.
+    """Why vLLM cannot group this policy's sliding-window layers, or None.
 
-    Next to full-attention layers, vLLM packs the sliding layers of several page sizes (K/V
-    format pairs) by a repeat pattern that assumes equal numbers of each; in unequal numbers,
-    whenever its ``_get_packed_kv_cache_groups`` splits them into more than one group (which
-    depends on the block sizes), the pattern drops layers and it fails with a bare
-    ``StopIteration``. Every unequal mix is named, also one that would happen to fit one group.
-    Returns the format pairs and their layer counts for the error."""
-    if not any(lp.layer_type.kind == "full" for _, lp in policy.kv_layers()):
+    Next to full-attention layers vLLM splits a sliding bucket of several page sizes (K/V
+    format pairs) in unequal numbers by a repeat pattern that drops layers
+    (:func:`plan_groups`). :func:`hybrid_plan` chooses block sizes that keep such a bucket in
+    one group, for full + sliding layers of one window and no others; an unequal mix beside
+    layers without KV cache (their state buckets take part in vLLM's split) or sliding layers
+    of another window is refused. Returns the format pairs and their layer counts for the
+    error."""
+    types = policy.layer_types
+    windows = {t.window for t in types if t.kind == "sliding"}
+    if not any(t.kind == "full" for t in types) or (
+            all(t.holds_kv for t in types) and len(windows) <= 1):
         return None
-    pairs: dict[str, list[int]] = {}
+    pairs: dict[int, dict[str, list[int]]] = {}  # window -> format pair -> layers
     for i, lp in policy.kv_layers():
         if lp.layer_type.kind == "sliding":
-            pairs.setdefault(f"k={lp.k},v={lp.v}", []).append(i)
-    if len(pairs) < 2 or len({len(layers) for layers in pairs.values()}) == 1:
+            pairs.setdefault(lp.layer_type.window, {}).setdefault(
+                f"k={lp.k},v={lp.v}", []).append(i)
+    unequal = [(w, by_pair) for w, by_pair in pairs.items()
+               if len({len(layers) for layers in by_pair.values()}) > 1]
+    if not unequal:
         return None
-    return "; ".join(f"{len(layers)} with {pair} (layers {', '.join(map(str, layers))})"
-                     for pair, layers in pairs.items())
+    return "; ".join(f"{len(layers)} with {pair} (window {w}: layers {', '.join(map(str, layers))})"
+                     for w, by_pair in unequal for pair, layers in by_pair.items())
 
 
 def state_share_bytes_per_token(policy: KVPolicy, num_kv_heads: int,

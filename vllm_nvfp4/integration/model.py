@@ -112,7 +112,7 @@ _GROUP_BLOCKS: dict[int, tuple[int, int]] = {}
 def group_block_sizes(policy: KVPolicy, shape: ModelShape, vllm_config: Any) -> tuple[int, int]:
     """``(full, sliding)`` tokens per block of the full-attention and sliding-window layers.
 
-    A model with both kinds, its sliding layers of one format pair and window, takes
+    A model with both kinds, its sliding layers of one window (any mix of formats), takes
     :func:`~vllm_nvfp4.integration.block_sizes.hybrid_plan` (vLLM packs their groups into
     shared blocks; the sizes that waste the least of them at ``max_model_len``); any other
     model keeps the configured block size for both. Fixed per engine config at the first call
@@ -312,10 +312,12 @@ def check_engine_config(vllm_config: Any) -> KVPolicy:
     if mix is not None:
         raise Nvfp4MixedConfigError(
             f"kv_cache_dtype={CACHE_DTYPE}: vLLM's KV-cache manager cannot group sliding-window "
-            f"layers of different K/V formats in unequal numbers next to full-attention layers; "
-            f"the policy's sliding layers are {mix}. Give every sliding layer the same 'k' and "
-            "'v' formats: in a compact policy a type rule such as 'swa:fp8' with no index rule "
-            "naming a sliding layer, in nvfp4_policy.json equal 'k'/'v' in their rows")
+            "layers of different K/V formats in unequal numbers next to full-attention layers "
+            "and layers without KV cache or sliding layers of another window; the policy's "
+            f"sliding layers are {mix}. Give every sliding layer the same 'k' and 'v' formats "
+            "(or as many layers to each pair): in a compact policy a type rule such as "
+            "'swa:fp8' with no index rule naming a sliding layer, in nvfp4_policy.json equal "
+            "'k'/'v' in their rows")
     layout = choose_kv_cache_layout(vllm_config, shape)
     logger.info("vllm-nvfp4: %s", policy.describe())
     if layout is not None:

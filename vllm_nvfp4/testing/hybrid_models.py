@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from vllm_nvfp4.testing.model_cache import BUILD_VERSION, cached_build
 from vllm_nvfp4.testing.tokenizers import save_tokenizer, train_tokenizer
@@ -141,8 +141,21 @@ def by_type_policy_text(types: Any) -> str:
     return f"full:nvfp4,{full[-1]}:fp8"
 
 
-def write_by_type_policy(model_dir: Union[str, os.PathLike]) -> Any:
-    """Write :func:`by_type_policy_text` for the model in ``model_dir`` as its
+def mixed_sliding_policy_text(types: Any) -> str:
+    """A compact policy whose sliding layers mix two K/V format pairs in unequal numbers, as
+    ``select`` writes them: every layer NVFP4, K in FP8 in every third sliding layer from the
+    second (the tiny Gemma 3: layers 1, 6 and 10 of 8 sliding; the first sliding layer keeps the
+    smaller page, as Gemma 3 270M's ``tune`` policy). ``types``: as :func:`by_type_policy_text`."""
+    sliding = [i for i, t in enumerate(types) if t.kind == "sliding"]
+    if len(sliding) < 3 or not any(t.kind == "full" for t in types):
+        raise ValueError("a mixed sliding policy needs full-attention and >= 3 sliding layers")
+    return ",".join(["*:nvfp4"] + [f"{i}:k=fp8,v=nvfp4" for i in sliding[1::3]])
+
+
+def write_by_type_policy(model_dir: Union[str, os.PathLike],
+                         policy_text: Callable[[Any], str] = by_type_policy_text) -> Any:
+    """Write ``policy_text`` of the model's layer types (default :func:`by_type_policy_text`;
+    :func:`mixed_sliding_policy_text`) for the model in ``model_dir`` as its
     ``nvfp4_policy.json`` (the file the plugin finds next to the model); returns the
     :class:`~vllm_nvfp4.policy.KVPolicy`."""
     import json
@@ -152,6 +165,6 @@ def write_by_type_policy(model_dir: Union[str, os.PathLike]) -> Any:
     from vllm_nvfp4.policy import POLICY_FILENAME, KVPolicy, layer_types_from_config
 
     types = layer_types_from_config(AutoConfig.from_pretrained(model_dir).get_text_config())
-    policy = KVPolicy.from_compact(by_type_policy_text(types), len(types), layer_types=types)
+    policy = KVPolicy.from_compact(policy_text(types), len(types), layer_types=types)
     (Path(model_dir) / POLICY_FILENAME).write_text(json.dumps(policy.to_dict()))
     return policy
