@@ -60,7 +60,7 @@ EDITS: tuple[Edit, ...] = (
          "            from vllm_nvfp4.integration.state_alignment import aligning_backend\n\n"
          "            backend_cls = aligning_backend(vllm_config, backend_cls)\n\n"),
     Edit("startup_calibration", "vllm/v1/executor/abstract.py",
-         '        """Compile/warm up the model and capture cudagraphs on workers."""\n',
+         "    def get_kv_cache_specs(self) -> list[dict[str, KVCacheSpec]]:\n",
          "        if self.vllm_config.cache_config.cache_dtype == \"nvfp4_mixed\":\n"
          "            from vllm_nvfp4.integration.startup_calibration import calibrate_engine\n\n"
          "            calibrate_engine(self)\n"),

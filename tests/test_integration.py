@@ -75,7 +75,7 @@ def test_every_hook_is_installed_once():
     from vllm_nvfp4.integration.selection import BACKEND_PATH
 
     for fn in (EngineArgs.create_engine_config, Attention.get_kv_cache_spec,
-               selector._cached_get_attn_backend, Executor.compile_or_warm_up_model,
+               selector._cached_get_attn_backend, Executor.get_kv_cache_specs,
                CpuPlatform._align_hybrid_block_size):
         assert getattr(fn, hooks._MARK)
         assert not getattr(fn.__wrapped__, hooks._MARK, False)  # not wrapped twice

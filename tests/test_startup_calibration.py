@@ -2,11 +2,13 @@
 policy calibrates its scales on the built-in text before serving.
 
 Checked: the scales and K centering offsets the worker binds equal ``vllm-nvfp4 calibrate
---k-center`` (transformers) on the same text with the default rule; the cache file is written,
-then reused by the next start (no second calibration run); ``VLLM_NVFP4_STARTUP_CALIBRATION=0``
-keeps the default scales; a given policy file is never overridden; and on a Qwen2-shaped model
-with a large K bias, prompt log-probs move much closer to the unquantized cache's than with the
-default scales. The models are float32 so vLLM and transformers differ only by summation order.
+--k-center`` (transformers) on the same text; the cache file is written, then reused by the next
+start (no second calibration run); the start-up selection keeps in FP8 a slot made sensitive on
+purpose (the slot ``vllm-nvfp4 analyze`` also ranks first), ``=scales`` keeps the default rule's
+formats and ``=0`` the default scales; a given policy file is never overridden; and on a
+Qwen2-shaped model with a large K bias, prompt log-probs move much closer to the unquantized
+cache's than with the default scales. The models are float32 so vLLM and transformers differ
+only by summation order.
 """
 
 from __future__ import annotations
@@ -83,10 +85,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         mp.setenv(STARTUP_ENV, "0")
         off = _start(model_dir)
         after_off = len(calls)
+        mp.setenv(STARTUP_ENV, "scales")
+        scales = _start(model_dir)
+        scales_files = sorted(set((root / "cache" / "startup-calibration").glob("*.json")) - set(files))
     finally:
         mp.undo()
     return {"model": model_dir, "first": first, "second": second, "off": off, "files": files,
-            "mtimes": mtimes, "calls": (after_first, after_second, after_off)}
+            "mtimes": mtimes, "calls": (after_first, after_second, after_off), "scales": scales,
+            "scales_files": scales_files}
 
 
 def _calibrate_like(model_dir: Path, cache_file: Path) -> Any:
@@ -102,6 +108,13 @@ def _calibrate_like(model_dir: Path, cache_file: Path) -> Any:
                          windows=data["calib_windows"], dtype="float32", k_center=True)
 
 
+def _served_formats(ref: Any, served: Any) -> Any:
+    """``ref`` (scales of both formats for every slot) with the formats of ``served``."""
+    for i, lp in served.kv_layers():
+        ref = ref.with_layer(i, k=lp.k, v=lp.v)
+    return ref
+
+
 def _assert_bound_equals(bound: dict, ref: Any, heads: int, rel: float, atol: float) -> None:
     """Every layer's bound K/V scales and K centering offsets equal ``ref``'s (per-layer scales,
     repeated over ``heads`` KV heads)."""
@@ -114,9 +127,15 @@ def _assert_bound_equals(bound: dict, ref: Any, heads: int, rel: float, atol: fl
 
 
 def test_flag_only_engine_binds_the_scales_of_calibrate(runs):
+    from vllm_nvfp4.policy import KVPolicy
+
     assert runs["calls"][0] == 1 and len(runs["files"]) == 1
     ref = _calibrate_like(runs["model"], runs["files"][0])
     assert ref.to_compact() == "0:fp8,1-2:nvfp4,3:fp8"
+    served = KVPolicy.load(runs["files"][0])
+    assert served.provenance["formats_from"] == "start-up sensitivity"
+    assert sum(lp.format_of(kv) == "fp8" for lp in served.layers for kv in "kv") == 4  # the rule's 4
+    ref = _served_formats(ref, served)  # each slot's scale for the format the selection gave it
     _assert_bound_equals(runs["first"], ref, heads=2, rel=2e-4, atol=2e-5)
     for i, row in enumerate(ref.layers):
         bound = runs["first"][f"model.layers.{i}.self_attn.attn"]
@@ -129,15 +148,19 @@ def test_sliding_window_and_sink_model_binds_the_scales_of_calibrate(tmp_path: P
     calibration forward attends as served, so every layer's statistics equal transformers'
     with the same windows and sinks, and differ from those of the same weights without a
     window (the check can fail)."""
+    from vllm_nvfp4.policy import KVPolicy
     from vllm_nvfp4.testing.hybrid_models import build_tiny_hybrid
 
     model_dir = build_tiny_hybrid("gpt_oss", tmp_path / "gpt_oss", qk_gain=1.0)
     monkeypatch.setenv("VLLM_NVFP4_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(STARTUP_ENV, "scales")  # the statistics only (the selection: a test below)
     monkeypatch.delenv("VLLM_NVFP4_POLICY", raising=False)
     bound = _start(model_dir, max_model_len=1024)
     (cache_file,) = (tmp_path / "cache" / "startup-calibration").glob("*.json")
-    ref = _calibrate_like(model_dir, cache_file)
+    served = KVPolicy.load(cache_file)  # the selected formats (the scales are calibrate's)
+    ref = _served_formats(_calibrate_like(model_dir, cache_file), served)
     assert {t.window for t in ref.layer_types} == {32, None} and all(t.sinks for t in ref.layer_types)
+    assert all(lp.k == lp.v == "fp8" for lp in served.layers if lp.layer_type.kind == "sliding")
     _assert_bound_equals(bound, ref, heads=2, rel=1e-3, atol=1e-4)
 
     unwindowed = tmp_path / "unwindowed"
@@ -145,7 +168,7 @@ def test_sliding_window_and_sink_model_binds_the_scales_of_calibrate(tmp_path: P
     cfg = json.loads((unwindowed / "config.json").read_text())
     cfg["sliding_window"] = 4096  # longer than every calibration window: full attention
     (unwindowed / "config.json").write_text(json.dumps(cfg))
-    full = _calibrate_like(unwindowed, cache_file)
+    full = _served_formats(_calibrate_like(unwindowed, cache_file), served)
     with pytest.raises(AssertionError):
         _assert_bound_equals(bound, full, heads=2, rel=1e-2, atol=1e-3)
 
@@ -154,6 +177,17 @@ def test_second_start_reuses_the_cache(runs):
     assert runs["calls"][1] == runs["calls"][0]  # no calibration forward on the second start
     assert [f.stat().st_mtime_ns for f in runs["files"]] == runs["mtimes"]
     assert runs["second"] == runs["first"]
+
+
+def test_scales_mode_keeps_the_rule_with_calibrated_scales(runs):
+    from vllm_nvfp4.policy import KVPolicy
+
+    (path,) = runs["scales_files"]  # its own cache entry: the recipe differs
+    policy = KVPolicy.load(path)
+    assert policy.to_compact() == "0:fp8,1-2:nvfp4,3:fp8"
+    assert policy.provenance["formats_from"] == "default rule" and "sensitivity" not in policy.provenance
+    _assert_bound_equals(runs["scales"], _calibrate_like(runs["model"], path), heads=2, rel=2e-4,
+                         atol=2e-5)
 
 
 def test_off_switch_keeps_default_scales(runs):
@@ -178,6 +212,80 @@ def test_a_policy_file_is_never_overridden(tmp_path: Path, monkeypatch: pytest.M
     assert bound["model.layers.1.self_attn.attn"]["k_scale"] == [0.5, 0.5]
     assert bound["model.layers.2.self_attn.attn"]["k_scale"] == [1.0, 1.0]
     assert not (tmp_path / "cache" / "startup-calibration").exists()
+
+
+# ---------------------------------------------------------------------------- start-up selection
+SENSITIVE_LAYER = 2  # a middle layer: the default rule stores it in NVFP4
+
+
+def _k_outlier_llama(out: Path) -> Path:
+    """A tiny 6-layer Llama whose layer-2 keys carry large outlier channels (one per 16-block of
+    every head: its k_proj rows scaled 12x), so NVFP4 crushes the block's other channels there."""
+    from safetensors.torch import load_file, save_file
+
+    from vllm_nvfp4.testing.models import build_tiny_llama
+
+    model_dir = build_tiny_llama(out, num_layers=6, dtype="float32", qk_gain=1.0)
+    weights = model_dir / "model.safetensors"
+    sd = load_file(str(weights))
+    name = f"model.layers.{SENSITIVE_LAYER}.self_attn.k_proj.weight"
+    sd[name] = sd[name].clone()
+    sd[name][5::16] *= 12.0  # [kv_heads * D, hidden]: channel 5 of every 16-block
+    save_file(sd, str(weights), metadata={"format": "pt"})
+    return model_dir
+
+
+def test_startup_selection_keeps_the_sensitive_slot_in_fp8(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch):
+    """The engine's policy (cached file, bound layouts) has layer 2's K in FP8 where the rule
+    has NVFP4; the measured KL there is the largest, as ``vllm-nvfp4 analyze`` (transformers,
+    other windows of the same text) measures too."""
+    from vllm_nvfp4.calibration.builtin_text import BUILTIN_TEXT
+    from vllm_nvfp4.calibration.selection import marginals
+    from vllm_nvfp4.calibration.sensitivity import analyze
+    from vllm_nvfp4.policy import KVPolicy
+
+    model_dir = _k_outlier_llama(tmp_path / "llama")
+    monkeypatch.setenv("VLLM_NVFP4_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("VLLM_NVFP4_POLICY", raising=False)
+    llm = _engine(model_dir)
+    try:
+        layouts = llm.collective_rpc(lambda w: {
+            n: (l.impl.layout.k_format, l.impl.layout.v_format)
+            for n, l in w.model_runner.compilation_config.static_forward_context.items()
+            if hasattr(getattr(l, "impl", None), "layout")})[0]
+    finally:
+        del llm
+        gc.collect()
+    (path,) = (tmp_path / "cache" / "startup-calibration").glob("*.json")
+    policy = KVPolicy.load(path)
+    sens = policy.provenance["sensitivity"]
+    assert sens["tokens"] == 2048 and sens["candidates"] == 6 and sens["fp8_slots"] == 4
+    kl = sens["kl"]
+    assert max(kl, key=kl.get) == f"{SENSITIVE_LAYER}.k" and kl[f"{SENSITIVE_LAYER}.k"] > 3 * sorted(kl.values())[-2]
+    assert f"{SENSITIVE_LAYER}.k" in sens["fp8"] and len(sens["fp8"]) == 4
+    assert policy.layers[SENSITIVE_LAYER].k == "fp8"
+    assert sum(lp.format_of(kv) == "fp8" for lp in policy.layers for kv in "kv") == 4
+    assert layouts[f"model.layers.{SENSITIVE_LAYER}.self_attn.attn"][0] == "fp8"
+    for i, lp in enumerate(policy.layers):  # every layer serves the cached formats
+        assert layouts[f"model.layers.{i}.self_attn.attn"] == (lp.k, lp.v)
+    report = analyze(model_dir, [BUILTIN_TEXT], tmp_path / "report", window=512, windows=1,
+                     calib_windows=1, dtype="float32", k_center=True)
+    assert marginals(report, "kl")[0][1:] == (SENSITIVE_LAYER, "k")
+
+
+def test_fp8_slot_count_takes_the_budget_or_the_rule():
+    from vllm_nvfp4.integration.startup_calibration import fp8_slot_count
+    from vllm_nvfp4.policy import FULL_ATTENTION, LayerType
+
+    sliding = LayerType("sliding", 512)
+    assert fp8_slot_count([FULL_ATTENTION] * 30) == (list(range(30)), 7)  # 7 of 60 slots: 0.614x
+    assert fp8_slot_count([FULL_ATTENTION] * 64) == (list(range(64)), 16)
+    assert fp8_slot_count([FULL_ATTENTION] * 6) == (list(range(6)), 4)  # the rule's first/last
+    assert fp8_slot_count([FULL_ATTENTION] * 2) == ([0, 1], 4)  # all FP8: nothing to measure
+    gemma = [FULL_ATTENTION if i % 6 == 5 else sliding for i in range(18)]
+    assert fp8_slot_count(gemma) == ([5, 11, 17], 4)  # sliding layers are no candidates
+    assert fp8_slot_count([sliding] * 8) == (list(range(8)), 4)  # all sliding: the candidates
 
 
 # ---------------------------------------------------------------------------- K-bias model

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from vllm_nvfp4 import __version__
 from vllm_nvfp4.calibration.data import add_text_arguments
-from vllm_nvfp4.calibration.selection import BASES, DEFAULT_BASE, METRICS
+from vllm_nvfp4.calibration.selection import BASES, DEFAULT_BASE, DEFAULT_BUDGET, METRICS
 from vllm_nvfp4.formats import KVFormat
 from vllm_nvfp4.policy import POLICY_FILENAME, KVPolicy, PolicyError
 
@@ -134,8 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tune", help="calibrate + analyze + select in one run; writes MODEL/"
                                     f"{POLICY_FILENAME}")
     _model_args(p, default_windows=2, k_center_default=True)
-    p.add_argument("--budget", type=float, default=0.62,
-                   help="KV bytes as a fraction of all-FP8 (0.5625 .. 1.0; default 0.62)")
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
+                   help=f"KV bytes as a fraction of all-FP8 (0.5625 .. 1.0; default {DEFAULT_BUDGET})")
     p.add_argument("--calib-windows", type=_positive(int), default=1,
                    help="windows before the scored ones that calibrate the scales (default 1)")
     p.add_argument("--metric", choices=METRICS, default="kl",

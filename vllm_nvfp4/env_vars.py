@@ -25,7 +25,9 @@ ENV_VARS: dict[str, str] = {
                 "directory's nvfp4_policy.json)",
     FORCE_TORCH_ENV: "1: the torch path instead of the Triton kernels on CUDA",
     FUSED_PREFILL_ENV: "1: the fused Triton prefill instead of dequantize + FlashAttention (CUDA)",
-    STARTUP_CALIBRATION_ENV: "0: no start-up calibration when no policy is given (default on)",
+    STARTUP_CALIBRATION_ENV: "without a policy: 1 (default) calibrate scales and pick the FP8 "
+                             "slots by measured sensitivity at start-up; scales: the default "
+                             "rule's formats with calibrated scales; 0: off",
     CACHE_ENV: "cache root: start-up calibrations, tiny test models and tokenizers (default "
                "~/.cache/vllm-nvfp4)",
     "VLLM_NVFP4_ASSETS": "asset directory of scripts/prepare_assets.py (default "

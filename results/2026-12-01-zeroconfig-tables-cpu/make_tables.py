@@ -3,7 +3,8 @@
 usage: python make_tables.py MODEL_SUBDIR... > tables.md   (run in this folder)
 A ``MODEL_SUBDIR/eval_tune/results.json`` (the tune row rerun) replaces the tune row (:func:`load`).
 Rows: auto, flag_only, tune (eval_accuracy's ``mixed_calibrated`` run with the tune policy),
-ours_fp8, nvfp4_all. Gap recovered = (top-1 of the row - nvfp4_all's) / (ours_fp8's - nvfp4_all's).
+ours_fp8, nvfp4_all. Where :data:`SELECT_RUNS` names a later flag-only run (the start-up
+selection), that run is the flag_only row and the one in eval/ becomes "flag_only, rule (before)". Gap recovered = (top-1 of the row - nvfp4_all's) / (ours_fp8's - nvfp4_all's).
 KV bytes vs FP8: per token over all layers (what a short context holds); for models with sliding
 layers also over the full-attention layers only (what grows with a long context).
 """
@@ -19,6 +20,9 @@ from vllm_nvfp4.policy import KVPolicy, LayerType
 
 ROWS = (("auto", "auto"), ("flag_only", "flag_only"), ("tune", "mixed_calibrated"),
         ("ours_fp8", "ours_fp8"), ("nvfp4_all", "nvfp4_all"))
+BEFORE = ("flag_only, rule (before)", "flag_only_rule")
+#: model subfolder -> results.json of a flag-only run with the start-up selection (same settings)
+SELECT_RUNS = {"smollm2": "../2026-12-01-startup-select-cpu/smollm2_eval/results.json"}
 
 
 def _gap(top1: float, nvfp4: float, fp8: float) -> float:
@@ -77,13 +81,14 @@ def table(d: dict[str, Any]) -> list[str]:
     s = d["settings"]
     types = d["shape"]["layer_types"]
     hybrid = any(t["type"] != "full" for t in types)
-    top1 = {row: cfg[name]["nll"]["top1_agreement"] for row, name in ROWS if "nll" in cfg[name] and row != "auto"}
+    rows = [*ROWS[:2], BEFORE, *ROWS[2:]] if BEFORE[1] in cfg else ROWS
+    top1 = {row: cfg[name]["nll"]["top1_agreement"] for row, name in rows if "nll" in cfg[name] and row != "auto"}
     out = [f"**{d['model_name']}**: {s['nll_windows']} x {s['window_tokens']}-token held-out windows "
            f"(end of Brown); passkey at {s['passkey_context']} tokens x {len(s['passkey_depths'])} trials",
            "", "| config | KV bytes vs FP8 |" + (" x FP8, full layers |" if hybrid else "")
            + " ΔNLL nats/token [95% CI] | top-1 agree | gap recovered | passkey |",
            "|---|---|" + ("---|" if hybrid else "") + "---|---|---|---|"]
-    for row, name in ROWS:
+    for row, name in rows:
         c = cfg[name]
         if "error" in c:
             dn, t1, gap = c["error"].splitlines()[0].strip(), "-", "-"
@@ -114,7 +119,14 @@ def load(sub: str) -> dict[str, Any]:
 
 def main(dirs: list[str]) -> None:
     for sub in dirs:
-        print("\n".join(table(load(sub))) + "\n")
+        d = load(sub)
+        if sub.rstrip("/") in SELECT_RUNS:
+            new = json.loads(Path(SELECT_RUNS[sub.rstrip("/")]).read_text())
+            for key in ("nll_windows", "window_tokens", "passkey_context", "passkey_depths"):
+                assert new["settings"][key] == d["settings"][key], key  # the same measurement
+            d["configs"][BEFORE[1]] = d["configs"]["flag_only"]
+            d["configs"]["flag_only"] = new["configs"]["flag_only"]
+        print("\n".join(table(d)) + "\n")
 
 
 if __name__ == "__main__":

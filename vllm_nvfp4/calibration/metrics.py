@@ -58,12 +58,17 @@ def reference_from_logits(logits: torch.Tensor, ids: torch.Tensor) -> Reference:
     return Reference(logp=logp, nll=nll, targets=targets)
 
 
+def kl_divergence(logp_ref: torch.Tensor, logp_q: torch.Tensor) -> torch.Tensor:
+    """``KL(p_ref || p_q)`` per row (nats) of log-probs ``[rows, vocab]`` fp32 -> ``[rows]``."""
+    return (logp_ref.exp() * (logp_ref - logp_q)).sum(-1).clamp_min(0.0)  # rounding can give -1e-9
+
+
 def per_token_damage(logits: torch.Tensor, ref: Reference) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(kl [T-1], nll [T-1], top1 [T-1] bool)`` of ``logits [T, vocab]`` against ``ref``."""
     kls, nlls, agree = [], [], []
     for lq, lr, tg in zip(logits[:-1].split(CHUNK), ref.logp.split(CHUNK), ref.targets.split(CHUNK)):
         lq = lq.float().log_softmax(-1)
-        kls.append((lr.exp() * (lr - lq)).sum(-1).clamp_min(0.0))  # rounding can give -1e-9
+        kls.append(kl_divergence(lr, lq))
         nlls.append(-lq.gather(1, tg.unsqueeze(1)).squeeze(1))
         agree.append(lq.argmax(-1) == lr.argmax(-1))
     return torch.cat(kls), torch.cat(nlls), torch.cat(agree)

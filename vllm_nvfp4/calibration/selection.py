@@ -32,6 +32,8 @@ METRICS = ("kl", "dnll", "top1")
 #: the policies an analysis can sweep from (:mod:`~vllm_nvfp4.calibration.sensitivity`)
 BASES = ("fp8", "nvfp4")
 DEFAULT_BASE = "fp8"
+#: KV bytes (fraction of all-FP8) that ``tune`` and the start-up selection spend by default
+DEFAULT_BUDGET = 0.62
 
 
 def fraction_for_slots(num_layers: int, fp8_slots: int) -> float:
@@ -80,6 +82,14 @@ def marginals(report: dict[str, Any], metric: str) -> list[tuple[float, int, str
     return sorted(slots, key=lambda s: (-s[0], s[1], s[2]))
 
 
+def keep_largest(slots: Iterable[tuple[float, int, str]], fp8_slots: int) -> list[tuple[int, str]]:
+    """``(layer, "k"|"v")`` of the at most ``fp8_slots`` slots of ``(damage, layer, kv)`` with the
+    largest POSITIVE damage (ties: K, low layer); the FP8 slots that minimise the predicted
+    damage (module doc)."""
+    ranked = sorted(slots, key=lambda s: (-s[0], s[1], s[2]))
+    return [(layer, kv) for d, layer, kv in ranked[:fp8_slots] if d > 0]
+
+
 def report_layer_types(report: dict[str, Any]) -> tuple[LayerType, ...]:
     """The decoder layers' types an analysis was made for (reports of dense models written
     before the types: all full attention, one per analysed layer)."""
@@ -89,8 +99,9 @@ def report_layer_types(report: dict[str, Any]) -> tuple[LayerType, ...]:
     return tuple(LayerType(t["type"], t.get("window"), t.get("sinks", False)) for t in types)
 
 
-def _policy_from_fp8(layer_types: Sequence[LayerType], fp8: Iterable[tuple[int, str]],
-                     source: str) -> KVPolicy:
+def policy_from_fp8(layer_types: Sequence[LayerType], fp8: Iterable[tuple[int, str]],
+                    source: str) -> KVPolicy:
+    """Formats only: the ``fp8`` slots ``(layer, "k"|"v")`` FP8, every other K/V NVFP4."""
     keep = set(fp8)
     layers = tuple(
         LayerPolicy(*(KVFormat.FP8 if (i, kv) in keep else KVFormat.NVFP4 for kv in ("k", "v")),
@@ -104,8 +115,8 @@ def select_formats(report: dict[str, Any], fp8_slots: int, metric: str = "kl") -
     """Formats minimising the predicted damage with at most ``fp8_slots`` FP8 slots: the slots of
     largest positive marginal damage (fewer when fewer slots lose anything in NVFP4)."""
     check_slots(len(report["layers"]), fp8_slots)  # one entry per KV layer
-    chosen = [(layer, kv) for d, layer, kv in marginals(report, metric)[:fp8_slots] if d > 0]
-    return _policy_from_fp8(report_layer_types(report), chosen,
+    chosen = keep_largest(marginals(report, metric), fp8_slots)
+    return policy_from_fp8(report_layer_types(report), chosen,
                             source=f"selected ({len(chosen)} of {fp8_slots} FP8 slots, {metric})")
 
 
@@ -127,7 +138,7 @@ def naive_formats(num_layers: int, fp8_slots: int,
     keep = [(kv_layers[j], kv) for j in [*range(front), *range(n - back, n)] for kv in ("k", "v")]
     if fp8_slots % 2:
         keep.append((kv_layers[front], "k"))
-    return _policy_from_fp8(types, keep, source=f"naive first/last ({fp8_slots} FP8 slots)")
+    return policy_from_fp8(types, keep, source=f"naive first/last ({fp8_slots} FP8 slots)")
 
 
 def predict(report: dict[str, Any], formats: KVPolicy, metric: str) -> float:

@@ -22,7 +22,7 @@ from vllm_nvfp4.evaluation.logprobs import WindowScores, compare, ratio_to
 from vllm_nvfp4.evaluation.report import FP8_REFERENCES, check_targets, markdown_table, plot, targets_markdown
 from vllm_nvfp4.evaluation.windows import tail_windows
 from vllm_nvfp4.model_shape import ModelShape
-from vllm_nvfp4.policy import PolicyError
+from vllm_nvfp4.policy import KVPolicy, PolicyError
 
 DEFAULT_KV_SPACE_GIB = "1"
 
@@ -97,6 +97,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             r["error"] = str(e)
             failures.append(cfg.name)
             continue
+        if cfg.zero_config and "policy" in er:  # the formats the start-up calibration chose
+            cfg = replace(cfg, policy=KVPolicy.from_dict(er["policy"]))
+            r.update(cfg.summary(shape), startup_policy=er["policy"])
         r["kv_bytes"] = kv_bytes(cfg.expected_bytes_per_token(shape), er, kv_space)
         r["engine_seconds"] = {k: er.get(k) for k in ("engine_start_s", "nll_s", "passkey_s")}
         if "nll" in er:

@@ -45,11 +45,23 @@ class EngineJob:
     passkey_prompts: list[list[int]] = field(default_factory=list)  # prompt + answer token ids
 
 
+def _policy_in_force(worker: Any) -> dict[str, Any]:
+    """The policy the worker's layers serve (a start-up calibration's, or the resolved one)."""
+    from vllm_nvfp4.integration.model import model_policy
+
+    return model_policy(worker.model_runner.vllm_config).to_dict()
+
+
 def _engine_report(llm: Any) -> dict[str, Any]:
+    from vllm_nvfp4.integration.dtype import is_ours
+
     cc = llm.llm_engine.vllm_config.cache_config
-    return {"num_blocks": int(cc.num_gpu_blocks), "block_size": int(cc.block_size),
-            "kv_cache_memory_bytes": int(cc.kv_cache_memory_bytes) if cc.kv_cache_memory_bytes else None,
-            "cache_dtype": str(cc.cache_dtype)}
+    out = {"num_blocks": int(cc.num_gpu_blocks), "block_size": int(cc.block_size),
+           "kv_cache_memory_bytes": int(cc.kv_cache_memory_bytes) if cc.kv_cache_memory_bytes else None,
+           "cache_dtype": str(cc.cache_dtype)}
+    if is_ours(cc.cache_dtype):
+        out["policy"] = llm.collective_rpc(_policy_in_force)[0]
+    return out
 
 
 def _score(llm: Any, windows: list[list[int]]) -> list[dict[str, Any]]:

@@ -162,6 +162,6 @@ def build_configs(names: Sequence[str], shape: ModelShape, policy_path: Optional
             if shape.model_dir is not None and (Path(shape.model_dir) / POLICY_FILENAME).is_file():
                 raise ConfigError(f"flag_only: {shape.model_dir}/{POLICY_FILENAME} exists and an engine "
                                   "would serve it; move it away to measure the zero-config start")
-            out.append(KVConfig(name, OURS, "nvfp4_mixed, no policy: default rule, start-up calibration",
+            out.append(KVConfig(name, OURS, "nvfp4_mixed, no policy: start-up calibration and selection",
                                 default_policy(L, types), zero_config=True))
     return out

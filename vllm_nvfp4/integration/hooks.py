@@ -31,8 +31,8 @@ env_vars           envs.py ``environment_variables`` (+ VLLM_NVFP4_*;     env_va
 compile_factors    envs.py ``compile_factors`` without VLLM_NVFP4_*        env_vars.without_ours
                    (plugin-only)
 startup_           v1/executor/abstract.py                                startup_calibration.
-calibration        ``Executor.compile_or_warm_up_model``: first            calibrate_engine
-                   calibrate on every worker (no policy given)
+calibration        ``Executor.get_kv_cache_specs``: first calibrate        calibrate_engine
+                   (and select formats) on every worker (no policy given)
 =================  ====================================================  ==========================
 
 vLLM APIs the backend *uses* without patching them (they must keep working across versions):
@@ -192,14 +192,14 @@ def _install_startup_calibration() -> None:
     from vllm_nvfp4.integration.startup_calibration import calibrate_engine
 
     def make(original: Callable) -> Callable:
-        def compile_or_warm_up_model(self: Any) -> None:
+        def get_kv_cache_specs(self: Any) -> Any:
             if is_ours(self.vllm_config.cache_config.cache_dtype):
                 calibrate_engine(self)
             return original(self)
 
-        return compile_or_warm_up_model
+        return get_kv_cache_specs
 
-    _replace(Executor, "compile_or_warm_up_model", make)
+    _replace(Executor, "get_kv_cache_specs", make)
 
 
 HOOKS: tuple[Hook, ...] = (
@@ -242,10 +242,11 @@ HOOKS: tuple[Hook, ...] = (
          "without_ours", (), _install_compile_factors),
 
 
-    Hook("startup_calibration", "vllm.v1.executor.abstract:Executor.compile_or_warm_up_model",
-         "the engine core calls it on every executor once the KV cache is allocated and before "
-         "warm-up and CUDA-graph capture: the one point where the loaded model can run real text "
-         "on every TP rank and the scales can still change in place before graphs are captured",
+    Hook("startup_calibration", "vllm.v1.executor.abstract:Executor.get_kv_cache_specs",
+         "the engine core calls it once on every executor after the model is loaded and before "
+         "memory profiling, KV-cache allocation, warm-up and CUDA-graph capture: the one point "
+         "where the loaded model can run real text on every TP rank and the policy's scales and "
+         "formats (hence the page sizes) can still change",
          "calibrate_engine", ("vllm/v1/executor/abstract.py",), _install_startup_calibration),
 )
 

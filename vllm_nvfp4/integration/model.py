@@ -51,18 +51,31 @@ def _resolve(num_layers: int, layer_types: tuple[LayerType, ...], num_kv_heads: 
 
 # Policies calibrated at start-up (startup_calibration.py), by id() of the engine's config.
 _STARTUP_POLICIES: dict[int, KVPolicy] = {}
+# Engine configs whose KV-cache specs were taken (id()): their layer formats are fixed.
+_FORMATS_FIXED: set[int] = set()
+
+
+def fix_formats(vllm_config: Any) -> None:
+    """Record that ``vllm_config``'s KV-cache specs (page sizes, hence formats) were taken."""
+    key = id(vllm_config)
+    if key not in _FORMATS_FIXED:
+        _FORMATS_FIXED.add(key)
+        weakref.finalize(vllm_config, _FORMATS_FIXED.discard, key)
 
 
 def set_startup_policy(vllm_config: Any, policy: KVPolicy) -> None:
-    """Make ``policy`` (the default rule's formats with start-up calibrated scales) the policy in
-    force for ``vllm_config`` in this process, for as long as that config object lives."""
+    """Make ``policy`` (start-up calibrated scales, formats of the rule or of the start-up
+    selection) the policy in force for ``vllm_config`` in this process, for as long as that
+    config object lives. Formats may change only before the KV-cache specs are taken."""
     shape = ModelShape.from_vllm_config(vllm_config)
-    if policy.to_compact() != model_policy(vllm_config).to_compact():
-        raise Nvfp4MixedConfigError(
-            f"start-up calibration changed the layer formats ({policy.to_compact()}); the KV "
-            "cache was allocated for the formats in force")
     policy.check_model(shape.num_layers, shape.total_num_kv_heads, shape.head_dim)
     key = id(vllm_config)
+    if policy.to_compact() != model_policy(vllm_config).to_compact():
+        if key in _FORMATS_FIXED:
+            raise Nvfp4MixedConfigError(
+                f"start-up calibration changed the layer formats ({policy.to_compact()}) after "
+                "the KV-cache pages were sized for the formats in force")
+        _GROUP_BLOCKS.pop(key, None)  # the hybrid block plan follows the new page sizes
     _STARTUP_POLICIES[key] = policy
     weakref.finalize(vllm_config, _STARTUP_POLICIES.pop, key, None)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_nvfp4.integration.dtype import CACHE_DTYPE, CACHE_TORCH_DTYPE
-from vllm_nvfp4.integration.model import Nvfp4MixedConfigError, layer_plan
+from vllm_nvfp4.integration.model import Nvfp4MixedConfigError, fix_formats, layer_plan
 
 
 def kv_cache_spec(layer: Any, vllm_config: Any) -> Any:
@@ -40,6 +40,7 @@ def kv_cache_spec(layer: Any, vllm_config: Any) -> Any:
             f"{layer.head_size} and {layer.head_size_v}"
         )
     _, _, layout = layer_plan(vllm_config, layer)
+    fix_formats(vllm_config)
     fields = dict(
         block_size=layout.block_size,
         num_kv_heads=layer.num_kv_heads,

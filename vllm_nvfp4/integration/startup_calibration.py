@@ -1,9 +1,11 @@
-"""Start-up calibration: a model served without a policy calibrates its K/V scales before serving.
+"""Start-up calibration: a model served without a policy calibrates its K/V scales and picks
+its FP8 slots before serving.
 
 When ``kv_cache_dtype=nvfp4_mixed``, ``$VLLM_NVFP4_POLICY`` is unset and the model directory has
 no ``nvfp4_policy.json`` (the default layer rule is in force), every worker runs the loaded model
 IN vLLM over the package's calibration text (:mod:`vllm_nvfp4.calibration.builtin_text`) once,
-after the KV cache is allocated and before vLLM's warm-up and CUDA-graph capture:
+after the model is loaded and before memory profiling, KV-cache allocation, warm-up and CUDA-graph
+capture (the formats chosen here size the pages):
 
 1. Each attention layer of ours gets a :class:`CalibrationBatch` as its attention metadata: the
    impl hands it the post-RoPE K and V of its heads (the tensors the cache would store), which it
@@ -14,19 +16,31 @@ after the KV cache is allocated and before vLLM's warm-up and CUDA-graph capture
    written (no slot mapping).
 2. Under tensor parallelism each rank observes its own KV heads; the statistics are gathered
    over the TP group's CPU group, so every rank builds the same whole-model policy.
-3. The policy = the default layer rule with calibrated scales (FP8 ``amax/448``, NVFP4
+3. Scales: the default layer rule with calibrated scales (FP8 ``amax/448``, NVFP4
    ``amax/2688``, one per layer) and K centering offsets (not for models with a logits
    soft-cap), exactly :func:`~vllm_nvfp4.calibration.scales.scaled_policy` as ``calibrate
-   --k-center`` writes it. It replaces the default rule for this engine
-   (:func:`~vllm_nvfp4.integration.model.set_startup_policy`) and is bound into every layer's
-   persistent scale tensors in place, before any graph is captured.
-4. The policy is cached (:mod:`vllm_nvfp4.calibration.startup_cache`, rank 0 writes) and reused
-   by the next start of the same model, weights, dtype, text and recipe.
+   --k-center`` writes it.
+4. Formats (start-up sensitivity, ``analyze`` + ``select`` in vLLM): the candidate slots are the
+   K and the V of every layer whose cache grows with the context
+   (:func:`~vllm_nvfp4.policy.growing_layers`: the full-attention layers; sliding layers stay
+   FP8 as in the rule). On the first :data:`SENSITIVITY_TOKENS` tokens of the text, the model
+   runs once exactly and once per candidate with only that slot stored in NVFP4 (its calibrated
+   scale, K centered as served; :func:`~vllm_nvfp4.calibration.kv_hooks.fake_quantize`), every
+   other layer exact; a slot's damage is the mean next-token KL of the final logits against the
+   exact forward (:func:`~vllm_nvfp4.calibration.metrics.kl_divergence`, :data:`LOGIT_ROWS`
+   positions at a time). The :func:`fp8_slot_count` slots of largest damage stay FP8
+   (:func:`~vllm_nvfp4.calibration.selection.keep_largest`), the other candidates go NVFP4.
+   Under TP the logits are on rank 0: it ranks the slots and broadcasts the choice.
+5. The policy replaces the default rule for this engine
+   (:func:`~vllm_nvfp4.integration.model.set_startup_policy`) before the KV-cache specs are
+   taken; it is cached (:mod:`vllm_nvfp4.calibration.startup_cache`, rank 0 writes) and reused by
+   the next start of the same model, weights, dtype, text and recipe.
 
-Off: ``VLLM_NVFP4_STARTUP_CALIBRATION=0`` (the default rule keeps scale 1.0 / 1/6, with a
-warning). Skipped with a warning under pipeline parallelism, for M-RoPE models and for models
-with Mamba / linear-attention (state) layers such as Qwen3-Next (calibrate offline with
-``vllm-nvfp4 calibrate``).
+``VLLM_NVFP4_STARTUP_CALIBRATION`` (:data:`STARTUP_MODES`): unset / ``1`` scales and formats as
+above; ``scales`` the default rule's formats with calibrated scales (no sensitivity forwards);
+``0`` off (the default rule keeps scale 1.0 / 1/6, with a warning). Skipped with a warning under
+pipeline parallelism, for M-RoPE models and for models with Mamba / linear-attention (state)
+layers such as Qwen3-Next (calibrate offline with ``vllm-nvfp4 calibrate`` / ``tune``).
 """
 
 from __future__ import annotations
@@ -36,13 +50,20 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from vllm_nvfp4.calibration.builtin_text import BUILTIN_TEXT, builtin_text_sha256
-from vllm_nvfp4.calibration.kv_hooks import KVObserver
+from vllm_nvfp4.calibration.kv_hooks import KVObserver, fake_quantize, transform_qk
+from vllm_nvfp4.calibration.metrics import kl_divergence
+from vllm_nvfp4.calibration.selection import (
+    DEFAULT_BUDGET,
+    fp8_slots_for_budget,
+    keep_largest,
+    policy_from_fp8,
+)
 from vllm_nvfp4.calibration.startup_cache import (
     cache_key,
     cache_path,
@@ -50,19 +71,50 @@ from vllm_nvfp4.calibration.startup_cache import (
     save_cached,
     weights_fingerprint,
 )
-from vllm_nvfp4.policy import POLICY_ENV, POLICY_FILENAME, KVPolicy, default_policy
+from vllm_nvfp4.calibration.scales import with_formats
+from vllm_nvfp4.formats import KVFormat
+from vllm_nvfp4.policy import (
+    POLICY_ENV,
+    POLICY_FILENAME,
+    KVPolicy,
+    LayerType,
+    default_policy,
+    growing_layers,
+)
 
 from vllm_nvfp4.integration.dtype import is_ours
-from vllm_nvfp4.integration.model import is_draft_layer, layer_index, layer_plan, set_startup_policy
+from vllm_nvfp4.integration.model import is_draft_layer, layer_index, set_startup_policy
+from vllm_nvfp4.integration.rank_params import rank_row_values
 from vllm_nvfp4.model_shape import ModelShape
 from vllm_nvfp4.paged_torch import attend_one_sequence
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
 
 STARTUP_CALIBRATION_ENV = "VLLM_NVFP4_STARTUP_CALIBRATION"
+#: values of ``$VLLM_NVFP4_STARTUP_CALIBRATION`` (lower case) -> mode
+STARTUP_MODES = {"": "select", "1": "select", "on": "select", "true": "select", "yes": "select",
+                 "scales": "scales", "0": "off", "off": "off", "false": "off", "no": "off"}
 MAX_WINDOW = 1024  # tokens per calibration sequence (fewer if max_model_len or the batch is smaller)
 TARGET_TOKENS = 4096  # calibration tokens in all (fewer if the text is shorter)
-RECIPE_VERSION = 1  # bump when the statistics or the policy built from them change
+#: tokens of the sensitivity forwards (the first windows of the calibration text): two 1024-token
+#: windows; on a 2-core CPU SmolLM2-135M's 61 forwards of 2048 tokens take minutes (the one-time
+#: cost of a cached result), on an H200 an 8B model's 65 a few seconds
+SENSITIVITY_TOKENS = 2048
+LOGIT_ROWS = 256  # positions per logits chunk: the extra memory is 2 x LOGIT_ROWS x vocab fp32
+PROGRESS_SECONDS = 10.0  # a progress line at most this often during the sensitivity forwards
+RECIPE_VERSION = 2  # bump when the statistics or the policy built from them change
+
+
+def startup_mode() -> str:
+    """``"select"``, ``"scales"`` or ``"off"`` from ``$VLLM_NVFP4_STARTUP_CALIBRATION``
+    (:data:`STARTUP_MODES`); ``ValueError`` naming the accepted values for any other."""
+    raw = os.environ.get(STARTUP_CALIBRATION_ENV, "")
+    mode = STARTUP_MODES.get(raw.strip().lower())
+    if mode is None:
+        raise ValueError(f"${STARTUP_CALIBRATION_ENV}={raw!r} is not understood; use 1 (scales "
+                         "and formats, the default), scales (the default rule with calibrated "
+                         "scales) or 0 (off)")
+    return mode
 
 
 # ---------------------------------------------------------------------------- when and how much
@@ -77,7 +129,7 @@ def skip_reason(vllm_config: Any) -> Optional[str]:
     shape = ModelShape.from_vllm_config(vllm_config)
     if shape.model_dir is not None and (Path(shape.model_dir) / POLICY_FILENAME).is_file():
         return "policy given"
-    if os.environ.get(STARTUP_CALIBRATION_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if startup_mode() == "off":
         return f"${STARTUP_CALIBRATION_ENV}={os.environ[STARTUP_CALIBRATION_ENV]}"
     if pc.pipeline_parallel_size > 1:
         return "not supported with pipeline parallelism"
@@ -98,44 +150,110 @@ def planned(vllm_config: Any) -> bool:
 @dataclass(frozen=True)
 class Recipe:
     """How much text is run: ``windows`` sequences of ``window`` tokens, ``per_forward`` of them
-    per model forward; K centering unless the model has a logits soft-cap."""
+    per model forward; K centering unless the model has a logits soft-cap; with ``select``, the
+    formats from the sensitivity forwards on the first ``sensitivity_windows`` windows."""
 
     window: int
     windows: int
     per_forward: int
     k_center: bool
+    select: bool = True
+    sensitivity_windows: int = 0
 
     def describe(self) -> dict[str, Any]:
-        return {"window": self.window, "windows": self.windows, "k_center": self.k_center,
-                "per_head": False, "version": RECIPE_VERSION}
+        out = {"window": self.window, "windows": self.windows, "k_center": self.k_center,
+               "per_head": False, "version": RECIPE_VERSION,
+               "formats": "sensitivity" if self.select else "default rule"}
+        if self.select:
+            out.update(sensitivity_windows=self.sensitivity_windows, metric="kl",
+                       budget=DEFAULT_BUDGET)
+        return out
 
 
-def recipe_for(vllm_config: Any, text_tokens: int, soft_cap: bool) -> Recipe:
+def recipe_for(vllm_config: Any, text_tokens: int, soft_cap: bool, select: bool = True) -> Recipe:
     """The recipe for an engine: windows no longer than ``MAX_WINDOW``, ``max_model_len``, one
-    batch (``max_num_batched_tokens``) or the text, ``TARGET_TOKENS`` tokens in all."""
+    batch (``max_num_batched_tokens``) or the text, ``TARGET_TOKENS`` tokens in all, the first
+    ``SENSITIVITY_TOKENS`` of them (at least one window) for the sensitivity forwards."""
     batch = vllm_config.scheduler_config.max_num_batched_tokens
     window = min(MAX_WINDOW, vllm_config.model_config.max_model_len, batch, text_tokens)
     windows = max(1, min(TARGET_TOKENS // window, text_tokens // window))
-    return Recipe(window, windows, max(1, batch // window), k_center=not soft_cap)
+    return Recipe(window, windows, max(1, batch // window), k_center=not soft_cap, select=select,
+                  sensitivity_windows=max(1, min(windows, SENSITIVITY_TOKENS // window)))
+
+
+def fp8_slot_count(layer_types: Sequence[LayerType]) -> tuple[list[int], int]:
+    """``(candidate layers, FP8 slots among their K/V)``: the growing layers
+    (:func:`~vllm_nvfp4.policy.growing_layers`) and ``max(FP8 slots of`` :data:`DEFAULT_BUDGET`
+    ``over them, the default rule's FP8 slots among them)``, at most all of them."""
+    types = tuple(layer_types)
+    candidates = growing_layers(types)
+    rule = default_policy(len(types), types)
+    rule_fp8 = sum(rule.layers[i].format_of(kv) is KVFormat.FP8 for i in candidates for kv in "kv")
+    return candidates, min(max(fp8_slots_for_budget(len(candidates), DEFAULT_BUDGET), rule_fp8),
+                           2 * len(candidates))
 
 
 # ---------------------------------------------------------------------------- inside the forward
+@dataclass(frozen=True)
+class SlotPerturbation:
+    """One slot stored as the cache would store it on this rank: ``kv`` ("k" or "v") of policy
+    row ``row`` in ``fmt`` with ``scale [kv_heads]`` (FP32) and, for K, the K centering offsets
+    and smoothing factors ``[kv_heads, head_dim]`` of this rank's heads (None: none)."""
+
+    row: int
+    kv: str
+    fmt: str
+    scale: torch.Tensor
+    k_center: Optional[torch.Tensor] = None
+    k_smooth: Optional[torch.Tensor] = None
+
+    @classmethod
+    def of(cls, policy: KVPolicy, row: int, kv: str, fmt: str, layer_name: str, impl: Any,
+           vllm_config: Any) -> "SlotPerturbation":
+        """``kv`` of ``row`` in ``fmt`` with ``policy``'s scales, as the rank's ``impl`` of
+        ``layer_name`` binds them
+        (:func:`~vllm_nvfp4.integration.rank_params.rank_row_values`)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        values = rank_row_values(policy.with_layer(row, **{kv: fmt}).layers[row], layer_name,
+                                 vllm_config.model_config.get_total_num_kv_heads(),
+                                 impl.num_kv_heads, impl.num_heads, impl.head_size,
+                                 get_tensor_model_parallel_rank() if tp > 1 else 0, tp)
+        rows = {n: torch.tensor(values[n], dtype=torch.float32) if kv == "k" and n in values
+                else None for n in ("k_center", "k_smooth")}
+        return cls(row, kv, fmt, torch.tensor(values[f"{kv}_scale"], dtype=torch.float32), **rows)
+
+    def apply(self, query: torch.Tensor, key: torch.Tensor,
+              value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``query [S, heads, L, D]``, ``key``/``value [S, kv_heads, L, D]`` as the layer attends
+        them with this slot quantized (K centered / smoothed first, the query smoothed back)."""
+        if self.kv == "v":
+            return query, key, fake_quantize(value, self.fmt, self.scale)
+        if self.k_center is not None or self.k_smooth is not None:
+            query, key = transform_qk(query, key, self.k_smooth, self.k_center)
+        return query, fake_quantize(key, self.fmt, self.scale).to(query.dtype), value
+
+
 @dataclass
 class CalibrationBatch:
-    """Attention metadata of a calibration forward: ``num_seqs`` sequences of ``seq_len`` tokens
-    laid end to end. The impl calls :meth:`attend` instead of its cache path."""
+    """Attention metadata of one layer (policy row ``row``) in a calibration forward:
+    ``num_seqs`` sequences of ``seq_len`` tokens laid end to end. The impl calls :meth:`attend`
+    instead of its cache path. ``observer`` (None: nothing recorded) records the layer's K/V;
+    ``perturb`` (None: none) quantizes one slot."""
 
-    observer: KVObserver
-    layer_rows: dict[str, int]  # layer name -> policy row
+    observer: Optional[KVObserver]
+    row: int
     num_seqs: int
     seq_len: int
+    perturb: Optional[SlotPerturbation] = None
 
     def attend(self, impl: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                output: torch.Tensor) -> torch.Tensor:
-        """Record ``key``/``value`` ``[T, kv_heads, D]`` of ``impl``'s layer, then write exact causal
+        """Record ``key``/``value`` ``[T, kv_heads, D]`` of ``impl``'s layer, then write causal
         attention of ``query [T, heads, D]`` into ``output [T, heads, D]``: the layer's sliding
         window, attention sinks and logits soft-cap as served (model dtype; FP32 with a soft-cap
-        or sinks)."""
+        or sinks), exact but for the ``perturb`` slot."""
         s, n = self.num_seqs, self.seq_len
         t = s * n
 
@@ -143,8 +261,11 @@ class CalibrationBatch:
             return x[:t].reshape(s, n, x.shape[1], x.shape[2]).transpose(1, 2)
 
         k, v = seqs(key), seqs(value)
-        self.observer.observe(self.layer_rows[impl.layer_name], k, v)
+        if self.observer is not None:
+            self.observer.observe(self.row, k, v)
         q = seqs(query)
+        if self.perturb is not None and self.perturb.row == self.row:
+            q, k, v = self.perturb.apply(q, k, v)
         if impl.logits_soft_cap is None and impl.sinks is None and impl.sliding_window is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=impl.scale,
                                                  enable_gqa=True)
@@ -168,32 +289,87 @@ def _our_layers(vllm_config: Any, num_layers: int) -> dict[str, Any]:
             and not is_draft_layer(vllm_config, name, num_layers)}
 
 
+def _forward(runner: Any, rows: dict[str, int], chunk: torch.Tensor,
+             observer: Optional[KVObserver] = None,
+             perturb: Optional[SlotPerturbation] = None) -> torch.Tensor:
+    """The runner's model over ``chunk [S, L]`` (token ids), every layer of ``rows`` (name ->
+    policy row) with a :class:`CalibrationBatch`; returns the final hidden states
+    ``[S * L, hidden]``."""
+    from vllm.forward_context import set_forward_context
+
+    s, n = chunk.shape
+    ids = chunk.reshape(-1).to(device=runner.device, dtype=torch.int32)
+    positions = torch.arange(n, device=runner.device, dtype=torch.int64).repeat(s)
+    batches = {name: CalibrationBatch(observer, row, s, n, perturb) for name, row in rows.items()}
+    with set_forward_context(batches, runner.vllm_config, num_tokens=s * n, slot_mapping={}):
+        return runner.get_model()(input_ids=ids, positions=positions, intermediate_tensors=None,
+                                  inputs_embeds=None)
+
+
 @torch.inference_mode()
 def observe_in_vllm(runner: Any, layers: dict[str, Any], windows: torch.Tensor, recipe: Recipe,
                     num_layers: int) -> KVObserver:
     """Run ``windows [n, T]`` through the runner's model, ``recipe.per_forward`` per forward;
     returns this rank's K/V statistics."""
-    from vllm.forward_context import set_forward_context
-
-    vllm_config = runner.vllm_config
-    model = runner.get_model()
     rows = {name: layer_index(name, num_layers) for name in layers}
     observer = KVObserver(num_layers)
     for chunk in windows.split(recipe.per_forward):
-        s, n = chunk.shape
-        batch = CalibrationBatch(observer, rows, s, n)
-        ids = chunk.reshape(-1).to(device=runner.device, dtype=torch.int32)
-        positions = torch.arange(n, device=runner.device, dtype=torch.int64).repeat(s)
-        with set_forward_context({name: batch for name in layers}, vllm_config,
-                                 num_tokens=s * n, slot_mapping={}):
-            model(input_ids=ids, positions=positions, intermediate_tensors=None,
-                  inputs_embeds=None)
+        _forward(runner, rows, chunk, observer)
     missing = sorted(set(rows.values()) - {i for i in range(num_layers) if observer.k_amax[i] is not None})
     if missing:
         raise RuntimeError(f"vllm-nvfp4 start-up calibration: layers {missing} never reached the "
                            "attention impl; set VLLM_NVFP4_STARTUP_CALIBRATION=0 and calibrate "
                            "offline with `vllm-nvfp4 calibrate`")
     return observer
+
+
+@torch.inference_mode()
+def slot_damage(runner: Any, layers: dict[str, Any], windows: torch.Tensor, recipe: Recipe,
+                scaled: KVPolicy, slots: Sequence[tuple[int, str]],
+                progress: Optional[Callable[[int], None]] = None) -> Optional[dict[tuple[int, str], float]]:
+    """Mean next-token KL (nats) of the final logits with each slot ``(layer, "k"|"v")`` alone in
+    NVFP4 (``scaled``'s scales and K centering as served, every other layer exact) against the
+    exact forward, over every position of ``windows [n, T]``; None on ranks without logits.
+    ``progress(done)`` is called after each slot."""
+    model = runner.get_model()
+    rows = {name: layer_index(name, scaled.num_layers) for name in layers}
+    by_row = {row: name for name, row in rows.items()}
+    chunks = list(windows.split(recipe.per_forward))
+    exact = [_forward(runner, rows, c) for c in chunks]
+    damage: Optional[dict[tuple[int, str], float]] = {}
+    for done, (layer, kv) in enumerate(slots, 1):
+        name = by_row[layer]
+        perturb = SlotPerturbation.of(scaled, layer, kv, "nvfp4", name, layers[name].impl,
+                                      runner.vllm_config)
+        total, count = torch.zeros((), dtype=torch.float64, device=runner.device), 0
+        for chunk, hidden in zip(chunks, exact):
+            moved = _forward(runner, rows, chunk, perturb=perturb)
+            for ref_rows, q_rows in zip(hidden.split(LOGIT_ROWS), moved.split(LOGIT_ROWS)):
+                ref, q = model.compute_logits(ref_rows), model.compute_logits(q_rows)
+                if ref is None:  # TP: the logits are gathered to rank 0
+                    continue
+                kl = kl_divergence(ref.float().log_softmax(-1), q.float().log_softmax(-1))
+                total, count = total + kl.double().sum(), count + kl.numel()  # no host sync
+        if count == 0:
+            damage = None
+        elif damage is not None:
+            damage[(layer, kv)] = float(total) / count
+        if progress is not None:
+            progress(done)
+    return damage
+
+
+def select_formats_at_startup(scaled: KVPolicy, damage: dict[tuple[int, str], float],
+                              candidates: Sequence[int], fp8_slots: int,
+                              provenance: dict[str, Any]) -> KVPolicy:
+    """``scaled`` with the ``fp8_slots`` candidate slots of largest ``damage`` in FP8, the other
+    candidates' slots NVFP4 and the other KV layers' formats kept."""
+    chosen = keep_largest([(d, layer, kv) for (layer, kv), d in damage.items()], fp8_slots)
+    keep = set(candidates)
+    fixed = [(i, kv) for i, lp in scaled.kv_layers() if i not in keep for kv in ("k", "v")
+             if lp.format_of(kv) is KVFormat.FP8]
+    formats = policy_from_fp8(scaled.layer_types, [*chosen, *fixed], source="start-up sensitivity")
+    return with_formats(scaled, formats, provenance, source="start-up calibration")
 
 
 # ---------------------------------------------------------------------------- tensor parallel
@@ -268,9 +444,54 @@ def _load_tokenizer(model_config: Any) -> Any:
                                          trust_remote_code=model_config.trust_remote_code)
 
 
+def _slot_name(layer: int, kv: str) -> str:
+    return f"{layer}.{kv}"
+
+
+def _progress_logger(total: int, start: float, rank0: bool) -> Callable[[int], None]:
+    """A ``progress(done)`` that logs on rank 0 at most every :data:`PROGRESS_SECONDS`."""
+    last = [start]
+
+    def progress(done: int) -> None:
+        now = time.perf_counter()
+        if rank0 and done < total and now - last[0] >= PROGRESS_SECONDS:
+            last[0] = now
+            logger.info("vllm-nvfp4: start-up sensitivity: %d of %d slots measured (%.0f s)",
+                        done, total, now - start)
+
+    return progress
+
+
+def _select(runner: Any, layers: dict[str, Any], windows: torch.Tensor, recipe: Recipe,
+            scaled: KVPolicy, provenance: dict[str, Any], rank0: bool) -> KVPolicy:
+    """The start-up selection (module doc, step 4) on the first sensitivity windows; fills in
+    ``provenance`` and returns the policy."""
+    candidates, fp8_slots = fp8_slot_count(scaled.layer_types)
+    if fp8_slots >= 2 * len(candidates):  # every candidate FP8: nothing to choose
+        provenance["formats_from"] = "default rule (every candidate slot FP8)"
+        return KVPolicy(scaled.layers, provenance, source="start-up calibration")
+    start = time.perf_counter()
+    sens = windows[:recipe.sensitivity_windows]
+    slots = [(i, kv) for i in candidates for kv in ("k", "v")]
+    damage = _broadcast(slot_damage(runner, layers, sens, recipe, scaled, slots,
+                                    _progress_logger(len(slots), start, rank0)))
+    if damage is None:
+        raise RuntimeError("vllm-nvfp4 start-up selection: rank 0 computed no logits; set "
+                           f"{STARTUP_CALIBRATION_ENV}=scales for the default rule's formats")
+    chosen = keep_largest([(d, layer, kv) for (layer, kv), d in damage.items()], fp8_slots)
+    provenance.update(formats_from="start-up sensitivity", sensitivity={
+        "tokens": int(sens.numel()), "metric": "kl", "budget": DEFAULT_BUDGET,
+        "candidates": len(candidates), "fp8_slots": fp8_slots,
+        "fp8": [_slot_name(*slot) for slot in chosen],
+        "kl": {_slot_name(*slot): round(d, 8) for slot, d in sorted(damage.items())},
+        "seconds": round(time.perf_counter() - start, 1)})
+    return select_formats_at_startup(scaled, damage, candidates, fp8_slots, provenance)
+
+
 def calibrate_worker(worker: Any) -> dict[str, Any]:
-    """Calibrate (or load the cached calibration) on one worker and bind the scales into its
-    layers. Runs on every rank at once (``collective_rpc``). Returns a summary for the log."""
+    """Calibrate and select (or load the cached result) on one worker and make the policy the
+    one in force there. Runs on every rank at once (``collective_rpc``). Returns a summary for
+    the log."""
     from vllm.distributed import get_tp_group
 
     from vllm_nvfp4.calibration.data import load_windows
@@ -288,7 +509,7 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
         return {"skipped": f"cannot load the tokenizer of {mc.tokenizer} with transformers ({e})"}
     text_tokens = len(tokenizer(BUILTIN_TEXT.read_text(encoding="utf-8"),
                                 add_special_tokens=False, verbose=False)["input_ids"])
-    recipe = recipe_for(vllm_config, text_tokens, soft_cap)
+    recipe = recipe_for(vllm_config, text_tokens, soft_cap, select=startup_mode() == "select")
     parts = _key_parts(vllm_config, recipe)
     path = cache_path(cache_key(parts))
     rank0 = get_tp_group().rank_in_group == 0
@@ -311,17 +532,33 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
                       "k_center": recipe.k_center, "cache_key": parts,
                       "conventions": {"fp8_scale": "amax/448", "nvfp4_global_scale": "amax/2688"}}
         rule = default_policy(shape.num_layers, shape.layer_types or None)
-        policy = scaled_policy(rule, observer, per_head=False, provenance=provenance,
+        scaled = scaled_policy(rule, observer, per_head=False, provenance=provenance,
                                k_center=recipe.k_center)
-        policy = KVPolicy(policy.layers, policy.provenance, source="start-up calibration")
+        if recipe.select:
+            policy = _select(runner, layers, windows, recipe, scaled, provenance, rank0)
+        else:
+            policy = KVPolicy(scaled.layers, provenance, source="start-up calibration")
+        if runner.device.type == "cuda":
+            torch.cuda.empty_cache()  # give the forwards' memory back before memory profiling
         if rank0:
             save_cached(policy, path)
     set_startup_policy(vllm_config, policy)
-    for name, layer in layers.items():
-        index, row, layout = layer_plan(vllm_config, layer)
-        layer.impl.bind(name, index, row, layout, vllm_config, runner.device)
     return {"tokens": tokens, "seconds": time.perf_counter() - start, "cached": cached_dict is not None,
-            "path": str(path), "policy": policy.to_compact()}
+            "path": str(path), "policy": policy.to_compact(),
+            "formats": formats_line(policy.provenance)}
+
+
+def formats_line(provenance: dict[str, Any]) -> str:
+    """What chose the formats, for the log: the rule, or the FP8 slots by measured KL."""
+    sens = provenance.get("sensitivity")
+    if sens is None:
+        return str(provenance.get("formats_from", "default rule"))
+    kl = sens["kl"]
+    picked = ", ".join(f"{slot} ({kl[slot]:.3g})" for slot in sens["fp8"]) or "none"
+    median = sorted(kl.values())[len(kl) // 2]
+    return (f"FP8 by measured KL on {sens['tokens']} tokens: {picked} (the {len(sens['fp8'])} of "
+            f"{2 * sens['candidates']} candidate slots with the largest next-token KL in NVFP4; "
+            f"median {median:.3g})")
 
 
 def calibrate_engine(executor: Any) -> None:
@@ -341,10 +578,12 @@ def calibrate_engine(executor: Any) -> None:
                        "default scales; calibrate with `vllm-nvfp4 calibrate` for accuracy",
                        summary["skipped"])
     elif summary["cached"]:
-        logger.info("vllm-nvfp4: start-up calibration reused from %s (%d tokens; %.1f s)",
-                    summary["path"], summary["tokens"], summary["seconds"])
+        logger.info("vllm-nvfp4: start-up calibration reused from %s (%d tokens; %.1f s): %s; %s",
+                    summary["path"], summary["tokens"], summary["seconds"], summary["policy"],
+                    summary["formats"])
     else:
-        logger.info("vllm-nvfp4: calibrated at start-up on %d tokens in %.1f s (%s, K/V scales and "
-                    "K centering of the built-in text; cached in %s; set %s=0 to switch off)",
-                    summary["tokens"], summary["seconds"], summary["policy"], summary["path"],
-                    STARTUP_CALIBRATION_ENV)
+        logger.info("vllm-nvfp4: calibrated at start-up on %d tokens in %.1f s (%s; K/V scales and "
+                    "K centering of the built-in text; %s; cached in %s; set %s=scales for the "
+                    "default rule's formats, =0 to switch off)",
+                    summary["tokens"], summary["seconds"], summary["policy"], summary["formats"],
+                    summary["path"], STARTUP_CALIBRATION_ENV)

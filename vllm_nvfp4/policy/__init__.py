@@ -29,7 +29,7 @@ from vllm_nvfp4.policy.layer_policy import (
 from vllm_nvfp4.policy.compact import KIND_SELECTORS
 from vllm_nvfp4.policy.json_form import POLICY_FORMAT, POLICY_VERSION, TYPE_FIELDS
 from vllm_nvfp4.policy.kv_policy import KVPolicy
-from vllm_nvfp4.policy.default_rule import default_policy
+from vllm_nvfp4.policy.default_rule import default_policy, growing_layers
 from vllm_nvfp4.policy.resolve import POLICY_ENV, POLICY_FILENAME, resolve_policy
 
 __all__ = [
@@ -37,5 +37,5 @@ __all__ = [
     "FULL_ATTENTION", "KIND_SELECTORS", "LAYER_KINDS", "NO_KV", "POLICY_ENV", "POLICY_FILENAME",
     "POLICY_FORMAT", "POLICY_VERSION", "SCALE_FIELDS", "SINK_MODEL_TYPES", "TYPE_FIELDS",
     "KVPolicy", "LayerPolicy", "LayerType", "PolicyError", "Scale", "Smooth",
-    "default_policy", "layer_types_from_config", "resolve_policy",
+    "default_policy", "growing_layers", "layer_types_from_config", "resolve_policy",
 ]

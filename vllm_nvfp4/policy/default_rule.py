@@ -16,6 +16,13 @@ from vllm_nvfp4.policy.kv_policy import KVPolicy
 from vllm_nvfp4.policy.layer_types import FULL_ATTENTION, LayerType
 
 
+def growing_layers(layer_types: Sequence[LayerType]) -> list[int]:
+    """The layers whose cache grows with the context, where the rule chooses formats: the
+    full-attention KV layers, or every KV layer when none is full (the others stay FP8)."""
+    kv = [i for i, t in enumerate(layer_types) if t.holds_kv]
+    return [i for i in kv if layer_types[i].kind == "full"] or kv
+
+
 def default_rule_text(layer_types: Sequence[LayerType]) -> tuple[str, str]:
     """``(compact policy, its source)`` of the default rule (module doc) for ``layer_types``:
     sliding layers FP8; of the growing layers (the full-attention ones, or all KV layers if none
@@ -25,7 +32,7 @@ def default_rule_text(layer_types: Sequence[LayerType]) -> tuple[str, str]:
     kv = [i for i, t in enumerate(types) if t.holds_kv]
     if not kv:
         raise PolicyError("the model has no layer with a KV cache; nvfp4_mixed has nothing to store")
-    growing = [i for i in kv if types[i].kind == "full"] or kv
+    growing = growing_layers(types)
     if len(growing) <= 2:
         return "*:fp8", "default rule"
     if len(growing) == len(kv):
