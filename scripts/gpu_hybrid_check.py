@@ -52,6 +52,7 @@ ARCHS = ("gpt_oss", "gemma3", "qwen3_next", "mistral", "gemma3_swa_mix")  # the 
 MIXED_SUFFIX = "_swa_mix"
 TOL_RATIO = 0.75
 KV_BYTES = 2 << 30
+BLOCK = 16  # the configured block size of the full + sliding models (CUDA's default)
 QK_GAIN = 0.5  # mild attention: bf16 rounding flips stay small in a random model
 
 
@@ -89,6 +90,8 @@ def check_arch(arch: str, device: str, work: Path, compare_eager: bool) -> dict[
     common = dict(model=str(model_dir), kv_cache_dtype="nvfp4_mixed", dtype="bfloat16",
                   max_model_len=4096, seed=0, kv_cache_memory_bytes=KV_BYTES,
                   gpu_memory_utilization=0.5, **extra)
+    if not state:  # pinned: vLLM later sets cache_config.block_size to its smallest group's
+        common["block_size"] = BLOCK
     if device == "cpu":  # the dry run: vLLM's CPU build compiles for minutes
         common["enforce_eager"] = True
     r: dict[str, Any] = {"arch": case, "policy": policy.to_compact(), "checks": {}}
@@ -119,7 +122,8 @@ def check_arch(arch: str, device: str, work: Path, compare_eager: bool) -> dict[
     mc = llm.llm_engine.vllm_config
     heads, dim = mc.model_config.get_num_kv_heads(mc.parallel_config), mc.model_config.get_head_size()
     length, in_flight = report["max_model_len"], report["max_in_flight_tokens"]
-    block = report["configured_block_size"]  # the worker's (the platform may set it)
+    # full + sliding: the block the plugin planned from; Mamba / GDN: the platform's
+    block = BLOCK if not state else report["configured_block_size"]
     plan = hybrid_plan(policy, heads, dim, block, length, in_flight)
     if plan is not None:  # full + sliding: the groups vLLM formed are the planned ones
         full = [g for g in report["groups"] if g["kind"] == "FullAttentionSpec"]
