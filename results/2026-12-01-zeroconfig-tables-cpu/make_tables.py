@@ -22,7 +22,8 @@ ROWS = (("auto", "auto"), ("flag_only", "flag_only"), ("tune", "mixed_calibrated
         ("ours_fp8", "ours_fp8"), ("nvfp4_all", "nvfp4_all"))
 BEFORE = ("flag_only, rule (before)", "flag_only_rule")
 #: model subfolder -> results.json of a flag-only run with the start-up selection (same settings)
-SELECT_RUNS = {"smollm2": "../2026-12-01-startup-select-cpu/smollm2_eval/results.json"}
+SELECT_RUNS = {"smollm2": "../2026-12-01-startup-select-cpu/smollm2_eval/results.json",
+               "gemma3_270m": "../2026-12-01-startup-select-cpu/gemma3_270m_eval/results.json"}
 
 
 def _gap(top1: float, nvfp4: float, fp8: float) -> float:
