@@ -50,7 +50,8 @@ from vllm_nvfp4.integration.dense_prefill import (
 from vllm_nvfp4.integration.dtype import CACHE_DTYPE
 from vllm_nvfp4.integration.model import layer_plan
 from vllm_nvfp4.integration.rank_params import rank_row_values
-from vllm_nvfp4.integration.startup_calibration import CalibrationBatch, planned
+from vllm_nvfp4.integration.calibration_forward import CalibrationBatch
+from vllm_nvfp4.integration.startup_calibration import planned
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
 _warned_default_scales = False

@@ -7,7 +7,8 @@ IN vLLM over the package's calibration text (:mod:`vllm_nvfp4.calibration.builti
 after the model is loaded and before memory profiling, KV-cache allocation, warm-up and CUDA-graph
 capture (the formats chosen here size the pages):
 
-1. Each attention layer of ours gets a :class:`CalibrationBatch` as its attention metadata: the
+1. Each attention layer of ours gets a
+   :class:`~vllm_nvfp4.integration.calibration_forward.CalibrationBatch` as its attention metadata: the
    impl hands it the post-RoPE K and V of its heads (the tensors the cache would store), which it
    records (:class:`~vllm_nvfp4.calibration.kv_hooks.KVObserver`: amax, channel means) and then
    attends exactly (causal, with the layer's sliding window, attention sinks and soft-cap;
@@ -27,7 +28,7 @@ capture (the formats chosen here size the pages):
    runs once exactly and once per candidate with only that slot stored in NVFP4 (its calibrated
    scale, K centered as served; :func:`~vllm_nvfp4.calibration.kv_hooks.fake_quantize`), every
    other layer exact; a slot's damage is the mean next-token KL of the final logits against the
-   exact forward (:func:`~vllm_nvfp4.calibration.metrics.kl_divergence`, :data:`LOGIT_ROWS`
+   exact forward (:func:`~vllm_nvfp4.calibration.metrics.kl_divergence`, :data:`~vllm_nvfp4.integration.calibration_forward.LOGIT_ROWS`
    positions at a time). The :func:`fp8_slot_count` slots of largest damage stay FP8
    (:func:`~vllm_nvfp4.calibration.selection.keep_largest`), the other candidates go NVFP4.
    Under TP the logits are on rank 0: it ranks the slots and broadcasts the choice.
@@ -53,11 +54,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from vllm_nvfp4.calibration.builtin_text import BUILTIN_TEXT, builtin_text_sha256
-from vllm_nvfp4.calibration.kv_hooks import KVObserver, fake_quantize, transform_qk
-from vllm_nvfp4.calibration.metrics import kl_divergence
+from vllm_nvfp4.calibration.kv_hooks import KVObserver
 from vllm_nvfp4.calibration.selection import (
     DEFAULT_BUDGET,
     fp8_slots_for_budget,
@@ -83,10 +82,9 @@ from vllm_nvfp4.policy import (
 )
 
 from vllm_nvfp4.integration.dtype import is_ours
-from vllm_nvfp4.integration.model import is_draft_layer, layer_index, set_startup_policy
-from vllm_nvfp4.integration.rank_params import rank_row_values
+from vllm_nvfp4.integration.calibration_forward import observe_in_vllm, slot_damage
+from vllm_nvfp4.integration.model import is_draft_layer, set_startup_policy
 from vllm_nvfp4.model_shape import ModelShape
-from vllm_nvfp4.paged_torch import attend_one_sequence
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
 
@@ -100,7 +98,6 @@ TARGET_TOKENS = 4096  # calibration tokens in all (fewer if the text is shorter)
 #: windows; on a 2-core CPU SmolLM2-135M's 61 forwards of 2048 tokens take minutes (the one-time
 #: cost of a cached result), on an H200 an 8B model's 65 a few seconds
 SENSITIVITY_TOKENS = 2048
-LOGIT_ROWS = 256  # positions per logits chunk: the extra memory is 2 x LOGIT_ROWS x vocab fp32
 PROGRESS_SECONDS = 10.0  # a progress line at most this often during the sensitivity forwards
 RECIPE_VERSION = 2  # bump when the statistics or the policy built from them change
 
@@ -193,93 +190,7 @@ def fp8_slot_count(layer_types: Sequence[LayerType]) -> tuple[list[int], int]:
                            2 * len(candidates))
 
 
-# ---------------------------------------------------------------------------- inside the forward
-@dataclass(frozen=True)
-class SlotPerturbation:
-    """One slot stored as the cache would store it on this rank: ``kv`` ("k" or "v") of policy
-    row ``row`` in ``fmt`` with ``scale [kv_heads]`` (FP32) and, for K, the K centering offsets
-    and smoothing factors ``[kv_heads, head_dim]`` of this rank's heads (None: none)."""
-
-    row: int
-    kv: str
-    fmt: str
-    scale: torch.Tensor
-    k_center: Optional[torch.Tensor] = None
-    k_smooth: Optional[torch.Tensor] = None
-
-    @classmethod
-    def of(cls, policy: KVPolicy, row: int, kv: str, fmt: str, layer_name: str, impl: Any,
-           vllm_config: Any) -> "SlotPerturbation":
-        """``kv`` of ``row`` in ``fmt`` with ``policy``'s scales, as the rank's ``impl`` of
-        ``layer_name`` binds them
-        (:func:`~vllm_nvfp4.integration.rank_params.rank_row_values`)."""
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        tp = vllm_config.parallel_config.tensor_parallel_size
-        values = rank_row_values(policy.with_layer(row, **{kv: fmt}).layers[row], layer_name,
-                                 vllm_config.model_config.get_total_num_kv_heads(),
-                                 impl.num_kv_heads, impl.num_heads, impl.head_size,
-                                 get_tensor_model_parallel_rank() if tp > 1 else 0, tp)
-        rows = {n: torch.tensor(values[n], dtype=torch.float32) if kv == "k" and n in values
-                else None for n in ("k_center", "k_smooth")}
-        return cls(row, kv, fmt, torch.tensor(values[f"{kv}_scale"], dtype=torch.float32), **rows)
-
-    def apply(self, query: torch.Tensor, key: torch.Tensor,
-              value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``query [S, heads, L, D]``, ``key``/``value [S, kv_heads, L, D]`` as the layer attends
-        them with this slot quantized (K centered / smoothed first, the query smoothed back)."""
-        if self.kv == "v":
-            return query, key, fake_quantize(value, self.fmt, self.scale)
-        if self.k_center is not None or self.k_smooth is not None:
-            query, key = transform_qk(query, key, self.k_smooth, self.k_center)
-        return query, fake_quantize(key, self.fmt, self.scale).to(query.dtype), value
-
-
-@dataclass
-class CalibrationBatch:
-    """Attention metadata of one layer (policy row ``row``) in a calibration forward:
-    ``num_seqs`` sequences of ``seq_len`` tokens laid end to end. The impl calls :meth:`attend`
-    instead of its cache path. ``observer`` (None: nothing recorded) records the layer's K/V;
-    ``perturb`` (None: none) quantizes one slot."""
-
-    observer: Optional[KVObserver]
-    row: int
-    num_seqs: int
-    seq_len: int
-    perturb: Optional[SlotPerturbation] = None
-
-    def attend(self, impl: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               output: torch.Tensor) -> torch.Tensor:
-        """Record ``key``/``value`` ``[T, kv_heads, D]`` of ``impl``'s layer, then write causal
-        attention of ``query [T, heads, D]`` into ``output [T, heads, D]``: the layer's sliding
-        window, attention sinks and logits soft-cap as served (model dtype; FP32 with a soft-cap
-        or sinks), exact but for the ``perturb`` slot."""
-        s, n = self.num_seqs, self.seq_len
-        t = s * n
-
-        def seqs(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [S, H, L, D]
-            return x[:t].reshape(s, n, x.shape[1], x.shape[2]).transpose(1, 2)
-
-        k, v = seqs(key), seqs(value)
-        if self.observer is not None:
-            self.observer.observe(self.row, k, v)
-        q = seqs(query)
-        if self.perturb is not None and self.perturb.row == self.row:
-            q, k, v = self.perturb.apply(q, k, v)
-        if impl.logits_soft_cap is None and impl.sinks is None and impl.sliding_window is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=impl.scale,
-                                                 enable_gqa=True)
-        else:  # per sequence, FP32: [L, H, D] in and out
-            sinks = None if impl.sinks is None else impl.sinks.float()
-            out = torch.stack([
-                attend_one_sequence(qi.transpose(0, 1).float(), ki.transpose(0, 1).float(),
-                                    vi.transpose(0, 1).float(), impl.scale, impl.sliding_window,
-                                    impl.logits_soft_cap, sinks).transpose(0, 1)
-                for qi, ki, vi in zip(q, k, v)]).to(q.dtype)
-        output[:t].copy_(out.transpose(1, 2).reshape(t, q.shape[1], q.shape[3]))
-        return output
-
-
+# ---------------------------------------------------------------------------- the layers
 def _our_layers(vllm_config: Any, num_layers: int) -> dict[str, Any]:
     """This rank's ``nvfp4_mixed`` attention layers of the target model by name (a speculative
     draft's layers keep their fixed rule and never see the calibration forward)."""
@@ -287,76 +198,6 @@ def _our_layers(vllm_config: Any, num_layers: int) -> dict[str, Any]:
     return {name: layer for name, layer in ctx.items()
             if is_ours(getattr(layer, "kv_cache_dtype", None)) and hasattr(layer, "impl")
             and not is_draft_layer(vllm_config, name, num_layers)}
-
-
-def _forward(runner: Any, rows: dict[str, int], chunk: torch.Tensor,
-             observer: Optional[KVObserver] = None,
-             perturb: Optional[SlotPerturbation] = None) -> torch.Tensor:
-    """The runner's model over ``chunk [S, L]`` (token ids), every layer of ``rows`` (name ->
-    policy row) with a :class:`CalibrationBatch`; returns the final hidden states
-    ``[S * L, hidden]``."""
-    from vllm.forward_context import set_forward_context
-
-    s, n = chunk.shape
-    ids = chunk.reshape(-1).to(device=runner.device, dtype=torch.int32)
-    positions = torch.arange(n, device=runner.device, dtype=torch.int64).repeat(s)
-    batches = {name: CalibrationBatch(observer, row, s, n, perturb) for name, row in rows.items()}
-    with set_forward_context(batches, runner.vllm_config, num_tokens=s * n, slot_mapping={}):
-        return runner.get_model()(input_ids=ids, positions=positions, intermediate_tensors=None,
-                                  inputs_embeds=None)
-
-
-@torch.inference_mode()
-def observe_in_vllm(runner: Any, layers: dict[str, Any], windows: torch.Tensor, recipe: Recipe,
-                    num_layers: int) -> KVObserver:
-    """Run ``windows [n, T]`` through the runner's model, ``recipe.per_forward`` per forward;
-    returns this rank's K/V statistics."""
-    rows = {name: layer_index(name, num_layers) for name in layers}
-    observer = KVObserver(num_layers)
-    for chunk in windows.split(recipe.per_forward):
-        _forward(runner, rows, chunk, observer)
-    missing = sorted(set(rows.values()) - {i for i in range(num_layers) if observer.k_amax[i] is not None})
-    if missing:
-        raise RuntimeError(f"vllm-nvfp4 start-up calibration: layers {missing} never reached the "
-                           "attention impl; set VLLM_NVFP4_STARTUP_CALIBRATION=0 and calibrate "
-                           "offline with `vllm-nvfp4 calibrate`")
-    return observer
-
-
-@torch.inference_mode()
-def slot_damage(runner: Any, layers: dict[str, Any], windows: torch.Tensor, recipe: Recipe,
-                scaled: KVPolicy, slots: Sequence[tuple[int, str]],
-                progress: Optional[Callable[[int], None]] = None) -> Optional[dict[tuple[int, str], float]]:
-    """Mean next-token KL (nats) of the final logits with each slot ``(layer, "k"|"v")`` alone in
-    NVFP4 (``scaled``'s scales and K centering as served, every other layer exact) against the
-    exact forward, over every position of ``windows [n, T]``; None on ranks without logits.
-    ``progress(done)`` is called after each slot."""
-    model = runner.get_model()
-    rows = {name: layer_index(name, scaled.num_layers) for name in layers}
-    by_row = {row: name for name, row in rows.items()}
-    chunks = list(windows.split(recipe.per_forward))
-    exact = [_forward(runner, rows, c) for c in chunks]
-    damage: Optional[dict[tuple[int, str], float]] = {}
-    for done, (layer, kv) in enumerate(slots, 1):
-        name = by_row[layer]
-        perturb = SlotPerturbation.of(scaled, layer, kv, "nvfp4", name, layers[name].impl,
-                                      runner.vllm_config)
-        total, count = torch.zeros((), dtype=torch.float64, device=runner.device), 0
-        for chunk, hidden in zip(chunks, exact):
-            moved = _forward(runner, rows, chunk, perturb=perturb)
-            for ref_rows, q_rows in zip(hidden.split(LOGIT_ROWS), moved.split(LOGIT_ROWS)):
-                ref, q = model.compute_logits(ref_rows), model.compute_logits(q_rows)
-                if ref is None:  # TP: the logits are gathered to rank 0
-                    continue
-                kl = kl_divergence(ref.float().log_softmax(-1), q.float().log_softmax(-1))
-                total, count = total + kl.double().sum(), count + kl.numel()  # no host sync
-        if count == 0:
-            damage = None
-        elif damage is not None:
-            damage[(layer, kv)] = float(total) / count
-        if progress is not None:
-            progress(done)
-    return damage
 
 
 def select_formats_at_startup(scaled: KVPolicy, damage: dict[tuple[int, str], float],
@@ -473,7 +314,7 @@ def _select(runner: Any, layers: dict[str, Any], windows: torch.Tensor, recipe: 
     start = time.perf_counter()
     sens = windows[:recipe.sensitivity_windows]
     slots = [(i, kv) for i in candidates for kv in ("k", "v")]
-    damage = _broadcast(slot_damage(runner, layers, sens, recipe, scaled, slots,
+    damage = _broadcast(slot_damage(runner, layers, sens, recipe.per_forward, scaled, slots,
                                     _progress_logger(len(slots), start, rank0)))
     if damage is None:
         raise RuntimeError("vllm-nvfp4 start-up selection: rank 0 computed no logits; set "
@@ -521,7 +362,7 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
     else:
         windows = load_windows([BUILTIN_TEXT], tokenizer, recipe.window, count=0,
                                calib=recipe.windows).calib
-        observer = gather_heads(observe_in_vllm(runner, layers, windows, recipe, shape.num_layers),
+        observer = gather_heads(observe_in_vllm(runner, layers, windows, recipe.per_forward, shape.num_layers),
                                 shape.total_num_kv_heads)
         tokens = int(windows.numel())
         provenance = {"tool": "vllm-nvfp4 start-up calibration", "tokens": tokens,
