@@ -67,7 +67,8 @@ def gen(llm: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def check_arch(arch: str, device: str, work: Path, compare_eager: bool) -> dict[str, Any]:
+def check_arch(arch: str, device: str, work: Path, compare_eager: bool,
+               dtype: str = "bfloat16") -> dict[str, Any]:
     from vllm import LLM
 
     from vllm_nvfp4.testing.kv_report import kv_cache_report
@@ -87,14 +88,14 @@ def check_arch(arch: str, device: str, work: Path, compare_eager: bool) -> dict[
     # Mamba / GDN: vLLM's state, its own caching
     state = not all(t.holds_kv for t in policy.layer_types)
     extra = {"additional_config": {"gdn_prefill_backend": "triton"}} if arch == "qwen3_next" else {}
-    common = dict(model=str(model_dir), kv_cache_dtype="nvfp4_mixed", dtype="bfloat16",
+    common = dict(model=str(model_dir), kv_cache_dtype="nvfp4_mixed", dtype=dtype,
                   max_model_len=4096, seed=0, kv_cache_memory_bytes=KV_BYTES,
                   gpu_memory_utilization=0.5, **extra)
     if not state:  # pinned: vLLM later sets cache_config.block_size to its smallest group's
         common["block_size"] = BLOCK
     if device == "cpu":  # the dry run: vLLM's CPU build compiles for minutes
         common["enforce_eager"] = True
-    r: dict[str, Any] = {"arch": case, "policy": policy.to_compact(), "checks": {}}
+    r: dict[str, Any] = {"arch": case, "dtype": dtype, "policy": policy.to_compact(), "checks": {}}
     checks = r["checks"]
     t0 = time.time()
     llm = LLM(**common, enable_prefix_caching=True, max_num_batched_tokens=128, max_num_seqs=32)
@@ -175,8 +176,8 @@ def check_arch(arch: str, device: str, work: Path, compare_eager: bool) -> dict[
         r["a_vs_b_exact"] = sum(x == y for x, y in zip(a1, b)) / len(b)
         del llm
         gc.collect()
-    ref = reference_logprobs(model_dir, prompts, policy, torch.bfloat16, device)
-    plain = reference_logprobs(model_dir, prompts, None, torch.bfloat16, device)
+    ref = reference_logprobs(model_dir, prompts, policy, getattr(torch, dtype), device)
+    plain = reference_logprobs(model_dir, prompts, None, getattr(torch, dtype), device)
     err, gap = (got - ref).abs().mean().item(), (got - plain).abs().mean().item()
     r["logprob_err_matched"], r["logprob_err_unquantized"] = round(err, 5), round(gap, 5)
     if not state:  # GDN layers: vLLM's and transformers' kernels differ more than the KV formats
@@ -191,6 +192,9 @@ def main() -> int:
     ap.add_argument("--arch", nargs="+", choices=ARCHS, default=list(ARCHS))
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--work", type=Path, default=Path("/tmp/nvfp4-hybrid-models"))
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="the model's dtype (float32: rounding too small to flip a greedy token, "
+                         "so cold vs prefix-hit differences are not rounding)")
     ap.add_argument("--compare-eager", action="store_true",
                     help="also run engine B (eager, no prefix caching) and report A vs B")
     a = ap.parse_args()
@@ -198,7 +202,7 @@ def main() -> int:
     results: dict[str, Any] = {}
     for arch in a.arch:
         try:
-            results[arch] = check_arch(arch, a.device, a.work, a.compare_eager)
+            results[arch] = check_arch(arch, a.device, a.work, a.compare_eager, a.dtype)
         except Exception as e:  # one architecture failing must not hide the others
             results[arch] = {"arch": arch, "ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
         a.out.write_text(json.dumps(results, indent=1))

@@ -14,7 +14,7 @@
 # Environment: OUT (default out/hybrid), ARCHS (default "gpt_oss gemma3 qwen3_next mistral";
 # also gemma3_swa_mix: Gemma 3 with sliding layers of mixed formats; none: skip the LLM()
 # checks), SERVE (1), SERVE_ARCHS (default gpt_oss), CHECK_TIMEOUT (seconds for the LLM()
-# checks, 390), PORT, SERVE_TIMEOUT_S, SERVE_ARGS (scripts/serve_check.sh),
+# checks, 390), CHECK_ARGS (more gpu_hybrid_check.py arguments, e.g. --dtype float32), PORT, SERVE_TIMEOUT_S, SERVE_ARGS (scripts/serve_check.sh),
 # VLLM_BUNDLE / VLLM_SITE / PYTHON (scripts/gpu_env.sh). Without a CUDA GPU the served models
 # keep their CPU head dims (vllm_nvfp4.testing.hybrid_models).
 # Writes hybrid_h200.json, hybrid_check.log, serve_<arch>.log, serve_check.txt, gpu.txt to OUT;
@@ -29,7 +29,7 @@ rc_llm=skipped
 if [ "${ARCHS:-}" != none ]; then
   # shellcheck disable=SC2086
   timeout "${CHECK_TIMEOUT:-390}" "$PYTHON" scripts/gpu_hybrid_check.py --out "$OUT/hybrid_h200.json" \
-    --arch ${ARCHS:-gpt_oss gemma3 qwen3_next mistral} 2>&1 | tee "$OUT/hybrid_check.log" \
+    --arch ${ARCHS:-gpt_oss gemma3 qwen3_next mistral} ${CHECK_ARGS:-} 2>&1 | tee "$OUT/hybrid_check.log" \
     | grep -E "RESULT|Error|Traceback|KV policy from|KV-cache layout" | cut -c1-2000
   rc_llm=${PIPESTATUS[0]}
 fi

@@ -10,7 +10,9 @@ and no policy, each start in a fresh process, ``--repeats`` rounds of: start-up 
 on with an empty cache (it calibrates), on again (it reuses the cache). ``--warm-up`` adds a first
 start that fills vLLM's compile cache, so that no timed start compiles the model. Writes
 ``OUT/startup.json`` (after every start): each ``LLM()`` wall time with the calibration's own
-logged time, the median of each kind and ``added_s`` (the medians' differences).
+logged time, greedy tokens and KV-cache capacity, the median of each kind, ``added_s`` (the
+medians' differences) and ``calibrating_vs_cached`` (a calibrating start serves the same tokens
+with the same KV capacity as the cached start of the same policy).
 
 ``analyze``: the same shape with random bf16 weights saved as safetensors (``OUT/model``, 16 GB
 for the 8B preset), then ``vllm-nvfp4 analyze`` on the built-in text with its default windows
@@ -59,8 +61,11 @@ def startup_child(model: str, max_model_len: int) -> None:
               max_model_len=max_model_len, seed=0)
     start = time.perf_counter() - t0
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
+    cc = llm.llm_engine.vllm_config.cache_config
     print("RESULT " + json.dumps({"llm_start_s": round(start, 2),
-                                  "generated_tokens": len(out[0].outputs[0].token_ids)}), flush=True)
+                                  "token_ids": list(out[0].outputs[0].token_ids),
+                                  "kv_tokens": int(cc.num_gpu_blocks) * int(cc.block_size)}),
+          flush=True)
 
 
 def _start_once(model: Path, cache: Path, calibrate: bool, max_model_len: int) -> dict[str, Any]:
@@ -111,8 +116,22 @@ def run_startup(out: Path, preset: str, max_model_len: int, warm_up: bool,
         result["added_s"] = {f"{k}_vs_{base}": round(med[k] - med[base], 2)
                              for k, base in (("calibrating", "off"), ("cached", "off"),
                                              ("calibrating", "cached")) if k in med and base in med}
+        result["calibrating_vs_cached"] = _same_engine(result["runs"])
         (out / "startup.json").write_text(json.dumps(result, indent=2) + "\n")  # after every start
     return result
+
+
+def _same_engine(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Whether each round's calibrating start (calibration forwards before vLLM's memory profiling)
+    serves exactly like the cached start that binds the same policy without them: the same greedy
+    tokens and the same KV-cache capacity (tokens)."""
+    out: dict[str, Any] = {}
+    for name, run in runs.items():
+        twin = runs.get(name.replace("calibrating", "cached"))
+        if name.startswith("calibrating") and twin:
+            out[name] = {"same_tokens": run["token_ids"] == twin["token_ids"],
+                         "kv_tokens": [run["kv_tokens"], twin["kv_tokens"]]}
+    return out
 
 
 def random_weight_model(out: Path, preset: str, shard_bytes: int = 4 << 30) -> Path:
