@@ -10,7 +10,7 @@ and no policy, each start in a fresh process, ``--repeats`` rounds of: start-up 
 on with an empty cache (it calibrates), on again (it reuses the cache). ``--warm-up`` adds a first
 start that fills vLLM's compile cache, so that no timed start compiles the model. Writes
 ``OUT/startup.json`` (after every start): each ``LLM()`` wall time with the calibration's own
-logged time, greedy tokens and KV-cache capacity, the median of each kind, ``added_s`` (the
+logged time, greedy tokens and KV-cache capacity (each start's own log lines: ``OUT/KIND_ROUND.log``), the median of each kind, ``added_s`` (the
 medians' differences) and ``calibrating_vs_cached`` (a calibrating start serves the same tokens
 with the same KV capacity as the cached start of the same policy).
 
@@ -44,6 +44,8 @@ from vllm_nvfp4.testing.weightless import PRESETS  # noqa: E402 - after the path
 
 DEFAULT_WINDOWS = 2  # `vllm-nvfp4 analyze --windows` default
 CALIBRATED = re.compile(r"calibrated at start-up on (\d+) tokens in ([\d.]+) s")
+#: the lines of an engine's log kept per start: ours, and vLLM's start-up phases
+TIMING_LINE = re.compile(r"vllm-nvfp4|compil|graph|profil|KV cache|memory|took|seconds|Error")
 REUSED = re.compile(r"start-up calibration reused from \S+ \((\d+) tokens; ([\d.]+) s\)")
 
 
@@ -68,7 +70,9 @@ def startup_child(model: str, max_model_len: int) -> None:
           flush=True)
 
 
-def _start_once(model: Path, cache: Path, calibrate: bool, max_model_len: int) -> dict[str, Any]:
+def _start_once(model: Path, cache: Path, calibrate: bool, max_model_len: int, name: str,
+                log_dir: Path) -> dict[str, Any]:
+    """One engine start in a fresh process; its timing lines go to ``log_dir/NAME.log``."""
     env = dict(os.environ, VLLM_NVFP4_CACHE=str(cache),
                VLLM_NVFP4_STARTUP_CALIBRATION="1" if calibrate else "0")
     env.pop("VLLM_NVFP4_POLICY", None)
@@ -76,6 +80,8 @@ def _start_once(model: Path, cache: Path, calibrate: bool, max_model_len: int) -
                           "--max-model-len", str(max_model_len)],
                          env=env, capture_output=True, text=True, timeout=1800)
     text = run.stdout + run.stderr
+    (log_dir / f"{name}.log").write_text("\n".join(
+        ln for ln in text.splitlines() if TIMING_LINE.search(ln)) + "\n")
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
     if run.returncode or not lines:
         raise SystemExit(f"engine start failed (exit {run.returncode}):\n{text[-4000:]}")
@@ -95,22 +101,25 @@ def _medians(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
     return {kind: statistics.median(times) for kind, times in kinds.items() if kind != "warm-up"}
 
 
+START_KINDS = ("off", "calibrating", "cached")
+
+
 def run_startup(out: Path, preset: str, max_model_len: int, warm_up: bool,
-                repeats: int = 1) -> dict[str, Any]:
+                repeats: int = 1, kinds: Sequence[str] = START_KINDS) -> dict[str, Any]:
     from vllm_nvfp4.testing.weightless import build_weightless_model
 
     model = build_weightless_model(out / f"{preset}-weightless", preset)
     cache = out / "cache"
     result: dict[str, Any] = {"preset": preset, "model": str(model), "max_model_len": max_model_len,
                               "warm_up": warm_up, "repeats": repeats, "runs": {}}
-    rounds = [f"{kind}#{r}" for r in range(1, repeats + 1) for kind in ("off", "calibrating", "cached")]
+    rounds = [f"{kind}#{r}" for r in range(1, repeats + 1) for kind in kinds]
     for name in ["warm-up"] * warm_up + rounds:
         kind = name.split("#")[0]
         if kind == "calibrating":
             shutil.rmtree(cache, ignore_errors=True)  # an empty cache: this start calibrates
         log(f"engine start: {name}")
         run = result["runs"][name] = _start_once(model, cache, kind in ("calibrating", "cached"),
-                                                 max_model_len)
+                                                 max_model_len, name.replace("#", "_"), out)
         log(f"  {run}")
         med = result["median_s"] = _medians(result["runs"])
         result["added_s"] = {f"{k}_vs_{base}": round(med[k] - med[base], 2)
@@ -236,6 +245,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             "cache, so that 'off' finds it warm like the others")
         p.add_argument("--repeats", type=int, default=1,
                        help="startup: rounds of off / calibrating / cached starts (medians reported)")
+        p.add_argument("--kinds", nargs="+", choices=START_KINDS, default=list(START_KINDS),
+                       help="startup: the starts of a round (default all three; 'calibrating "
+                            "cached' times the calibration alone: same policy, same engine)")
     p = sub.add_parser("startup-child")
     p.add_argument("--model", required=True)
     p.add_argument("--max-model-len", type=int, default=8192)
@@ -247,7 +259,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.preset not in PRESETS:
         ap.error(f"--preset must be one of {', '.join(PRESETS)}, got {a.preset!r}")
     max_model_len = a.max_model_len or min(8192, PRESETS[a.preset]["max_pos"])
-    result = run_startup(a.out, a.preset, max_model_len, a.warm_up, a.repeats) if a.mode == "startup" else \
+    result = run_startup(a.out, a.preset, max_model_len, a.warm_up, a.repeats, a.kinds) if a.mode == "startup" else \
         run_analyze(a.out, a.preset, a.device, a.windows)
     print(json.dumps(result, indent=2))
     return 0

@@ -120,7 +120,10 @@ def _forward(runner: Any, rows: dict[str, int], chunk: torch.Tensor,
     ids = chunk.reshape(-1).to(device=runner.device, dtype=torch.int32)
     positions = torch.arange(n, device=runner.device, dtype=torch.int64).repeat(s)
     batches = {name: CalibrationBatch(observer, row, s, n, perturb) for name, row in rows.items()}
-    with set_forward_context(batches, runner.vllm_config, num_tokens=s * n, slot_mapping={}):
+    # eager (skip_compiled): this runs before vLLM compiles the model; a call of the compiled
+    # wrapper here would compile it with our metadata and make vLLM compile it again
+    with set_forward_context(batches, runner.vllm_config, num_tokens=s * n, slot_mapping={},
+                             skip_compiled=True):
         return runner.get_model()(input_ids=ids, positions=positions, intermediate_tensors=None,
                                   inputs_embeds=None)
 
