@@ -218,9 +218,10 @@ def accuracy_table(results: dict[str, Any]) -> str:
 def run_capacity(a: argparse.Namespace) -> dict[str, Any]:
     """Per preset, tokens in flight and candidate: bytes per token and requests held at
     ``a.context`` tokens (64 GiB of KV), against fp8."""
-    from benchmarks.e2e.capacity import ModelShape, estimate_batch, kv_bytes_per_token, pool_layout
+    from benchmarks.e2e.capacity import estimate_batch, kv_bytes_per_token, pool_layout
     from benchmarks.e2e.orchestrate import PLAN_BLOCK_SIZE, PLAN_KV_BYTES
     from vllm_nvfp4.integration.block_sizes import arithmetic_request_bytes, hybrid_plan
+    from vllm_nvfp4.model_shape import ModelShape
     from vllm_nvfp4.testing.weightless import build_weightless_model
 
     out: dict[str, Any] = {}
@@ -233,12 +234,12 @@ def run_capacity(a: argparse.Namespace) -> dict[str, Any]:
         for in_flight in a.in_flight:
             fp8 = pool_layout("fp8", shape, None, PLAN_BLOCK_SIZE, max_len, in_flight)
             ref = estimate_batch(PLAN_KV_BYTES, fp8, max_len, in_flight, 4096)
-            fp8_policy = KVPolicy.from_compact("*:fp8", shape.num_layers, layer_types=shape.types)
+            fp8_policy = KVPolicy.from_compact("*:fp8", shape.num_layers, layer_types=shape.layer_types)
             ref_admit = arithmetic_request_bytes(fp8_policy, shape.num_kv_heads, shape.head_dim,
                                                  a.context, in_flight, PLAN_BLOCK_SIZE)
             row: dict[str, Any] = {"fp8": {"requests": ref, "admission_request_bytes": ref_admit,
                                            "admission_requests": PLAN_KV_BYTES // ref_admit}}
-            for group, p in candidate_policies(CANDIDATES[:-1], shape.types):
+            for group, p in candidate_policies(CANDIDATES[:-1], shape.layer_types):
                 text = p.to_compact()
                 layout = pool_layout("nvfp4_mixed", shape, text, PLAN_BLOCK_SIZE, max_len, in_flight)
                 n = estimate_batch(PLAN_KV_BYTES, layout, max_len, in_flight, 4096)
@@ -251,7 +252,7 @@ def run_capacity(a: argparse.Namespace) -> dict[str, Any]:
                                  "admission_requests": PLAN_KV_BYTES // admit,
                                  "admission_vs_fp8": round(ref_admit / admit, 3)}
             rows[str(in_flight)] = row
-        out[preset] = {"layer_types": {t.label(): shape.types.count(t) for t in dict.fromkeys(shape.types)},
+        out[preset] = {"layer_types": {t.label(): shape.layer_types.count(t) for t in dict.fromkeys(shape.layer_types)},
                        "fp8_bytes_per_token": kv_bytes_per_token("fp8", shape), "context": a.context,
                        "in_flight": rows}
     return out

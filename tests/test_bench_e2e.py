@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from argparse import Namespace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,16 +28,17 @@ from benchmarks.e2e import budget, capacity, configs, orchestrate, records, repo
 from benchmarks.e2e.cli import DEFAULT_TARGETS, parse_args
 from benchmarks.e2e.worker import engine_kwargs
 from vllm_nvfp4.integration.block_sizes import hybrid_plan
-from vllm_nvfp4.policy import KVPolicy, LayerType
+from vllm_nvfp4.model_shape import ModelShape
+from vllm_nvfp4.policy import FULL_ATTENTION, KVPolicy, LayerType
 from vllm_nvfp4.testing.weightless import build_weightless_model
 
 REPO = Path(__file__).resolve().parent.parent
-L8B = capacity.ModelShape(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, hidden=4096,
-                          vocab=128256, dtype="bfloat16")
+L8B = ModelShape(num_layers=32, total_num_kv_heads=8, num_kv_heads=8, head_dim=128, dtype="bfloat16",
+                 max_positions=131072, layer_types=(FULL_ATTENTION,) * 32)
 #: gpt-oss-20b's attention: sliding 128 on even layers, full on odd, sinks (a config has no flag)
-GPT_OSS = capacity.ModelShape(
-    num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, hidden=2880, vocab=201088,
-    dtype="bfloat16", layer_types=tuple(LayerType("sliding", 128, True) if i % 2 == 0
+GPT_OSS = ModelShape(
+    num_layers=24, total_num_kv_heads=8, num_kv_heads=8, head_dim=64, dtype="bfloat16",
+    max_positions=131072, layer_types=tuple(LayerType("sliding", 128, True) if i % 2 == 0
                                         else LayerType("full", None, True) for i in range(24)))
 
 
@@ -140,7 +142,7 @@ def test_mixed_policy_and_policy_for():
     assert configs.mixed_policy(2) == "0:fp8,*:nvfp4" and configs.mixed_policy(8) == "0:fp8,*:nvfp4"
     assert configs.mixed_policy(16) == "0-1:fp8,*:nvfp4"
     mixed = configs.CONFIGS["nvfp4-mixed"]
-    dense = L8B.types
+    dense = L8B.layer_types
     assert configs.policy_for(mixed, dense, "0:fp8,31:fp8,*:nvfp4") == "0:fp8,31:fp8,*:nvfp4"
     assert configs.policy_for(mixed, dense) == "0-3:fp8,*:nvfp4"
     assert configs.policy_for(configs.CONFIGS["fp8"], dense) is None
@@ -170,7 +172,8 @@ def test_max_batch_estimate_and_stages():
 
 
 def test_model_shape_from_a_written_model(tmp_path):
-    assert capacity.ModelShape.from_model_dir(build_weightless_model(tmp_path / "m", "llama8b")) == L8B
+    model_dir = build_weightless_model(tmp_path / "m", "llama8b")
+    assert ModelShape.from_model_dir(model_dir) == replace(L8B, model_dir=str(model_dir))
 
 
 # ---------------------------------------------------------------- budget
@@ -481,7 +484,7 @@ def test_wait_healthy_and_stop_group(tmp_path):
 def test_hybrid_pool_layouts_and_batches_by_hand():
     """gpt-oss-20b: 12 sliding (128) + 12 full layers, 8 KV heads x 64. fp8 in vLLM's groups of
     12 equal pages; nvfp4_mixed (default rule) in the plugin's plan; batches by hand."""
-    mixed = configs.policy_for(configs.CONFIGS["nvfp4-mixed"], GPT_OSS.types)
+    mixed = configs.policy_for(configs.CONFIGS["nvfp4-mixed"], GPT_OSS.layer_types)
     assert mixed == "1:fp8,23:fp8,swa:fp8,full:nvfp4"
     fp8 = capacity.pool_layout("fp8", GPT_OSS, None, 16, 33792, 16384)
     page = 16 * 8 * 2 * 64  # one fp8 layer's block: 16 tokens x 8 heads x K+V x 64 B
@@ -493,7 +496,7 @@ def test_hybrid_pool_layouts_and_batches_by_hand():
     assert capacity.max_batch(blocks, fp8, 33792, 16384) == (blocks - 16384 // 16) // per_seq == 164
     assert capacity.capacity_tokens(blocks, fp8, 33792) == blocks * 33792 // per_seq
     nv = capacity.pool_layout("nvfp4_mixed", GPT_OSS, mixed, 16, 33792, 16384)
-    plan = hybrid_plan(KVPolicy.from_compact(mixed, 24, layer_types=GPT_OSS.types), 8, 64, 16, 33792, 16384)
+    plan = hybrid_plan(KVPolicy.from_compact(mixed, 24, layer_types=GPT_OSS.layer_types), 8, 64, 16, 33792, 16384)
     assert nv.block_bytes == plan.block_bytes
     assert nv.groups == ((capacity.KVGroup("full", plan.full_block),)
                          + (capacity.KVGroup("sliding", plan.sliding_block, 128),) * plan.sliding_groups)
@@ -522,14 +525,14 @@ def test_hybrid_presets_have_the_real_geometry(tmp_path, preset):
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.head_dim, cfg.sliding_window) == (p["layers"], p["hidden"], p["heads"], p["kv_heads"],
                                                   p["head_dim"], p["window"])
-    shape = capacity.ModelShape.from_model_dir(out)
-    full = [i for i, t in enumerate(shape.types) if t.kind == "full"]
+    shape = ModelShape.from_model_dir(out)
+    full = [i for i, t in enumerate(shape.layer_types) if t.kind == "full"]
     if p["arch"] == "gpt_oss":
         assert cfg.num_local_experts == p["experts"] and full == list(range(1, p["layers"], 2))
-        assert all(t.sinks for t in shape.types)
+        assert all(t.sinks for t in shape.layer_types)
     else:
         assert full == list(range(5, p["layers"], 6)) and cfg.query_pre_attn_scalar == p["query_pre_attn_scalar"]
-    assert shape.hybrid and len(full) >= 3  # the default policy has NVFP4 layers
+    assert shape.needs_packed_groups and len(full) >= 3  # the default policy has NVFP4 layers
     if preset == "gpt-oss-20b":
         assert (cfg.num_experts_per_tok, cfg.vocab_size) == (4, 201088)
     if preset == "gemma3-27b":

@@ -274,20 +274,6 @@ def test_startup_selection_keeps_the_sensitive_slot_in_fp8(tmp_path: Path,
     assert marginals(report, "kl")[0][1:] == (SENSITIVE_LAYER, "k")
 
 
-def test_fp8_slot_count_takes_the_budget_or_the_rule():
-    from vllm_nvfp4.integration.startup_calibration import fp8_slot_count
-    from vllm_nvfp4.policy import FULL_ATTENTION, LayerType
-
-    sliding = LayerType("sliding", 512)
-    assert fp8_slot_count([FULL_ATTENTION] * 30) == (list(range(30)), 7)  # 7 of 60 slots: 0.614x
-    assert fp8_slot_count([FULL_ATTENTION] * 64) == (list(range(64)), 16)
-    assert fp8_slot_count([FULL_ATTENTION] * 6) == (list(range(6)), 4)  # the rule's first/last
-    assert fp8_slot_count([FULL_ATTENTION] * 2) == ([0, 1], 4)  # all FP8: nothing to measure
-    gemma = [FULL_ATTENTION if i % 6 == 5 else sliding for i in range(18)]
-    assert fp8_slot_count(gemma) == ([5, 11, 17], 4)  # sliding layers are no candidates
-    assert fp8_slot_count([sliding] * 8) == (list(range(8)), 4)  # all sliding: the candidates
-
-
 # ---------------------------------------------------------------------------- K-bias model
 def _k_biased_qwen2(out: Path) -> Path:
     """A tiny Qwen2 whose keys carry a large bias on the lowest RoPE frequencies, where RoPE

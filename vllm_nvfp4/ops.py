@@ -80,18 +80,22 @@ def _check_triton_head_dim(layout: KVPageLayout) -> None:
         )
 
 
-def _check_step(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                device: torch.device) -> None:
-    """The attention metadata of a step: dtypes, ranks, sequence counts, device."""
-    for name, t, nd in (
-        ("block_table", block_table, 2),
-        ("seq_lens", seq_lens, 1),
-        ("query_start_loc", query_start_loc, 1),
-    ):
+def _check_int32(tensors: tuple[tuple[str, torch.Tensor, int], ...], device: torch.device,
+                 beside: str) -> None:
+    """Each ``(name, tensor, rank)`` an int32 tensor of that rank on ``device``, where ``beside``
+    (a name, for the message) is."""
+    for name, t, nd in tensors:
         if t.dtype != torch.int32 or t.dim() != nd:
             raise ValueError(f"{name} must be a {nd}-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
         if t.device != device:
-            raise ValueError(f"{name} is on {t.device} but query is on {device}")
+            raise ValueError(f"{name} is on {t.device} but {beside} is on {device}")
+
+
+def _check_step(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                device: torch.device) -> None:
+    """The attention metadata of a step: dtypes, ranks, sequence counts, device."""
+    _check_int32((("block_table", block_table, 2), ("seq_lens", seq_lens, 1),
+                  ("query_start_loc", query_start_loc, 1)), device, "query")
     num_seqs = seq_lens.shape[0]
     if block_table.shape[0] < num_seqs or query_start_loc.shape[0] != num_seqs + 1:
         raise ValueError(
@@ -361,12 +365,8 @@ def dequantize_kv(
     layout.check_cache(cache)
     _check_heads("k_out", k_out, layout, ATTN_DTYPES)
     _check_heads("v_out", v_out, layout, ATTN_DTYPES)
-    for name, t, nd in (("block_table", block_table, 2), ("seq_lens", seq_lens, 1),
-                        ("cu_seqlens", cu_seqlens, 1)):
-        if t.dtype != torch.int32 or t.dim() != nd:
-            raise ValueError(f"{name} must be a {nd}-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
-        if t.device != cache.device:
-            raise ValueError(f"{name} is on {t.device} but cache is on {cache.device}")
+    _check_int32((("block_table", block_table, 2), ("seq_lens", seq_lens, 1),
+                  ("cu_seqlens", cu_seqlens, 1)), cache.device, "cache")
     end = first_seq + cu_seqlens.shape[0] - 1
     if first_seq < 0 or cu_seqlens.shape[0] < 1 or end > min(seq_lens.shape[0], block_table.shape[0]):
         raise ValueError(f"sequences [{first_seq}, {end}) are not all in seq_lens "

@@ -19,66 +19,23 @@ the chunk is processed.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Optional
-
-import torch
 
 from benchmarks.e2e.configs import CAPTURE_SIZES, CONFIGS, SMALL_BATCH, policy_for
 from vllm_nvfp4.integration.block_sizes import hybrid_plan
-from vllm_nvfp4.policy import FULL_ATTENTION, KVPolicy, LayerType, layer_types_from_config
+from vllm_nvfp4.model_shape import ModelShape
+from vllm_nvfp4.policy import KVPolicy
 
 #: ``max_num_batched_tokens`` of ``LLM()`` on an H100 / H200 in vLLM 0.32 (the in-flight tokens the
 #: plan assumes when ``--max-num-batched-tokens`` is not given; a worker reads the engine's)
 DEFAULT_IN_FLIGHT_TOKENS = 16384
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The attention geometry of a Hugging Face ``config.json``."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden: int
-    vocab: int
-    dtype: str  # the model's torch dtype name, e.g. "bfloat16" (what kv_cache_dtype=auto stores)
-    #: per decoder layer (:func:`vllm_nvfp4.policy.layer_types_from_config`); () = all full
-    layer_types: tuple[LayerType, ...] = ()
-
-    @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> "ModelShape":
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        cfg = cfg.get("text_config") or cfg
-        heads = cfg["num_attention_heads"]
-        types = layer_types_from_config(SimpleNamespace(**cfg))
-        return cls(num_layers=cfg["num_hidden_layers"], num_heads=heads,
-                   num_kv_heads=cfg.get("num_key_value_heads", heads),
-                   head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                   hidden=cfg["hidden_size"], vocab=cfg["vocab_size"],
-                   dtype=cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16",
-                   layer_types=() if all(t == FULL_ATTENTION for t in types) else types)
-
-    @property
-    def types(self) -> tuple[LayerType, ...]:
-        """Every layer's type (all full attention for a dense model)."""
-        return self.layer_types or (FULL_ATTENTION,) * self.num_layers
-
-    @property
-    def hybrid(self) -> bool:
-        """Whether the model has layers of more than one kind (full / sliding window)."""
-        return len({(t.kind, t.window) for t in self.types}) > 1
-
-
 def kv_bytes_per_token(kv_cache_dtype: str, shape: ModelShape, policy: Optional[str] = None) -> int:
     """Cache bytes one token occupies over all layers (K + V, NVFP4 block scales included)."""
     if kv_cache_dtype == "auto":
-        itemsize = getattr(torch, shape.dtype).itemsize
-        return 2 * itemsize * shape.head_dim * shape.num_kv_heads * shape.num_layers
+        return 2 * shape.dtype_bytes * shape.head_dim * shape.num_kv_heads * shape.num_layers
     if kv_cache_dtype == "fp8":
         policy = "*:fp8"
     elif kv_cache_dtype != "nvfp4_mixed":
@@ -90,14 +47,14 @@ def kv_bytes_per_token(kv_cache_dtype: str, shape: ModelShape, policy: Optional[
 
 
 def _policy(text: str, shape: ModelShape) -> KVPolicy:
-    return KVPolicy.from_compact(text, shape.num_layers, layer_types=shape.types)
+    return KVPolicy.from_compact(text, shape.num_layers, layer_types=shape.layer_types)
 
 
 def bytes_per_token_by_config(shape: ModelShape, mixed_override: Optional[str] = None
                               ) -> dict[str, int]:
     """:func:`kv_bytes_per_token` of every configuration of the matrix (all KV layers)."""
     return {name: kv_bytes_per_token(c.kv_cache_dtype, shape,
-                                     policy_for(c, shape.types, mixed_override))
+                                     policy_for(c, shape.layer_types, mixed_override))
             for name, c in CONFIGS.items()}
 
 
@@ -140,27 +97,27 @@ def pool_layout(kv_cache_dtype: str, shape: ModelShape, policy: Optional[str], b
                 max_model_len: int, in_flight_tokens: int) -> PoolLayout:
     """The :class:`PoolLayout` of one configuration (module doc); ``block_size``: the configured
     one, ``max_model_len`` and ``in_flight_tokens``: the engine's (the plugin plans with them)."""
-    kinds = {(t.kind, t.window) for t in shape.types}
+    kinds = {(t.kind, t.window) for t in shape.layer_types}
     if any(kind == "none" for kind, _ in kinds):
         raise ValueError("no capacity arithmetic for models with linear-attention / Mamba layers "
                          "(vLLM sizes their state pages); use a full / sliding-window model")
-    if kv_cache_dtype == "nvfp4_mixed" and shape.hybrid:
+    if kv_cache_dtype == "nvfp4_mixed" and shape.needs_packed_groups:
         pol = _policy(policy, shape)
         plan = hybrid_plan(pol, shape.num_kv_heads, shape.head_dim, block_size, max_model_len,
                            in_flight_tokens)
         if plan is None:
             raise ValueError(f"no capacity arithmetic for policy {policy!r}: the sliding-window "
                              "layers must share one window")
-        (window,) = {t.window for t in shape.types if t.kind == "sliding"}
+        (window,) = {t.window for t in shape.layer_types if t.kind == "sliding"}
         groups = ((KVGroup("full", plan.full_block),) * plan.full_groups
                   + (KVGroup("sliding", plan.sliding_block, window),) * plan.sliding_groups)
         return PoolLayout(plan.block_bytes, groups)
     per_token = kv_bytes_per_token(kv_cache_dtype, shape, policy)
-    if not shape.hybrid:
+    if not shape.needs_packed_groups:
         return PoolLayout(per_token * block_size, (KVGroup("full", block_size),))
     # vLLM's own dtypes: every layer's page is the same; groups of group_size layers
     page = block_size * per_token // shape.num_layers
-    counts = {k: sum((t.kind, t.window) == k for t in shape.types) for k in kinds}
+    counts = {k: sum((t.kind, t.window) == k for t in shape.layer_types) for k in kinds}
     group_size = min(counts.values())
     if max(counts.values()) < 1.5 * group_size:
         group_size = max(counts.values())

@@ -24,12 +24,13 @@ from typing import Any, Optional
 
 from benchmarks.e2e import report
 from benchmarks.e2e.budget import Budget
-from benchmarks.e2e.capacity import (DEFAULT_IN_FLIGHT_TOKENS, ModelShape, bytes_per_token_by_config,
-                                     estimate_batch, max_batch, pool_layout)
+from benchmarks.e2e.capacity import (DEFAULT_IN_FLIGHT_TOKENS, bytes_per_token_by_config, estimate_batch,
+                                     max_batch, pool_layout)
 from benchmarks.e2e.configs import CONFIGS, REFERENCE, policy_for
 from benchmarks.e2e.records import RECORDS, Recorder, latest, merge_records, prior_records, read_records
 from benchmarks.e2e.serve import bench_serve_command, run_serve, serve_command
 from benchmarks.e2e.worker import log
+from vllm_nvfp4.model_shape import ModelShape
 from vllm_nvfp4.testing.weightless import PRESETS, build_weightless_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -197,7 +198,7 @@ def plan(a: Namespace) -> dict[str, Any]:
     in_flight = a.max_num_batched_tokens or DEFAULT_IN_FLIGHT_TOKENS
     names = list(dict.fromkeys(a.dtypes + a.serve))
     layouts = {n: pool_layout(CONFIGS[n].kv_cache_dtype, shape,
-                              policy_for(CONFIGS[n], shape.types, a.mixed_policy), PLAN_BLOCK_SIZE,
+                              policy_for(CONFIGS[n], shape.layer_types, a.mixed_policy), PLAN_BLOCK_SIZE,
                               a.max_model_len, in_flight)
                for n in dict.fromkeys([REFERENCE] + names)}
     configs = {}
@@ -205,16 +206,16 @@ def plan(a: Namespace) -> dict[str, Any]:
         batch = {str(c): estimate_batch(PLAN_KV_BYTES, layouts[n], c + a.headroom, in_flight,
                                         a.max_batch) for c in a.contexts}
         configs[n] = dict(kv_cache_dtype=CONFIGS[n].kv_cache_dtype,
-                          policy=policy_for(CONFIGS[n], shape.types, a.mixed_policy),
+                          policy=policy_for(CONFIGS[n], shape.layer_types, a.mixed_policy),
                           kv_bytes_per_token=bpt[n], vs_fp8=round(bpt[REFERENCE] / bpt[n], 4),
                           pool=layouts[n].to_json(), max_batch_at_plan_kv_bytes=batch)
-    return dict(model=dict(vars(shape), path=a.model, hybrid=shape.hybrid,
-                           layer_types={t.label(): shape.types.count(t) for t in dict.fromkeys(shape.types)}),
+    return dict(model=dict(shape.to_json(), path=a.model, hybrid=shape.needs_packed_groups,
+                           layer_types={t.label(): shape.layer_types.count(t) for t in dict.fromkeys(shape.layer_types)}),
                 assumed=dict(block_size=PLAN_BLOCK_SIZE, max_in_flight_tokens=in_flight,
                              kv_gib=PLAN_KV_BYTES / 2**30, max_model_len=a.max_model_len),
                 configs=configs, contexts=a.contexts, ttft_contexts=a.ttft_contexts,
                 worker=shlex.join(worker_command(Path(a.out) / "worker_CONFIG.json")),
-                serve={n: dict(server=shlex.join(serve_command(a, CONFIGS[n], shape.hybrid)),
+                serve={n: dict(server=shlex.join(serve_command(a, CONFIGS[n], shape.needs_packed_groups)),
                                client=shlex.join(bench_serve_command(a, CONFIGS[n], f"bench_serve_{n}.json")))
                        for n in a.serve})
 

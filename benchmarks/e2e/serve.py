@@ -21,9 +21,9 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.e2e.capacity import ModelShape
 from benchmarks.e2e.configs import BenchConfig, backend_for
 from benchmarks.e2e.records import Recorder
+from vllm_nvfp4.model_shape import ModelShape
 
 SERVE_LOG = "serve.log"
 #: fields of vLLM's result JSON copied into the ``bench_serve`` record
@@ -109,7 +109,7 @@ def run_serve(a: Namespace, cfg: BenchConfig, policy: Optional[str], deadline: f
     env = dict(os.environ)
     if policy:
         env["VLLM_NVFP4_POLICY"] = policy
-    cmd = serve_command(a, cfg, ModelShape.from_model_dir(a.model).hybrid)
+    cmd = serve_command(a, cfg, ModelShape.from_model_dir(a.model).needs_packed_groups)
     log(f"serve {cfg.name}: {shlex.join(cmd)}")
     t0 = time.time()
     with open(Path(a.out) / SERVE_LOG, "a") as lf:

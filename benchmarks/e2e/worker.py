@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from benchmarks.e2e import trace
-from benchmarks.e2e.capacity import (ModelShape, PoolLayout, bytes_per_token_by_config, capacity_tokens,
-                                     estimate_batch, max_batch, plan_stages, pool_layout)
+from benchmarks.e2e.capacity import (PoolLayout, bytes_per_token_by_config, capacity_tokens, estimate_batch,
+                                     max_batch, plan_stages, pool_layout)
 from benchmarks.e2e.configs import CONFIGS, REFERENCE, backend_for, capture_sizes_for, policy_for
 from benchmarks.e2e.records import RECORDS, Recorder
 from benchmarks.e2e.stepping import Stepper, decode_window, measure_ttft, prefill_stage
+from vllm_nvfp4.model_shape import ModelShape
 
 
 def log(msg: str) -> None:
@@ -63,7 +64,7 @@ class Worker:
         self.a, self.cfg, self.rec = a, CONFIGS[a.config], rec
         self.shape = ModelShape.from_model_dir(a.model)
         self.bpt = bytes_per_token_by_config(self.shape, a.mixed_policy)
-        self.policy = policy_for(self.cfg, self.shape.types, a.mixed_policy)
+        self.policy = policy_for(self.cfg, self.shape.layer_types, a.mixed_policy)
         self.in_flight = 0  # the engine's max_in_flight_tokens, read at start
         self.deadline = a.deadline  # hard: the orchestrator kills this process soon after
         self.soft = min(a.soft_deadline, a.deadline)  # for contexts after the first
@@ -76,7 +77,7 @@ class Worker:
     def start(self) -> dict:
         from vllm import LLM
 
-        kw = engine_kwargs(self.a, self.cfg.kv_cache_dtype, backend_for(self.cfg, self.shape.hybrid))
+        kw = engine_kwargs(self.a, self.cfg.kv_cache_dtype, backend_for(self.cfg, self.shape.needs_packed_groups))
         log(f"{self.cfg.name}: starting engine {kw}")
         t0 = time.time()
         self.llm = LLM(**kw)
@@ -107,7 +108,7 @@ class Worker:
         """The pool layout configuration ``name`` has at this engine's block size and lengths."""
         cfg = CONFIGS[name]
         bs = int(self.llm.llm_engine.vllm_config.cache_config.block_size)
-        return pool_layout(cfg.kv_cache_dtype, self.shape, policy_for(cfg, self.shape.types, self.a.mixed_policy),
+        return pool_layout(cfg.kv_cache_dtype, self.shape, policy_for(cfg, self.shape.layer_types, self.a.mixed_policy),
                            bs, self.a.max_model_len, self.in_flight)
 
     def left(self, soft: bool = False) -> float:
@@ -202,7 +203,7 @@ class Worker:
 
     def run(self) -> None:
         eng = self.start()
-        st = Stepper(self.llm.llm_engine, self.shape.vocab, seed=zlib.crc32(self.cfg.name.encode()))
+        st = Stepper(self.llm.llm_engine, self.llm.llm_engine.model_config.get_vocab_size(), seed=zlib.crc32(self.cfg.name.encode()))
         ttfts = self.ttft(st)
         for i, c in enumerate(self.a.contexts):
             if c not in ttfts:

@@ -13,5 +13,6 @@ why. The other modules hold the logic those hooks call:
 * :mod:`.rank_params` - a policy row's per-KV-head values on one tensor-parallel rank;
 * :mod:`.dense_prefill` - prefill through FlashAttention over dequantized K/V (CUDA);
 * :mod:`.startup_calibration` - without a policy, K/V scales calibrated in vLLM before serving;
+* :mod:`.startup_selection` - which K/V slots stay FP8 after the start-up sensitivity forwards;
 * :mod:`.connectors` - which KV connectors may move ``nvfp4_mixed`` blocks.
 """

@@ -21,16 +21,16 @@ capture (the formats chosen here size the pages):
    ``amax/2688``, one per layer) and K centering offsets (not for models with a logits
    soft-cap), exactly :func:`~vllm_nvfp4.calibration.scales.scaled_policy` as ``calibrate
    --k-center`` writes it.
-4. Formats (start-up sensitivity, ``analyze`` + ``select`` in vLLM): the candidate slots are the
-   K and the V of every layer whose cache grows with the context
-   (:func:`~vllm_nvfp4.policy.growing_layers`: the full-attention layers; sliding layers stay
-   FP8 as in the rule). On the first :data:`SENSITIVITY_TOKENS` tokens of the text, the model
-   runs once exactly and once per candidate with only that slot stored in NVFP4 (its calibrated
-   scale, K centered as served; :func:`~vllm_nvfp4.calibration.kv_hooks.fake_quantize`), every
-   other layer exact; a slot's damage is the mean next-token KL of the final logits against the
-   exact forward (:func:`~vllm_nvfp4.calibration.metrics.kl_divergence`, :data:`~vllm_nvfp4.integration.calibration_forward.LOGIT_ROWS`
-   positions at a time). The :func:`fp8_slot_count` slots of largest damage stay FP8
-   (:func:`~vllm_nvfp4.calibration.selection.keep_largest`), the other candidates go NVFP4.
+4. Formats (start-up sensitivity, ``analyze`` + ``select`` in vLLM; the candidates and the
+   choice in :mod:`.startup_selection`): on the first :data:`SENSITIVITY_TOKENS` tokens of the
+   text, the model runs once exactly and once per candidate slot (the K or the V of a
+   full-attention layer) with only that slot stored in NVFP4 (its calibrated scale, K centered
+   as served; :func:`~vllm_nvfp4.calibration.kv_hooks.fake_quantize`), every other layer exact;
+   a slot's damage is the mean next-token KL of the final logits against the exact forward
+   (:func:`~vllm_nvfp4.calibration.metrics.kl_divergence`,
+   :data:`~vllm_nvfp4.integration.calibration_forward.LOGIT_ROWS` positions at a time). The
+   slots of largest damage stay FP8
+   (:func:`~vllm_nvfp4.integration.startup_selection.sensitivity_policy`).
    Under TP the logits are on rank 0: it ranks the slots and broadcasts the choice.
 5. The policy replaces the default rule for this engine
    (:func:`~vllm_nvfp4.integration.model.set_startup_policy`) before the KV-cache specs are
@@ -51,18 +51,13 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 
 from vllm_nvfp4.calibration.builtin_text import BUILTIN_TEXT, builtin_text_sha256
 from vllm_nvfp4.calibration.kv_hooks import KVObserver
-from vllm_nvfp4.calibration.selection import (
-    DEFAULT_BUDGET,
-    fp8_slots_for_budget,
-    keep_largest,
-    policy_from_fp8,
-)
+from vllm_nvfp4.calibration.selection import DEFAULT_BUDGET
 from vllm_nvfp4.calibration.startup_cache import (
     cache_key,
     cache_path,
@@ -70,20 +65,18 @@ from vllm_nvfp4.calibration.startup_cache import (
     save_cached,
     weights_fingerprint,
 )
-from vllm_nvfp4.calibration.scales import with_formats
-from vllm_nvfp4.formats import KVFormat
-from vllm_nvfp4.policy import (
-    POLICY_ENV,
-    POLICY_FILENAME,
-    KVPolicy,
-    LayerType,
-    default_policy,
-    growing_layers,
-)
+from vllm_nvfp4.policy import POLICY_ENV, POLICY_FILENAME, KVPolicy, default_policy
 
 from vllm_nvfp4.integration.dtype import is_ours
 from vllm_nvfp4.integration.calibration_forward import observe_in_vllm, slot_damage
 from vllm_nvfp4.integration.model import is_draft_layer, set_startup_policy
+from vllm_nvfp4.integration.startup_selection import (
+    METRIC,
+    candidate_slots,
+    formats_line,
+    fp8_slot_count,
+    sensitivity_policy,
+)
 from vllm_nvfp4.model_shape import ModelShape
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
@@ -162,7 +155,7 @@ class Recipe:
                "per_head": False, "version": RECIPE_VERSION,
                "formats": "sensitivity" if self.select else "default rule"}
         if self.select:
-            out.update(sensitivity_windows=self.sensitivity_windows, metric="kl",
+            out.update(sensitivity_windows=self.sensitivity_windows, metric=METRIC,
                        budget=DEFAULT_BUDGET)
         return out
 
@@ -178,18 +171,6 @@ def recipe_for(vllm_config: Any, text_tokens: int, soft_cap: bool, select: bool 
                   sensitivity_windows=max(1, min(windows, SENSITIVITY_TOKENS // window)))
 
 
-def fp8_slot_count(layer_types: Sequence[LayerType]) -> tuple[list[int], int]:
-    """``(candidate layers, FP8 slots among their K/V)``: the growing layers
-    (:func:`~vllm_nvfp4.policy.growing_layers`) and ``max(FP8 slots of`` :data:`DEFAULT_BUDGET`
-    ``over them, the default rule's FP8 slots among them)``, at most all of them."""
-    types = tuple(layer_types)
-    candidates = growing_layers(types)
-    rule = default_policy(len(types), types)
-    rule_fp8 = sum(rule.layers[i].format_of(kv) is KVFormat.FP8 for i in candidates for kv in "kv")
-    return candidates, min(max(fp8_slots_for_budget(len(candidates), DEFAULT_BUDGET), rule_fp8),
-                           2 * len(candidates))
-
-
 # ---------------------------------------------------------------------------- the layers
 def _our_layers(vllm_config: Any, num_layers: int) -> dict[str, Any]:
     """This rank's ``nvfp4_mixed`` attention layers of the target model by name (a speculative
@@ -198,19 +179,6 @@ def _our_layers(vllm_config: Any, num_layers: int) -> dict[str, Any]:
     return {name: layer for name, layer in ctx.items()
             if is_ours(getattr(layer, "kv_cache_dtype", None)) and hasattr(layer, "impl")
             and not is_draft_layer(vllm_config, name, num_layers)}
-
-
-def select_formats_at_startup(scaled: KVPolicy, damage: dict[tuple[int, str], float],
-                              candidates: Sequence[int], fp8_slots: int,
-                              provenance: dict[str, Any]) -> KVPolicy:
-    """``scaled`` with the ``fp8_slots`` candidate slots of largest ``damage`` in FP8, the other
-    candidates' slots NVFP4 and the other KV layers' formats kept."""
-    chosen = keep_largest([(d, layer, kv) for (layer, kv), d in damage.items()], fp8_slots)
-    keep = set(candidates)
-    fixed = [(i, kv) for i, lp in scaled.kv_layers() if i not in keep for kv in ("k", "v")
-             if lp.format_of(kv) is KVFormat.FP8]
-    formats = policy_from_fp8(scaled.layer_types, [*chosen, *fixed], source="start-up sensitivity")
-    return with_formats(scaled, formats, provenance, source="start-up calibration")
 
 
 # ---------------------------------------------------------------------------- tensor parallel
@@ -285,10 +253,6 @@ def _load_tokenizer(model_config: Any) -> Any:
                                          trust_remote_code=model_config.trust_remote_code)
 
 
-def _slot_name(layer: int, kv: str) -> str:
-    return f"{layer}.{kv}"
-
-
 def _progress_logger(total: int, start: float, rank0: bool) -> Callable[[int], None]:
     """A ``progress(done)`` that logs on rank 0 at most every :data:`PROGRESS_SECONDS`."""
     last = [start]
@@ -313,20 +277,14 @@ def _select(runner: Any, layers: dict[str, Any], windows: torch.Tensor, recipe: 
         return KVPolicy(scaled.layers, provenance, source="start-up calibration")
     start = time.perf_counter()
     sens = windows[:recipe.sensitivity_windows]
-    slots = [(i, kv) for i in candidates for kv in ("k", "v")]
+    slots = candidate_slots(candidates)
     damage = _broadcast(slot_damage(runner, layers, sens, recipe.per_forward, scaled, slots,
                                     _progress_logger(len(slots), start, rank0)))
     if damage is None:
         raise RuntimeError("vllm-nvfp4 start-up selection: rank 0 computed no logits; set "
                            f"{STARTUP_CALIBRATION_ENV}=scales for the default rule's formats")
-    chosen = keep_largest([(d, layer, kv) for (layer, kv), d in damage.items()], fp8_slots)
-    provenance.update(formats_from="start-up sensitivity", sensitivity={
-        "tokens": int(sens.numel()), "metric": "kl", "budget": DEFAULT_BUDGET,
-        "candidates": len(candidates), "fp8_slots": fp8_slots,
-        "fp8": [_slot_name(*slot) for slot in chosen],
-        "kl": {_slot_name(*slot): round(d, 8) for slot, d in sorted(damage.items())},
-        "seconds": round(time.perf_counter() - start, 1)})
-    return select_formats_at_startup(scaled, damage, candidates, fp8_slots, provenance)
+    return sensitivity_policy(scaled, damage, candidates, fp8_slots, provenance,
+                              tokens=int(sens.numel()), seconds=time.perf_counter() - start)
 
 
 def calibrate_worker(worker: Any) -> dict[str, Any]:
@@ -387,19 +345,6 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
     return {"tokens": tokens, "seconds": time.perf_counter() - start, "cached": cached_dict is not None,
             "path": str(path), "policy": policy.to_compact(),
             "formats": formats_line(policy.provenance)}
-
-
-def formats_line(provenance: dict[str, Any]) -> str:
-    """What chose the formats, for the log: the rule, or the FP8 slots by measured KL."""
-    sens = provenance.get("sensitivity")
-    if sens is None:
-        return str(provenance.get("formats_from", "default rule"))
-    kl = sens["kl"]
-    picked = ", ".join(f"{slot} ({kl[slot]:.3g})" for slot in sens["fp8"]) or "none"
-    median = sorted(kl.values())[len(kl) // 2]
-    return (f"FP8 by measured KL on {sens['tokens']} tokens: {picked} (the {len(sens['fp8'])} of "
-            f"{2 * sens['candidates']} candidate slots with the largest next-token KL in NVFP4; "
-            f"median {median:.3g})")
 
 
 def calibrate_engine(executor: Any) -> None:
