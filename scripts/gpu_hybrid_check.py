@@ -68,7 +68,7 @@ def gen(llm: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 
 def check_arch(arch: str, device: str, work: Path, compare_eager: bool,
-               dtype: str = "bfloat16") -> dict[str, Any]:
+               dtype: str = "bfloat16", gpu_head_dims: bool = False) -> dict[str, Any]:
     from vllm import LLM
 
     from vllm_nvfp4.testing.kv_report import kv_cache_report
@@ -80,7 +80,8 @@ def check_arch(arch: str, device: str, work: Path, compare_eager: bool,
 
     case, mixed = arch, arch.endswith(MIXED_SUFFIX)
     arch = arch.removesuffix(MIXED_SUFFIX)
-    head_dim = GPU_HEAD_DIMS[arch] if device == "cuda" else None  # the CUDA kernels: >= 64
+    # the CUDA kernels: >= 64; on CPU the CUDA geometry (hence the same block plan) on request
+    head_dim = GPU_HEAD_DIMS[arch] if device == "cuda" or gpu_head_dims else None
     model_dir = build_tiny_hybrid(arch, work / f"{case}-{head_dim}", qk_gain=QK_GAIN,
                                   head_dim=head_dim)
     policy = write_by_type_policy(
@@ -195,6 +196,8 @@ def main() -> int:
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="the model's dtype (float32: rounding too small to flip a greedy token, "
                          "so cold vs prefix-hit differences are not rounding)")
+    ap.add_argument("--gpu-head-dims", action="store_true",
+                    help="with --device cpu: the head dims (and so the block plan) of the CUDA run")
     ap.add_argument("--compare-eager", action="store_true",
                     help="also run engine B (eager, no prefix caching) and report A vs B")
     a = ap.parse_args()
@@ -202,7 +205,8 @@ def main() -> int:
     results: dict[str, Any] = {}
     for arch in a.arch:
         try:
-            results[arch] = check_arch(arch, a.device, a.work, a.compare_eager, a.dtype)
+            results[arch] = check_arch(arch, a.device, a.work, a.compare_eager, a.dtype,
+                                       a.gpu_head_dims)
         except Exception as e:  # one architecture failing must not hide the others
             results[arch] = {"arch": arch, "ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
         a.out.write_text(json.dumps(results, indent=1))
