@@ -235,6 +235,35 @@ def _k_outlier_llama(out: Path) -> Path:
     return model_dir
 
 
+def _damage_resumed_and_whole(worker: Any, policy: dict) -> tuple[dict, dict]:
+    """``slot_damage`` of every K/V slot on 2 x 96 random tokens, resumed at each slot's layer
+    and (the stack hidden from it) through the whole model; with the calls of decoder layer 0
+    (runs in the worker)."""
+    import vllm_nvfp4.integration.calibration_forward as cf
+    from vllm_nvfp4.integration.startup_calibration import _our_layers
+    from vllm_nvfp4.policy import KVPolicy
+
+    runner = worker.model_runner
+    scaled = KVPolicy.from_dict(policy)
+    layers = _our_layers(runner.vllm_config, scaled.num_layers)
+    windows = torch.randint(1, 200, (2, 96), generator=torch.Generator().manual_seed(0))
+    slots = [(i, kv) for i in range(scaled.num_layers) for kv in ("k", "v")]
+    stack, real = cf.decoder_stack(runner.get_model()), cf.decoder_stack
+    out = []
+    for hide in (False, True):
+        calls = [0]
+        handle = stack.layers[0].register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        cf.decoder_stack = (lambda model: None) if hide else real
+        try:
+            damage = cf.slot_damage(runner, layers, windows, 2, scaled, slots)
+        finally:
+            cf.decoder_stack = real
+            handle.remove()
+        out.append({"damage": {f"{i}.{kv}": d for (i, kv), d in damage.items()},
+                    "layer0_calls": calls[0]})
+    return out[0], out[1]
+
+
 def test_startup_selection_keeps_the_sensitive_slot_in_fp8(tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch):
     """The engine's policy (cached file, bound layouts) has layer 2's K in FP8 where the rule
@@ -254,11 +283,19 @@ def test_startup_selection_keeps_the_sensitive_slot_in_fp8(tmp_path: Path,
             n: (l.impl.layout.k_format, l.impl.layout.v_format)
             for n, l in w.model_runner.compilation_config.static_forward_context.items()
             if hasattr(getattr(l, "impl", None), "layout")})[0]
+        (path,) = (tmp_path / "cache" / "startup-calibration").glob("*.json")
+        policy = KVPolicy.load(path)
+        resumed, whole = llm.collective_rpc(_damage_resumed_and_whole, args=(policy.to_dict(),))[0]
     finally:
         del llm
         gc.collect()
-    (path,) = (tmp_path / "cache" / "startup-calibration").glob("*.json")
-    policy = KVPolicy.load(path)
+    # slots resumed at their layer (from the exact forward's residual stream) measure what the
+    # whole model measures, running layer 0 only for the exact forward and layer 0's own slots
+    assert resumed["damage"].keys() == whole["damage"].keys()
+    for slot, d in whole["damage"].items():
+        assert resumed["damage"][slot] == pytest.approx(d, rel=1e-3, abs=1e-7), slot
+    assert whole["layer0_calls"] == 1 + len(whole["damage"])
+    assert resumed["layer0_calls"] == 1 + 2
     sens = policy.provenance["sensitivity"]
     assert sens["tokens"] == 2048 and sens["candidates"] == 6 and sens["fp8_slots"] == 4
     kl = sens["kl"]

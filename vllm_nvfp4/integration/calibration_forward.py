@@ -6,6 +6,7 @@ to measure what NVFP4 there costs in next-token KL of the final logits (:func:`s
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -19,6 +20,7 @@ from vllm_nvfp4.integration.rank_params import rank_row_values
 from vllm_nvfp4.paged_torch import attend_one_sequence
 from vllm_nvfp4.policy import KVPolicy
 
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
 LOGIT_ROWS = 256  # positions per logits chunk: the extra memory is 2 x LOGIT_ROWS x vocab fp32
 
 
@@ -110,22 +112,73 @@ class CalibrationBatch:
 
 def _forward(runner: Any, rows: dict[str, int], chunk: torch.Tensor,
              observer: Optional[KVObserver] = None,
-             perturb: Optional[SlotPerturbation] = None) -> torch.Tensor:
+             perturb: Optional[SlotPerturbation] = None,
+             resume: Optional[tuple[int, torch.Tensor]] = None) -> torch.Tensor:
     """The runner's model over ``chunk [S, L]`` (token ids), every layer of ``rows`` (name ->
     policy row) with a :class:`CalibrationBatch`; returns the final hidden states
-    ``[S * L, hidden]``."""
+    ``[S * L, hidden]``. ``resume = (layer, stream)``: run only the decoder layers from
+    ``layer`` on, from the residual stream ``[S * L, hidden]`` at that layer's input (see
+    :class:`LayerStreams`)."""
     from vllm.forward_context import set_forward_context
 
     s, n = chunk.shape
     ids = chunk.reshape(-1).to(device=runner.device, dtype=torch.int32)
     positions = torch.arange(n, device=runner.device, dtype=torch.int64).repeat(s)
     batches = {name: CalibrationBatch(observer, row, s, n, perturb) for name, row in rows.items()}
+    model = runner.get_model()
+    stack, first = (decoder_stack(model), resume[0]) if resume is not None else (None, 0)
     # eager (skip_compiled): this runs before vLLM compiles the model; a call of the compiled
     # wrapper here would compile it with our metadata and make vLLM compile it again
     with set_forward_context(batches, runner.vllm_config, num_tokens=s * n, slot_mapping={},
                              skip_compiled=True):
-        return runner.get_model()(input_ids=ids, positions=positions, intermediate_tensors=None,
-                                  inputs_embeds=None)
+        if stack is None:
+            return model(input_ids=ids, positions=positions, intermediate_tensors=None,
+                         inputs_embeds=None)
+        start = stack.start_layer
+        stack.start_layer = first
+        try:  # the stream enters layer `first` as embeddings would enter layer 0
+            return model(input_ids=None, positions=positions, intermediate_tensors=None,
+                         inputs_embeds=resume[1])
+        finally:
+            stack.start_layer = start
+
+
+def decoder_stack(model: Any) -> Optional[Any]:
+    """The decoder-layer stack of a vLLM causal LM (``model.model``) when it can resume at a layer:
+    its forward runs ``layers[start_layer:end_layer]`` from ``inputs_embeds`` (Llama, Qwen2/3,
+    Mistral, Gemma 3, gpt-oss and most others); None otherwise."""
+    stack = getattr(model, "model", None)
+    if stack is None or not isinstance(getattr(stack, "start_layer", None), int) \
+            or getattr(stack, "start_layer") != 0 or not hasattr(stack, "layers"):
+        return None
+    return stack
+
+
+class LayerStreams:
+    """The residual stream at the input of chosen decoder layers, recorded during an exact forward
+    (forward hooks on the layer before each): ``hidden + residual`` of that layer's output
+    ``[S * L, hidden]``, per chunk. A slot of layer ``l`` perturbs nothing before ``l``, so its
+    forward can start there (:func:`_forward` ``resume``), about half the work on average."""
+
+    def __init__(self, stack: Any, layers: Sequence[int]) -> None:
+        self.streams: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers if layer > 0}
+        self.unrecognised = False  # a layer output that is not (hidden, residual)
+        self._handles = [stack.layers[layer - 1].register_forward_hook(self._recorder(layer))
+                         for layer in self.streams]
+
+    def _recorder(self, layer: int) -> Callable[..., None]:
+        def record(module: Any, args: Any, output: Any) -> None:
+            if not (isinstance(output, tuple) and len(output) == 2
+                    and isinstance(output[0], torch.Tensor)):
+                self.unrecognised = True
+                return
+            hidden, residual = output
+            self.streams[layer].append(hidden if residual is None else hidden + residual)
+        return record
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
 
 @torch.inference_mode()
@@ -152,20 +205,31 @@ def slot_damage(runner: Any, layers: dict[str, Any], windows: torch.Tensor, per_
     """Mean next-token KL (nats) of the final logits with each slot ``(layer, "k"|"v")`` alone in
     NVFP4 (``scaled``'s scales and K centering as served, every other layer exact) against the
     exact forward, over every position of ``windows [n, T]``; None on ranks without logits.
-    ``progress(done)`` is called after each slot."""
+    Where the model can resume at a layer (:func:`decoder_stack`) a slot's forward starts at its
+    layer from the exact forward's residual stream, once that resumed exact forward is checked
+    to reproduce the full one. ``progress(done)`` is called after each slot."""
     model = runner.get_model()
     rows = {name: layer_index(name, scaled.num_layers) for name in layers}
     by_row = {row: name for name, row in rows.items()}
     chunks = list(windows.split(per_forward))
-    exact = [_forward(runner, rows, c) for c in chunks]
+    stack = decoder_stack(model)
+    streams = LayerStreams(stack, sorted({layer for layer, _ in slots})) if stack is not None else None
+    try:
+        exact = [_forward(runner, rows, c) for c in chunks]
+    finally:
+        if streams is not None:
+            streams.close()
+    if streams is not None and not _resumes_exactly(runner, rows, chunks, exact, streams):
+        streams = None
     damage: Optional[dict[tuple[int, str], float]] = {}
     for done, (layer, kv) in enumerate(slots, 1):
         name = by_row[layer]
         perturb = SlotPerturbation.of(scaled, layer, kv, "nvfp4", name, layers[name].impl,
                                       runner.vllm_config)
         total, count = torch.zeros((), dtype=torch.float64, device=runner.device), 0
-        for chunk, hidden in zip(chunks, exact):
-            moved = _forward(runner, rows, chunk, perturb=perturb)
+        for i, (chunk, hidden) in enumerate(zip(chunks, exact)):
+            resume = (layer, streams.streams[layer][i]) if streams and layer in streams.streams else None
+            moved = _forward(runner, rows, chunk, perturb=perturb, resume=resume)
             for ref_rows, q_rows in zip(hidden.split(LOGIT_ROWS), moved.split(LOGIT_ROWS)):
                 ref, q = model.compute_logits(ref_rows), model.compute_logits(q_rows)
                 if ref is None:  # TP: the logits are gathered to rank 0
@@ -179,3 +243,26 @@ def slot_damage(runner: Any, layers: dict[str, Any], windows: torch.Tensor, per_
         if progress is not None:
             progress(done)
     return damage
+
+
+#: largest relative RMS difference between the final hidden states of a resumed and a full exact
+#: forward for the resumed forwards to be used (the model dtype's rounding of the stream's sum)
+RESUME_TOLERANCE = 2e-2
+
+
+def _resumes_exactly(runner: Any, rows: dict[str, int], chunks: Sequence[torch.Tensor],
+                     exact: Sequence[torch.Tensor], streams: LayerStreams) -> bool:
+    """Whether the exact forward resumed at the deepest recorded layer reproduces the full one
+    (a model whose stack does not resume like Llama's would not); logs and returns False if not."""
+    layer = max(streams.streams, default=None)
+    if layer is None or streams.unrecognised \
+            or any(len(chunk_streams) != len(chunks) for chunk_streams in streams.streams.values()):
+        return False
+    again = _forward(runner, rows, chunks[0], resume=(layer, streams.streams[layer][0])).float()
+    ref = exact[0].float()
+    err = float((again - ref).norm() / ref.norm().clamp_min(1e-30))
+    if err <= RESUME_TOLERANCE:
+        return True
+    logger.warning("vllm-nvfp4: start-up sensitivity: resuming the model at layer %d changed its "
+                   "output by %.3g (relative); every slot runs the whole model", layer, err)
+    return False
