@@ -68,7 +68,8 @@ def gen(llm: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 
 def check_arch(arch: str, device: str, work: Path, compare_eager: bool,
-               dtype: str = "bfloat16", gpu_head_dims: bool = False) -> dict[str, Any]:
+               dtype: str = "bfloat16", gpu_head_dims: bool = False,
+               batched_tokens: int = 128) -> dict[str, Any]:
     from vllm import LLM
 
     from vllm_nvfp4.testing.kv_report import kv_cache_report
@@ -99,7 +100,8 @@ def check_arch(arch: str, device: str, work: Path, compare_eager: bool,
     r: dict[str, Any] = {"arch": case, "dtype": dtype, "policy": policy.to_compact(), "checks": {}}
     checks = r["checks"]
     t0 = time.time()
-    llm = LLM(**common, enable_prefix_caching=True, max_num_batched_tokens=128, max_num_seqs=32)
+    llm = LLM(**common, enable_prefix_caching=True, max_num_batched_tokens=batched_tokens,
+              max_num_seqs=32)
     r["start_s"] = round(time.time() - t0, 1)
     tok = llm.get_tokenizer()
     import inspect
@@ -198,6 +200,9 @@ def main() -> int:
                          "so cold vs prefix-hit differences are not rounding)")
     ap.add_argument("--gpu-head-dims", action="store_true",
                     help="with --device cpu: the head dims (and so the block plan) of the CUDA run")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=128,
+                    help="engine A's max_num_batched_tokens; CUDA keeps two batches in flight (async "
+                         "scheduling), so 128 there plans the blocks as 256 does on CPU")
     ap.add_argument("--compare-eager", action="store_true",
                     help="also run engine B (eager, no prefix caching) and report A vs B")
     a = ap.parse_args()
@@ -206,7 +211,7 @@ def main() -> int:
     for arch in a.arch:
         try:
             results[arch] = check_arch(arch, a.device, a.work, a.compare_eager, a.dtype,
-                                       a.gpu_head_dims)
+                                       a.gpu_head_dims, a.max_num_batched_tokens)
         except Exception as e:  # one architecture failing must not hide the others
             results[arch] = {"arch": arch, "ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
         a.out.write_text(json.dumps(results, indent=1))
