@@ -207,7 +207,8 @@ def main() -> None:
         spills = sum(c for o, c in body.items() if o.startswith(("STL", "LDL")))
         print(f"triton {triton.__version__} D {args.head_dim} {fmt:11} {kind:7} tile {tile:3} "
               f"group {args.group}{' sinks' if args.sinks else ''} "
-              f"warps {warps}{f' parts {dim_parts}' if dim_parts > 1 else ''} stages {args.stages}{''.join(' ' + v for v in variants)}: "
+              f"warps {warps}{f' parts {dim_parts}' if dim_parts > 1 else ''} "
+              f"stages {args.stages}{''.join(' ' + v for v in variants)}: "
               f"regs {regs} smem {k.metadata.shared} "
               f"loop {sum(body.values())} instr/warp "
               f"({sum(body.values()) * warps / tile:.1f} per token-head{tail}; STS/LDS/LDSM/BAR "

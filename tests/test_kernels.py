@@ -258,6 +258,23 @@ def test_decode_splits_for_few_programs(monkeypatch, seqs, kv_heads, ctx, tile_n
     assert got == want
 
 
+@pytest.mark.parametrize("seqs,ctx,want", [(16, 4096, None), (16, 32768, None), (64, 4096, 128),
+                                            (64, 32768, 128)])
+def test_decode_register_cap_head_dim_512(monkeypatch, seqs, ctx, want):
+    """NVFP4 K and V at head_dim 512, 32 q / 4 KV heads on an H200's 132 SMs: the head-dim-parts
+    decode is capped at 128 registers where its grid holds more than four programs per SM; a
+    cap the launch shape sets wins; head-dim parts off: no cap."""
+    monkeypatch.setattr(attn_kernels, "_num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    shape = attn_kernels.launch_defaults(KVPageLayout(4, 512, 16, "nvfp4", "nvfp4"), True)
+    splits = attn_kernels.decode_splits(seqs, 4, ctx, shape.tile_n, cpu, shape.num_warps)
+    assert attn_kernels.decode_register_cap(shape, seqs * 4 * splits, cpu) == want
+    fixed = dataclasses.replace(shape, maxnreg=168)
+    assert attn_kernels.decode_register_cap(fixed, seqs * 4 * splits, cpu) == 168
+    one_part = dataclasses.replace(shape, dim_parts=1)
+    assert attn_kernels.decode_register_cap(one_part, 10**6, cpu) is None
+
+
 @pytest.mark.parametrize("group,d,b,window,cap", [(3, 64, 32, 40, 2.0), (1, 256, 16, None, None),
                                                  (8, 128, 16, 7, None)])
 @pytest.mark.parametrize("kf,vf", FMT_PAIRS)

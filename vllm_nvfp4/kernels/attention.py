@@ -25,8 +25,8 @@ placement alone, ``(n & 8) << 12 | (n & 7) << 9`` == e2m1(n) * 2^-14 (subnormal 
 included); the global scale g and 2^14 go into the softmax scale / output scale. The
 interpreter runs the same bit placement in Triton integer ops.
 
-Launch shapes: :func:`launch_defaults` and :func:`decode_splits`; :class:`LaunchShape` fixes them
-for benchmarks and tests.
+Launch shapes: :func:`launch_defaults`, :func:`decode_splits` and :func:`decode_register_cap`;
+:class:`LaunchShape` fixes them for benchmarks and tests.
 
 All launch parameters derive from host ints (shapes, ``max_query_len``, ``max_seq_len``), never
 from tensor contents, so the decode path is CUDA-graph capturable.
@@ -367,7 +367,7 @@ def _dot_f(a, b, acc, F32: tl.constexpr):
 
 @triton.jit
 def _part_cols(c, FMT: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr):
-    """Head-dim columns of operand ``c`` of a K or V operand of :func:`_attend_keys`: NVFP4 chunk
+    """Head-dim columns of operand ``c`` of a K or V tile in :func:`_attend_keys`: NVFP4 chunk
     ``c`` (``16c .. 16c + 15``); FP8 byte plane ``c`` (the even columns for 0, the odd ones for
     1). With ``PARTS > 1`` the head dim is cut into ``PARTS`` parts of ``D / PARTS`` columns, each
     taken by its own warps (the leading dimension of every operand), and ``c`` counts inside a
@@ -448,7 +448,8 @@ def _attend_keys(
 
     ``HOIST_Q``: the score tiles start from ``sum_c 0 . q_c`` (zeros, computed once before the
     loops) instead of constant zeros, which makes Triton convert the query operands to the MMA
-    layout once rather than in every tile. ``FOLD_K``: see :func:`_attend_tiles`."""
+    layout once rather than in every tile. ``FOLD_K``, ``FOLD_V``, ``PARTS``, ``LAZY``: see
+    :func:`_attend_tiles`."""
     W: tl.constexpr = D // 2 // PARTS if K_FMT == FMT_FP8 else 16
     KT: tl.constexpr = tl.float32 if F32 else tl.float16
     if PARTS > 1:
@@ -493,7 +494,11 @@ def _attend_tiles(
     the tokens' block scales, and ``acc_c^T [16, M] += V_c^T [16, TILE_N] . (sv_c * p)``. With
     ``FOLD_K`` the K planes are scaled instead, ``s^T = sum_c (sk_c * K_c) . q_c^T`` as one chained
     dot: the fp16 product of an ``e2m1 * 2^-14`` plane and an E4M3 scale is exact (a multiple of
-    2^-24 with at most 6 significant bits, at most 6 * 448 * 2^-14). An FP8
+    2^-24 with at most 6 significant bits, at most 6 * 448 * 2^-14); with ``FOLD_V`` likewise
+    ``acc_c^T += (sv_c * V_c^T) . p``. ``PARTS > 1`` (:func:`_part_cols`): each operand has a
+    leading part dimension, one part per warp (batched MMAs), and ``s^T`` is the sum of the
+    parts' partial scores. ``LAZY``: the accumulators are rescaled only in a tile that raises
+    some column's running max. An FP8
     K or V is one dot per byte plane and tile (:func:`_fp8_planes`: even and odd columns of
     ``K . q^T``, ``V^T . p``). The raw K/V words and whole scale
     rows are copied asynchronously (``tl.range`` stages) and decoded by unary inline asm in the
@@ -547,18 +552,20 @@ def _attend_tiles(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[None, :])
         l_i = l_i * alpha + tl.sum(p, axis=0)
-        if not LAZY or tl.max((m_new > m_i).to(tl.int32), axis=0) > 0:  # LAZY: on a new max only
-            rescaled = ()
-            for c in tl.static_range(len(accs)):
-                rescaled = rescaled + (accs[c] * alpha[None, :],)
-            accs = rescaled
+        if LAZY:  # rescale the accumulators now, and only on a new running max
+            if tl.max((m_new > m_i).to(tl.int32), axis=0) > 0:
+                rescaled = ()
+                for c in tl.static_range(len(accs)):
+                    rescaled = rescaled + (accs[c] * alpha[None, :],)
+                accs = rescaled
         ph = p if F32 else p.to(tl.float16)
         if PARTS > 1:
             ph = tl.broadcast_to(ph[None, :, :], [PARTS, TILE_N, M])
         if V_FMT == FMT_FP8:  # V^T's even and odd columns, [D/2, TILE_N] each
             ve, vo = _fp8_planes(_tile_words(page, off, valid, h, V_DATA, D, 0, D // 2 // PARTS,
                                              BLOCK, True, MASKED, PARTS), F32)
-            accs = (_dot_f(ve, ph, accs[0], F32), _dot_f(vo, ph, accs[1], F32))
+            accs = (_dot_f(ve, ph, _rescale(accs[0], alpha, LAZY), F32),
+                    _dot_f(vo, ph, _rescale(accs[1], alpha, LAZY), F32))
         else:
             new_accs = ()
             for gi in tl.static_range(D // 64 // PARTS):
@@ -567,7 +574,7 @@ def _attend_tiles(
                 for j in tl.static_range(4):
                     sv = vss[4 * gi + j]
                     sv = sv if F32 else sv.to(tl.float16)
-                    acc = accs[4 * gi + j]
+                    acc = _rescale(accs[4 * gi + j], alpha, LAZY)
                     if FOLD_V:  # the fp16 product is exact, as for K
                         acc = _dot_f(vps[j] * tl.expand_dims(sv, -2), ph, acc, F32)
                     else:
@@ -576,6 +583,17 @@ def _attend_tiles(
             accs = new_accs
         m_i = m_new
     return accs, m_i, l_i
+
+
+@triton.jit
+def _rescale(acc, alpha, LAZY: tl.constexpr):
+    """An accumulator times the tile's rescale factor ``alpha [M]`` right before its dot (unless
+    ``LAZY``: :func:`_attend_tiles` rescaled them all already, where the running max grew)."""
+    if LAZY:
+        out = acc
+    else:
+        out = acc * alpha[None, :]
+    return out
 
 
 @triton.jit
@@ -760,6 +778,18 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: in
     return splits
 
 
+def decode_register_cap(shape: "LaunchShape", programs: int, device: torch.device) -> Optional[int]:
+    """The decode kernel's register cap per thread for a grid of ``programs``: ``shape.maxnreg``;
+    unset, with the head dim in parts (``dim_parts > 1``), 128 where the grid holds more programs
+    than fit the SMs uncapped (the head_dim-512 NVFP4 decode takes 216 registers: four two-warp
+    programs per SM; capped, it spills a few and eight fit). H200, 32 q / 4 KV heads: capped
+    64 x 4k 293 -> 260 us and 64 x 32k 2152 -> 1887 us; with fewer programs than fit uncapped
+    the spills only cost (16 x 4k 84 -> 92 us, 16 x 32k 554 -> 610 us)."""
+    if shape.maxnreg or shape.dim_parts == 1:
+        return shape.maxnreg
+    return 128 if programs > 4 * _num_sms(device) else None
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchShape:
     """How :func:`paged_attention` launches its kernels (default: :func:`launch_defaults`).
@@ -769,11 +799,19 @@ class LaunchShape:
     The rest stay ``None`` in production and are fixed by benchmarks and tests: ``num_splits``,
     the decode split count (a power of 2; default :func:`decode_splits`); ``num_stages``, the
     kernel's pipeline stages (default 3 decode, 2 prefill; the tile loop always has 3);
-    ``maxnreg``, the decode kernel's register cap per thread (Triton's ``maxnreg``).
+    ``maxnreg``, the decode kernel's register cap per thread (Triton's ``maxnreg``; default
+    :func:`decode_register_cap`).
     Code variants of the attention core (:func:`_attend_keys`): ``hoist_query`` converts the
     query operands to the MMA layout once before the tile loop; ``fold_k_scales`` multiplies
     each NVFP4 K plane by its block scales in fp16 (exact) so that one chained dot replaces a
-    dot and a scaled fp32 sum per chunk.
+    dot and a scaled fp32 sum per chunk; ``fold_v_scales`` does the same for the NVFP4 V planes
+    (instead of scaling P per chunk, which converts each scaled P through shared memory);
+    ``dim_parts`` (a power of 2, at most ``num_warps``, dividing head_dim / 64) cuts the head
+    dim into parts, each taken by its own warps: every operand gets a leading part dimension
+    (batched MMAs, one part per warp), the parts' partial scores are summed across the warps
+    once per tile, and each warp holds only its part's output accumulators;
+    ``lazy_rescale`` rescales the output accumulators only in tiles that raise the running max
+    of some query column (exact: the same products, skipped where the factor is 1).
     """
 
     tile_n: int
@@ -800,17 +838,21 @@ class LaunchShape:
 
 
 def _launch_defaults_512(layout, decode: bool) -> LaunchShape:
-    """Head_dim 512 (Gemma 4's global layers), chosen by the fewest spills in the sm_90 compile
-    check (``benchmarks/compile_sm90.py --head-dim 512 --group 8``), not timed: the output
-    accumulators alone take 128 registers per thread in one warp. Decode: FP8 / FP8 64 keys x 4
-    warps (no spill), with an NVFP4 plane 16 keys x 1 warp. Prefill: FP8 / FP8 32 keys x 4 warps
-    x 16 rows (no spill); NVFP4 K / FP8 V 16 keys x 2 warps x 8 rows (no spill); an NVFP4 V
-    16 keys x 1 warp x 8 rows."""
+    """Head_dim 512 (Gemma 4's global layers): the output accumulators alone take 128 registers
+    per thread in one warp. Decode, NVFP4 K and V (timed on the H200): 16 keys x 2 warps, the
+    head dim in 2 parts (one per warp: 64 accumulator registers each, no spill uncapped), K and
+    V block scales folded, lazy rescale, and the register cap of :func:`decode_register_cap`
+    where the grid is large: 0.92-0.95x our FP8's time at 16 x 4k, 64 x 4k and 64 x 32k, 1.05x
+    at 16 x 32k (one warp of 16 keys before, 57 registers spilled: 1.11-1.22x). Chosen by the
+    sm_90 compile check (``benchmarks/compile_sm90.py --head-dim 512 --group 8``), not timed:
+    FP8 / FP8 64 keys x 4 warps (no spill), FP8 / NVFP4 pairs 16 keys x 1 warp (head-dim parts
+    compile to more instructions there). Prefill: FP8 / FP8 32 keys x 4 warps x 16 rows (no spill); NVFP4 K /
+    FP8 V 16 keys x 2 warps x 8 rows (no spill); an NVFP4 V 16 keys x 1 warp x 8 rows."""
     fp8_k, fp8_v = layout.k_format is KVFormat.FP8, layout.v_format is KVFormat.FP8
     if decode:
         if not fp8_k and not fp8_v:
-            return LaunchShape(16, 2, maxnreg=128, dim_parts=2, fold_k_scales=True,
-                               fold_v_scales=True, lazy_rescale=True)
+            return LaunchShape(16, 2, dim_parts=2, fold_k_scales=True, fold_v_scales=True,
+                               lazy_rescale=True)
         return LaunchShape(64, 4) if fp8_k and fp8_v else LaunchShape(16, 1)
     if fp8_v:
         return LaunchShape(32, 4, 16) if fp8_k else LaunchShape(16, 2, 8)
@@ -897,6 +939,7 @@ def paged_attention(
         bg = max(8, g_pad)
         splits = shape.num_splits or decode_splits(num_seqs, layout.num_kv_heads, max_seq_len, tn,
                                              query.device, warps)
+        maxnreg = decode_register_cap(shape, num_seqs * layout.num_kv_heads * splits, query.device)
         if splits > 1:
             part_o = torch.empty(num_tokens * hq * splits, d, dtype=torch.float32,
                                  device=query.device)
@@ -911,7 +954,7 @@ def paged_attention(
             HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales, FOLD_V=shape.fold_v_scales,
             PARTS=shape.dim_parts, LAZY=shape.lazy_rescale,
             num_warps=warps, num_stages=shape.num_stages or 3,
-            **({"maxnreg": shape.maxnreg} if shape.maxnreg else {}),
+            **({"maxnreg": maxnreg} if maxnreg else {}),
         )
         if splits > 1:
             _reduce_kernel[(num_tokens, hq)](
