@@ -56,6 +56,27 @@ VARIANTS = {
         "no_hoist": dict(hoist_query=False),
         "fold_k": dict(fold_k_scales=True),
         "no_fold_k": dict(fold_k_scales=False),
+        "lazy": dict(lazy_rescale=True),
+        # head_dim 512, NVFP4: the head dim cut into parts over the warps (dim_parts), K and V
+        # block scales folded; lazy: rescale on a new running max only; rN: register cap N
+        # (255: uncapped, the kernel takes 216), else decode_register_cap's; sN: N splits
+        "p2_t16_w2_fold": dict(tile_n=16, num_warps=2, dim_parts=2, fold_k_scales=True,
+                               fold_v_scales=True, lazy_rescale=False, maxnreg=255),
+        "p2_t16_w2_fold_lazy_s16": dict(tile_n=16, num_warps=2, dim_parts=2, fold_k_scales=True,
+                                        fold_v_scales=True, lazy_rescale=True, maxnreg=255,
+                                        num_splits=16),
+        "p4_t32_w4_fold_lazy": dict(tile_n=32, num_warps=4, dim_parts=4, fold_k_scales=True,
+                                    fold_v_scales=True, lazy_rescale=True, maxnreg=255),
+        "p4_t16_w4_fold_lazy": dict(tile_n=16, num_warps=4, dim_parts=4, fold_k_scales=True,
+                                    fold_v_scales=True, lazy_rescale=True, maxnreg=255),
+        "p2_r255": dict(tile_n=16, num_warps=2, dim_parts=2, fold_k_scales=True,
+                        fold_v_scales=True, lazy_rescale=True, maxnreg=255),
+        "p2_r168": dict(tile_n=16, num_warps=2, dim_parts=2, fold_k_scales=True,
+                        fold_v_scales=True, lazy_rescale=True, maxnreg=168),
+        "p2_r128": dict(tile_n=16, num_warps=2, dim_parts=2, fold_k_scales=True,
+                        fold_v_scales=True, lazy_rescale=True, maxnreg=128),
+        "p2_r128_s16": dict(tile_n=16, num_warps=2, dim_parts=2, fold_k_scales=True,
+                            fold_v_scales=True, lazy_rescale=True, maxnreg=128, num_splits=16),
     },
     "prefill": {
         "fold_k": dict(fold_k_scales=True),
@@ -87,6 +108,9 @@ def timed(mod, lay, b, cache, out, smoke=False, **cfg) -> float:
         shape = dataclasses.replace(mod.launch_defaults(lay, b.q_len == 1), **cfg)
         launch = {"launch": shape}
 
+    if bd.SINKS is not None:
+        launch["sinks"] = bd.SINKS
+
     def fn():
         mod.paged_attention(b.query, cache, lay, ks, vs, b.block_table, b.seq_lens, b.qsl,
                             b.q_len, b.ctx, bd.SOFTMAX_SCALE, out, **launch)
@@ -109,17 +133,19 @@ def main() -> None:
     ap.add_argument("--q-heads", type=int, default=bd.HQ)
     ap.add_argument("--kv-heads", type=int, default=bd.HKV)
     ap.add_argument("--head-dim", type=int, default=bd.D)
+    ap.add_argument("--sinks", action="store_true", help="attention sinks in every kernel")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shape, no timing")
     args = ap.parse_args()
     dev = "cpu" if args.smoke else "cuda"
-    bd.set_shape(args.q_heads, args.kv_heads, args.head_dim, False, dev)
+    bd.set_shape(args.q_heads, args.kv_heads, args.head_dim, args.sinks, dev)
     if args.smoke:
         args.shapes = ["2x64", "2x32xP"]
     old_mod = load_module(args.before)
     gen = torch.Generator().manual_seed(0)
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "versions": bd.versions(),
            "before": args.before_label,
-           "heads": {"q": bd.HQ, "kv": bd.HKV, "head_dim": bd.D, "block": bd.BS},
+           "heads": {"q": bd.HQ, "kv": bd.HKV, "head_dim": bd.D, "block": bd.BS,
+                     "sinks": bd.SINKS is not None},
            "timing": "CUDA graph replay timed by triton.testing.do_bench: median, L2 flushed",
            "records": []}
     for shape in args.shapes:

@@ -3,7 +3,7 @@ registers, spills, shared memory and instruction counts of the decode (or prefil
 loop (and of the masked tail loop);
 optional SASS dump.
 
-    python3 benchmarks/compile_sm90.py [--sass DIR] [--configs FMT:TILE[:KIND[:WARPS]]]
+    python3 benchmarks/compile_sm90.py [--sass DIR] [--configs FMT:TILE[:KIND[:WARPS[:PARTS]]]]
                                        [--module OLD_attention.py]   # old modules: give --configs
 
 Use the H200's Triton (3.6) - its layouts differ from newer ones (see benchmarks/README.md):
@@ -34,7 +34,8 @@ from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 #: LaunchShape code-variant fields -> the kernels' constexprs
-CODE_VARIANTS = {"hoist_query": "HOIST_Q", "fold_k_scales": "FOLD_K"}
+CODE_VARIANTS = {"hoist_query": "HOIST_Q", "fold_k_scales": "FOLD_K", "fold_v_scales": "FOLD_V",
+                 "lazy_rescale": "LAZY"}
 
 
 def default_variants(lay: KVPageLayout, kind: str) -> tuple:
@@ -44,11 +45,11 @@ def default_variants(lay: KVPageLayout, kind: str) -> tuple:
 
 
 def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: str = "decode",
-               sinks: bool = False, rows: int = 16, variants: tuple = ()):
+               sinks: bool = False, rows: int = 16, variants: tuple = (), parts: int = 1):
     """The decode or the prefill kernel (``kind``; prefill: ``rows`` query rows per program; with
     attention ``sinks`` or without) as Triton source for ``triton.compile``. A ``--module`` of a commit that still had the rows family:
     its keys kernels. ``variants``: names of LaunchShape code variants switched on
-    (``hoist_query``, ``fold_k_scales``)."""
+    (``hoist_query``, ``fold_k_scales``); ``parts``: the head-dim parts (``dim_parts``)."""
     prefill = kind == "prefill"
     sig = {n: "*bf16" for n in ("query_ptr", "out_ptr")}
     sig.update(cache_ptr="*u8", k_scale_ptr="*fp32", v_scale_ptr="*fp32")
@@ -84,6 +85,10 @@ def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: st
             const[flag] = name in variants
         elif name in variants:
             raise SystemExit(f"this attention module has no {name} variant")
+    if "PARTS" in fn.arg_names:
+        const.update(PARTS=parts)
+    elif parts > 1:
+        raise SystemExit("this attention module has no head-dim parts")
     if "PREFETCH" in fn.arg_names:  # an older module (--module) with register prefetch: its own default
         const.update(PREFETCH="nvfp4" in (lay.k_format, lay.v_format))
     for k, v in const.items():
@@ -149,7 +154,8 @@ def main() -> None:
     ap.add_argument("--sass", help="write SASS (and TTGIR) files into this folder")
     ap.add_argument("--module", help="compile this attention.py instead (e.g. an old commit's)")
     ap.add_argument("--stages", type=int, default=3, help="num_stages")
-    ap.add_argument("--maxnreg", type=int, help="register cap per thread")
+    ap.add_argument("--maxnreg", type=int,
+                    help="register cap per thread (default: the launch default's, if any)")
     ap.add_argument("--splits", type=int, default=1, help="NUM_SPLITS (> 1: partial outputs)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--group", type=int, default=4, help="query heads per KV head (a power of 2)")
@@ -159,8 +165,9 @@ def main() -> None:
                     help="LaunchShape code variants to switch on, the others off (none: all off; "
                          "default: those of launch_defaults for each format pair)")
     ap.add_argument("--configs", nargs="*",
-                    help="FMT:TILE[:KIND[:WARPS]] (FMT fp8|nvfp4|K+V; kind decode|prefill, "
-                         "default decode; warps default 1; default configs: the decode "
+                    help="FMT:TILE[:KIND[:WARPS[:PARTS]]] (FMT fp8|nvfp4|K+V; kind decode|prefill, "
+                         "default decode; warps default 1; parts: head-dim parts over the "
+                         "warps, default 1; default configs: the decode "
                          "defaults of each format pair)")
     args = ap.parse_args()
     global A
@@ -169,7 +176,8 @@ def main() -> None:
         A = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = A  # dataclasses look their module up
         spec.loader.exec_module(A)
-    configs = [(f"{kf}+{vf}", shape.tile_n, "decode", shape.num_warps)
+    configs = [(f"{kf}+{vf}", shape.tile_n, "decode", shape.num_warps,
+                getattr(shape, "dim_parts", 1), args.maxnreg or getattr(shape, "maxnreg", None))
                for kf, vf in (("fp8", "fp8"), ("nvfp4", "nvfp4"), ("fp8", "nvfp4"), ("nvfp4", "fp8"))
                for shape in [A.launch_defaults(KVPageLayout(8, args.head_dim, 16, kf, vf), True)]]
     if args.configs:
@@ -177,17 +185,18 @@ def main() -> None:
         for c in args.configs:
             parts = c.split(":")
             configs.append((parts[0], int(parts[1]), parts[2] if len(parts) > 2 else "decode",
-                            int(parts[3]) if len(parts) > 3 else 1))
-    for fmt, tile, kind, warps in configs:
+                            int(parts[3]) if len(parts) > 3 else 1,
+                            int(parts[4]) if len(parts) > 4 else 1, args.maxnreg))
+    for fmt, tile, kind, warps, dim_parts, maxnreg in configs:
         kf, _, vf = fmt.partition("+")  # "fp8" or K+V, e.g. "fp8+nvfp4"
         lay = KVPageLayout(8, args.head_dim, 16, kf, vf or kf)
         variants = (default_variants(lay, kind) if args.variant is None
                     else tuple(v for v in args.variant if v != "none"))
         k = triton.compile(kernel_src(lay, tile, args.splits, args.group, kind, args.sinks,
-                                      args.rows, variants),
+                                      args.rows, variants, dim_parts),
                            target=TARGET,
                            options=dict(num_warps=warps, num_stages=args.stages,
-                                        **({"maxnreg": args.maxnreg} if args.maxnreg else {})))
+                                        **({"maxnreg": maxnreg} if maxnreg else {})))
         sass, regs = cubin_sass(k.asm["cubin"])
         loops = tile_loops(sass) or [collections.Counter()]
         body = loops[0]
@@ -198,13 +207,15 @@ def main() -> None:
         spills = sum(c for o, c in body.items() if o.startswith(("STL", "LDL")))
         print(f"triton {triton.__version__} D {args.head_dim} {fmt:11} {kind:7} tile {tile:3} "
               f"group {args.group}{' sinks' if args.sinks else ''} "
-              f"warps {warps} stages {args.stages}{''.join(' ' + v for v in variants)}: "
+              f"warps {warps}{f' parts {dim_parts}' if dim_parts > 1 else ''} "
+              f"stages {args.stages}{''.join(' ' + v for v in variants)}: "
               f"regs {regs} smem {k.metadata.shared} "
               f"loop {sum(body.values())} instr/warp "
               f"({sum(body.values()) * warps / tile:.1f} per token-head{tail}; STS/LDS/LDSM/BAR "
               f"{smem_ops}, spill {spills})  {top}")
         if args.sass:
-            write_sass(args.sass, f"{kind}_d{args.head_dim}_{fmt}_t{tile}_w{warps}_s{args.splits}",
+            write_sass(args.sass, f"{kind}_d{args.head_dim}_{fmt}_t{tile}_w{warps}_p{dim_parts}"
+                                  f"_s{args.splits}",
                        sass, k.asm["ttgir"])
 
 

@@ -174,6 +174,31 @@ def test_decode_launch_shapes_agree(tile_n, warps, kf, vf):
     assert_close_rel(out, fast_reference(batch, 0.1), 2e-3 if CUDA else 1e-5)
 
 
+@pytest.mark.parametrize("fold", [dict(), dict(fold_k_scales=True, fold_v_scales=True,
+                                                 lazy_rescale=True)],
+                         ids=["apart", "fold_kv_lazy"])
+@pytest.mark.parametrize("d,parts,tile_n,kind", [(128, 2, 16, "decode"), (512, 4, 32, "decode"),
+                                                 (512, 2, 16, "prefill")])
+@pytest.mark.parametrize("kf,vf", FMT_PAIRS)
+def test_head_dim_parts_match_float64(d, parts, tile_n, kind, fold, kf, vf):
+    """The head dim cut into parts over the warps (``dim_parts``: each warp takes its columns of
+    K and V, the scores summed across them) against float64, every K/V format pair, with and
+    without the block scales folded into the K and V planes (and the lazy rescale); odd lengths,
+    split decode."""
+    lay = KVPageLayout(1, d, 16, kf, vf)
+    decode = kind == "decode"
+    seqs = ([(37 * SCALE + 5, 1), (1, 1), (20 * SCALE + 3, 1)] if decode
+            else [(9 * SCALE, 9 * SCALE), (21 * SCALE, 5)])
+    batch = make_batch(lay, seqs, 8, device=DEV, seed=d + parts, write_backend=WRITE)
+    out = torch.empty_like(batch.query)
+    attn_kernels.paged_attention(
+        batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+        batch.seq_lens, batch.query_start_loc, batch.max_query_len, batch.max_seq_len, 0.1, out,
+        launch=attn_kernels.LaunchShape(tile_n, parts, num_splits=2 if decode else None,
+                                        dim_parts=parts, **fold))
+    assert_close_rel(out, fast_reference(batch, 0.1), 2e-3 if CUDA else 1e-5)
+
+
 @pytest.mark.parametrize("variant", [dict(hoist_query=True), dict(fold_k_scales=True),
                                      dict(hoist_query=True, fold_k_scales=True)],
                          ids=["hoist_query", "fold_k", "hoist_query_fold_k"])
@@ -231,6 +256,23 @@ def test_decode_splits_for_few_programs(monkeypatch, seqs, kv_heads, ctx, tile_n
     monkeypatch.setattr(attn_kernels, "_num_sms", lambda device: 132)
     got = attn_kernels.decode_splits(seqs, kv_heads, ctx, tile_n, torch.device("cpu"), 1)
     assert got == want
+
+
+@pytest.mark.parametrize("seqs,ctx,want", [(16, 4096, None), (16, 32768, None), (64, 4096, 128),
+                                            (64, 32768, 128)])
+def test_decode_register_cap_head_dim_512(monkeypatch, seqs, ctx, want):
+    """NVFP4 K and V at head_dim 512, 32 q / 4 KV heads on an H200's 132 SMs: the head-dim-parts
+    decode is capped at 128 registers where its grid holds more than four programs per SM; a
+    cap the launch shape sets wins; head-dim parts off: no cap."""
+    monkeypatch.setattr(attn_kernels, "_num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    shape = attn_kernels.launch_defaults(KVPageLayout(4, 512, 16, "nvfp4", "nvfp4"), True)
+    splits = attn_kernels.decode_splits(seqs, 4, ctx, shape.tile_n, cpu, shape.num_warps)
+    assert attn_kernels.decode_register_cap(shape, seqs * 4 * splits, cpu) == want
+    fixed = dataclasses.replace(shape, maxnreg=168)
+    assert attn_kernels.decode_register_cap(fixed, seqs * 4 * splits, cpu) == 168
+    one_part = dataclasses.replace(shape, dim_parts=1)
+    assert attn_kernels.decode_register_cap(one_part, 10**6, cpu) is None
 
 
 @pytest.mark.parametrize("group,d,b,window,cap", [(3, 64, 32, 40, 2.0), (1, 256, 16, None, None),
@@ -297,9 +339,11 @@ def test_prefill_launch_shapes_agree(rows, tile_n, warps, kf, vf):
 
 
 @pytest.mark.parametrize("bad,what", [(dict(query_rows=24), "query_rows must be"),
-                                      (dict(num_splits=3), "num_splits must be")])
+                                      (dict(num_splits=3), "num_splits must be"),
+                                      (dict(num_warps=2, dim_parts=4), "dim_parts must be")])
 def test_launch_rejects_bad_launch_shapes(bad, what):
-    """A row or split count that is not a power of 2: a ValueError that says so."""
+    """A row or split count that is not a power of 2, more head-dim parts than warps: a
+    ValueError that says so."""
     lay = KVPageLayout(1, 64, 16, "nvfp4", "fp8")
     with pytest.raises(ValueError, match=what):
         _launch(lay, False, **bad)

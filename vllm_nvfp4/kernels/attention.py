@@ -25,8 +25,8 @@ placement alone, ``(n & 8) << 12 | (n & 7) << 9`` == e2m1(n) * 2^-14 (subnormal 
 included); the global scale g and 2^14 go into the softmax scale / output scale. The
 interpreter runs the same bit placement in Triton integer ops.
 
-Launch shapes: :func:`launch_defaults` and :func:`decode_splits`; :class:`LaunchShape` fixes them
-for benchmarks and tests.
+Launch shapes: :func:`launch_defaults`, :func:`decode_splits` and :func:`decode_register_cap`;
+:class:`LaunchShape` fixes them for benchmarks and tests.
 
 All launch parameters derive from host ints (shapes, ``max_query_len``, ``max_seq_len``), never
 from tensor contents, so the decode path is CUDA-graph capturable.
@@ -220,14 +220,24 @@ def _fp8_planes(x, F32: tl.constexpr):
 @triton.jit
 def _tile_words(page, off, valid, h, DATA: tl.constexpr, ROW_BYTES: tl.constexpr,
                 FIRST: tl.constexpr, NW: tl.constexpr, BLOCK: tl.constexpr,
-                TRANSPOSED: tl.constexpr, MASKED: tl.constexpr):
+                TRANSPOSED: tl.constexpr, MASKED: tl.constexpr, PARTS: tl.constexpr):
     """Words ``[FIRST, FIRST + NW)`` (uint16) of each token's ``ROW_BYTES``-byte row of a K or V
     plane: ``[N, NW]``, or ``[NW, N]`` when ``TRANSPOSED`` (loaded straight in that orientation:
     the V operand ``V^T``). NVFP4: the 16 words of one 64-element group; FP8: the whole row.
+    With ``PARTS > 1`` the row is cut into ``PARTS`` equal parts (:func:`_part_cols`) and
+    ``FIRST`` counts from the start of each: ``[PARTS, N, NW]`` or ``[PARTS, NW, N]``.
     Tokens past ``valid`` read 0 when ``MASKED``; unmasked tiles hold valid tokens only."""
     row = (page + DATA + (h * BLOCK + off) * ROW_BYTES).to(tl.pointer_type(tl.uint16))
     i = FIRST + tl.arange(0, NW)
-    if TRANSPOSED:
+    if PARTS > 1:
+        first = tl.arange(0, PARTS) * (ROW_BYTES // 2 // PARTS)
+        if TRANSPOSED:
+            ptr = row[None, None, :] + (first[:, None, None] + i[None, :, None])
+            ok = valid[None, None, :]
+        else:
+            ptr = row[None, :, None] + (first[:, None, None] + i[None, None, :])
+            ok = valid[None, :, None]
+    elif TRANSPOSED:
         ptr = row[None, :] + i[:, None]
         ok = valid[None, :]
     else:
@@ -290,12 +300,35 @@ def _tile_scales_by_token(page, off, valid, h, SCALE: tl.constexpr, C: tl.conste
 
 
 @triton.jit
+def _tile_scale_parts(page, off, valid, h, SCALE: tl.constexpr, C: tl.constexpr,
+                      BLOCK: tl.constexpr, N: tl.constexpr, MASKED: tl.constexpr,
+                      ZERO_PAST_END: tl.constexpr, PARTS: tl.constexpr):
+    """:func:`_tile_scales_by_token` with the chunks cut into ``PARTS`` parts
+    (:func:`_part_cols`): a tuple of ``C / PARTS`` vectors ``[PARTS, N]``, local chunk ``c`` of
+    part ``p`` = chunk ``p * C / PARTS + c``."""
+    CP: tl.constexpr = C // PARTS
+    k = tl.arange(0, PARTS)[:, None, None] * CP + tl.arange(0, CP)[None, None, :]
+    sc = tl.load(page[None, :, None] + SCALE + (h * BLOCK + off)[None, :, None] * C + k)
+    ok = tl.reshape(tl.broadcast_to(valid[None, :], [PARTS, N]), [PARTS * N])
+    chunks = _scale_chunks(tl.reshape(sc, [PARTS * N, CP]), ok, PARTS * N, CP,
+                           MASKED and ZERO_PAST_END)
+    out = ()
+    for c in tl.static_range(CP):
+        out = out + (tl.reshape(chunks[c], [PARTS, N]),)
+    return out
+
+
+@triton.jit
 def _scales_of_tile(cache_ptr, stride_blk, bt_row, t0, t_end, page, off, valid, h,
                     SCALE: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr,
-                    MASKED: tl.constexpr, ZERO_PAST_END: tl.constexpr):
+                    MASKED: tl.constexpr, ZERO_PAST_END: tl.constexpr, PARTS: tl.constexpr):
     """The tile's block scales: :func:`_tile_scales` when the tile spans whole blocks (a power-of-2
-    ``BLOCK`` dividing ``N``), else :func:`_tile_scales_by_token`."""
-    if N % BLOCK == 0 and (BLOCK & (BLOCK - 1)) == 0:
+    ``BLOCK`` dividing ``N``), else :func:`_tile_scales_by_token`; with ``PARTS > 1``
+    :func:`_tile_scale_parts`."""
+    if PARTS > 1:
+        scales = _tile_scale_parts(page, off, valid, h, SCALE, C, BLOCK, N, MASKED,
+                                   ZERO_PAST_END, PARTS)
+    elif N % BLOCK == 0 and (BLOCK & (BLOCK - 1)) == 0:
         scales = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE, C, BLOCK, N,
                               MASKED, ZERO_PAST_END)
     else:
@@ -333,36 +366,67 @@ def _dot_f(a, b, acc, F32: tl.constexpr):
 
 
 @triton.jit
-def _part_cols(c, FMT: tl.constexpr, D: tl.constexpr):
-    """Head-dim columns of part ``c`` of a K or V operand of :func:`_attend_keys`: NVFP4 chunk ``c``
-    (``16c .. 16c + 15``); FP8 byte plane ``c`` (the even columns for 0, the odd ones for 1)."""
+def _part_cols(c, FMT: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr):
+    """Head-dim columns of operand ``c`` of a K or V tile in :func:`_attend_keys`: NVFP4 chunk
+    ``c`` (``16c .. 16c + 15``); FP8 byte plane ``c`` (the even columns for 0, the odd ones for
+    1). With ``PARTS > 1`` the head dim is cut into ``PARTS`` parts of ``D / PARTS`` columns, each
+    taken by its own warps (the leading dimension of every operand), and ``c`` counts inside a
+    part: ``[PARTS, 16]`` or ``[PARTS, D / 2 / PARTS]``."""
     if FMT == FMT_FP8:
-        return 2 * tl.arange(0, D // 2) + c
+        cols = 2 * tl.arange(0, D // 2 // PARTS) + c
     else:
-        return 16 * c + tl.arange(0, 16)
+        cols = 16 * c + tl.arange(0, 16)
+    if PARTS > 1:
+        cols = (tl.arange(0, PARTS) * (D // PARTS))[:, None] + cols[None, :]
+    return cols
+
+
+@triton.constexpr_function
+def _operand_count(fmt, d, parts):
+    """Operands per part of a K or V tile (:func:`_part_cols`): 2 FP8 byte planes, or the NVFP4
+    chunks of ``d / parts`` columns."""
+    return 2 if fmt == FMT_FP8 else d // 16 // parts
 
 
 @triton.jit
-def _load_query_parts(q_cols, col_ok, K_FMT: tl.constexpr, D: tl.constexpr, F32: tl.constexpr):
+def _col_ptrs(cols_ptr, c, FMT: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr):
+    """Pointers ``[W, M]`` (``[PARTS, W, M]``) to the columns of operand ``c`` (:func:`_part_cols`)
+    of ``M`` rows, one pointer per row ``cols_ptr [M]``."""
+    cols = _part_cols(c, FMT, D, PARTS)
+    if PARTS > 1:
+        ptrs = cols_ptr[None, None, :] + cols[:, :, None]
+    else:
+        ptrs = cols_ptr[None, :] + cols[:, None]
+    return ptrs
+
+
+@triton.jit
+def _load_query_parts(q_cols, col_ok, K_FMT: tl.constexpr, D: tl.constexpr, F32: tl.constexpr,
+                      PARTS: tl.constexpr):
     """The query operand of :func:`_attend_keys`, from one pointer per column ``q_cols [M]`` (a
     query token's head, ``col_ok`` masks padding): a tuple of the transposed parts
     (:func:`_part_cols`) ``q_c^T [16, M]`` per NVFP4 chunk of K, or even and odd columns
-    ``q_c^T [D/2, M]`` for an FP8 K."""
+    ``q_c^T [D/2, M]`` for an FP8 K; with ``PARTS > 1`` each ``[PARTS, ., M]``."""
     qs = ()
-    for c in tl.static_range(2 if K_FMT == FMT_FP8 else D // 16):
-        q = tl.load(q_cols[None, :] + _part_cols(c, K_FMT, D)[:, None], mask=col_ok[None, :],
-                    other=0.0)
+    for c in tl.static_range(_operand_count(K_FMT, D, PARTS)):
+        q = tl.load(_col_ptrs(q_cols, c, K_FMT, D, PARTS), mask=col_ok[None, :], other=0.0)
         qs = qs + ((q.to(tl.float32) if F32 else q.to(tl.float16)),)
     return qs
 
 
 @triton.jit
-def _zero_accumulators(V_FMT: tl.constexpr, D: tl.constexpr, M: tl.constexpr):
-    """Zero output accumulators of :func:`_attend_keys`, one per part of V (:func:`_part_cols`):
-    ``acc_c^T [16, M]`` per NVFP4 chunk, or ``acc_c^T [D/2, M]`` for each FP8 byte plane."""
+def _zero_accumulators(V_FMT: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+                       PARTS: tl.constexpr):
+    """Zero output accumulators of :func:`_attend_keys`, one per operand of V
+    (:func:`_part_cols`): ``acc_c^T [16, M]`` per NVFP4 chunk, or ``acc_c^T [D/2, M]`` for each
+    FP8 byte plane; with ``PARTS > 1`` ``[PARTS, 16, M]`` or ``[PARTS, D/2/PARTS, M]``."""
+    W: tl.constexpr = D // 2 // PARTS if V_FMT == FMT_FP8 else 16
     accs = ()
-    for c in tl.static_range(2 if V_FMT == FMT_FP8 else D // 16):
-        accs = accs + (tl.zeros([D // 2 if V_FMT == FMT_FP8 else 16, M], dtype=tl.float32),)
+    for c in tl.static_range(_operand_count(V_FMT, D, PARTS)):
+        if PARTS > 1:
+            accs = accs + (tl.zeros([PARTS, W, M], dtype=tl.float32),)
+        else:
+            accs = accs + (tl.zeros([W, M], dtype=tl.float32),)
     return accs
 
 
@@ -375,7 +439,8 @@ def _attend_keys(
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
-    HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr,
+    HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PARTS: tl.constexpr,
+    LAZY: tl.constexpr,
 ):
     """:func:`_attend_tiles` over the keys ``[t_begin, t_end)``: the whole tiles of ``[t_begin,
     t_full)`` that every query column sees entirely (no mask, no bounds checks), then the rest
@@ -383,21 +448,28 @@ def _attend_keys(
 
     ``HOIST_Q``: the score tiles start from ``sum_c 0 . q_c`` (zeros, computed once before the
     loops) instead of constant zeros, which makes Triton convert the query operands to the MMA
-    layout once rather than in every tile. ``FOLD_K``: see :func:`_attend_tiles`."""
-    s0 = tl.zeros([TILE_N, M], dtype=tl.float32)
+    layout once rather than in every tile. ``FOLD_K``, ``FOLD_V``, ``PARTS``, ``LAZY``: see
+    :func:`_attend_tiles`."""
+    W: tl.constexpr = D // 2 // PARTS if K_FMT == FMT_FP8 else 16
+    KT: tl.constexpr = tl.float32 if F32 else tl.float16
+    if PARTS > 1:
+        s0 = tl.zeros([PARTS, TILE_N, M], dtype=tl.float32)
+    else:
+        s0 = tl.zeros([TILE_N, M], dtype=tl.float32)
     if HOIST_Q:
         for c in tl.static_range(len(qs)):
-            zk = tl.zeros([TILE_N, D // 2 if K_FMT == FMT_FP8 else 16],
-                          dtype=tl.float32 if F32 else tl.float16)
-            s0 = _dot_f(zk, qs[c], s0, F32)
+            if PARTS > 1:
+                s0 = _dot_f(tl.zeros([PARTS, TILE_N, W], dtype=KT), qs[c], s0, F32)
+            else:
+                s0 = _dot_f(tl.zeros([TILE_N, W], dtype=KT), qs[c], s0, F32)
     accs, m_i, l_i = _attend_tiles(
         qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
-        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, False, FOLD_K)
+        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, False, FOLD_K, FOLD_V, PARTS, LAZY)
     return _attend_tiles(
         qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_full, t_end, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
-        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, True, FOLD_K)
+        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, True, FOLD_K, FOLD_V, PARTS, LAZY)
 
 
 @triton.jit
@@ -409,7 +481,8 @@ def _attend_tiles(
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
-    MASKED: tl.constexpr, FOLD_K: tl.constexpr,
+    MASKED: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PARTS: tl.constexpr,
+    LAZY: tl.constexpr,
 ):
     """Online-softmax attention with the KEYS on the MMA M dimension and the ``M`` query columns
     (``qs`` from :func:`_load_query_parts`, positions ``q_pos [M]``) on N, over the keys
@@ -421,7 +494,11 @@ def _attend_tiles(
     the tokens' block scales, and ``acc_c^T [16, M] += V_c^T [16, TILE_N] . (sv_c * p)``. With
     ``FOLD_K`` the K planes are scaled instead, ``s^T = sum_c (sk_c * K_c) . q_c^T`` as one chained
     dot: the fp16 product of an ``e2m1 * 2^-14`` plane and an E4M3 scale is exact (a multiple of
-    2^-24 with at most 6 significant bits, at most 6 * 448 * 2^-14). An FP8
+    2^-24 with at most 6 significant bits, at most 6 * 448 * 2^-14); with ``FOLD_V`` likewise
+    ``acc_c^T += (sv_c * V_c^T) . p``. ``PARTS > 1`` (:func:`_part_cols`): each operand has a
+    leading part dimension, one part per warp (batched MMAs), and ``s^T`` is the sum of the
+    parts' partial scores. ``LAZY``: the accumulators are rescaled only in a tile that raises
+    some column's running max. An FP8
     K or V is one dot per byte plane and tile (:func:`_fp8_planes`: even and odd columns of
     ``K . q^T``, ``V^T . p``). The raw K/V words and whole scale
     rows are copied asynchronously (``tl.range`` stages) and decoded by unary inline asm in the
@@ -437,27 +514,27 @@ def _attend_tiles(
                                             TILE_N, MASKED)
         if V_FMT != FMT_FP8:
             vss = _scales_of_tile(cache_ptr, stride_blk, bt_row, t0, t_end, page, off, valid, h,
-                                  V_SCALE, C, BLOCK, TILE_N, MASKED, True)
+                                  V_SCALE, C, BLOCK, TILE_N, MASKED, True, PARTS)
         s = s0  # zeros (:func:`_attend_keys`)
         if K_FMT == FMT_FP8:
-            ke, ko = _fp8_planes(_tile_words(page, off, valid, h, K_DATA, D, 0, D // 2, BLOCK,
-                                             False, MASKED), F32)
+            ke, ko = _fp8_planes(_tile_words(page, off, valid, h, K_DATA, D, 0, D // 2 // PARTS,
+                                             BLOCK, False, MASKED, PARTS), F32)
             s = _dot_f(ko, qs[1], _dot_f(ke, qs[0], s, F32), F32)
         else:  # stale K scales past t_end only reach masked scores
             kss = _scales_of_tile(cache_ptr, stride_blk, bt_row, t0, t_end, page, off, valid, h,
-                                  K_SCALE, C, BLOCK, TILE_N, MASKED, False)
-            for gi in tl.static_range(D // 64):
+                                  K_SCALE, C, BLOCK, TILE_N, MASKED, False, PARTS)
+            for gi in tl.static_range(D // 64 // PARTS):
                 kps = _planes(_tile_words(page, off, valid, h, K_DATA, D // 2, 16 * gi, 16, BLOCK,
-                                          False, MASKED), F32)
+                                          False, MASKED, PARTS), F32)
                 for j in tl.static_range(4):
+                    ks = tl.expand_dims(kss[4 * gi + j], -1)
                     if FOLD_K:  # the fp16 product is exact (see the docstring)
-                        ks = kss[4 * gi + j]
-                        ks = ks if F32 else ks.to(tl.float16)
-                        s = _dot_f(kps[j] * ks[:, None], qs[4 * gi + j], s, F32)
+                        s = _dot_f(kps[j] * (ks if F32 else ks.to(tl.float16)), qs[4 * gi + j],
+                                   s, F32)
                     else:
-                        part = _dot_f(kps[j], qs[4 * gi + j],
-                                      tl.zeros([TILE_N, M], dtype=tl.float32), F32)
-                        s += part * kss[4 * gi + j][:, None]
+                        s += _dot_f(kps[j], qs[4 * gi + j], tl.zeros_like(s0), F32) * ks
+        if PARTS > 1:  # the parts' partial scores (one cross-warp sum per tile)
+            s = tl.sum(s, axis=0)
         if USE_SOFTCAP:
             z = s * (qk_scale / softcap)
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * LOG2E
@@ -475,35 +552,59 @@ def _attend_tiles(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[None, :])
         l_i = l_i * alpha + tl.sum(p, axis=0)
+        if LAZY:  # rescale the accumulators now, and only on a new running max
+            if tl.max((m_new > m_i).to(tl.int32), axis=0) > 0:
+                rescaled = ()
+                for c in tl.static_range(len(accs)):
+                    rescaled = rescaled + (accs[c] * alpha[None, :],)
+                accs = rescaled
         ph = p if F32 else p.to(tl.float16)
+        if PARTS > 1:
+            ph = tl.broadcast_to(ph[None, :, :], [PARTS, TILE_N, M])
         if V_FMT == FMT_FP8:  # V^T's even and odd columns, [D/2, TILE_N] each
-            ve, vo = _fp8_planes(_tile_words(page, off, valid, h, V_DATA, D, 0, D // 2, BLOCK,
-                                             True, MASKED), F32)
-            accs = (_dot_f(ve, ph, accs[0] * alpha[None, :], F32),
-                    _dot_f(vo, ph, accs[1] * alpha[None, :], F32))
+            ve, vo = _fp8_planes(_tile_words(page, off, valid, h, V_DATA, D, 0, D // 2 // PARTS,
+                                             BLOCK, True, MASKED, PARTS), F32)
+            accs = (_dot_f(ve, ph, _rescale(accs[0], alpha, LAZY), F32),
+                    _dot_f(vo, ph, _rescale(accs[1], alpha, LAZY), F32))
         else:
             new_accs = ()
-            for gi in tl.static_range(D // 64):
+            for gi in tl.static_range(D // 64 // PARTS):
                 vps = _planes(_tile_words(page, off, valid, h, V_DATA, D // 2, 16 * gi, 16, BLOCK,
-                                          True, MASKED), F32)
+                                          True, MASKED, PARTS), F32)
                 for j in tl.static_range(4):
                     sv = vss[4 * gi + j]
-                    pv = ph * (sv if F32 else sv.to(tl.float16))[:, None]
-                    acc = accs[4 * gi + j] * alpha[None, :]
-                    new_accs = new_accs + (_dot_f(vps[j], pv, acc, F32),)
+                    sv = sv if F32 else sv.to(tl.float16)
+                    acc = _rescale(accs[4 * gi + j], alpha, LAZY)
+                    if FOLD_V:  # the fp16 product is exact, as for K
+                        acc = _dot_f(vps[j] * tl.expand_dims(sv, -2), ph, acc, F32)
+                    else:
+                        acc = _dot_f(vps[j], ph * tl.expand_dims(sv, -1), acc, F32)
+                    new_accs = new_accs + (acc,)
             accs = new_accs
         m_i = m_new
     return accs, m_i, l_i
 
 
 @triton.jit
-def _store_output(accs, scale, o_cols, col_ok, V_FMT: tl.constexpr, D: tl.constexpr):
+def _rescale(acc, alpha, LAZY: tl.constexpr):
+    """An accumulator times the tile's rescale factor ``alpha [M]`` right before its dot (unless
+    ``LAZY``: :func:`_attend_tiles` rescaled them all already, where the running max grew)."""
+    if LAZY:
+        out = acc
+    else:
+        out = acc * alpha[None, :]
+    return out
+
+
+@triton.jit
+def _store_output(accs, scale, o_cols, col_ok, V_FMT: tl.constexpr, D: tl.constexpr,
+                  PARTS: tl.constexpr):
     """Store the attention output: the transposed accumulators (:func:`_zero_accumulators`) times
     ``scale [M]`` to one output row pointer per column ``o_cols [M]`` (cast to its type)."""
-    for c in tl.static_range(2 if V_FMT == FMT_FP8 else D // 16):
+    for c in tl.static_range(_operand_count(V_FMT, D, PARTS)):
         o = accs[c] * scale[None, :]
-        tl.store(o_cols[None, :] + _part_cols(c, V_FMT, D)[:, None],
-                 o.to(o_cols.dtype.element_ty), mask=col_ok[None, :])
+        tl.store(_col_ptrs(o_cols, c, V_FMT, D, PARTS), o.to(o_cols.dtype.element_ty),
+                 mask=col_ok[None, :])
 
 
 @triton.jit
@@ -518,7 +619,8 @@ def _decode_kernel(
     HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
-    F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr,
+    F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,
+    PARTS: tl.constexpr, LAZY: tl.constexpr,
 ):
     """Decode through :func:`_attend_keys`: the ``BG`` query columns are the GQA group of one
     KV head (padded, >= 8). Grid ``(seqs, kv_heads, splits)``; with splits, FP32 partials
@@ -526,20 +628,21 @@ def _decode_kernel(
     seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_full, t_end = _decode_program(
         seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window, K_FMT, V_FMT,
         G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP)
-    qs = _load_query_parts(query_ptr + tok * stride_qt + qh * stride_qh, row_ok, K_FMT, D, F32)
+    qs = _load_query_parts(query_ptr + tok * stride_qt + qh * stride_qh, row_ok, K_FMT, D, F32,
+                           PARTS)
     accs, m_i, l_i = _attend_keys(
-        qs, tl.zeros([BG], dtype=tl.int32) + seq_len - 1, _zero_accumulators(V_FMT, D, BG),
+        qs, tl.zeros([BG], dtype=tl.int32) + seq_len - 1, _zero_accumulators(V_FMT, D, BG, PARTS),
         tl.full([BG], float("-inf"), tl.float32), tl.zeros([BG], dtype=tl.float32),
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
-        TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K)
+        TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V, PARTS, LAZY)
     if USE_SINKS:  # into the first split's partial only
         first_split = tl.full([BG], split, tl.int32) == 0
         m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok & first_split, m_i, l_i)
         vf = vf * keep
     o_cols = _decode_out_rows(out_ptr, part_o_ptr, part_ml_ptr, m_i, l_i, tok, split, qh, row_ok,
                               stride_ot, stride_oh, HQ, D, NUM_SPLITS)
-    _store_output(accs, vf / tl.where(l_i == 0.0, 1.0, l_i), o_cols, row_ok, V_FMT, D)
+    _store_output(accs, vf / tl.where(l_i == 0.0, 1.0, l_i), o_cols, row_ok, V_FMT, D, PARTS)
 
 
 @triton.jit
@@ -612,7 +715,8 @@ def _prefill_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
-    F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr,
+    F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,
+    PARTS: tl.constexpr, LAZY: tl.constexpr,
 ):
     """Prefill through :func:`_attend_keys` (keys on the MMA M dimension, the program's
     ``BLOCK_Q * G_PAD`` query rows as columns, causal); grid ``(query blocks + seqs,
@@ -624,18 +728,19 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     qk_scale, vf = _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT,
                                             V_FMT, USE_SOFTCAP)
-    qs = _load_query_parts(query_ptr + tok * stride_qt + qh * stride_qh, row_ok, K_FMT, D, F32)
+    qs = _load_query_parts(query_ptr + tok * stride_qt + qh * stride_qh, row_ok, K_FMT, D, F32,
+                           PARTS)
     accs, m_i, l_i = _attend_keys(
-        qs, q_pos, _zero_accumulators(V_FMT, D, BLOCK_M),
+        qs, q_pos, _zero_accumulators(V_FMT, D, BLOCK_M, PARTS),
         tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
-        TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K)
+        TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V, PARTS, LAZY)
     if USE_SINKS:
         m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok, m_i, l_i)
         vf = vf * keep
     _store_output(accs, vf / tl.where(l_i == 0.0, 1.0, l_i), out_ptr + tok * stride_ot
-                + qh * stride_oh, row_ok, V_FMT, D)
+                + qh * stride_oh, row_ok, V_FMT, D, PARTS)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -673,6 +778,18 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: in
     return splits
 
 
+def decode_register_cap(shape: "LaunchShape", programs: int, device: torch.device) -> Optional[int]:
+    """The decode kernel's register cap per thread for a grid of ``programs``: ``shape.maxnreg``;
+    unset, with the head dim in parts (``dim_parts > 1``), 128 where the grid holds more programs
+    than fit the SMs uncapped (the head_dim-512 NVFP4 decode takes 216 registers: four two-warp
+    programs per SM; capped, it spills a few and eight fit). H200, 32 q / 4 KV heads: capped
+    64 x 4k 293 -> 260 us and 64 x 32k 2152 -> 1887 us; with fewer programs than fit uncapped
+    the spills only cost (16 x 4k 84 -> 92 us, 16 x 32k 554 -> 610 us)."""
+    if shape.maxnreg or shape.dim_parts == 1:
+        return shape.maxnreg
+    return 128 if programs > 4 * _num_sms(device) else None
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchShape:
     """How :func:`paged_attention` launches its kernels (default: :func:`launch_defaults`).
@@ -682,11 +799,19 @@ class LaunchShape:
     The rest stay ``None`` in production and are fixed by benchmarks and tests: ``num_splits``,
     the decode split count (a power of 2; default :func:`decode_splits`); ``num_stages``, the
     kernel's pipeline stages (default 3 decode, 2 prefill; the tile loop always has 3);
-    ``maxnreg``, the decode kernel's register cap per thread (Triton's ``maxnreg``).
+    ``maxnreg``, the decode kernel's register cap per thread (Triton's ``maxnreg``; default
+    :func:`decode_register_cap`).
     Code variants of the attention core (:func:`_attend_keys`): ``hoist_query`` converts the
     query operands to the MMA layout once before the tile loop; ``fold_k_scales`` multiplies
     each NVFP4 K plane by its block scales in fp16 (exact) so that one chained dot replaces a
-    dot and a scaled fp32 sum per chunk.
+    dot and a scaled fp32 sum per chunk; ``fold_v_scales`` does the same for the NVFP4 V planes
+    (instead of scaling P per chunk, which converts each scaled P through shared memory);
+    ``dim_parts`` (a power of 2, at most ``num_warps``, dividing head_dim / 64) cuts the head
+    dim into parts, each taken by its own warps: every operand gets a leading part dimension
+    (batched MMAs, one part per warp), the parts' partial scores are summed across the warps
+    once per tile, and each warp holds only its part's output accumulators;
+    ``lazy_rescale`` rescales the output accumulators only in tiles that raise the running max
+    of some query column (exact: the same products, skipped where the factor is 1).
     """
 
     tile_n: int
@@ -697,6 +822,9 @@ class LaunchShape:
     maxnreg: Optional[int] = None
     hoist_query: bool = False
     fold_k_scales: bool = False
+    fold_v_scales: bool = False
+    dim_parts: int = 1
+    lazy_rescale: bool = False
 
     def __post_init__(self) -> None:
         splits = self.num_splits
@@ -704,17 +832,27 @@ class LaunchShape:
             raise ValueError(f"num_splits must be a power of 2, got {self.num_splits}")
         if self.query_rows < 1 or self.query_rows & (self.query_rows - 1):
             raise ValueError(f"query_rows must be a power of 2, got {self.query_rows}")
+        parts = self.dim_parts
+        if parts < 1 or parts & (parts - 1) or parts > self.num_warps:
+            raise ValueError(f"dim_parts must be a power of 2 <= num_warps, got {parts}")
 
 
 def _launch_defaults_512(layout, decode: bool) -> LaunchShape:
-    """Head_dim 512 (Gemma 4's global layers), chosen by the fewest spills in the sm_90 compile
-    check (``benchmarks/compile_sm90.py --head-dim 512 --group 8``), not timed: the output
-    accumulators alone take 128 registers per thread in one warp. Decode: FP8 / FP8 64 keys x 4
-    warps (no spill), with an NVFP4 plane 16 keys x 1 warp. Prefill: FP8 / FP8 32 keys x 4 warps
-    x 16 rows (no spill); NVFP4 K / FP8 V 16 keys x 2 warps x 8 rows (no spill); an NVFP4 V
-    16 keys x 1 warp x 8 rows."""
+    """Head_dim 512 (Gemma 4's global layers): the output accumulators alone take 128 registers
+    per thread in one warp. Decode, NVFP4 K and V (timed on the H200): 16 keys x 2 warps, the
+    head dim in 2 parts (one per warp: 64 accumulator registers each, no spill uncapped), K and
+    V block scales folded, lazy rescale, and the register cap of :func:`decode_register_cap`
+    where the grid is large: 0.92-0.95x our FP8's time at 16 x 4k, 64 x 4k and 64 x 32k, 1.05x
+    at 16 x 32k (one warp of 16 keys before, 57 registers spilled: 1.11-1.22x). Chosen by the
+    sm_90 compile check (``benchmarks/compile_sm90.py --head-dim 512 --group 8``), not timed:
+    FP8 / FP8 64 keys x 4 warps (no spill), FP8 / NVFP4 pairs 16 keys x 1 warp (head-dim parts
+    compile to more instructions there). Prefill: FP8 / FP8 32 keys x 4 warps x 16 rows (no spill); NVFP4 K /
+    FP8 V 16 keys x 2 warps x 8 rows (no spill); an NVFP4 V 16 keys x 1 warp x 8 rows."""
     fp8_k, fp8_v = layout.k_format is KVFormat.FP8, layout.v_format is KVFormat.FP8
     if decode:
+        if not fp8_k and not fp8_v:
+            return LaunchShape(16, 2, dim_parts=2, fold_k_scales=True, fold_v_scales=True,
+                               lazy_rescale=True)
         return LaunchShape(64, 4) if fp8_k and fp8_v else LaunchShape(16, 1)
     if fp8_v:
         return LaunchShape(32, 4, 16) if fp8_k else LaunchShape(16, 2, 8)
@@ -790,6 +928,9 @@ def paged_attention(
     common_args = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                    cache.stride(0), block_table.stride(0), softmax_scale, softcap, window)
     shape = launch or launch_defaults(layout, decode)
+    if d % (64 * shape.dim_parts):
+        raise ValueError(f"dim_parts {shape.dim_parts} needs a head_dim multiple of "
+                         f"{64 * shape.dim_parts}, got {d}")
     block = layout.block_size
     tn = max(shape.tile_n, block) if block & (block - 1) == 0 else shape.tile_n
     warps = shape.num_warps
@@ -798,6 +939,7 @@ def paged_attention(
         bg = max(8, g_pad)
         splits = shape.num_splits or decode_splits(num_seqs, layout.num_kv_heads, max_seq_len, tn,
                                              query.device, warps)
+        maxnreg = decode_register_cap(shape, num_seqs * layout.num_kv_heads * splits, query.device)
         if splits > 1:
             part_o = torch.empty(num_tokens * hq * splits, d, dtype=torch.float32,
                                  device=query.device)
@@ -809,9 +951,10 @@ def paged_attention(
             query, out, cache, k_scale, v_scale, sink_arg, block_table, seq_lens, query_start_loc,
             part_o, part_ml, *common_args,
             HQ=hq, G=g, BG=bg, TILE_N=tn, NUM_SPLITS=splits, **meta,
-            HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales,
+            HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales, FOLD_V=shape.fold_v_scales,
+            PARTS=shape.dim_parts, LAZY=shape.lazy_rescale,
             num_warps=warps, num_stages=shape.num_stages or 3,
-            **({"maxnreg": shape.maxnreg} if shape.maxnreg else {}),
+            **({"maxnreg": maxnreg} if maxnreg else {}),
         )
         if splits > 1:
             _reduce_kernel[(num_tokens, hq)](
@@ -827,7 +970,8 @@ def paged_attention(
         num_seqs,
         *common_args,
         G=g, G_PAD=g_pad, BLOCK_Q=block_q, TILE_N=tn, **meta,
-        HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales,
+        HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales, FOLD_V=shape.fold_v_scales,
+        PARTS=shape.dim_parts, LAZY=shape.lazy_rescale,
         num_warps=warps, num_stages=shape.num_stages or 2,
     )
     return out
