@@ -117,7 +117,9 @@ def test_outlier_keys_are_found_most_sensitive(base: str, report_dir: Path, repo
     cfg = report["configs"]
     assert cfg["reference_repeat"]["kl"] == 0 and cfg["reference_repeat"]["dnll"] == 0  # CPU is deterministic
     assert 0 < cfg["all_fp8"]["kl"] < cfg["all_nvfp4"]["kl"]
-    assert cfg["all_nvfp4"]["dnll"] > cfg["all_fp8"]["dnll"]
+    # damage as KL (above) and top-1 agreement; delta NLL on this random-weight model's text is
+    # noise of either sign (-0.15 nats/token for all-NVFP4 with the searched block scales)
+    assert cfg["all_nvfp4"]["top1"] < cfg["all_fp8"]["top1"]
     assert report["settings"]["prefix_reuse"] is True
     assert scales.to_compact() == "0-3:fp8"
     assert report["data"]["eval_windows"] == 3 and cfg["reference"]["tokens"] == 3 * (WINDOW - 1)

@@ -18,6 +18,7 @@ from vllm_nvfp4.formats import (
     fp8_quantize,
     fp8_scale_from_amax,
     nvfp4_dequantize,
+    nvfp4_block_error,
     nvfp4_dequantize_folded,
     nvfp4_global_scale,
     nvfp4_quantize,
@@ -67,30 +68,80 @@ def test_low_nibble_holds_even_element():
 
 def test_block_scale_from_global_scale_and_e4m3_rounding():
     g = 0.5
-    # amax 3 -> 3 / (0.5 * 6) = 1.0 exactly
-    x = torch.linspace(-3.0, 3.0, 16)
+    # amax 3 -> 3 / (0.5 * 6) = 1.0 exactly, and 3, 1.5, -0.5 are exact on se = 0.5: error 0
+    x = torch.tensor([3.0, 1.5, -0.5] + [0.0] * 13)
     _, s = nvfp4_quantize(x, g)
     assert s.float().item() == 1.0
-    # amax 3.3 -> 1.1 -> e4m3 neighbours 1.0 / 1.125: nearest is 1.125
+    # amax 3.3, candidates (module doc) for x / g = 6.6 and 0.2, errors in units of g:
+    #   s6 = e4m3(3.3 / 3 = 1.1) = 1.125: 6.6 -> 6 * 1.125 = 6.75, 0.2 -> 0: 0.15^2 + 15 * 0.2^2 = 0.6225
+    #   one step down 1.0: 6.6 -> 6: 0.36 + 0.6;  one step up 1.25: 6.6 -> 7.5: 0.81 + 0.6
+    #   e4m3(3.3 / 2.5 = 1.32) = 1.375: 6.6 -> 4 * 1.375 = 5.5: 1.21 + 0.6
+    #   e4m3(3.3 / 2 = 1.65) = 1.625: 6.6 -> 4 * 1.625 = 6.5: 0.01 + 0.6 = 0.61, the lowest
     x2 = torch.full((16,), 0.1)
     x2[3] = 3.3
-    _, s2 = nvfp4_quantize(x2, g)
-    assert s2.float().item() == 1.125
-    # element codes use se = 1.125 * 0.5: 3.3 / 0.5625 = 5.87 -> 6, 0.1 / 0.5625 = 0.178 -> 0
-    packed, _ = nvfp4_quantize(x2, g)
-    assert _codes(packed)[3] == 7 and _codes(packed)[0] == 0
+    packed, s2 = nvfp4_quantize(x2, g)
+    assert s2.float().item() == 1.625
+    # element codes use se = 1.625 * 0.5: 3.3 / 0.8125 = 4.06 -> 4, 0.1 / 0.8125 = 0.123 -> 0
+    assert _codes(packed)[3] == 6 and _codes(packed)[0] == 0
+
+
+def test_block_scale_choice_hand_computed():
+    """One block per outcome of the choice (g = 1, errors = squared errors of the block)."""
+    g = 1.0
+    x = torch.zeros(5, 16)
+    # block 0: amax 4. Only e4m3(4 / 4) = 1.0 (0x38) holds 4 and 1 exactly (error 0); s6 =
+    # e4m3(4 / 6) = 0.6875 (0x33) decodes them as 4.125 and 1.03125: 0.125^2 + 15 * 0.03125^2
+    x[0] = 1.0
+    x[0, 0] = 4.0
+    # block 1: amax 6. s6 = 1.0 holds 6 and 0.5 exactly (error 0): kept (e4m3(6 / 4) = 1.5 (0x3C)
+    # would decode 0.5 as 0.75: 15 * 0.25^2)
+    x[1] = 0.5
+    x[1, 0] = 6.0
+    # block 2: 6, 3, -3 are exact with s6 = 1.0 and with e4m3(6 / 4) = 1.5: equal errors keep s6
+    x[2, :3] = torch.tensor([6.0, 3.0, -3.0])
+    # block 3: 4 and 2.75. s6 = 0.6875 decodes them as 4.125 and 2.75 (0.015625); 0.625: 3.75,
+    # 2.5 (0.125); 0.75: 4.5, 3 (0.3125); e4m3(0.8) = 0.8125: 3.25, 3.25; 1.0: 4, 3 (0.0625) -> s6
+    x[3, :2] = torch.tensor([4.0, 2.75])
+    # block 4: 6.4 and 15 x 2.25. s6 = e4m3(1.067) = 1.0: 6, 2 (0.16 + 15 * 0.0625 = 1.0975);
+    # one step up, 1.125 (0x39): 6.75 and 2.25 exact (0.1225, the lowest); one step down, 0.875:
+    # 5.25 (1.3225 alone); e4m3(1.28) = 1.25: 7.5 (1.21 alone); e4m3(1.6) = 1.625: 6.5, 2.4375
+    # (0.01 + 15 * 0.03515625 = 0.5373)
+    x[4] = 2.25
+    x[4, 0] = 6.4
+    packed, s = nvfp4_quantize(x, g)
+    assert s.view(torch.uint8).flatten().tolist() == [0x38, 0x38, 0x38, 0x33, 0x39]
+    assert _codes(packed[0]) == [6] + [2] * 15
+    assert _codes(packed[1]) == [7] + [1] * 15
+    assert _codes(packed[2]) == [7, 5, 13] + [0] * 13
+    assert _codes(packed[3]) == [7, 6] + [0] * 14
+    assert _codes(packed[4]) == [7] + [4] * 15
+    assert torch.equal(nvfp4_dequantize(packed[:3], s[:3], g), x[:3])
+    # the compared errors, exactly (FP64)
+    codes6 = torch.tensor([[7] + [3] * 15], dtype=torch.uint8)  # block 0 on 0.6875: 6 and 1.5
+    assert nvfp4_block_error(x[0].view(1, 16), codes6, torch.tensor([0.6875])).tolist() == [0.0302734375]
+    codes_up = torch.tensor([[7] + [4] * 15], dtype=torch.uint8)  # block 4 on 1.125
+    assert nvfp4_block_error(x[4].view(1, 16), codes_up, torch.tensor([1.125])).tolist() == [
+        (6.75 - float(torch.tensor(6.4))) ** 2]
 
 
 def test_subnormal_block_scale():
     g = 1.0
-    # amax 0.0234375 -> 0.00390625 = 2^-8 = e4m3 subnormal 2 * 2^-9 (byte 0x02)
+    # amax 0.0234375: s6 = 0.00390625 = 2^-8 = e4m3 subnormal 2 * 2^-9 (byte 0x02); its step up
+    # and e4m3(amax / 4) are 0.005859375 = 3 * 2^-9 (byte 0x03), its step down 2^-9
     x = torch.full((16,), 0.01)
     x[0] = 0.0234375
+    # 2^-8: 0.0234375 -> 6 (exact), 0.01 -> 2.56 -> 3 (error 0.00171875 each);
+    # 3 * 2^-9: 0.0234375 -> 4 (exact), 0.01 -> 1.71 -> 1.5 (error 0.00121 each), the lowest
+    # (2^-9 clips 0.0234375 to 6 * 2^-9)
     packed, s = nvfp4_quantize(x, g)
-    assert s.view(torch.uint8).item() == 0x02
-    assert s.float().item() == 2.0 ** -8
-    # 0.01 / 2^-8 = 2.56 -> 3.0 ; 0.0234375 / 2^-8 = 6
-    assert _codes(packed)[:2] == [7, 5]
+    assert s.view(torch.uint8).item() == 0x03
+    assert s.float().item() == 3 * 2.0 ** -9
+    assert _codes(packed)[:2] == [6, 3]
+    # 0.0234375 and 0.01171875 are exact on 2^-8 (6 and 3) and on 3 * 2^-9 (4 and 2): a tie
+    # keeps the 6, subnormal byte 0x02
+    x[1:] = 0.01171875
+    packed, s = nvfp4_quantize(x, g)
+    assert s.view(torch.uint8).item() == 0x02 and _codes(packed)[:2] == [7, 5]
     # an amax whose scale quotient is below 2^-10 flushes the block to scale 0 and codes 0
     tiny = torch.full((16,), 1e-5)
     p0, s0 = nvfp4_quantize(tiny, g)

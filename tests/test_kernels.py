@@ -103,6 +103,27 @@ def test_write_kernel_e4m3_rounding_edges():
     check_written_bytes(lay, before, cache.cpu(), x, x, slots.cpu(), one.cpu(), one.cpu())
 
 
+def test_write_kernel_block_scale_choice_hand_computed():
+    """The blocks of test_formats' hand-computed block-scale choice, written by the kernel with
+    g = 1: every candidate order and outcome (6 kept, 4, tie, one step up)."""
+    lay = KVPageLayout(1, 128, 16, "nvfp4", "nvfp4")
+    x = torch.zeros(1, 1, 128)
+    blocks = x.view(8, 16)
+    blocks[0], blocks[0, 0] = 1.0, 4.0
+    blocks[1], blocks[1, 0] = 0.5, 6.0
+    blocks[2, :3] = torch.tensor([6.0, 3.0, -3.0])
+    blocks[3, :2] = torch.tensor([4.0, 2.75])
+    blocks[4], blocks[4, 0] = 2.25, 6.4
+    cache = allocate_cache(lay, 1, DEV)
+    before = cache.cpu().clone()
+    one = torch.ones(1, device=DEV)
+    slots = torch.zeros(1, dtype=torch.int64, device=DEV)
+    ops.write_kv_cache(x.to(DEV), x.to(DEV), cache, slots, lay, one, one, backend="triton")
+    check_written_bytes(lay, before, cache.cpu(), x, x, slots.cpu(), one.cpu(), one.cpu())
+    got = lay.scale_plane(cache.cpu(), "k")[0, :, 0].flatten().tolist()
+    assert got == [0x38, 0x38, 0x38, 0x33, 0x39, 0, 0, 0]
+
+
 # ---------------------------------------------------------------- attention vs float64
 def _seq_mix(kind: str) -> list:
     s = SCALE

@@ -2,8 +2,9 @@
 
 One program per (token, KV head); it writes the head's K and V rows (and NVFP4 block scales) into
 the page layout of :mod:`vllm_nvfp4.layout`. The bytes equal :mod:`vllm_nvfp4.formats` with
-``nonfinite="propagate"``: every division is IEEE round-to-nearest (``tl.div_rn``) and every E4M3
-cast rounds to nearest even after an explicit clamp, exactly as the torch definition does.
+``nonfinite="propagate"``: every division is IEEE round-to-nearest (``tl.div_rn``), every E4M3
+cast rounds to nearest even after an explicit clamp, and the block-scale choice compares the same
+FP64 squared errors summed in the same order, exactly as the torch definition does.
 """
 
 from __future__ import annotations
@@ -77,20 +78,85 @@ def _e2m1_code(q):
 
 
 @triton.jit
+def _e2m1_signed_value(c):
+    """FP32 value of E2M1 nibbles ``c`` (uint8): {0, .5, 1, 1.5, 2, 3, 4, 6} with the sign bit."""
+    m = (c & 7).to(tl.float32)
+    mag = tl.where(m < 4.0, m * 0.5, tl.where(m < 6.0, m - 2.0, m * 2.0 - 8.0))
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _chunk_codes(x, s, g):
+    """E2M1 codes ``[C2, 16]`` of chunks ``x`` with block scales ``s [C2]`` (FP32 values of E4M3
+    numbers) and global scale ``g``; all zero where ``s * g`` is 0 or infinite."""
+    inf = float("inf")
+    se = s * g
+    ok = (se != 0.0) & (tl.abs(se) != inf)
+    return tl.where(ok[:, None], _e2m1_code(tl.div_rn(x, tl.where(ok, se, 1.0)[:, None])), 0)
+
+
+@triton.jit
+def _chunk_error(xg, codes, s, C2: tl.constexpr):
+    """Squared error ``[C2]`` (FP64) of each chunk in units of ``g``, as
+    :func:`vllm_nvfp4.formats.nvfp4_block_error`: ``d = e2m1 * s - x / g`` in FP32 (the product
+    is exact, so a fused multiply-add rounds the same), ``d * d`` exact in FP64, summed as a
+    pairwise tree of neighbours."""
+    d = (_e2m1_signed_value(codes) * s[:, None] - xg).to(tl.float64)
+    e = d * d  # [C2, 16]
+    a, b = tl.split(tl.reshape(e, [C2, 8, 2]))
+    a, b = tl.split(tl.reshape(a + b, [C2, 4, 2]))
+    a, b = tl.split(tl.reshape(a + b, [C2, 2, 2]))
+    a, b = tl.split(a + b)
+    return a + b
+
+
+@triton.jit
+def _max_candidate(amax, g, m: tl.constexpr, C2: tl.constexpr):
+    """E4M3 byte ``e4m3(min(amax / (g * m), 448))`` of each chunk ``[C2]``."""
+    s_q = tl.minimum(tl.div_rn(amax, tl.full([C2], m, tl.float32) * g), 448.0)
+    return _e4m3_byte(s_q, s_q)
+
+
+@triton.jit
+def _try_scale(x, xg, g, s_byte, best_err, best_byte, best_codes, C2: tl.constexpr):
+    """Keep the candidate ``s_byte [C2]`` in the chunks where its error is strictly lower."""
+    s = _e4m3_value(s_byte)
+    codes = _chunk_codes(x, s, g)
+    err = _chunk_error(xg, codes, s, C2)
+    better = err < best_err
+    return (tl.where(better, err, best_err), tl.where(better, s_byte, best_byte),
+            tl.where(better[:, None], codes, best_codes))
+
+
+@triton.jit
 def _nvfp4_chunks(x, g, C2: tl.constexpr):
     """NVFP4 of ``C2`` 16-element chunks ``x [C2, 16]`` (FP32) with global scale ``g``: E2M1 codes
-    ``[C2, 16]`` (uint8) and E4M3 block-scale bytes ``[C2]``."""
+    ``[C2, 16]`` (uint8) and E4M3 block-scale bytes ``[C2]``. Each chunk's scale is the candidate
+    of lowest squared error of :data:`vllm_nvfp4.formats.NVFP4_SCALE_CANDIDATES`, in its order:
+    ``e4m3(amax / (6 g))``, its E4M3 neighbours below and above, ``e4m3(amax / (5 g))``,
+    ``e4m3(amax / (4 g))`` (:func:`vllm_nvfp4.formats.nvfp4_quantize`)."""
     inf = float("inf")
     bad_x = (x != x) | (tl.abs(x) == inf)
     bad = tl.max(bad_x.to(tl.int32), axis=1) > 0  # [C2]
-    amax = tl.max(tl.where(bad_x, 0.0, tl.abs(x)), axis=1)
-    g6 = tl.full([C2], 6.0, tl.float32) * g
-    s_q = tl.minimum(tl.div_rn(amax, g6), 448.0)
-    s_byte = _e4m3_byte(s_q, s_q)
-    se = _e4m3_value(s_byte) * g  # [C2]
-    ok = (se != 0.0) & (tl.abs(se) != inf) & ~bad
-    s_byte = tl.where(bad, tl.full([C2], 0x7F, tl.uint8), s_byte)  # NaN scale: block decodes to NaN
-    codes = tl.where(ok[:, None], _e2m1_code(tl.div_rn(x, tl.where(ok, se, 1.0)[:, None])), 0)
+    x = tl.where(bad_x, 0.0, x)
+    amax = tl.max(tl.abs(x), axis=1)
+    xg = tl.div_rn(x, tl.full([C2, 16], 1.0, tl.float32) * g)
+    s6_byte = _max_candidate(amax, g, 6.0, C2)
+    s6 = _e4m3_value(s6_byte)
+    best_codes = _chunk_codes(x, s6, g)
+    best_err = _chunk_error(xg, best_codes, s6, C2)
+    best_byte = s6_byte
+    zero = tl.full([C2], 0, tl.uint8)
+    down = tl.where(s6_byte > 0, s6_byte - 1, zero)  # positive E4M3 bytes are ordered by value
+    up = tl.minimum(s6_byte + 1, 0x7E)  # 0x7E is 448
+    best_err, best_byte, best_codes = _try_scale(x, xg, g, down, best_err, best_byte, best_codes, C2)
+    best_err, best_byte, best_codes = _try_scale(x, xg, g, up, best_err, best_byte, best_codes, C2)
+    best_err, best_byte, best_codes = _try_scale(x, xg, g, _max_candidate(amax, g, 5.0, C2),
+                                                 best_err, best_byte, best_codes, C2)
+    best_err, best_byte, best_codes = _try_scale(x, xg, g, _max_candidate(amax, g, 4.0, C2),
+                                                 best_err, best_byte, best_codes, C2)
+    s_byte = tl.where(bad, tl.full([C2], 0x7F, tl.uint8), best_byte)  # NaN scale: block decodes to NaN
+    codes = tl.where(bad[:, None], 0, best_codes)
     return codes, s_byte
 
 
