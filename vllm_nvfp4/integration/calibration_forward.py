@@ -258,7 +258,12 @@ def _resumes_exactly(runner: Any, rows: dict[str, int], chunks: Sequence[torch.T
     if layer is None or streams.unrecognised \
             or any(len(chunk_streams) != len(chunks) for chunk_streams in streams.streams.values()):
         return False
-    again = _forward(runner, rows, chunks[0], resume=(layer, streams.streams[layer][0])).float()
+    try:  # a model whose forward needs input_ids past layer 0 (per-layer inputs) fails here
+        again = _forward(runner, rows, chunks[0], resume=(layer, streams.streams[layer][0])).float()
+    except Exception as e:  # noqa: BLE001 - any failure means: run the whole model per slot
+        logger.warning("vllm-nvfp4: start-up sensitivity: the model does not resume at layer %d "
+                       "(%s: %s); every slot runs the whole model", layer, type(e).__name__, e)
+        return False
     ref = exact[0].float()
     err = float((again - ref).norm() / ref.norm().clamp_min(1e-30))
     if err <= RESUME_TOLERANCE:
