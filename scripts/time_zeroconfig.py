@@ -8,7 +8,9 @@
 build_weightless_model`, ``load_format="dummy"``) is started with ``kv_cache_dtype="nvfp4_mixed"``
 and no policy, each start in a fresh process, ``--repeats`` rounds of: start-up calibration off,
 on with an empty cache (it calibrates), on again (it reuses the cache). ``--warm-up`` adds a first
-start that fills vLLM's compile cache, so that no timed start compiles the model. Writes
+start that calibrates, so that it fills vLLM's compile cache and Triton's cache with every kernel
+the timed starts use (the selected policy may mix K/V formats the default rule never uses), and no
+timed start compiles. Writes
 ``OUT/startup.json`` (after every start): each ``LLM()`` wall time with the calibration's own
 logged time, greedy tokens and KV-cache capacity (each start's own log lines: ``OUT/KIND_ROUND.log``), the median of each kind, ``added_s`` (the
 medians' differences) and ``calibrating_vs_cached`` (a calibrating start serves the same tokens
@@ -115,10 +117,10 @@ def run_startup(out: Path, preset: str, max_model_len: int, warm_up: bool,
     rounds = [f"{kind}#{r}" for r in range(1, repeats + 1) for kind in kinds]
     for name in ["warm-up"] * warm_up + rounds:
         kind = name.split("#")[0]
-        if kind == "calibrating":
+        if kind in ("calibrating", "warm-up"):
             shutil.rmtree(cache, ignore_errors=True)  # an empty cache: this start calibrates
         log(f"engine start: {name}")
-        run = result["runs"][name] = _start_once(model, cache, kind in ("calibrating", "cached"),
+        run = result["runs"][name] = _start_once(model, cache, kind != "off",
                                                  max_model_len, name.replace("#", "_"), out)
         log(f"  {run}")
         med = result["median_s"] = _medians(result["runs"])
