@@ -5,13 +5,15 @@ import itertools
 import pytest
 import torch
 
-from vllm_nvfp4.formats import bytes_per_head
+from vllm_nvfp4.formats import bytes_per_head, e2m1_value
 from vllm_nvfp4.layout import (
     KVPageLayout,
     allocate_cache,
     nvfp4_element_order,
     nvfp4_packed_from_rows,
     nvfp4_rows_from_packed,
+    pack_e2m1_pair,
+    unpack_e2m1_pair,
 )
 
 FORMATS = ("fp8", "nvfp4")
@@ -80,9 +82,9 @@ def test_check_cache_rejects_bad_caches():
         lay.check_cache(torch.zeros(lay.page_bytes, 4, dtype=torch.uint8).t())
 
 
-def test_nvfp4_chunk_planar_nibble_order():
-    """Hand-checked positions: in a full 64-group nibble j of 16-bit word i holds element
-    16 j + i; a 32-element tail group interleaves its 2 chunks; the row helpers invert."""
+def test_nvfp4_chunk_planar_order():
+    """Hand-checked positions: in a full 64-group 16-bit word i holds element 16 j + i of each
+    chunk j; a 32-element tail group interleaves its 2 chunks; the row helpers invert."""
     order = nvfp4_element_order(96)
     assert order[:8].tolist() == [0, 16, 32, 48, 1, 17, 33, 49]
     assert order[60:64].tolist() == [15, 31, 47, 63]
@@ -91,11 +93,48 @@ def test_nvfp4_chunk_planar_nibble_order():
     packed = torch.randint(0, 256, (5, 3, 48), dtype=torch.uint8)
     rows = nvfp4_rows_from_packed(packed)
     assert torch.equal(nvfp4_packed_from_rows(rows), packed)
-    # element 16 (chunk 1, position 0) is the high nibble of byte 0 of the row
-    elem16 = (packed[..., 8] & 0xF)
-    assert torch.equal(rows[..., 0] >> 4, elem16)
+    # byte 0 of the row holds element 0 (magnitude bits 1-3, sign bit 7) and element 16
+    # (chunk 1: magnitude bits 4-6, sign bit 0)
+    elem0, elem16 = packed[..., 0] & 0xF, packed[..., 8] & 0xF
+    byte0 = ((elem0 & 7) << 1) | ((elem0 >> 3) << 7) | ((elem16 & 7) << 4) | (elem16 >> 3)
+    assert torch.equal(rows[..., 0], byte0)
     with pytest.raises(ValueError, match="multiple of 16"):
         nvfp4_element_order(40)
+
+
+def test_e2m1_pair_bytes_hand_values():
+    """The data-plane byte of two codes: -1.5 (0b1011) and 4 (0b0110) -> 0xE6; 0.5 (0b0001) and
+    -6 (0b1111) -> 0x73; every pair a different byte, unpacked back; zeros -> 0."""
+    a = torch.tensor([0b1011, 0b0001, 0], dtype=torch.uint8)
+    b = torch.tensor([0b0110, 0b1111, 0], dtype=torch.uint8)
+    assert pack_e2m1_pair(a, b).tolist() == [0xE6, 0x73, 0]
+    codes = torch.arange(16, dtype=torch.uint8)
+    a, b = codes.repeat_interleave(16), codes.repeat(16)
+    byte = pack_e2m1_pair(a, b)
+    assert sorted(byte.tolist()) == list(range(256))
+    ua, ub = unpack_e2m1_pair(byte)
+    assert torch.equal(ua, a) and torch.equal(ub, b)
+
+
+def test_word_decode_places_each_chunk_as_fp16():
+    """The decode kernel's 9 integer ops on a 32-bit word of two 16-bit words (the asm in
+    kernels/attention.py, here in int64): chunk j's element comes out as fp16 ``e2m1 * 2^-14``,
+    for every code of every chunk in both halves."""
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (4096, 2, 4), dtype=torch.uint8, generator=gen)  # word, half, chunk
+    lo = pack_e2m1_pair(codes[..., 0], codes[..., 1]).long()  # byte 2i: chunks 0, 1
+    hi = pack_e2m1_pair(codes[..., 2], codes[..., 3]).long()  # byte 2i + 1: chunks 2, 3
+    half = lo | (hi << 8)
+    w = half[:, 0] | (half[:, 1] << 16)
+    u32 = 0xFFFFFFFF
+    m = 0x8E008E00
+    t = ((w >> 3) & 0x0E0E0E0E) | ((w << 7) & u32 & ~0x0E0E0E0E)
+    planes = [(w << 8) & m, (t << 8) & m, w & m, t & m]
+    for j, plane in enumerate(planes):
+        for h in range(2):
+            bits = ((plane >> (16 * h)) & 0xFFFF).to(torch.int16)
+            got = bits.view(torch.float16).float() * 2.0 ** 14
+            assert torch.equal(got, e2m1_value(codes[:, h, j])), (j, h)
 
 
 def test_kept_offsets_leave_equality_hash_and_pickling_alone():

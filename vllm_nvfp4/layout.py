@@ -7,7 +7,7 @@ dim ``D``, the planes follow each other with no padding::
 
     page ──► ┌──────────────────────────────┐ k_data_offset (= 0)
              │ K data   [H, B, Wk] uint8    │ fp8: Wk = D (E4M3), nvfp4: Wk = D/2 (E2M1 codes in
-             │                              │      chunk-planar nibble order, see below)
+             │                              │      chunk-planar order, see below)
              ├──────────────────────────────┤ k_scale_offset
              │ K scales [H, B, D/16] e4m3   │ nvfp4 only (0 bytes for fp8); token-major: the
              │                              │ D/16 block scales of one token are contiguous
@@ -33,13 +33,19 @@ Why this arrangement (for the decode kernel, which walks one KV head through a b
 Chunk-planar nibble order of an NVFP4 data row (``D/2`` bytes of one token and head): the head
 vector is cut into groups of 64 elements (4 chunks of 16; a last group of ``D % 64`` elements has
 fewer chunks), and inside a group of ``nc`` chunks nibble position ``nc * i + j`` holds element
-``16 * j + i``; positions pack two per byte, the even one in the low nibble. For a full group this
-reads: nibble ``j`` of the little-endian 16-bit word ``i`` holds element ``16 j + i``, so ONE
-16-element block is one nibble plane of 16 consecutive words. The decode kernel turns a plane into
-an fp16 MMA operand with a few bit operations per word and applies the block scale to the
-partial dot product of that chunk, instead of multiplying every element
-(:func:`nvfp4_element_order` gives the permutation; the bytes are otherwise exactly
-:mod:`vllm_nvfp4.formats`' packing of the permuted codes).
+``16 * j + i``. Positions pack two per byte, the even one ``a`` and the odd one ``b`` (E2M1 codes:
+sign bit 3, magnitude bits 0-2) as :func:`pack_e2m1_pair`: ``a``'s magnitude at bits 1-3 and sign
+at bit 7, ``b``'s magnitude at bits 4-6 and sign at bit 0. For a full group this reads: the
+little-endian 16-bit word ``i`` holds element ``16 j + i`` of chunk ``j`` with magnitude and sign
+at bits (1-3, 7), (4-6, 0), (9-11, 15), (12-14, 8) for ``j`` = 0..3, so ONE 16-element block is one
+plane of 16 consecutive words. Chunk 2 sits where an fp16 keeps sign and exponent, so
+``word & 0x8E00`` is its element times 2^-14 as fp16 (subnormal code 1 included); chunk 0 is the
+same 8 bits lower, and one 3-input logic op gathers chunk 3's magnitudes (shifted by 3) and signs
+(shifted by 7) into one word in which chunk 3 is in place and chunk 1 is 8 bits lower. The decode
+kernel so turns a 32-bit register into four fp16x2 MMA operands in 9 integer ops (adjacent
+nibbles would take 11), and applies the block scale to the partial dot product of each chunk
+instead of multiplying every element (:func:`nvfp4_element_order` gives the permutation;
+:func:`nvfp4_rows_from_packed` converts from :mod:`vllm_nvfp4.formats`' packing).
 
 ``page_bytes == B * H * (bytes_per_head(k_format, D) + bytes_per_head(v_format, D))`` exactly;
 with ``B % 16 == 0`` every plane offset is a multiple of 16.
@@ -79,29 +85,49 @@ def nvfp4_element_order(head_dim: int, device: torch.device | str = "cpu") -> to
     return torch.tensor(_element_order(head_dim), dtype=torch.int64, device=device)
 
 
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[..., W]`` -> its nibbles ``[..., 2W]`` (low nibble first)."""
-    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+def pack_e2m1_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The data-plane byte of E2M1 codes ``a`` (even nibble position) and ``b`` (odd), uint8:
+    ``a``'s magnitude at bits 1-3 and sign at bit 7, ``b``'s magnitude at bits 4-6 and sign at
+    bit 0 (module doc). Two zero codes give byte 0."""
+    return ((a & 7) << 1) | ((a & 8) << 4) | ((b & 7) << 4) | (b >> 3)
 
 
-def _pack_nibbles(nib: torch.Tensor) -> torch.Tensor:
+def unpack_e2m1_pair(byte: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_e2m1_pair`: data-plane bytes (uint8) -> their codes ``(a, b)``."""
+    return ((byte >> 1) & 7) | ((byte >> 4) & 8), ((byte >> 4) & 7) | ((byte & 1) << 3)
+
+
+def _row_nibbles(rows: torch.Tensor) -> torch.Tensor:
+    """Data-plane rows uint8 ``[..., W]`` -> the codes at their nibble positions ``[..., 2W]``."""
+    return torch.stack(unpack_e2m1_pair(rows), dim=-1).flatten(-2)
+
+
+def _row_bytes(nib: torch.Tensor) -> torch.Tensor:
+    """Codes at nibble positions ``[..., 2W]`` -> data-plane rows ``[..., W]``."""
     pairs = nib.unflatten(-1, (-1, 2))
-    return pairs[..., 0] | (pairs[..., 1] << 4)
+    return pack_e2m1_pair(pairs[..., 0], pairs[..., 1])
+
+
+def _packed_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """:mod:`vllm_nvfp4.formats`' packing ``[..., W]`` (element ``2i`` in the low nibble of byte
+    ``i``) -> codes in element order ``[..., 2W]``."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
 
 
 def nvfp4_rows_from_packed(packed: torch.Tensor) -> torch.Tensor:
     """:func:`vllm_nvfp4.formats.nvfp4_quantize`'s ``packed [..., D/2]`` (element order) -> the
-    data-plane rows ``[..., D/2]`` in chunk-planar nibble order."""
+    data-plane rows ``[..., D/2]`` (chunk-planar order, :func:`pack_e2m1_pair` bytes)."""
     order = nvfp4_element_order(packed.shape[-1] * 2, packed.device)
-    return _pack_nibbles(_nibbles(packed).index_select(-1, order))
+    return _row_bytes(_packed_nibbles(packed).index_select(-1, order))
 
 
 def nvfp4_packed_from_rows(rows: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`nvfp4_rows_from_packed`: data-plane rows -> element-order ``packed``."""
     order = nvfp4_element_order(rows.shape[-1] * 2, rows.device)
-    nib = torch.empty_like(_nibbles(rows))
-    nib[..., order] = _nibbles(rows)
-    return _pack_nibbles(nib)
+    nib = torch.empty_like(_row_nibbles(rows))
+    nib[..., order] = _row_nibbles(rows)
+    pairs = nib.unflatten(-1, (-1, 2))
+    return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
 @dataclass(frozen=True)

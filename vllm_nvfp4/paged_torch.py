@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, KVFormat, e2m1_value, fp8_quantize, nvfp4_quantize
-from vllm_nvfp4.layout import KV, KVPageLayout, nvfp4_element_order, nvfp4_rows_from_packed
+from vllm_nvfp4.layout import (KV, KVPageLayout, nvfp4_element_order, nvfp4_rows_from_packed,
+                               unpack_e2m1_pair)
 
 
 def quantize_heads(
@@ -27,7 +28,7 @@ def quantize_heads(
 
     Returns ``(data uint8 [T, H, W], block_scales uint8 [T, H, D/16] or None)`` with W = D (fp8) or
     D/2 (nvfp4); bytes exactly as :mod:`vllm_nvfp4.formats` with ``nonfinite="propagate"``, NVFP4
-    nibbles in the layout's chunk-planar order (:func:`~vllm_nvfp4.layout.nvfp4_rows_from_packed`).
+    codes in the layout's chunk-planar order (:func:`~vllm_nvfp4.layout.nvfp4_rows_from_packed`).
     """
     if KVFormat.parse(fmt) is KVFormat.FP8:
         q = fp8_quantize(x, scale.view(-1, 1), nonfinite="propagate")
@@ -65,10 +66,11 @@ PREFILL_QUERY_CHUNK = 1024  # query rows per attention call of a prefill
 
 @functools.lru_cache(maxsize=None)
 def _e2m1_byte_table(device: torch.device) -> torch.Tensor:
-    """``[256]`` 8-byte entries: the FP32 E2M1 values of each byte's (low, high) nibble (via
-    :func:`e2m1_value`) stored side by side, so one gather of scalars decodes a byte."""
+    """``[256]`` 8-byte entries: the FP32 E2M1 values of each data-plane byte's two codes (even
+    then odd nibble position, :func:`~vllm_nvfp4.layout.unpack_e2m1_pair`, via :func:`e2m1_value`)
+    stored side by side, so one gather of scalars decodes a byte."""
     byte = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
-    pairs = torch.stack([e2m1_value(byte & 0xF), e2m1_value(byte >> 4)], dim=-1)  # FP32 [256, 2]
+    pairs = torch.stack([e2m1_value(c) for c in unpack_e2m1_pair(byte)], dim=-1)  # FP32 [256, 2]
     return pairs.contiguous().view(torch.float64).view(256)
 
 

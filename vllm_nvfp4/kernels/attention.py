@@ -3,11 +3,11 @@
 One attention core, :func:`_attend_keys`, run by a decode and a prefill kernel: the keys sit
 on the MMA M dimension and the query columns (a decode token's GQA group padded to 8, or a
 prefill program's query tokens x heads) on N. NVFP4 elements are never multiplied by their
-block scale: the cache's chunk-planar nibble order (:mod:`vllm_nvfp4.layout`) makes each
-16-element chunk one nibble plane of 16 consecutive 16-bit words, so one k=16 MMA per chunk
+block scale: the cache's chunk-planar order (:mod:`vllm_nvfp4.layout`) makes each
+16-element chunk one plane of 16 consecutive 16-bit words, so one k=16 MMA per chunk
 gives that chunk's partial scores, scaled per token by the chunk's block scale (and V's scale
 goes into P per chunk). The four planes of a word are decoded by one unary inline asm of the raw
-words (11 integer ops per four f16x2 registers), which lets Triton copy the raw K/V words and
+words (9 integer ops per four f16x2 registers), which lets Triton copy the raw K/V words and
 the token-major scale rows asynchronously into shared memory and decode them in the MMA operand
 registers. An FP8 K or V takes the same route: its 16-bit words split
 into the even and odd elements' byte planes (one native conversion each), one dot per plane and
@@ -20,7 +20,7 @@ query tokens x the GQA group of one KV head (prefill, chunked prefill, prefix hi
 batches), causal (+ window).
 
 Dequantization. FP8: E4M3 -> fp16 (native conversion, sm_89+; exact); the layer scale is
-folded into the softmax scale (K) or the output (V). NVFP4: a nibble ``n`` becomes fp16 by bit
+folded into the softmax scale (K) or the output (V). NVFP4: an E2M1 code ``n`` becomes fp16 by bit
 placement alone, ``(n & 8) << 12 | (n & 7) << 9`` == e2m1(n) * 2^-14 (subnormal code 1
 included); the global scale g and 2^14 go into the softmax scale / output scale. The
 interpreter runs the same bit placement in Triton integer ops.
@@ -43,6 +43,7 @@ import triton.language as tl
 
 from vllm_nvfp4.formats import KVFormat
 from vllm_nvfp4.kernels.constants import E2M1_F16_UNSCALE, FMT_FP8, LOG2E, format_code
+from vllm_nvfp4.kernels.e2m1_bytes import e2m1_f16_scaled_f32, unpack_e2m1_pair
 
 
 
@@ -65,7 +66,7 @@ def _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT: 
                              V_FMT: tl.constexpr, USE_SOFTCAP: tl.constexpr):
     """``(qk_scale, vf)`` of KV head ``h``: the logit scale (with log2(e) unless soft-capped)
     and the output factor. Each includes its operand's dequant factor: the layer scale, times
-    2^14 for NVFP4 (the kernels' nibble planes are ``e2m1 * 2^-14``, block scales applied
+    2^14 for NVFP4 (the kernels' chunk planes are ``e2m1 * 2^-14``, block scales applied
     apart)."""
     kf = tl.load(k_scale_ptr + h)
     vf = tl.load(v_scale_ptr + h)
@@ -157,24 +158,22 @@ def _decode_out_rows(out_ptr, part_o_ptr, part_ml_ptr, m_i, l_i, tok, split, qh,
     return part_o_ptr + row * D
 
 
-# The four nibble planes of two 16-bit words (one 32-bit register $4): plane J = nibble J of
-# each half as fp16 e2m1 * 2^-14 (sign << 15 | code << 9). Two planes share one merged word t
-# holding both planes' codes and signs 6 bits apart (lop3 0xE4: t = (a & c) | (b & ~c)), so a
-# plane costs one mask (and one shift for the second) - 11 integer ops for four f16x2 registers.
-# even: t = (w << 1 at the code bits) | (w << 4 elsewhere): plane 2 in place, plane 0 8 bits low
-# odd:  t = (w >> 3 at the code bits) | (w elsewhere):      plane 3 in place, plane 1 8 bits low
+# The four chunk planes of two 16-bit words (one 32-bit register $4): plane J = the element of
+# chunk J in each half as fp16 e2m1 * 2^-14 (sign << 15 | magnitude << 9), from the layout's bit
+# positions (vllm_nvfp4.layout): chunk 2 is in place (one AND), chunk 0 8 bits lower; one LOP3
+# (0xE4: t = (a & c) | (b & ~c)) gathers chunk 3's magnitudes (>> 3) and signs (<< 7), so t holds
+# chunk 3 in place and chunk 1 8 bits lower - 9 integer ops for four f16x2 registers.
 _E2M1_PLANES_ASM = tl.constexpr(
     "{ .reg .b32 a, b, t;"
-    " shl.b32 a, $4, 1; shl.b32 b, $4, 4; lop3.b32 t, a, b, 0x0E0E0E0E, 0xE4;"
-    " and.b32 $2, t, 0x8E008E00; shl.b32 t, t, 8; and.b32 $0, t, 0x8E008E00;"
-    " shr.b32 a, $4, 3; lop3.b32 t, a, $4, 0x0E0E0E0E, 0xE4;"
+    " shl.b32 a, $4, 8; and.b32 $0, a, 0x8E008E00; and.b32 $2, $4, 0x8E008E00;"
+    " shr.b32 a, $4, 3; shl.b32 b, $4, 7; lop3.b32 t, a, b, 0x0E0E0E0E, 0xE4;"
     " and.b32 $3, t, 0x8E008E00; shl.b32 t, t, 8; and.b32 $1, t, 0x8E008E00; }")
 
 
 @triton.jit
 def _planes(x, F32: tl.constexpr):
-    """The four nibble planes of uint16 words ``x`` (any shape): a tuple of ``e2m1 * 2^-14`` as
-    fp16 (fp32 when ``F32``), plane ``J`` = nibble ``J`` of each word. One pure inline asm of the
+    """The four chunk planes of uint16 words ``x`` (any shape): a tuple of ``e2m1 * 2^-14`` as
+    fp16 (fp32 when ``F32``), plane ``J`` = the element of chunk ``J`` in each word. One pure inline asm of the
     loaded words, so Triton loads the raw words straight into the MMA operand layout
     (asynchronous copy, no decoded tile in shared memory)."""
     if F32:  # the interpreter: the same bit placement in Triton ops
@@ -187,11 +186,10 @@ def _planes(x, F32: tl.constexpr):
 
 @triton.jit
 def _e2m1_fp32(u, J: tl.constexpr):
-    """Nibble ``J`` of uint32 words ``u`` (one 16-bit word each) as fp32 ``e2m1 * 2^-14``: the
-    asm's bit placement, ``sign << 15 | code << 9`` read as fp16."""
-    n = (u >> (4 * J)) & 0xF
-    bits = ((n & 8) << 12) | ((n & 7) << 9)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    """Chunk ``J``'s element of uint32 words ``u`` (one 16-bit word each) as fp32 ``e2m1 * 2^-14``,
+    the value the asm places: byte ``J // 2`` holds chunks ``J - J % 2`` and ``+ 1``."""
+    a, b = unpack_e2m1_pair((u >> (8 * (J // 2))) & 0xFF)
+    return e2m1_f16_scaled_f32(b if J % 2 else a)
 
 
 # the E4M3 bytes of two 16-bit words ($2): $0 = f16x2 of their low (even-element) bytes,
@@ -488,7 +486,7 @@ def _attend_tiles(
     (``qs`` from :func:`_load_query_parts`, positions ``q_pos [M]``) on N, over the keys
     ``[lo, hi)`` of one sequence (``MASKED``: masking tokens at or past ``t_end``, causal and
     window; else every token of every tile is visible to every column). NVFP4 block scales are
-    applied per 16-element chunk, never per element: each chunk ``c`` is one nibble plane of 16
+    applied per 16-element chunk, never per element: each chunk ``c`` is one plane of 16
     words (the cache's chunk-planar order, :mod:`vllm_nvfp4.layout`), so
     ``s^T [TILE_N, M] = sum_c sk_c * (K_c [TILE_N, 16] . q_c^T [16, M])`` with ``sk_c [TILE_N]``
     the tokens' block scales, and ``acc_c^T [16, M] += V_c^T [16, TILE_N] . (sv_c * p)``. With

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from vllm_nvfp4.kernels.constants import FMT_FP8, format_code
+from vllm_nvfp4.kernels.e2m1_bytes import pack_e2m1_pair
 
 
 @triton.jit
@@ -163,8 +164,8 @@ def _nvfp4_chunks(x, g, C2: tl.constexpr):
 @triton.jit
 def _store_nvfp4_row(x_ptr, data_ptr, scale_ptr, g, D: tl.constexpr):
     """NVFP4 of one head vector (``D`` a multiple of 64): ``data[0:D/2]`` the codes in the layout's
-    chunk-planar nibble order - byte ``32 u + 2 i + b`` of 64-element group ``u`` holds element
-    ``64 u + 32 b + i`` (low nibble) and ``+ 16`` (high nibble) - and ``scale_ptr[c]`` the block
+    chunk-planar order - byte ``32 u + 2 i + b`` of 64-element group ``u`` holds elements
+    ``64 u + 32 b + i`` and ``+ 16`` (:func:`pack_e2m1_pair`) - and ``scale_ptr[c]`` the block
     scale of 16-chunk ``c`` (the token's row of the token-major scale plane)."""
     C2: tl.constexpr = D // 32  # chunk pairs (2q, 2q + 1) share bytes
     q = tl.arange(0, C2)
@@ -174,7 +175,7 @@ def _store_nvfp4_row(x_ptr, data_ptr, scale_ptr, g, D: tl.constexpr):
     lo, lo_s = _nvfp4_chunks(lo_x, g, C2)
     hi, hi_s = _nvfp4_chunks(hi_x, g, C2)
     byte = 32 * (q[:, None] // 2) + 2 * i[None, :] + q[:, None] % 2
-    tl.store(data_ptr + byte, (lo | (hi << 4)).to(tl.uint8))
+    tl.store(data_ptr + byte, pack_e2m1_pair(lo, hi))
     tl.store(scale_ptr + 2 * q, lo_s)
     tl.store(scale_ptr + 2 * q + 1, hi_s)
 

@@ -21,14 +21,7 @@ import triton
 import triton.language as tl
 
 from vllm_nvfp4.kernels.constants import E2M1_F16_UNSCALE, FMT_FP8, format_code
-
-
-@triton.jit
-def _e2m1_f32(nib):
-    """E2M1 nibbles (int32 0..15) -> their FP32 values: bit placement into fp16
-    (``sign << 15 | code << 9`` is e2m1 * 2^-14, subnormal included), then times 2^14."""
-    bits = ((nib & 8) << 12) | ((nib & 7) << 9)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * E2M1_F16_UNSCALE
+from vllm_nvfp4.kernels.e2m1_bytes import e2m1_f16_scaled_f32, unpack_e2m1_pair
 
 
 @triton.jit
@@ -45,8 +38,8 @@ def _dequant_plane(page, off, valid, h, scale, out_rows,
         tl.store(out_rows[:, None] + d[None, :], x.to(out_rows.dtype.element_ty),
                  mask=valid[:, None])
     else:
-        # k enumerates the low-nibble elements e = 64 u + 32 b + i (u = k // 32, b = k // 16 % 2,
-        # i = k % 16) in order; byte 32 u + 2 i + b holds e (low) and e + 16 (high)
+        # k enumerates the even-position elements e = 64 u + 32 b + i (u = k // 32, b = k // 16 % 2,
+        # i = k % 16) in order; byte 32 u + 2 i + b holds e (even position) and e + 16 (odd)
         k = tl.arange(0, D // 2)
         e = 2 * k - k % 16
         byte = (k // 32) * 32 + 2 * (k % 16) + (k // 16) % 2
@@ -55,8 +48,11 @@ def _dequant_plane(page, off, valid, h, scale, out_rows,
         sptr = page[:, None] + SCALE + (h * BLOCK + off[:, None]) * (D // 16) + e[None, :] // 16
         s_lo = tl.load(sptr, mask=valid[:, None], other=0)
         s_hi = tl.load(sptr + 1, mask=valid[:, None], other=0)  # chunk e // 16 + 1
-        lo = _e2m1_f32(raw & 15) * (s_lo.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale)
-        hi = _e2m1_f32(raw >> 4) * (s_hi.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale)
+        a, b = unpack_e2m1_pair(raw)
+        lo = (e2m1_f16_scaled_f32(a) * E2M1_F16_UNSCALE) * (
+            s_lo.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale)
+        hi = (e2m1_f16_scaled_f32(b) * E2M1_F16_UNSCALE) * (
+            s_hi.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale)
         ty = out_rows.dtype.element_ty
         tl.store(out_rows[:, None] + e[None, :], lo.to(ty), mask=valid[:, None])
         tl.store(out_rows[:, None] + 16 + e[None, :], hi.to(ty), mask=valid[:, None])
