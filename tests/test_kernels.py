@@ -289,11 +289,28 @@ def test_decode_register_cap_head_dim_512(monkeypatch, seqs, ctx, want):
     cpu = torch.device("cpu")
     shape = attn_kernels.launch_defaults(KVPageLayout(4, 512, 16, "nvfp4", "nvfp4"), True)
     splits = attn_kernels.decode_splits(seqs, 4, ctx, shape.tile_n, cpu, shape.num_warps)
-    assert attn_kernels.decode_register_cap(shape, seqs * 4 * splits, cpu) == want
+    keys = ctx // splits
+    assert attn_kernels.decode_register_cap(shape, seqs * 4 * splits, keys, cpu) == want
     fixed = dataclasses.replace(shape, maxnreg=168)
-    assert attn_kernels.decode_register_cap(fixed, seqs * 4 * splits, cpu) == 168
+    assert attn_kernels.decode_register_cap(fixed, seqs * 4 * splits, keys, cpu) == 168
     one_part = dataclasses.replace(shape, dim_parts=1)
-    assert attn_kernels.decode_register_cap(one_part, 10**6, cpu) is None
+    assert attn_kernels.decode_register_cap(one_part, 10**6, keys, cpu) is None
+
+
+@pytest.mark.parametrize("seqs,ctx,want", [(64, 4096, 184), (16, 4096, 184), (64, 8192, None),
+                                            (64, 32768, None), (16, 32768, None)])
+def test_decode_register_cap_short_splits(monkeypatch, seqs, ctx, want):
+    """NVFP4 K and V at head_dim 128, 32 q / 8 KV heads, 132 SMs: 184 registers where each split
+    holds at most 1024 keys (4k contexts at 8 splits), uncapped at 8k (4 splits of 2048 keys) and 32k (4096 keys per
+    split); FP8 K and V and head_dim 256 never take the short-split cap."""
+    monkeypatch.setattr(attn_kernels, "_num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    for kf, vf, d, cap in (("nvfp4", "nvfp4", 128, want), ("fp8", "fp8", 128, None),
+                           ("nvfp4", "nvfp4", 256, None)):
+        shape = attn_kernels.launch_defaults(KVPageLayout(8, d, 16, kf, vf), True)
+        splits = attn_kernels.decode_splits(seqs, 8, ctx, shape.tile_n, cpu, shape.num_warps)
+        keys = -(-ctx // splits)
+        assert attn_kernels.decode_register_cap(shape, seqs * 8 * splits, keys, cpu) == cap
 
 
 @pytest.mark.parametrize("group,d,b,window,cap", [(3, 64, 32, 40, 2.0), (1, 256, 16, None, None),

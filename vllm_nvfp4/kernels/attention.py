@@ -776,16 +776,27 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: in
     return splits
 
 
-def decode_register_cap(shape: "LaunchShape", programs: int, device: torch.device) -> Optional[int]:
-    """The decode kernel's register cap per thread for a grid of ``programs``: ``shape.maxnreg``;
-    unset, with the head dim in parts (``dim_parts > 1``), 128 where the grid holds more programs
-    than fit the SMs uncapped (the head_dim-512 NVFP4 decode takes 216 registers: four two-warp
-    programs per SM; capped, it spills a few and eight fit). H200, 32 q / 4 KV heads: capped
-    64 x 4k 293 -> 260 us and 64 x 32k 2152 -> 1887 us; with fewer programs than fit uncapped
-    the spills only cost (16 x 4k 84 -> 92 us, 16 x 32k 554 -> 610 us)."""
-    if shape.maxnreg or shape.dim_parts == 1:
+def decode_register_cap(shape: "LaunchShape", programs: int, keys_per_split: int,
+                        device: torch.device) -> Optional[int]:
+    """The decode kernel's register cap per thread for a grid of ``programs`` splits of at most
+    ``keys_per_split`` keys each: ``shape.maxnreg``; unset, with the head dim in parts
+    (``dim_parts > 1``), 128 where the grid holds more programs than fit the SMs uncapped (the
+    head_dim-512 NVFP4 decode takes 216 registers: four two-warp programs per SM; capped, it
+    spills a few and eight fit; H200, 32 q / 4 KV heads: capped 64 x 4k 293 -> 260 us and
+    64 x 32k 2152 -> 1887 us; with fewer programs than fit uncapped the spills only cost,
+    16 x 4k 84 -> 92 us, 16 x 32k 554 -> 610 us); else ``shape.short_split_maxnreg`` where a
+    split holds at most 1024 keys."""
+    if shape.maxnreg:
         return shape.maxnreg
-    return 128 if programs > 4 * _num_sms(device) else None
+    if shape.dim_parts > 1:
+        return 128 if programs > 4 * _num_sms(device) else None
+    if keys_per_split <= SHORT_SPLIT_KEYS:
+        return shape.short_split_maxnreg
+    return None
+
+
+#: splits of at most this many keys take ``LaunchShape.short_split_maxnreg``
+SHORT_SPLIT_KEYS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -798,7 +809,9 @@ class LaunchShape:
     the decode split count (a power of 2; default :func:`decode_splits`); ``num_stages``, the
     kernel's pipeline stages (default 3 decode, 2 prefill; the tile loop always has 3);
     ``maxnreg``, the decode kernel's register cap per thread (Triton's ``maxnreg``; default
-    :func:`decode_register_cap`).
+    :func:`decode_register_cap`); ``short_split_maxnreg``, the cap where each decode split holds
+    at most :data:`SHORT_SPLIT_KEYS` keys (a short loop gains more from the registers ptxas then
+    spends on scheduling than from more programs per SM).
     Code variants of the attention core (:func:`_attend_keys`): ``hoist_query`` converts the
     query operands to the MMA layout once before the tile loop; ``fold_k_scales`` multiplies
     each NVFP4 K plane by its block scales in fp16 (exact) so that one chained dot replaces a
@@ -818,6 +831,7 @@ class LaunchShape:
     num_splits: Optional[int] = None
     num_stages: Optional[int] = None
     maxnreg: Optional[int] = None
+    short_split_maxnreg: Optional[int] = None
     hoist_query: bool = False
     fold_k_scales: bool = False
     fold_v_scales: bool = False
@@ -865,8 +879,12 @@ def launch_defaults(layout, decode: bool) -> LaunchShape:
     which compiles for sm_90 without spills where 32 keys x 1 warp spills). Code variants where
     they were faster at every shape timed: NVFP4 K and V fold the K block scales into the K
     planes; an NVFP4 K with an FP8 V (head_dim <= 128) and FP8 K and V at head_dim 256 hoist
-    the query operands. Prefill: 64 keys (32 at head_dim 256); with an FP8 V 2 warps x 32 query
-    rows, else 1 warp x 16 rows. Head_dim 512: :func:`_launch_defaults_512`."""
+    the query operands. NVFP4 K and V at head_dim <= 128 cap registers at 184 where a split
+    holds <= 1024 keys (H200, 32 q / 8 KV heads, one process: 64 x 4k 148.2 -> 124.2 us, 16 x 4k
+    43.2 -> 42.8 us at 512 keys per split; uncapped the kernel takes 168 registers and 64 x 32k,
+    4096 keys per split, runs 797.0 us against 834.8 capped). Prefill: 64 keys (32 at head_dim
+    256); with an FP8 V 2 warps x 32 query rows, else 1 warp x 16 rows. Head_dim 512:
+    :func:`_launch_defaults_512`."""
     if layout.head_dim > 256:
         return _launch_defaults_512(layout, decode)
     tile = 32 if layout.head_dim >= 256 else 64
@@ -876,7 +894,8 @@ def launch_defaults(layout, decode: bool) -> LaunchShape:
     if fp8_k and fp8_v:
         return LaunchShape(64, 2, hoist_query=layout.head_dim >= 256)
     if not fp8_k and not fp8_v:
-        return LaunchShape(tile, 1, fold_k_scales=True)
+        return LaunchShape(tile, 1, fold_k_scales=True,
+                           short_split_maxnreg=184 if layout.head_dim <= 128 else None)
     return LaunchShape(tile, 1, hoist_query=not fp8_k and layout.head_dim <= 128)
 
 
@@ -937,7 +956,8 @@ def paged_attention(
         bg = max(8, g_pad)
         splits = shape.num_splits or decode_splits(num_seqs, layout.num_kv_heads, max_seq_len, tn,
                                              query.device, warps)
-        maxnreg = decode_register_cap(shape, num_seqs * layout.num_kv_heads * splits, query.device)
+        maxnreg = decode_register_cap(shape, num_seqs * layout.num_kv_heads * splits,
+                                      -(-max_seq_len // splits), query.device)
         if splits > 1:
             part_o = torch.empty(num_tokens * hq * splits, d, dtype=torch.float32,
                                  device=query.device)
