@@ -2,7 +2,7 @@
 # Zero-config timings on a CUDA GPU at the Llama-3.1-8B shape (scripts/time_zeroconfig.py):
 #   1. engine start with kv_cache_dtype=nvfp4_mixed and no policy: start-up calibration off,
 #      calibrating (empty cache), cached, REPEATS rounds -> OUT/startup.json (medians; target:
-#      <= 10 s added; WARMUP=1: a first start fills the compile cache, else "off" pays for compiling);
+#      <= 10 s added; WARMUP=N: N calibrating starts first, which fill the compile and kernel caches - use 2);
 #   2. `vllm-nvfp4 analyze` of random bf16 weights on the GPU, ANALYZE_WINDOWS scored windows
 #      (default 2, analyze's; fewer: the time at 2 is extrapolated) -> OUT/analyze.json
 #      (target: <= 10 min at 2). Needs ~16 GB of disk in OUT for the weights.
@@ -21,7 +21,7 @@ rc=0
 for step in ${STEPS:-startup analyze}; do
   say "step $step"
   "$PYTHON" scripts/time_zeroconfig.py "$step" --out "$OUT" --preset "${PRESET:-llama8b}" \
-    --device "${DEVICE:-cuda}" --windows "${ANALYZE_WINDOWS:-2}" ${WARMUP:+--warm-up} \
+    --device "${DEVICE:-cuda}" --windows "${ANALYZE_WINDOWS:-2}" ${WARMUP:+--warm-ups $WARMUP} \
     --repeats "${REPEATS:-1}" ${KINDS:+--kinds $KINDS} \
     2>&1 | tee "$OUT/$step.log" | grep --line-buffered -E "time_zeroconfig|calibrat|Error|Traceback|added_s|wall_s" | cut -c1-600
   [ "${PIPESTATUS[0]}" -eq 0 ] || { say "step $step FAILED (see $OUT/$step.log)"; rc=1; }

@@ -7,10 +7,12 @@
 ``startup``: a weight-less Llama-3.1-8B-shaped model (:func:`vllm_nvfp4.testing.weightless.
 build_weightless_model`, ``load_format="dummy"``) is started with ``kv_cache_dtype="nvfp4_mixed"``
 and no policy, each start in a fresh process, ``--repeats`` rounds of: start-up calibration off,
-on with an empty cache (it calibrates), on again (it reuses the cache). ``--warm-up`` adds a first
-start that calibrates, so that it fills vLLM's compile cache and Triton's cache with every kernel
-the timed starts use (the selected policy may mix K/V formats the default rule never uses), and no
-timed start compiles. Writes
+on with an empty cache (it calibrates), on again (it reuses the cache). ``--warm-ups N`` adds N
+first starts that calibrate, so that vLLM's compile cache and Triton's cache hold every kernel the
+timed starts use (the selected policy may mix K/V formats the default rule never uses). Use 2: on
+the H200 the second start on a fresh machine spent 70 s more than the third in CUDA-graph capture
+(with calibration and, in an earlier run, without), so one warm-up leaves that in the first timed
+start. Writes
 ``OUT/startup.json`` (after every start): each ``LLM()`` wall time with the calibration's own
 logged time, greedy tokens and KV-cache capacity (each start's own log lines: ``OUT/KIND_ROUND.log``), the median of each kind, ``added_s`` (the
 medians' differences) and ``calibrating_vs_cached`` (a calibrating start serves the same tokens
@@ -106,16 +108,16 @@ def _medians(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
 START_KINDS = ("off", "calibrating", "cached")
 
 
-def run_startup(out: Path, preset: str, max_model_len: int, warm_up: bool,
+def run_startup(out: Path, preset: str, max_model_len: int, warm_ups: int,
                 repeats: int = 1, kinds: Sequence[str] = START_KINDS) -> dict[str, Any]:
     from vllm_nvfp4.testing.weightless import build_weightless_model
 
     model = build_weightless_model(out / f"{preset}-weightless", preset)
     cache = out / "cache"
     result: dict[str, Any] = {"preset": preset, "model": str(model), "max_model_len": max_model_len,
-                              "warm_up": warm_up, "repeats": repeats, "runs": {}}
+                              "warm_ups": warm_ups, "repeats": repeats, "runs": {}}
     rounds = [f"{kind}#{r}" for r in range(1, repeats + 1) for kind in kinds]
-    for name in ["warm-up"] * warm_up + rounds:
+    for name in [f"warm-up#{w}" for w in range(1, warm_ups + 1)] + rounds:
         kind = name.split("#")[0]
         if kind in ("calibrating", "warm-up"):
             shutil.rmtree(cache, ignore_errors=True)  # an empty cache: this start calibrates
@@ -242,9 +244,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.add_argument("--windows", type=int, default=DEFAULT_WINDOWS,
                        help=f"analyze: scored windows (default {DEFAULT_WINDOWS}, analyze's own; fewer: the "
                             "wall time at the default is extrapolated from the forwards' time)")
-        p.add_argument("--warm-up", action="store_true",
-                       help="startup: one more start first (calibration off) that fills vLLM's compile "
-                            "cache, so that 'off' finds it warm like the others")
+        p.add_argument("--warm-ups", type=int, default=0,
+                       help="startup: starts (calibrating) before the timed ones, which fill vLLM's "
+                            "compile cache and Triton's kernel cache (2 recommended, see above)")
         p.add_argument("--repeats", type=int, default=1,
                        help="startup: rounds of off / calibrating / cached starts (medians reported)")
         p.add_argument("--kinds", nargs="+", choices=START_KINDS, default=list(START_KINDS),
@@ -261,7 +263,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.preset not in PRESETS:
         ap.error(f"--preset must be one of {', '.join(PRESETS)}, got {a.preset!r}")
     max_model_len = a.max_model_len or min(8192, PRESETS[a.preset]["max_pos"])
-    result = run_startup(a.out, a.preset, max_model_len, a.warm_up, a.repeats, a.kinds) if a.mode == "startup" else \
+    result = run_startup(a.out, a.preset, max_model_len, a.warm_ups, a.repeats, a.kinds) if a.mode == "startup" else \
         run_analyze(a.out, a.preset, a.device, a.windows)
     print(json.dumps(result, indent=2))
     return 0

@@ -221,6 +221,12 @@ def slot_damage(runner: Any, layers: dict[str, Any], windows: torch.Tensor, per_
             streams.close()
     if streams is not None and not _resumes_exactly(runner, rows, chunks, exact, streams):
         streams = None
+    # the exact forward's log-probs, computed once where memory is the host's: on a CPU the
+    # reference's lm_head and softmax are ~1/4 of a slot's work for SmolLM2-135M, and they take
+    # positions x vocab FP32 (0.4 GB for its 2048 x 49k, 1.2 GB for Qwen2.5's 152k vocabulary);
+    # on a GPU that memory would be taken before vLLM's profiling, so each slot recomputes them
+    refs = [[_log_probs(model, rows_) for rows_ in hidden.split(LOGIT_ROWS)] for hidden in exact] \
+        if runner.device.type == "cpu" else None
     damage: Optional[dict[tuple[int, str], float]] = {}
     for done, (layer, kv) in enumerate(slots, 1):
         name = by_row[layer]
@@ -230,11 +236,12 @@ def slot_damage(runner: Any, layers: dict[str, Any], windows: torch.Tensor, per_
         for i, (chunk, hidden) in enumerate(zip(chunks, exact)):
             resume = (layer, streams.streams[layer][i]) if streams and layer in streams.streams else None
             moved = _forward(runner, rows, chunk, perturb=perturb, resume=resume)
-            for ref_rows, q_rows in zip(hidden.split(LOGIT_ROWS), moved.split(LOGIT_ROWS)):
-                ref, q = model.compute_logits(ref_rows), model.compute_logits(q_rows)
+            for j, (ref_rows, q_rows) in enumerate(zip(hidden.split(LOGIT_ROWS),
+                                                       moved.split(LOGIT_ROWS))):
+                ref = refs[i][j] if refs is not None else _log_probs(model, ref_rows)
                 if ref is None:  # TP: the logits are gathered to rank 0
                     continue
-                kl = kl_divergence(ref.float().log_softmax(-1), q.float().log_softmax(-1))
+                kl = kl_divergence(ref, _log_probs(model, q_rows))
                 total, count = total + kl.double().sum(), count + kl.numel()  # no host sync
         if count == 0:
             damage = None
@@ -243,6 +250,13 @@ def slot_damage(runner: Any, layers: dict[str, Any], windows: torch.Tensor, per_
         if progress is not None:
             progress(done)
     return damage
+
+
+def _log_probs(model: Any, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+    """FP32 next-token log-probs ``[rows, vocab]`` of final hidden states ``[rows, hidden]``;
+    None on tensor-parallel ranks other than the one that gathers the logits."""
+    logits = model.compute_logits(hidden)
+    return None if logits is None else logits.float().log_softmax(-1)
 
 
 #: largest relative RMS difference between the final hidden states of a resumed and a full exact
