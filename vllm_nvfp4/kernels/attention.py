@@ -776,6 +776,10 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: in
     return splits
 
 
+#: splits of at most this many keys take ``LaunchShape.short_split_maxnreg``
+SHORT_SPLIT_KEYS = 1024
+
+
 def decode_register_cap(shape: "LaunchShape", programs: int, keys_per_split: int,
                         device: torch.device) -> Optional[int]:
     """The decode kernel's register cap per thread for a grid of ``programs`` splits of at most
@@ -793,10 +797,6 @@ def decode_register_cap(shape: "LaunchShape", programs: int, keys_per_split: int
     if keys_per_split <= SHORT_SPLIT_KEYS:
         return shape.short_split_maxnreg
     return None
-
-
-#: splits of at most this many keys take ``LaunchShape.short_split_maxnreg``
-SHORT_SPLIT_KEYS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
