@@ -8,7 +8,8 @@
 # variants: our kernels only, against BEFORE (an older attention.py, default
 # benchmarks/_before_attention.py, e.g. from `git show COMMIT:vllm_nvfp4/kernels/attention.py`,
 # labelled BEFORE_LABEL), then the kernel tests.
-# Environment: OUT (default out/kernels), TESTS_TIMEOUT_S (900), VARIANTS_TIMEOUT_S (900),
+# Environment: OUT (default out/kernels), TESTS_TIMEOUT_S (900), TEST_WORKERS (pytest-xdist
+# workers, default one per core), VARIANTS_TIMEOUT_S (900),
 # VLLM_BUNDLE / VLLM_SITE / PYTHON (see scripts/gpu_env.sh). Logs and JSON go to OUT.
 set -uo pipefail
 OUT=${OUT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/out/kernels}
@@ -17,7 +18,9 @@ cd "$REPO"
 what=${1:-all}
 shift || true
 XDIST=()
-"$PYTHON" -c 'import xdist' 2>/dev/null && XDIST=(-n 8)
+# the tests are bound by Triton compiles on a fresh machine (H200: ~110 tests in 480 s with 8
+# workers and an empty cache): one worker per core
+"$PYTHON" -c 'import xdist' 2>/dev/null && XDIST=(-n "${TEST_WORKERS:-$(nproc)}")
 kernel_tests() {  # TEST FILES...
   timeout "${TESTS_TIMEOUT_S:-900}" "$PYTHON" -m pytest -q -x "${XDIST[@]}" -p no:cacheprovider "$@" 2>&1 \
     | tee "$OUT/tests.log" | tail -25
