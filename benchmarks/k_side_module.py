@@ -17,7 +17,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vllm_nv
 #: (the text to cut out, from its first line up to and including its last line, and what replaces it)
 CUTS = (
     ("        if V_FMT != FMT_FP8:\n            vss = _scales_of_tile(",
-     "V_SCALE, C, BLOCK, TILE_N, MASKED, True)\n", ""),
+     "V_SCALE, C, BLOCK, TILE_N, MASKED, True, PARTS)\n", ""),
     ("        if USE_SOFTCAP:\n            z = s * (qk_scale / softcap)",
      "        m_i = m_new\n",
      "        m_i = tl.maximum(m_i, tl.max(s, axis=0))  # K side only\n"),
