@@ -260,6 +260,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         startup_child(a.model, a.max_model_len)
         return 0
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.mode == "startup" and (a.warm_ups < 0 or a.repeats < 1):
+        ap.error(f"--warm-ups must be >= 0 and --repeats >= 1, got {a.warm_ups} and {a.repeats}")
     if a.preset not in PRESETS:
         ap.error(f"--preset must be one of {', '.join(PRESETS)}, got {a.preset!r}")
     max_model_len = a.max_model_len or min(8192, PRESETS[a.preset]["max_pos"])
