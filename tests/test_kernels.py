@@ -279,17 +279,25 @@ def test_decode_splits_for_few_programs(monkeypatch, seqs, kv_heads, ctx, tile_n
     assert got == want
 
 
-@pytest.mark.parametrize("seqs,ctx,want", [(16, 4096, None), (16, 32768, None), (64, 4096, 128),
-                                            (64, 32768, 128)])
-def test_decode_register_cap_head_dim_512(monkeypatch, seqs, ctx, want):
+@pytest.mark.parametrize("seqs,ctx,want_splits", [(16, 4096, 16), (16, 32768, 16), (64, 4096, 4),
+                                                   (64, 32768, 8), (16, 96, 4), (132, 4096, 2)])
+def test_decode_register_cap_head_dim_512(monkeypatch, seqs, ctx, want_splits):
     """NVFP4 K and V at head_dim 512, 32 q / 4 KV heads on an H200's 132 SMs: the head-dim-parts
-    decode is capped at 128 registers where its grid holds more than four programs per SM; a
-    cap the launch shape sets wins; head-dim parts off: no cap."""
+    decode doubles its splits where the doubled grid still fits eight programs per SM (16
+    sequences: 512 -> 1024 programs, 132: 528 -> 1056; never more splits than tiles), and is capped at 128
+    registers where its grid holds more than four programs per SM; a cap the launch shape sets
+    wins; head-dim parts off: no cap, no doubling."""
     monkeypatch.setattr(attn_kernels, "_num_sms", lambda device: 132)
     cpu = torch.device("cpu")
     shape = attn_kernels.launch_defaults(KVPageLayout(4, 512, 16, "nvfp4", "nvfp4"), True)
-    splits = attn_kernels.decode_splits(seqs, 4, ctx, shape.tile_n, cpu, shape.num_warps)
-    keys = ctx // splits
+    splits = attn_kernels.decode_splits(seqs, 4, ctx, shape.tile_n, cpu, shape.num_warps,
+                                        shape.dim_parts)
+    assert splits == want_splits
+    one_part_splits = attn_kernels.decode_splits(seqs, 4, ctx, shape.tile_n, cpu, shape.num_warps)
+    assert splits == (2 * one_part_splits if seqs * 4 * 2 * one_part_splits <= 8 * 132 and ctx > 96
+                      else one_part_splits)
+    keys = -(-ctx // splits)
+    want = 128 if seqs * 4 * splits > 4 * 132 else None
     assert attn_kernels.decode_register_cap(shape, seqs * 4 * splits, keys, cpu) == want
     fixed = dataclasses.replace(shape, maxnreg=168)
     assert attn_kernels.decode_register_cap(fixed, seqs * 4 * splits, keys, cpu) == 168

@@ -748,7 +748,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int,
-                  device: torch.device, num_warps: int = 1) -> int:
+                  device: torch.device, num_warps: int = 1, dim_parts: int = 1) -> int:
     """Split count (a power of 2) from host ints only: the larger of (a) enough programs to fill
     the GPU, ``8 * SMs / num_warps``, but at most 8 splits (beyond that the partial writes and
     the reduce cost more than the extra occupancy gains) - unless 8 splits still leave fewer
@@ -756,7 +756,11 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: in
     keys per split or as fill the GPU with >= 128 keys per split, whichever is more (H200, 16
     sequences, 1 warp: 32 splits against 8 took 0.66x / 0.56x the time at head_dim 256 x 2 KV
     heads, 4k / 8k keys, and 16 splits 0.81x at head_dim 512 x 4 KV heads, 4k) - and (b) at
-    most ~4096 keys per split; never more splits than tiles, at most 64."""
+    most ~4096 keys per split; never more splits than tiles, at most 64. With the head dim in
+    parts (``dim_parts > 1``, two-warp programs), twice that where the doubled grid still fits
+    the SMs at :func:`decode_register_cap`'s 128 registers, eight programs per SM (H200, head_dim
+    512, 32 q / 4 KV heads, 16 x 32k: 16 splits 495.6 us against 8 splits 539.4, our FP8 520.0;
+    16 x 4k 83.6 against 84.4)."""
     target = 8 * _num_sms(device) // num_warps
     max_splits = min(max(1, -(-max_seq_len // tile_n)), 64)
     programs = num_seqs * num_kv_heads
@@ -773,6 +777,8 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: in
         or max_seq_len > 4096 * splits
     ):
         splits *= 2
+    if dim_parts > 1 and splits * 2 <= max_splits and programs * splits * 2 <= 8 * _num_sms(device):
+        splits *= 2
     return splits
 
 
@@ -788,7 +794,8 @@ def decode_register_cap(shape: "LaunchShape", programs: int, keys_per_split: int
     head_dim-512 NVFP4 decode takes 216 registers: four two-warp programs per SM; capped, it
     spills a few and eight fit; H200, 32 q / 4 KV heads: capped 64 x 4k 293 -> 260 us and
     64 x 32k 2152 -> 1887 us; with fewer programs than fit uncapped the spills only cost,
-    16 x 4k 84 -> 92 us, 16 x 32k 554 -> 610 us); else ``shape.short_split_maxnreg`` where a
+    16 x 4k 84 -> 92 us, 16 x 32k 554 -> 610 us at 8 splits, which :func:`decode_splits` doubles
+    there); else ``shape.short_split_maxnreg`` where a
     split holds at most 1024 keys."""
     if shape.maxnreg:
         return shape.maxnreg
@@ -854,8 +861,9 @@ def _launch_defaults_512(layout, decode: bool) -> LaunchShape:
     per thread in one warp. Decode, NVFP4 K and V (timed on the H200): 16 keys x 2 warps, the
     head dim in 2 parts (one per warp: 64 accumulator registers each, no spill uncapped), K and
     V block scales folded, lazy rescale, and the register cap of :func:`decode_register_cap`
-    where the grid is large: 0.92-0.95x our FP8's time at 16 x 4k, 64 x 4k and 64 x 32k, 1.05x
-    at 16 x 32k (one warp of 16 keys before, 57 registers spilled: 1.11-1.22x). Chosen by the
+    where the grid is large: 0.92-0.95x our FP8's time at 16 x 4k, 64 x 4k and 64 x 32k, and
+    0.95x at 16 x 32k with the doubled splits of :func:`decode_splits` (one warp of 16 keys
+    before, 57 registers spilled: 1.11-1.22x). Chosen by the
     sm_90 compile check (``benchmarks/compile_sm90.py --head-dim 512 --group 8``), not timed:
     FP8 / FP8 64 keys x 4 warps (no spill), FP8 / NVFP4 pairs 16 keys x 1 warp (head-dim parts
     compile to more instructions there). Prefill: FP8 / FP8 32 keys x 4 warps x 16 rows (no spill); NVFP4 K /
@@ -955,7 +963,7 @@ def paged_attention(
         num_tokens, hq = query.shape[0], query.shape[1]
         bg = max(8, g_pad)
         splits = shape.num_splits or decode_splits(num_seqs, layout.num_kv_heads, max_seq_len, tn,
-                                             query.device, warps)
+                                                   query.device, warps, shape.dim_parts)
         maxnreg = decode_register_cap(shape, num_seqs * layout.num_kv_heads * splits,
                                       -(-max_seq_len // splits), query.device)
         if splits > 1:
