@@ -2,7 +2,9 @@
 model run IN vLLM over token windows, outside the scheduler, with a :class:`CalibrationBatch` as
 every attention layer's metadata - exact attention that records the layer's K/V
 (:func:`observe_in_vllm`), or stores one K/V slot as the cache would (:class:`SlotPerturbation`)
-to measure what NVFP4 there costs in next-token KL of the final logits (:func:`slot_damage`)."""
+to measure what NVFP4 there costs in next-token KL of the final logits (:func:`slot_damage`).
+Gated DeltaNet layers, where the model has them, get vLLM's own prefill metadata and temporary
+states (:class:`~vllm_nvfp4.integration.calibration_states.StateLayers`, bound by the caller)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 
 from vllm_nvfp4.calibration.kv_hooks import KVObserver, fake_quantize, transform_qk
 from vllm_nvfp4.calibration.metrics import kl_divergence
+from vllm_nvfp4.integration.calibration_states import StateLayers
 from vllm_nvfp4.integration.model import layer_index
 from vllm_nvfp4.integration.rank_params import rank_row_values
 from vllm_nvfp4.paged_torch import attend_one_sequence
@@ -113,9 +116,11 @@ class CalibrationBatch:
 def _forward(runner: Any, rows: dict[str, int], chunk: torch.Tensor,
              observer: Optional[KVObserver] = None,
              perturb: Optional[SlotPerturbation] = None,
-             resume: Optional[tuple[int, torch.Tensor]] = None) -> torch.Tensor:
+             resume: Optional[tuple[int, torch.Tensor]] = None,
+             states: Optional[StateLayers] = None) -> torch.Tensor:
     """The runner's model over ``chunk [S, L]`` (token ids), every layer of ``rows`` (name ->
-    policy row) with a :class:`CalibrationBatch`; returns the final hidden states
+    policy row) with a :class:`CalibrationBatch`, every GDN layer of ``states`` (bound, at
+    least ``S + 1`` slots) with its prefill metadata; returns the final hidden states
     ``[S * L, hidden]``. ``resume = (layer, stream)``: run only the decoder layers from
     ``layer`` on, from the residual stream ``[S * L, hidden]`` at that layer's input (see
     :class:`LayerStreams`)."""
@@ -124,7 +129,10 @@ def _forward(runner: Any, rows: dict[str, int], chunk: torch.Tensor,
     s, n = chunk.shape
     ids = chunk.reshape(-1).to(device=runner.device, dtype=torch.int32)
     positions = torch.arange(n, device=runner.device, dtype=torch.int64).repeat(s)
-    batches = {name: CalibrationBatch(observer, row, s, n, perturb) for name, row in rows.items()}
+    batches: dict[str, Any] = {name: CalibrationBatch(observer, row, s, n, perturb)
+                               for name, row in rows.items()}
+    if states is not None:
+        batches.update(states.metadata(s, n))
     model = runner.get_model()
     stack, first = (decoder_stack(model), resume[0]) if resume is not None else (None, 0)
     # eager (skip_compiled): this runs before vLLM compiles the model; a call of the compiled
@@ -183,13 +191,13 @@ class LayerStreams:
 
 @torch.inference_mode()
 def observe_in_vllm(runner: Any, layers: dict[str, Any], windows: torch.Tensor, per_forward: int,
-                    num_layers: int) -> KVObserver:
-    """Run ``windows [n, T]`` through the runner's model, ``per_forward`` windows per forward;
-    returns this rank's K/V statistics."""
+                    num_layers: int, states: Optional[StateLayers] = None) -> KVObserver:
+    """Run ``windows [n, T]`` through the runner's model, ``per_forward`` windows per forward
+    (``states``: the model's GDN layers, bound); returns this rank's K/V statistics."""
     rows = {name: layer_index(name, num_layers) for name in layers}
     observer = KVObserver(num_layers)
     for chunk in windows.split(per_forward):
-        _forward(runner, rows, chunk, observer)
+        _forward(runner, rows, chunk, observer, states=states)
     missing = sorted(set(rows.values()) - {i for i in range(num_layers) if observer.k_amax[i] is not None})
     if missing:
         raise RuntimeError(f"vllm-nvfp4 start-up calibration: layers {missing} never reached the "
@@ -201,13 +209,15 @@ def observe_in_vllm(runner: Any, layers: dict[str, Any], windows: torch.Tensor, 
 @torch.inference_mode()
 def slot_damage(runner: Any, layers: dict[str, Any], windows: torch.Tensor, per_forward: int,
                 scaled: KVPolicy, slots: Sequence[tuple[int, str]],
-                progress: Optional[Callable[[int], None]] = None) -> Optional[dict[tuple[int, str], float]]:
+                progress: Optional[Callable[[int], None]] = None,
+                states: Optional[StateLayers] = None) -> Optional[dict[tuple[int, str], float]]:
     """Mean next-token KL (nats) of the final logits with each slot ``(layer, "k"|"v")`` alone in
     NVFP4 (``scaled``'s scales and K centering as served, every other layer exact) against the
     exact forward, over every position of ``windows [n, T]``; None on ranks without logits.
     Where the model can resume at a layer (:func:`decoder_stack`) a slot's forward starts at its
     layer from the exact forward's residual stream, once that resumed exact forward is checked
-    to reproduce the full one. ``progress(done)`` is called after each slot."""
+    to reproduce the full one. ``progress(done)`` is called after each slot; ``states``: the
+    model's GDN layers, bound."""
     model = runner.get_model()
     rows = {name: layer_index(name, scaled.num_layers) for name in layers}
     by_row = {row: name for name, row in rows.items()}
@@ -215,11 +225,11 @@ def slot_damage(runner: Any, layers: dict[str, Any], windows: torch.Tensor, per_
     stack = decoder_stack(model)
     streams = LayerStreams(stack, sorted({layer for layer, _ in slots})) if stack is not None else None
     try:
-        exact = [_forward(runner, rows, c) for c in chunks]
+        exact = [_forward(runner, rows, c, states=states) for c in chunks]
     finally:
         if streams is not None:
             streams.close()
-    if streams is not None and not _resumes_exactly(runner, rows, chunks, exact, streams):
+    if streams is not None and not _resumes_exactly(runner, rows, chunks, exact, streams, states):
         streams = None
     # the exact forward's log-probs, computed once where memory is the host's: on a CPU the
     # reference's lm_head and softmax are ~1/4 of a slot's work for SmolLM2-135M, and they take
@@ -235,7 +245,7 @@ def slot_damage(runner: Any, layers: dict[str, Any], windows: torch.Tensor, per_
         total, count = torch.zeros((), dtype=torch.float64, device=runner.device), 0
         for i, (chunk, hidden) in enumerate(zip(chunks, exact)):
             resume = (layer, streams.streams[layer][i]) if streams and layer in streams.streams else None
-            moved = _forward(runner, rows, chunk, perturb=perturb, resume=resume)
+            moved = _forward(runner, rows, chunk, perturb=perturb, resume=resume, states=states)
             for j, (ref_rows, q_rows) in enumerate(zip(hidden.split(LOGIT_ROWS),
                                                        moved.split(LOGIT_ROWS))):
                 ref = refs[i][j] if refs is not None else _log_probs(model, ref_rows)
@@ -265,7 +275,8 @@ RESUME_TOLERANCE = 2e-2
 
 
 def _resumes_exactly(runner: Any, rows: dict[str, int], chunks: Sequence[torch.Tensor],
-                     exact: Sequence[torch.Tensor], streams: LayerStreams) -> bool:
+                     exact: Sequence[torch.Tensor], streams: LayerStreams,
+                     states: Optional[StateLayers] = None) -> bool:
     """Whether the exact forward resumed at the deepest recorded layer reproduces the full one
     (a model whose stack does not resume like Llama's would not); logs and returns False if not."""
     layer = max(streams.streams, default=None)
@@ -273,7 +284,8 @@ def _resumes_exactly(runner: Any, rows: dict[str, int], chunks: Sequence[torch.T
             or any(len(chunk_streams) != len(chunks) for chunk_streams in streams.streams.values()):
         return False
     try:  # a model whose forward needs input_ids past layer 0 (per-layer inputs) fails here
-        again = _forward(runner, rows, chunks[0], resume=(layer, streams.streams[layer][0])).float()
+        again = _forward(runner, rows, chunks[0], resume=(layer, streams.streams[layer][0]),
+                         states=states).float()
     except Exception as e:  # noqa: BLE001 - any failure means: run the whole model per slot
         logger.warning("vllm-nvfp4: start-up sensitivity: the model does not resume at layer %d "
                        "(%s: %s); every slot runs the whole model", layer, type(e).__name__, e)

@@ -40,8 +40,15 @@ capture (the formats chosen here size the pages):
 ``VLLM_NVFP4_STARTUP_CALIBRATION`` (:data:`STARTUP_MODES`): unset / ``1`` scales and formats as
 above; ``scales`` the default rule's formats with calibrated scales (no sensitivity forwards);
 ``0`` off (the default rule keeps scale 1.0 / 1/6, with a warning). Skipped with a warning under
-pipeline parallelism, for M-RoPE models and for models with Mamba / linear-attention (state)
-layers such as Qwen3-Next (calibrate offline with ``vllm-nvfp4 calibrate`` / ``tune``).
+pipeline parallelism, for M-RoPE models and for models with state layers other than Gated DeltaNet
+(Mamba, Mamba2, MiniMax's linear attention; calibrate offline with ``vllm-nvfp4 calibrate`` /
+``tune``).
+
+Gated DeltaNet hybrids (Qwen3-Next; Qwen3.5 with M-RoPE stays skipped): every forward above also
+gives each GDN layer vLLM's own pure-prefill metadata and temporary zeroed states, restoring the
+layer's own afterwards (:mod:`.calibration_states`); the policy rows of those layers carry no
+formats and no scales. Any error there falls back to the default rule's scales with a warning;
+the engine still starts.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -69,6 +77,11 @@ from vllm_nvfp4.policy import POLICY_ENV, POLICY_FILENAME, KVPolicy, default_pol
 
 from vllm_nvfp4.integration.dtype import is_ours
 from vllm_nvfp4.integration.calibration_forward import observe_in_vllm, slot_damage
+from vllm_nvfp4.integration.calibration_states import (
+    StateLayers,
+    state_layers,
+    unsupported_state_layers,
+)
 from vllm_nvfp4.integration.model import is_draft_layer, set_startup_policy
 from vllm_nvfp4.integration.startup_selection import (
     METRIC,
@@ -127,10 +140,6 @@ def skip_reason(vllm_config: Any) -> Optional[str]:
         return "not supported with pipeline parallelism"
     if getattr(mc, "uses_mrope", False):
         return "not supported for M-RoPE models"
-    if any(not t.holds_kv for t in shape.layer_types):
-        # their layers' forward needs vLLM's per-step state metadata, which a calibration
-        # forward outside the scheduler does not have
-        return "not supported for models with Mamba / linear-attention (state) layers"
     return None
 
 
@@ -270,7 +279,8 @@ def _progress_logger(total: int, start: float, rank0: bool) -> Callable[[int], N
 
 
 def _select(runner: Any, layers: dict[str, Any], windows: torch.Tensor, recipe: Recipe,
-            scaled: KVPolicy, provenance: dict[str, Any], rank0: bool) -> KVPolicy:
+            scaled: KVPolicy, provenance: dict[str, Any], rank0: bool,
+            states: Optional[StateLayers] = None) -> KVPolicy:
     """The start-up selection (module doc, step 4) on the first sensitivity windows; fills in
     ``provenance`` and returns the policy."""
     candidates, fp8_slots = fp8_slot_count(scaled.layer_types)
@@ -281,12 +291,49 @@ def _select(runner: Any, layers: dict[str, Any], windows: torch.Tensor, recipe: 
     sens = windows[:recipe.sensitivity_windows]
     slots = candidate_slots(candidates)
     damage = _broadcast(slot_damage(runner, layers, sens, recipe.per_forward, scaled, slots,
-                                    _progress_logger(len(slots), start, rank0)))
+                                    _progress_logger(len(slots), start, rank0), states))
     if damage is None:
         raise RuntimeError("vllm-nvfp4 start-up selection: rank 0 computed no logits; set "
                            f"{STARTUP_CALIBRATION_ENV}=scales for the default rule's formats")
     return sensitivity_policy(scaled, damage, candidates, fp8_slots, provenance,
                               tokens=int(sens.numel()), seconds=time.perf_counter() - start)
+
+
+def _calibrate(runner: Any, layers: dict[str, Any], states: Optional[StateLayers],
+               windows: torch.Tensor, recipe: Recipe, shape: ModelShape, parts: dict[str, Any],
+               rank0: bool) -> KVPolicy:
+    """Module doc, steps 1-4 on ``windows [n, window]`` (``states``: the model's GDN layers,
+    bound here for the forwards; None: it has none)."""
+    from vllm_nvfp4.calibration.scales import scaled_policy
+
+    with states.bound(recipe.per_forward) if states is not None else nullcontext():
+        observer = gather_heads(observe_in_vllm(runner, layers, windows, recipe.per_forward,
+                                                shape.num_layers, states),
+                                shape.total_num_kv_heads)
+        provenance = {"tool": "vllm-nvfp4 start-up calibration", "tokens": int(windows.numel()),
+                      "data": {"files": [{"path": "builtin_text.txt",
+                                          "sha256": parts["text_sha256"]}],
+                               "window_tokens": recipe.window, "calib_windows": recipe.windows},
+                      "formats_from": "default rule", "scales": "per layer",
+                      "k_center": recipe.k_center, "cache_key": parts,
+                      "conventions": {"fp8_scale": "amax/448", "nvfp4_global_scale": "amax/2688"}}
+        rule = default_policy(shape.num_layers, shape.layer_types or None)
+        scaled = scaled_policy(rule, observer, per_head=False, provenance=provenance,
+                               k_center=recipe.k_center)
+        if recipe.select:
+            return _select(runner, layers, windows, recipe, scaled, provenance, rank0, states)
+        return KVPolicy(scaled.layers, provenance, source="start-up calibration")
+
+
+def _gdn_layers(vllm_config: Any, device: torch.device) -> Optional[StateLayers] | str:
+    """The model's Gated DeltaNet layers (None: no state layers), or why its state layers
+    cannot run in a calibration forward."""
+    unsupported = unsupported_state_layers(vllm_config)
+    if unsupported:
+        return ("not supported for models with Mamba / linear-attention (state) layers other "
+                f"than Gated DeltaNet (first: {unsupported[0]})")
+    gdn = state_layers(vllm_config)
+    return StateLayers(vllm_config, gdn, device) if gdn else None
 
 
 def calibrate_worker(worker: Any) -> dict[str, Any]:
@@ -296,13 +343,15 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
     from vllm.distributed import get_tp_group
 
     from vllm_nvfp4.calibration.data import load_windows
-    from vllm_nvfp4.calibration.scales import scaled_policy
 
     start = time.perf_counter()
     runner = worker.model_runner
     vllm_config, mc = runner.vllm_config, runner.vllm_config.model_config
     shape = ModelShape.from_vllm_config(vllm_config)
     layers = _our_layers(vllm_config, shape.num_layers)
+    states = _gdn_layers(vllm_config, runner.device)
+    if isinstance(states, str):  # same outcome on every rank: no collective yet
+        return {"skipped": states}
     soft_cap = any(layer.impl.logits_soft_cap is not None for layer in layers.values())
     try:
         tokenizer = _load_tokenizer(mc)
@@ -318,33 +367,26 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
     cached_dict = _broadcast(None if cached is None else cached.to_dict())
     if cached_dict is not None:
         policy = KVPolicy.from_dict(cached_dict, source=f"start-up calibration (cached {path})")
-        tokens = int(policy.provenance.get("tokens", 0))
     else:
         windows = load_windows([BUILTIN_TEXT], tokenizer, recipe.window, count=0,
                                calib=recipe.windows).calib
-        observer = gather_heads(observe_in_vllm(runner, layers, windows, recipe.per_forward, shape.num_layers),
-                                shape.total_num_kv_heads)
-        tokens = int(windows.numel())
-        provenance = {"tool": "vllm-nvfp4 start-up calibration", "tokens": tokens,
-                      "data": {"files": [{"path": "builtin_text.txt",
-                                          "sha256": parts["text_sha256"]}],
-                               "window_tokens": recipe.window, "calib_windows": recipe.windows},
-                      "formats_from": "default rule", "scales": "per layer",
-                      "k_center": recipe.k_center, "cache_key": parts,
-                      "conventions": {"fp8_scale": "amax/448", "nvfp4_global_scale": "amax/2688"}}
-        rule = default_policy(shape.num_layers, shape.layer_types or None)
-        scaled = scaled_policy(rule, observer, per_head=False, provenance=provenance,
-                               k_center=recipe.k_center)
-        if recipe.select:
-            policy = _select(runner, layers, windows, recipe, scaled, provenance, rank0)
-        else:
-            policy = KVPolicy(scaled.layers, provenance, source="start-up calibration")
-        if runner.device.type == "cuda":
-            torch.cuda.empty_cache()  # give the forwards' memory back before memory profiling
+        try:
+            policy = _calibrate(runner, layers, states, windows, recipe, shape, parts, rank0)
+        except Exception as e:  # noqa: BLE001 - a GDN model starts uncalibrated, never fails
+            if states is None:
+                raise
+            logger.warning("vllm-nvfp4: start-up calibration through the Gated DeltaNet layers "
+                           "failed", exc_info=True)
+            return {"skipped": "the calibration forward through the Gated DeltaNet layers "
+                               f"failed ({type(e).__name__}: {e})"}
+        finally:
+            if runner.device.type == "cuda":
+                torch.cuda.empty_cache()  # give the forwards' memory back before memory profiling
         if rank0:
             save_cached(policy, path)
     set_startup_policy(vllm_config, policy)
-    return {"tokens": tokens, "seconds": time.perf_counter() - start, "cached": cached_dict is not None,
+    return {"tokens": int(policy.provenance.get("tokens", 0)),
+            "seconds": time.perf_counter() - start, "cached": cached_dict is not None,
             "path": str(path), "policy": policy.to_compact(),
             "formats": formats_line(policy.provenance)}
 
