@@ -631,6 +631,44 @@ def test_gdn_slots_resume_at_their_layer(gdn_run):
     assert whole["layer0_calls"] == 1 + 4 and resumed["layer0_calls"] == 1
 
 
+def test_gdn_model_selects_its_fp8_slots_at_startup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A GDN hybrid with three attention layers (GDN on 0, 2, 4; attention on 1, 3, 5): the
+    start-up selection measures all six K/V slots through the GDN layers (2048 tokens) and keeps
+    the rule's count, four, in FP8; the attention layers serve the chosen formats and the engine
+    generates."""
+    from vllm_nvfp4.policy import KVPolicy
+    from vllm_nvfp4.testing.hybrid_models import build_tiny_hybrid
+
+    from engine_helpers import engine, generate, token_ids
+
+    model_dir = build_tiny_hybrid("qwen3_next", tmp_path / "qwen3_next",
+                                  layer_types=["linear_attention", "full_attention"] * 3)
+    monkeypatch.setenv("VLLM_NVFP4_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("VLLM_NVFP4_POLICY", raising=False)
+    monkeypatch.delenv(STARTUP_ENV, raising=False)
+    llm = engine(model_dir, dtype="bfloat16")
+    try:
+        layouts = llm.collective_rpc(lambda w: {
+            n: (l.impl.layout.k_format, l.impl.layout.v_format)
+            for n, l in w.model_runner.compilation_config.static_forward_context.items()
+            if hasattr(getattr(l, "impl", None), "layout")})[0]
+        generated = token_ids(generate(llm, [list(range(10, 90))], 4))
+    finally:
+        del llm
+        gc.collect()
+    (path,) = (tmp_path / "cache" / "startup-calibration").glob("*.json")
+    policy = KVPolicy.load(path)
+    sens = policy.provenance["sensitivity"]
+    assert policy.provenance["formats_from"] == "start-up sensitivity"
+    assert sens["tokens"] == 2048 and sens["candidates"] == 3 and sens["fp8_slots"] == 4
+    assert sorted(sens["kl"]) == ["1.k", "1.v", "3.k", "3.v", "5.k", "5.v"]
+    assert all(kl > 0 for kl in sens["kl"].values())
+    assert sum(lp.format_of(kv) == "fp8" for _, lp in policy.kv_layers() for kv in "kv") == 4
+    assert layouts == {f"model.layers.{i}.self_attn.attn": (policy.layers[i].k, policy.layers[i].v)
+                       for i in (1, 3, 5)}
+    assert [len(t) for t in generated] == [4]
+
+
 def test_state_layer_models_calibrate_at_startup_unless_not_gdn(tiny_model_dir: Path, tmp_path: Path):
     """Through vLLM's engine config a Qwen3-Next-style model is planned for start-up
     calibration like a dense one; in the worker, state layers other than Gated DeltaNet (a

@@ -1,5 +1,5 @@
 """The state layers of a start-up calibration forward (:mod:`.calibration_forward`): Gated
-DeltaNet layers (Qwen3-Next, Qwen3.5) run as in a pure-prefill step of vLLM.
+DeltaNet layers (Qwen3-Next and its kind) run as in a pure-prefill step of vLLM.
 
 Outside the scheduler a GDN layer has neither its attention metadata nor (before vLLM allocates
 the KV cache) its state. For a forward over ``S`` sequences of ``L`` tokens, :class:`StateLayers`
@@ -92,7 +92,8 @@ class StateLayers:
         finally:
             for name, layer in self.layers.items():
                 if saved[name] is _UNBOUND:
-                    del layer.kv_cache
+                    if hasattr(layer, "kv_cache"):
+                        del layer.kv_cache
                 else:
                     layer.kv_cache = saved[name]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from vllm_nvfp4.testing.model_cache import BUILD_VERSION, cached_build
 from vllm_nvfp4.testing.tokenizers import save_tokenizer, train_tokenizer
@@ -31,6 +31,7 @@ HYBRID_ARCHS = ("gemma3", "gpt_oss", "mistral", "qwen3_next")
 HYBRID_BUILD = 2  # bump when the output of a given argument set changes
 _ALTERNATING = ["sliding_attention", "full_attention"] * 6
 _GEMMA_PATTERN = ["sliding_attention", "sliding_attention", "full_attention"] * 4
+_QWEN3_NEXT_PATTERN = (["linear_attention"] * 3 + ["full_attention"]) * 2
 
 
 _CPU_HEAD_DIMS = {"gemma3": 32, "gpt_oss": 64, "mistral": 32, "qwen3_next": 64}
@@ -38,9 +39,13 @@ _CPU_HEAD_DIMS = {"gemma3": 32, "gpt_oss": 64, "mistral": 32, "qwen3_next": 64}
 GPU_HEAD_DIMS = {"gemma3": 256, "gpt_oss": 64, "mistral": 128, "qwen3_next": 256}
 
 
-def _hybrid_config(arch: str, vocab: int, max_pos: int, head_dim: Optional[int] = None) -> Any:
+def _hybrid_config(arch: str, vocab: int, max_pos: int, head_dim: Optional[int] = None,
+                   layer_types: Optional[Sequence[str]] = None) -> Any:
     """The transformers config of the tiny ``arch`` model (float32); ``head_dim`` None: the
-    small default of each architecture (module doc)."""
+    small default of each architecture (module doc); ``layer_types`` (``qwen3_next`` only): its
+    decoder layers' types, None for the module doc's."""
+    if layer_types is not None and arch != "qwen3_next":
+        raise ValueError(f"layer_types is for qwen3_next only, not {arch!r}")
     if arch not in _CPU_HEAD_DIMS:
         raise ValueError(f"arch must be one of {HYBRID_ARCHS}, got {arch!r}")
     head_dim = head_dim or _CPU_HEAD_DIMS[arch]
@@ -70,8 +75,9 @@ def _hybrid_config(arch: str, vocab: int, max_pos: int, head_dim: Optional[int] 
     else:
         from transformers import Qwen3NextConfig
 
-        cfg = Qwen3NextConfig(**common, num_hidden_layers=8, head_dim=head_dim,
-                              layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+        types = list(layer_types or _QWEN3_NEXT_PATTERN)
+        cfg = Qwen3NextConfig(**common, num_hidden_layers=len(types), head_dim=head_dim,
+                              layer_types=types,
                               linear_num_key_heads=1, linear_num_value_heads=2,
                               linear_key_head_dim=128, linear_value_head_dim=128,
                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
@@ -102,10 +108,13 @@ def _scale_hybrid_weights(model: Any, qk_gain: float, seed: int) -> None:
 
 def build_tiny_hybrid(arch: str, out_dir: Optional[Union[str, os.PathLike]] = None,
                       vocab: int = 4096, seed: int = 0, max_pos: int = 4096,
-                      qk_gain: float = 2.0, head_dim: Optional[int] = None) -> Path:
+                      qk_gain: float = 2.0, head_dim: Optional[int] = None,
+                      layer_types: Optional[Sequence[str]] = None) -> Path:
     """Write (or reuse) the tiny random-weight hybrid ``arch`` model (:data:`HYBRID_ARCHS`, see
     the module doc) and return its path; ``out_dir=None``: in the model cache (:mod:`.model_cache`).
-    ``head_dim``: None for the module doc's; :data:`GPU_HEAD_DIMS` for the CUDA kernels."""
+    ``head_dim``: None for the module doc's; :data:`GPU_HEAD_DIMS` for the CUDA kernels.
+    ``layer_types`` (``qwen3_next`` only): the config's per-layer types (``linear_attention`` /
+    ``full_attention``), None for the module doc's 8."""
     import torch
 
     if arch not in HYBRID_ARCHS:
@@ -114,13 +123,15 @@ def build_tiny_hybrid(arch: str, out_dir: Optional[Union[str, os.PathLike]] = No
                 build_version=BUILD_VERSION, hybrid_build=HYBRID_BUILD)
     if head_dim is not None:
         args["head_dim"] = head_dim
+    if layer_types is not None:
+        args["layer_types"] = list(layer_types)
 
     def build(tmp: Path) -> None:
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(_hybrid_config(arch, vocab, max_pos, head_dim),
-                                                 dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            _hybrid_config(arch, vocab, max_pos, head_dim, layer_types), dtype=torch.float32)
         _scale_hybrid_weights(model, qk_gain, seed)
         model.save_pretrained(str(tmp))
         save_tokenizer(tmp, train_tokenizer(vocab), max_pos)
