@@ -4,7 +4,9 @@ every attention layer's metadata - exact attention that records the layer's K/V
 (:func:`observe_in_vllm`), or stores one K/V slot as the cache would (:class:`SlotPerturbation`)
 to measure what NVFP4 there costs in next-token KL of the final logits (:func:`slot_damage`).
 Gated DeltaNet layers, where the model has them, get vLLM's own prefill metadata and temporary
-states (:class:`~vllm_nvfp4.integration.calibration_states.StateLayers`, bound by the caller)."""
+states (:class:`~vllm_nvfp4.integration.calibration_states.StateLayers`, bound by the caller).
+Positions are those vLLM gives text tokens: ``[tokens]``, or ``[num_dims, tokens]`` for M-RoPE
+models (:func:`text_positions`)."""
 
 from __future__ import annotations
 
@@ -118,9 +120,10 @@ def _forward(runner: Any, rows: dict[str, int], chunk: torch.Tensor,
              perturb: Optional[SlotPerturbation] = None,
              resume: Optional[tuple[int, torch.Tensor]] = None,
              states: Optional[StateLayers] = None) -> torch.Tensor:
-    """The runner's model over ``chunk [S, L]`` (token ids), every layer of ``rows`` (name ->
-    policy row) with a :class:`CalibrationBatch`, every GDN layer of ``states`` (bound, at
-    least ``S + 1`` slots) with its prefill metadata; returns the final hidden states
+    """The runner's model over ``chunk [S, L]`` (token ids, each sequence from position 0:
+    :func:`text_positions`), every layer of ``rows`` (name -> policy row) with a
+    :class:`CalibrationBatch`, every GDN layer of ``states`` (bound, at least ``S + 1`` slots)
+    with its prefill metadata; returns the final hidden states
     ``[S * L, hidden]``. ``resume = (layer, stream)``: run only the decoder layers from
     ``layer`` on, from the residual stream ``[S * L, hidden]`` at that layer's input (see
     :class:`LayerStreams`)."""
@@ -128,7 +131,7 @@ def _forward(runner: Any, rows: dict[str, int], chunk: torch.Tensor,
 
     s, n = chunk.shape
     ids = chunk.reshape(-1).to(device=runner.device, dtype=torch.int32)
-    positions = torch.arange(n, device=runner.device, dtype=torch.int64).repeat(s)
+    positions = text_positions(runner, chunk)
     batches: dict[str, Any] = {name: CalibrationBatch(observer, row, s, n, perturb)
                                for name, row in rows.items()}
     if states is not None:
@@ -151,10 +154,29 @@ def _forward(runner: Any, rows: dict[str, int], chunk: torch.Tensor,
             stack.start_layer = start
 
 
+def text_positions(runner: Any, chunk: torch.Tensor) -> torch.Tensor:
+    """The positions vLLM's runner gives the text-only sequences ``chunk [S, L]`` (token ids), each
+    prefilled from position 0: ``[S * L]`` (``0..L-1`` per sequence) or, for an M-RoPE model,
+    ``[num_dims, S * L]`` from the model's own ``get_mrope_input_positions`` of each sequence
+    with no multimodal features (for text, every row ``0..L-1``)."""
+    s, n = chunk.shape
+    if not getattr(runner.vllm_config.model_config, "uses_mrope", False):
+        return torch.arange(n, device=runner.device, dtype=torch.int64).repeat(s)
+    model = runner.get_model()
+    if not callable(getattr(model, "get_mrope_input_positions", None)):
+        raise RuntimeError(f"{type(model).__name__} uses M-RoPE but has no "
+                           "get_mrope_input_positions (vLLM's SupportsMRoPE)")
+    rows = [model.get_mrope_input_positions(seq.tolist(), [])[0] for seq in chunk]
+    return torch.cat(rows, dim=1).to(device=runner.device, dtype=torch.int64)
+
+
 def decoder_stack(model: Any) -> Optional[Any]:
-    """The decoder-layer stack of a vLLM causal LM (``model.model``) when it can resume at a layer:
-    its forward runs ``layers[start_layer:end_layer]`` from ``inputs_embeds`` (Llama, Qwen2/3,
-    Mistral, Gemma 3, gpt-oss and most others); None otherwise."""
+    """The decoder-layer stack of a vLLM causal LM (``model.model``; for a multimodal model, its
+    language model's: ``model.language_model.model`` in Qwen2/2.5/3-VL) when it can resume at a
+    layer: its forward runs ``layers[start_layer:end_layer]`` from ``inputs_embeds`` (Llama,
+    Qwen2/3, Mistral, Gemma 3, gpt-oss and most others); None otherwise."""
+    if callable(getattr(model, "get_language_model", None)):
+        model = model.get_language_model()
     stack = getattr(model, "model", None)
     if stack is None or not isinstance(getattr(stack, "start_layer", None), int) \
             or getattr(stack, "start_layer") != 0 or not hasattr(stack, "layers"):

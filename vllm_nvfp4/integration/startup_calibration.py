@@ -40,11 +40,15 @@ capture (the formats chosen here size the pages):
 ``VLLM_NVFP4_STARTUP_CALIBRATION`` (:data:`STARTUP_MODES`): unset / ``1`` scales and formats as
 above; ``scales`` the default rule's formats with calibrated scales (no sensitivity forwards);
 ``0`` off (the default rule keeps scale 1.0 / 1/6, with a warning). Skipped with a warning under
-pipeline parallelism, for M-RoPE models and for models with state layers other than Gated DeltaNet
-(Mamba, Mamba2, MiniMax's linear attention; calibrate offline with ``vllm-nvfp4 calibrate`` /
-``tune``).
+pipeline parallelism and for models with state layers other than Gated DeltaNet (Mamba, Mamba2,
+MiniMax's linear attention; calibrate offline with ``vllm-nvfp4 calibrate`` / ``tune``).
 
-Gated DeltaNet hybrids (Qwen3-Next; Qwen3.5 with M-RoPE stays skipped): every forward above also
+M-RoPE models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) calibrate on the text alone, with the
+``[num_dims, tokens]`` positions vLLM gives text tokens
+(:func:`~vllm_nvfp4.integration.calibration_forward.text_positions`); the sensitivity forwards
+resume in their language model's decoder stack.
+
+Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5): every forward above also
 gives each GDN layer vLLM's own pure-prefill metadata and temporary zeroed states, restoring the
 layer's own afterwards (:mod:`.calibration_states`); the policy rows of those layers carry no
 formats and no scales. Any error there falls back to the default rule's scales with a warning;
@@ -124,9 +128,9 @@ def startup_mode() -> str:
 
 # ---------------------------------------------------------------------------- when and how much
 def skip_reason(vllm_config: Any) -> Optional[str]:
-    """Why this engine does not calibrate at start-up (None: it does). ``"policy given"`` when
-    the user supplied a policy (nothing to log)."""
-    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    """Why this engine does not calibrate at start-up (None: it does, M-RoPE models included).
+    ``"policy given"`` when the user supplied a policy (nothing to log)."""
+    pc = vllm_config.parallel_config
     if not is_ours(vllm_config.cache_config.cache_dtype):
         return "policy given"  # not our dtype: nothing to do
     if os.environ.get(POLICY_ENV, "").strip():
@@ -138,8 +142,6 @@ def skip_reason(vllm_config: Any) -> Optional[str]:
         return f"${STARTUP_CALIBRATION_ENV}={os.environ[STARTUP_CALIBRATION_ENV]}"
     if pc.pipeline_parallel_size > 1:
         return "not supported with pipeline parallelism"
-    if getattr(mc, "uses_mrope", False):
-        return "not supported for M-RoPE models"
     return None
 
 
