@@ -1,10 +1,12 @@
 """Shared pieces of the engine tests: greedy sampling and generation; for the tiny hybrid models
-the model with its by-type policy written next to it and the ``LLM`` settings."""
+the model with its by-type policy written next to it and the ``LLM`` settings; a start without
+a policy whose start-up calibration summaries are recorded."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 #: the block size the engines are configured with (tokens); the plugin (full + sliding) or vLLM
 #: (Mamba / GDN hybrids) may give a group another one
@@ -58,3 +60,31 @@ def engine(model_dir: Path, dtype: str = "float32", **overrides: Any) -> Any:
                   max_num_seqs=4, enforce_eager=True, distributed_executor_backend="uni", seed=0)
     kwargs.update(overrides)
     return LLM(**kwargs)
+
+
+@contextmanager
+def recorded_startup_calibration(cache_dir: Path) -> Iterator[list[dict]]:
+    """Engines started inside run without a policy (``$VLLM_NVFP4_POLICY`` and
+    ``$VLLM_NVFP4_STARTUP_CALIBRATION`` unset) and cache their start-up calibration under
+    ``cache_dir``; yields the list each in-process worker's ``calibrate_worker`` summary is
+    appended to."""
+    import pytest
+
+    import vllm_nvfp4.integration.startup_calibration as sc
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_NVFP4_CACHE", str(cache_dir))
+    mp.delenv("VLLM_NVFP4_POLICY", raising=False)
+    mp.delenv(sc.STARTUP_CALIBRATION_ENV, raising=False)
+    summaries: list[dict] = []
+    worker_fn = sc.calibrate_worker
+
+    def recording(worker: Any) -> dict:
+        summaries.append(worker_fn(worker))
+        return summaries[-1]
+
+    mp.setattr(sc, "calibrate_worker", recording)
+    try:
+        yield summaries
+    finally:
+        mp.undo()

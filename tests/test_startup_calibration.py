@@ -20,6 +20,7 @@ import inspect
 import json
 import shutil
 import textwrap
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -247,7 +248,6 @@ def _damage_resumed_and_whole(worker: Any, policy: dict) -> tuple[dict, dict]:
     """``slot_damage`` of every K/V slot on 2 x 96 random tokens, resumed at each slot's layer
     and (the stack hidden from it) through the whole model; with the calls of decoder layer 0
     (runs in the worker)."""
-    import vllm_nvfp4.integration.calibration_forward as cf
     from vllm_nvfp4.integration.startup_calibration import _our_layers
     from vllm_nvfp4.policy import KVPolicy
 
@@ -256,6 +256,19 @@ def _damage_resumed_and_whole(worker: Any, policy: dict) -> tuple[dict, dict]:
     layers = _our_layers(runner.vllm_config, scaled.num_layers)
     windows = torch.randint(1, 200, (2, 96), generator=torch.Generator().manual_seed(0))
     slots = [(i, kv) for i in range(scaled.num_layers) for kv in ("k", "v")]
+    resumed, whole = _slot_damage_two_ways(runner, layers, windows, scaled, slots)
+    for run in (resumed, whole):
+        run["damage"] = {f"{i}.{kv}": d for (i, kv), d in run["damage"].items()}
+    return resumed, whole
+
+
+def _slot_damage_two_ways(runner: Any, layers: dict[str, Any], windows: torch.Tensor,
+                          scaled: Any, slots: list, states: Any = None) -> list[dict]:
+    """``slot_damage`` of ``slots`` on ``windows [2, L]`` (2 per forward): resumed at each slot's
+    layer, then with the decoder stack hidden from it (whole-model forwards); each with the
+    calls of decoder layer 0. ``states``: the GDN layers, bound for each run (None: none)."""
+    import vllm_nvfp4.integration.calibration_forward as cf
+
     stack, real = cf.decoder_stack(runner.get_model()), cf.decoder_stack
     out = []
     for hide in (False, True):
@@ -263,13 +276,13 @@ def _damage_resumed_and_whole(worker: Any, policy: dict) -> tuple[dict, dict]:
         handle = stack.layers[0].register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
         cf.decoder_stack = (lambda model: None) if hide else real
         try:
-            damage = cf.slot_damage(runner, layers, windows, 2, scaled, slots)
+            with states.bound(2) if states is not None else nullcontext():
+                damage = cf.slot_damage(runner, layers, windows, 2, scaled, slots, states=states)
         finally:
             cf.decoder_stack = real
             handle.remove()
-        out.append({"damage": {f"{i}.{kv}": d for (i, kv), d in damage.items()},
-                    "layer0_calls": calls[0]})
-    return out[0], out[1]
+        out.append({"damage": damage, "layer0_calls": calls[0]})
+    return out
 
 
 def test_startup_selection_keeps_the_sensitive_slot_in_fp8(tmp_path: Path,
@@ -484,19 +497,7 @@ def _gdn_worker_checks(worker: Any, ids: list[list[int]], policy: dict) -> dict:
             cf._forward(runner, rows, torch.tensor([seq]), single, states=states)
     windows = torch.randint(10, 4000, (2, 96), generator=torch.Generator().manual_seed(0))
     slots = [(i, kv) for i, _ in scaled.kv_layers() for kv in ("k", "v")]
-    stack, real = cf.decoder_stack(runner.get_model()), cf.decoder_stack
-    damage = []
-    for hide in (False, True):
-        calls = [0]
-        handle = stack.layers[0].register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-        cf.decoder_stack = (lambda model: None) if hide else real
-        try:
-            with states.bound(2):
-                d = cf.slot_damage(runner, layers, windows, 2, scaled, slots, states=states)
-        finally:
-            cf.decoder_stack = real
-            handle.remove()
-        damage.append({"damage": d, "layer0_calls": calls[0]})
+    damage = _slot_damage_two_ways(runner, layers, windows, scaled, slots, states)
     after = _state_bindings(worker)
     same = before.keys() == after.keys() and all(
         len(before[n]) == len(after[n]) and all(a is b for a, b in zip(before[n], after[n]))
@@ -529,27 +530,14 @@ def gdn_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The tiny Qwen3-Next (Gated DeltaNet on 0-2 and 4-6, full attention on 3 and 7) started
     without a policy (bfloat16: vLLM's CPU GDN kernel's); the summary of its start-up
     calibration, what its worker bound and :func:`_gdn_worker_checks`."""
-    import vllm_nvfp4.integration.startup_calibration as sc
     from vllm_nvfp4.testing.hybrid_models import build_tiny_hybrid
 
-    from engine_helpers import engine, generate, token_ids
+    from engine_helpers import engine, generate, recorded_startup_calibration, token_ids
 
     root = tmp_path_factory.mktemp("gdn")
     model_dir = build_tiny_hybrid("qwen3_next", root / "qwen3_next")
     ids = torch.randint(10, 4000, GDN_WINDOWS, generator=torch.Generator().manual_seed(1)).tolist()
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_NVFP4_CACHE", str(root / "cache"))
-    mp.delenv("VLLM_NVFP4_POLICY", raising=False)
-    mp.delenv(STARTUP_ENV, raising=False)
-    summaries: list[dict] = []
-    worker_fn = sc.calibrate_worker
-
-    def recording(worker: Any) -> dict:
-        summaries.append(worker_fn(worker))
-        return summaries[-1]
-
-    mp.setattr(sc, "calibrate_worker", recording)
-    try:
+    with recorded_startup_calibration(root / "cache") as summaries:
         llm = engine(model_dir, dtype="bfloat16")
         try:
             files = sorted((root / "cache" / "startup-calibration").glob("*.json"))
@@ -562,8 +550,6 @@ def gdn_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
         finally:
             del llm
             gc.collect()
-    finally:
-        mp.undo()
     return out
 
 

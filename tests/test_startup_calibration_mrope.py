@@ -24,7 +24,6 @@ import torch
 
 pytestmark = pytest.mark.vllm
 
-STARTUP_ENV = "VLLM_NVFP4_STARTUP_CALIBRATION"
 PROMPT = (2, 160)  # the K check's prompts: 2 sequences of 160 token ids
 
 
@@ -110,45 +109,35 @@ def mrope_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     import vllm_nvfp4.integration.startup_calibration as sc
     from vllm_nvfp4.testing.mrope_models import build_tiny_paddleocr_vl
 
-    from engine_helpers import engine, greedy
+    from engine_helpers import engine, greedy, recorded_startup_calibration
 
     root = tmp_path_factory.mktemp("mrope")
     model_dir = build_tiny_paddleocr_vl(root / "paddleocr_vl")
     ids = torch.randint(10, 4000, PROMPT, generator=torch.Generator().manual_seed(1)).tolist()
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_NVFP4_CACHE", str(root / "cache"))
-    mp.delenv("VLLM_NVFP4_POLICY", raising=False)
-    mp.delenv(STARTUP_ENV, raising=False)
-    summaries: list[dict] = []
-    worker_fn = sc.calibrate_worker
-
-    def recording(worker: Any) -> dict:
-        summaries.append(worker_fn(worker))
-        return summaries[-1]
-
-    mp.setattr(sc, "calibrate_worker", recording)
     # the module's own logger: vLLM's logging set-up drops the handlers of loggers under "vllm"
     log, handler = logging.getLogger("test_startup_calibration_mrope"), _Lines()
     log.setLevel(logging.INFO)
     log.addHandler(handler)
+    mp = pytest.MonkeyPatch()
     mp.setattr(sc, "logger", log)
     try:
-        llm = engine(model_dir)
-        try:
-            from test_startup_calibration import _bound
+        with recorded_startup_calibration(root / "cache") as summaries:
+            llm = engine(model_dir)
+            try:
+                from test_startup_calibration import _bound
 
-            texts = llm.generate(["def main():\n    return", "The quick brown fox"], greedy(8),
-                                 use_tqdm=False)
-            llm.collective_rpc(_record_prefill_keys)
-            llm.generate([{"prompt_token_ids": p} for p in ids], greedy(1), use_tqdm=False)
-            out = {"summaries": summaries, "log": list(handler.lines),
-                   "files": sorted((root / "cache" / "startup-calibration").glob("*.json")),
-                   "bound": llm.collective_rpc(_bound)[0],
-                   "generated": [list(o.outputs[0].token_ids) for o in texts],
-                   "worker": llm.collective_rpc(_worker_checks, args=(ids,))[0]}
-        finally:
-            del llm
-            gc.collect()
+                texts = llm.generate(["def main():\n    return", "The quick brown fox"],
+                                     greedy(8), use_tqdm=False)
+                llm.collective_rpc(_record_prefill_keys)
+                llm.generate([{"prompt_token_ids": p} for p in ids], greedy(1), use_tqdm=False)
+                out = {"summaries": summaries, "log": list(handler.lines),
+                       "files": sorted((root / "cache" / "startup-calibration").glob("*.json")),
+                       "bound": llm.collective_rpc(_bound)[0],
+                       "generated": [list(o.outputs[0].token_ids) for o in texts],
+                       "worker": llm.collective_rpc(_worker_checks, args=(ids,))[0]}
+            finally:
+                del llm
+                gc.collect()
     finally:
         log.removeHandler(handler)
         mp.undo()
