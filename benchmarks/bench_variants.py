@@ -4,7 +4,8 @@ Times our decode and prefill for every K/V format pair at Llama-3.1-8B's attenti
 heads, 8 KV heads, head_dim 128, block 16; decode batch 16/64 x context 4k/32k, prefill 8 x 4k;
 other heads with ``--q-heads/--kv-heads/--head-dim``) with ``bench_decode.timer`` (CUDA-graph
 replays, do_bench median, L2 flushed): the BEFORE module's default, the current default and the
-current module's launch variants (tile, warps, splits, maxnreg, prefill rows), each output checked
+current module's launch variants (tile, warps, splits - any count, e.g. ``s6`` -, maxnreg, e.g.
+``r184``, prefill rows), each output checked
 against BEFORE's default (relative L2 difference).
 Writes JSON and prints a table last.
 
@@ -44,13 +45,7 @@ VARIANTS = {
         "t64_w1": dict(tile_n=64, num_warps=1),
         "t64_w2": dict(tile_n=64, num_warps=2),
         "t32_w2": dict(tile_n=32, num_warps=2),
-        "s4": dict(num_splits=4),
-        "s8": dict(num_splits=8),
         "t128_w2": dict(tile_n=128, num_warps=2),
-        "r184": dict(maxnreg=184),
-        "r168": dict(maxnreg=168),
-        "s16": dict(num_splits=16),
-        "s32": dict(num_splits=32),
         # code variants of the attention core, on or off whatever the default
         "hoist": dict(hoist_query=True),
         "no_hoist": dict(hoist_query=False),
@@ -90,6 +85,22 @@ VARIANTS = {
         "t32_w2": dict(tile_n=32, num_warps=2),
     },
 }
+#: launch numbers any variant name may carry instead: sN splits, rN register cap, e.g. ``s6_r184``
+NUMERIC_FIELDS = {"s": "num_splits", "r": "maxnreg"}
+
+
+def variant_config(name: str, kind: str) -> dict | None:
+    """LaunchShape fields of variant ``name`` for launch ``kind`` ('decode' / 'prefill'): a
+    VARIANTS entry, or ``_``-joined ``sN`` / ``rN`` tokens (decode only); None where it does not
+    apply."""
+    if name in VARIANTS[kind]:
+        return VARIANTS[kind][name]
+    tokens = name.split("_")
+    if kind != "decode" or not all(t[:1] in NUMERIC_FIELDS and t[1:].isdigit() for t in tokens):
+        return None
+    return {NUMERIC_FIELDS[t[0]]: int(t[1:]) for t in tokens}
+
+
 FORMATS = {"fp8": ("fp8", "fp8"), "nvfp4": ("nvfp4", "nvfp4"), "k_fp8_v_nvfp4": ("fp8", "nvfp4"),
            "k_nvfp4_v_fp8": ("nvfp4", "fp8")}
 
@@ -131,7 +142,8 @@ def main() -> None:
                     help="BATCHxCONTEXT decode shapes; BATCHxLENxP = prefill of LEN-token prompts")
     ap.add_argument("--variants", nargs="*",
                     default=sorted({v for kind in VARIANTS.values() for v in kind}),
-                    help="names from VARIANTS (each runs where its launch kind has it)")
+                    help="names from VARIANTS, or sN / rN / sN_rN (N splits, register cap N); each "
+                         "runs where its launch kind has it")
     ap.add_argument("--formats", nargs="+", choices=sorted(FORMATS), default=list(FORMATS),
                     help="K/V format pairs to time (default: all)")
     ap.add_argument("--q-heads", type=int, default=bd.HQ)
@@ -140,6 +152,9 @@ def main() -> None:
     ap.add_argument("--sinks", action="store_true", help="attention sinks in every kernel")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shape, no timing")
     args = ap.parse_args()
+    unknown = [v for v in args.variants if all(variant_config(v, k) is None for k in VARIANTS)]
+    if unknown:
+        ap.error(f"unknown variants {unknown}: use names from VARIANTS or sN / rN / sN_rN")
     dev = "cpu" if args.smoke else "cuda"
     bd.set_shape(args.q_heads, args.kv_heads, args.head_dim, args.sinks, dev)
     if args.smoke:
@@ -163,8 +178,9 @@ def main() -> None:
             out = torch.empty_like(b.query)
             nbytes = bd.kv_bytes(b, lay.bytes_per_token // bd.HKV)
             runs = [("before", old_mod, {}), ("new", new_mod, {})]
-            kind = VARIANTS["prefill" if prefill else "decode"]
-            runs += [(v, new_mod, kind[v]) for v in args.variants if v in kind]
+            kind = "prefill" if prefill else "decode"
+            runs += [(v, new_mod, variant_config(v, kind)) for v in args.variants
+                     if variant_config(v, kind) is not None]
             ref = None
             for label, mod, cfg in runs:
                 rec = {"kv_dtype": name, "batch": batch, "context": ctx, "variant": label,

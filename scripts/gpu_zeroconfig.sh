@@ -11,7 +11,7 @@
 #   bash scripts/gpu_zeroconfig.sh                  STEPS="startup analyze" (default both)
 #
 # Environment: OUT (default out/zeroconfig), PRESET (llama8b; tiny: a CPU dry run with DEVICE=cpu),
-# DEVICE (analyze's, default cuda), KINDS (the starts of a round, default "off calibrating cached"), ANALYZE_WINDOWS (2), WARMUP (unset), REPEATS (1), STEPS, VLLM_BUNDLE / VLLM_SITE / PYTHON (see scripts/gpu_env.sh).
+# DEVICE (analyze's, default cuda), LOG_COMPILES (set: a line per Triton kernel compile in each start's log), KINDS (the starts of a round, default "off calibrating cached"), ANALYZE_WINDOWS (2), WARMUP (unset), REPEATS (1), STEPS, VLLM_BUNDLE / VLLM_SITE / PYTHON (see scripts/gpu_env.sh).
 # Exit 0 when every step ran.
 set -uo pipefail
 OUT=${OUT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/out/zeroconfig}
@@ -22,7 +22,7 @@ for step in ${STEPS:-startup analyze}; do
   say "step $step"
   "$PYTHON" scripts/time_zeroconfig.py "$step" --out "$OUT" --preset "${PRESET:-llama8b}" \
     --device "${DEVICE:-cuda}" --windows "${ANALYZE_WINDOWS:-2}" ${WARMUP:+--warm-ups $WARMUP} \
-    --repeats "${REPEATS:-1}" ${KINDS:+--kinds $KINDS} \
+    --repeats "${REPEATS:-1}" ${KINDS:+--kinds $KINDS} ${LOG_COMPILES:+--log-compiles} \
     2>&1 | tee "$OUT/$step.log" | grep --line-buffered -E "time_zeroconfig|calibrat|Error|Traceback|added_s|wall_s" | cut -c1-600
   [ "${PIPESTATUS[0]}" -eq 0 ] || { say "step $step FAILED (see $OUT/$step.log)"; rc=1; }
 done

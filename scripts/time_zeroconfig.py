@@ -74,11 +74,42 @@ def startup_child(model: str, max_model_len: int) -> None:
           flush=True)
 
 
+#: a ``sitecustomize`` that logs every Triton kernel compile (cache hit or not) of every process
+COMPILE_LOGGER = """
+import sys, time
+try:
+    from triton import knobs
+except ImportError:
+    knobs = None
+
+def _log(*, src, metadata, metadata_group, times, cache_hit):
+    names = getattr(getattr(src, "fn", None), "arg_names", None) or []
+    small = {}
+    for key, value in (getattr(src, "constants", {}) or {}).items():
+        i = key[0] if isinstance(key, tuple) else key
+        if isinstance(value, (int, bool)) and isinstance(i, int) and i < len(names):
+            small[names[i]] = int(value)
+    where = next(iter(metadata_group.values()), "?").rsplit("/", 2)[0]
+    print(f"triton-compile {time.strftime('%H:%M:%S')} {metadata.get('name', '?')} "
+          f"hit={int(cache_hit)} ms={times.total / 1e3:.0f} warps={metadata.get('num_warps')} "
+          f"dir={where} const={small}"[:400], file=sys.stderr, flush=True)
+
+if knobs is not None:
+    knobs.compilation.listener = _log
+"""
+
+
 def _start_once(model: Path, cache: Path, calibrate: bool, max_model_len: int, name: str,
-                log_dir: Path) -> dict[str, Any]:
-    """One engine start in a fresh process; its timing lines go to ``log_dir/NAME.log``."""
+                log_dir: Path, log_compiles: bool = False) -> dict[str, Any]:
+    """One engine start in a fresh process; its timing lines go to ``log_dir/NAME.log``
+    (``log_compiles``: with a line per Triton kernel compile, from ``COMPILE_LOGGER``)."""
     env = dict(os.environ, VLLM_NVFP4_CACHE=str(cache),
                VLLM_NVFP4_STARTUP_CALIBRATION="1" if calibrate else "0")
+    if log_compiles:
+        hook = log_dir / "compile-logger"
+        hook.mkdir(exist_ok=True)
+        (hook / "sitecustomize.py").write_text(COMPILE_LOGGER)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook), env.get("PYTHONPATH")]))
     env.pop("VLLM_NVFP4_POLICY", None)
     run = subprocess.run([sys.executable, __file__, "startup-child", "--model", str(model),
                           "--max-model-len", str(max_model_len)],
@@ -109,7 +140,8 @@ START_KINDS = ("off", "calibrating", "cached")
 
 
 def run_startup(out: Path, preset: str, max_model_len: int, warm_ups: int,
-                repeats: int = 1, kinds: Sequence[str] = START_KINDS) -> dict[str, Any]:
+                repeats: int = 1, kinds: Sequence[str] = START_KINDS,
+                log_compiles: bool = False) -> dict[str, Any]:
     from vllm_nvfp4.testing.weightless import build_weightless_model
 
     model = build_weightless_model(out / f"{preset}-weightless", preset)
@@ -123,7 +155,8 @@ def run_startup(out: Path, preset: str, max_model_len: int, warm_ups: int,
             shutil.rmtree(cache, ignore_errors=True)  # an empty cache: this start calibrates
         log(f"engine start: {name}")
         run = result["runs"][name] = _start_once(model, cache, kind != "off",
-                                                 max_model_len, name.replace("#", "_"), out)
+                                                 max_model_len, name.replace("#", "_"), out,
+                                                 log_compiles)
         log(f"  {run}")
         med = result["median_s"] = _medians(result["runs"])
         result["added_s"] = {f"{k}_vs_{base}": round(med[k] - med[base], 2)
@@ -252,6 +285,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.add_argument("--kinds", nargs="+", choices=START_KINDS, default=list(START_KINDS),
                        help="startup: the starts of a round (default all three; 'calibrating "
                             "cached' times the calibration alone: same policy, same engine)")
+        p.add_argument("--log-compiles", action="store_true",
+                       help="startup: log every Triton kernel compile of each start (name, cache "
+                            "hit, milliseconds, cache dir) into its log")
     p = sub.add_parser("startup-child")
     p.add_argument("--model", required=True)
     p.add_argument("--max-model-len", type=int, default=8192)
@@ -265,7 +301,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.preset not in PRESETS:
         ap.error(f"--preset must be one of {', '.join(PRESETS)}, got {a.preset!r}")
     max_model_len = a.max_model_len or min(8192, PRESETS[a.preset]["max_pos"])
-    result = run_startup(a.out, a.preset, max_model_len, a.warm_ups, a.repeats, a.kinds) if a.mode == "startup" else \
+    result = run_startup(a.out, a.preset, max_model_len, a.warm_ups, a.repeats, a.kinds,
+                         a.log_compiles) if a.mode == "startup" else \
         run_analyze(a.out, a.preset, a.device, a.windows)
     print(json.dumps(result, indent=2))
     return 0

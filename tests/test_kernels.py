@@ -164,10 +164,11 @@ def _launch(lay: KVPageLayout, decode: bool, **fixed) -> "attn_kernels.LaunchSha
     return dataclasses.replace(attn_kernels.launch_defaults(lay, decode), **fixed)
 
 
-@pytest.mark.parametrize("splits,stages", [(2, None), (1, 1), (8, 3)])
+@pytest.mark.parametrize("splits,stages", [(2, None), (1, 1), (8, 3), (3, None), (6, 2)])
 @pytest.mark.parametrize("kf,vf", FMT_PAIRS)
 def test_decode_splits_and_stages_agree(splits, stages, kf, vf):
-    """Split counts and pipeline stages give the same attention, every K/V format pair."""
+    """Split counts (also not powers of 2) and pipeline stages give the same attention, every K/V
+    format pair."""
     lay = KVPageLayout(2, 128, 16, kf, vf)
     batch = make_batch(lay, [(100 * SCALE + 7, 1), (3, 1), (64 * SCALE, 1)], 8,
                        device=DEV, seed=splits, write_backend=WRITE)
@@ -385,10 +386,10 @@ def test_prefill_launch_shapes_agree(rows, tile_n, warps, kf, vf):
 
 
 @pytest.mark.parametrize("bad,what", [(dict(query_rows=24), "query_rows must be"),
-                                      (dict(num_splits=3), "num_splits must be"),
+                                      (dict(num_splits=0), "num_splits must be"),
                                       (dict(num_warps=2, dim_parts=4), "dim_parts must be")])
 def test_launch_rejects_bad_launch_shapes(bad, what):
-    """A row or split count that is not a power of 2, more head-dim parts than warps: a
+    """A row count that is not a power of 2, no splits, more head-dim parts than warps: a
     ValueError that says so."""
     lay = KVPageLayout(1, 64, 16, "nvfp4", "fp8")
     with pytest.raises(ValueError, match=what):
@@ -436,7 +437,7 @@ def test_sinks_every_format_pair(kind, i):
     assert_close_rel(got, fast_reference(batch, 0.3, window, cap, sinks), 2e-3 if CUDA else 1e-5)
 
 
-@pytest.mark.parametrize("splits,window", [(4, None), (8, 21)])
+@pytest.mark.parametrize("splits,window", [(4, None), (8, 21), (5, 21)])
 def test_sinks_split_decode(splits, window):
     """With split-KV decode the sink enters the softmax once (the first split's partial), also
     when a window leaves some splits empty; bf16 sinks read as their FP32 values."""

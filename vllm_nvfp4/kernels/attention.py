@@ -646,17 +646,21 @@ def _decode_kernel(
 @triton.jit
 def _reduce_kernel(
     out_ptr, part_o_ptr, part_ml_ptr, stride_ot, stride_oh,
-    HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):
-    """Merge the split partials of one (query token, head): log-sum-exp weights, then cast."""
+    """Merge the split partials of one (query token, head): log-sum-exp weights, then cast.
+    ``SPLITS_P2``: ``NUM_SPLITS`` rounded up to a power of 2 (the padded lanes are masked)."""
     tok = tl.program_id(0).to(tl.int64)
     qh = tl.program_id(1)
-    row = (tok * HQ + qh) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
-    m = tl.load(part_ml_ptr + row * 2)
-    l = tl.load(part_ml_ptr + row * 2 + 1)
+    split = tl.arange(0, SPLITS_P2)
+    ok = split < NUM_SPLITS
+    row = (tok * HQ + qh) * NUM_SPLITS + split
+    m = tl.load(part_ml_ptr + row * 2, mask=ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + row * 2 + 1, mask=ok, other=0.0)
     m_max = tl.max(m, axis=0)
     w = tl.where(l > 0.0, l * tl.exp2(m - m_max), 0.0)
-    o = tl.load(part_o_ptr + row[:, None] * D + tl.arange(0, D)[None, :])
+    o = tl.load(part_o_ptr + row[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None],
+                other=0.0)
     o = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + tok * stride_ot + qh * stride_oh + tl.arange(0, D),
              o.to(out_ptr.dtype.element_ty))
@@ -813,7 +817,7 @@ class LaunchShape:
     ``tile_n``: keys per tile (at least the block size is used); ``num_warps``: warps per program;
     ``query_rows``: prefill rows (query tokens x padded GQA group) per program, a power of 2.
     The rest stay ``None`` in production and are fixed by benchmarks and tests: ``num_splits``,
-    the decode split count (a power of 2; default :func:`decode_splits`); ``num_stages``, the
+    the decode split count (default :func:`decode_splits`); ``num_stages``, the
     kernel's pipeline stages (default 3 decode, 2 prefill; the tile loop always has 3);
     ``maxnreg``, the decode kernel's register cap per thread (Triton's ``maxnreg``; default
     :func:`decode_register_cap`); ``short_split_maxnreg``, the cap where each decode split holds
@@ -846,9 +850,8 @@ class LaunchShape:
     lazy_rescale: bool = False
 
     def __post_init__(self) -> None:
-        splits = self.num_splits
-        if splits is not None and (splits < 1 or splits & (splits - 1)):
-            raise ValueError(f"num_splits must be a power of 2, got {self.num_splits}")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
         if self.query_rows < 1 or self.query_rows & (self.query_rows - 1):
             raise ValueError(f"query_rows must be a power of 2, got {self.query_rows}")
         parts = self.dim_parts
@@ -985,7 +988,8 @@ def paged_attention(
         if splits > 1:
             _reduce_kernel[(num_tokens, hq)](
                 out, part_o, part_ml, out.stride(0), out.stride(1),
-                HQ=hq, D=d, NUM_SPLITS=splits, num_warps=4,
+                HQ=hq, D=d, NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
+                num_warps=4,
             )
         return out
     block_m = max(shape.query_rows, g_pad)
