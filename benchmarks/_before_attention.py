@@ -1,0 +1,1003 @@
+"""Triton paged attention over a :class:`~vllm_nvfp4.layout.KVPageLayout` cache, dequantizing inline.
+
+One attention core, :func:`_attend_keys`, run by a decode and a prefill kernel: the keys sit
+on the MMA M dimension and the query columns (a decode token's GQA group padded to 8, or a
+prefill program's query tokens x heads) on N. NVFP4 elements are never multiplied by their
+block scale: the cache's chunk-planar order (:mod:`vllm_nvfp4.layout`) makes each
+16-element chunk one plane of 16 consecutive 16-bit words, so one k=16 MMA per chunk
+gives that chunk's partial scores, scaled per token by the chunk's block scale (and V's scale
+goes into P per chunk). The four planes of a word are decoded by one unary inline asm of the raw
+words (9 integer ops per four f16x2 registers), which lets Triton copy the raw K/V words and
+the token-major scale rows asynchronously into shared memory and decode them in the MMA operand
+registers. An FP8 K or V takes the same route: its 16-bit words split
+into the even and odd elements' byte planes (one native conversion each), one dot per plane and
+tile.
+
+Decode grid ``(seqs, kv_heads, splits)``: one program takes the query heads of one KV head over
+one contiguous share of the context (flash-decoding); with ``splits > 1`` it writes a partial
+``(o, m, l)`` per split and ``_reduce_kernel`` merges them. Prefill programs take ``BLOCK_Q``
+query tokens x the GQA group of one KV head (prefill, chunked prefill, prefix hits, mixed
+batches), causal (+ window).
+
+Dequantization. FP8: E4M3 -> fp16 (native conversion, sm_89+; exact); the layer scale is
+folded into the softmax scale (K) or the output (V). NVFP4: an E2M1 code ``n`` becomes fp16 by bit
+placement alone, ``(n & 8) << 12 | (n & 7) << 9`` == e2m1(n) * 2^-14 (subnormal code 1
+included); the global scale g and 2^14 go into the softmax scale / output scale. The
+interpreter runs the same bit placement in Triton integer ops.
+
+Launch shapes: :func:`launch_defaults`, :func:`decode_splits` and :func:`decode_register_cap`;
+:class:`LaunchShape` fixes them for benchmarks and tests.
+
+All launch parameters derive from host ints (shapes, ``max_query_len``, ``max_seq_len``), never
+from tensor contents, so the decode path is CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_nvfp4.formats import KVFormat
+from vllm_nvfp4.kernels.constants import E2M1_F16_UNSCALE, FMT_FP8, LOG2E, format_code
+from vllm_nvfp4.kernels.e2m1_bytes import e2m1_f16_scaled_f32, unpack_e2m1_pair
+
+
+
+@triton.jit
+def _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK: tl.constexpr, N: tl.constexpr,
+               MASKED: tl.constexpr):
+    """Token positions ``t0 + [0, N)``, their validity (< t_end), page pointers and offsets.
+    Unless ``MASKED`` the caller guarantees ``t0 + N <= t_end`` (no masked loads)."""
+    toks = t0 + tl.arange(0, N)
+    valid = toks < t_end
+    if MASKED:
+        blk = tl.load(bt_row + toks // BLOCK, mask=valid, other=0)
+    else:
+        blk = tl.load(bt_row + toks // BLOCK)
+    return toks, valid, cache_ptr + blk.to(tl.int64) * stride_blk, toks % BLOCK
+
+
+@triton.jit
+def _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT: tl.constexpr,
+                             V_FMT: tl.constexpr, USE_SOFTCAP: tl.constexpr):
+    """``(qk_scale, vf)`` of KV head ``h``: the logit scale (with log2(e) unless soft-capped)
+    and the output factor. Each includes its operand's dequant factor: the layer scale, times
+    2^14 for NVFP4 (the kernels' chunk planes are ``e2m1 * 2^-14``, block scales applied
+    apart)."""
+    kf = tl.load(k_scale_ptr + h)
+    vf = tl.load(v_scale_ptr + h)
+    if K_FMT != FMT_FP8:
+        kf = kf * E2M1_F16_UNSCALE
+    if V_FMT != FMT_FP8:
+        vf = vf * E2M1_F16_UNSCALE
+    qk_scale = softmax_scale * kf
+    if not USE_SOFTCAP:
+        qk_scale = qk_scale * LOG2E
+    return qk_scale, vf
+
+
+@triton.jit
+def _fold_sinks(sinks_ptr, qh, take, m_i, l_i):
+    """Fold the attention sinks of the query heads ``qh [M]`` (where ``take``) into a finished
+    online softmax ``(m_i, l_i)`` (log2 units): the sink is one more logit without a value, so
+    ``m = max(m_i, sink)``, ``l = l_i * keep + exp2(sink - m)``; returns ``(m, l, keep)`` with
+    ``keep = exp2(m_i - m)`` the factor of the accumulated values. Applied once after the tile
+    loop, which stays the same with and without sinks; a decode split other than the first takes
+    no sink (``take`` False: ``(m_i, l_i, 1)``), its partial merges with the first's."""
+    sink = tl.load(sinks_ptr + qh, mask=take, other=float("-inf")).to(tl.float32) * LOG2E
+    m = tl.maximum(m_i, sink)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    keep = tl.exp2(m_i - m_safe)
+    return m, l_i * keep + tl.exp2(sink - m_safe), keep
+
+
+@triton.jit
+def _split_range(seq_len, window, split, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr,
+                 USE_WINDOW: tl.constexpr):
+    """Token range ``[t_begin, t_end)`` of one split-KV program of a decode query at
+    ``seq_len - 1``: whole ``TILE_N`` tiles from the window start, divided over the splits; and
+    ``t_full``, the end of its whole tiles that need no mask (:func:`_attend_keys`)."""
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(seq_len - window, 0) // TILE_N * TILE_N
+    n_tiles = tl.cdiv(seq_len - lo, TILE_N)
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS) * TILE_N
+    t_begin = lo + split * per_split
+    t_end = tl.minimum(t_begin + per_split, seq_len)
+    return t_begin, _unmasked_end(t_begin, t_end, TILE_N, USE_WINDOW), t_end
+
+
+@triton.jit
+def _unmasked_end(t_begin, t_seen, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """End of the whole ``TILE_N`` tiles from ``t_begin`` below ``t_seen`` (the keys every query
+    column sees); ``t_begin`` (everything masked) with a sliding window."""
+    if USE_WINDOW:
+        return t_begin
+    return t_begin + tl.maximum(t_seen - t_begin, 0) // TILE_N * TILE_N
+
+
+@triton.jit
+def _decode_program(seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window,
+                    K_FMT: tl.constexpr, V_FMT: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
+                    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr,
+                    USE_SOFTCAP: tl.constexpr):
+    """What one decode program works on: sequence, KV head ``h``, split, context length, the
+    query token's row ``tok``, its ``BG`` (padded) query heads ``qh`` with ``row_ok``, the
+    logit scale (log2 units unless soft-capped), the V dequant factor and the token range
+    (:func:`_split_range`)."""
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tok = tl.load(qsl_ptr + seq).to(tl.int64)
+    g = tl.arange(0, BG)
+    row_ok = g < G
+    qh = h * G + g
+    qk_scale, vf = _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT,
+                                            V_FMT, USE_SOFTCAP)
+    t_begin, t_full, t_end = _split_range(seq_len, window, split, NUM_SPLITS, TILE_N, USE_WINDOW)
+    return seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_full, t_end
+
+
+@triton.jit
+def _decode_out_rows(out_ptr, part_o_ptr, part_ml_ptr, m_i, l_i, tok, split, qh, row_ok,
+                     stride_ot, stride_oh, HQ: tl.constexpr, D: tl.constexpr,
+                     NUM_SPLITS: tl.constexpr):
+    """Where a decode program's output rows go, one pointer per query head ``qh [BG]``: the
+    final output when unsplit, else the FP32 partials of :func:`_reduce_kernel` (this stores
+    their ``(m, l)``)."""
+    if NUM_SPLITS == 1:
+        return out_ptr + tok * stride_ot + qh * stride_oh
+    row = (tok * HQ + qh) * NUM_SPLITS + split
+    tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
+    tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+    return part_o_ptr + row * D
+
+
+# The four chunk planes of two 16-bit words (one 32-bit register $4): plane J = the element of
+# chunk J in each half as fp16 e2m1 * 2^-14 (sign << 15 | magnitude << 9), from the layout's bit
+# positions (vllm_nvfp4.layout): chunk 2 is in place (one AND), chunk 0 8 bits lower; one LOP3
+# (0xE4: t = (a & c) | (b & ~c)) gathers chunk 3's magnitudes (>> 3) and signs (<< 7), so t holds
+# chunk 3 in place and chunk 1 8 bits lower - 9 integer ops for four f16x2 registers.
+_E2M1_PLANES_ASM = tl.constexpr(
+    "{ .reg .b32 a, b, t;"
+    " shl.b32 a, $4, 8; and.b32 $0, a, 0x8E008E00; and.b32 $2, $4, 0x8E008E00;"
+    " shr.b32 a, $4, 3; shl.b32 b, $4, 7; lop3.b32 t, a, b, 0x0E0E0E0E, 0xE4;"
+    " and.b32 $3, t, 0x8E008E00; shl.b32 t, t, 8; and.b32 $1, t, 0x8E008E00; }")
+
+
+@triton.jit
+def _planes(x, F32: tl.constexpr):
+    """The four chunk planes of uint16 words ``x`` (any shape): a tuple of ``e2m1 * 2^-14`` as
+    fp16 (fp32 when ``F32``), plane ``J`` = the element of chunk ``J`` in each word. One pure inline asm of the
+    loaded words, so Triton loads the raw words straight into the MMA operand layout
+    (asynchronous copy, no decoded tile in shared memory)."""
+    if F32:  # the interpreter: the same bit placement in Triton ops
+        u = x.to(tl.uint32)
+        return (_e2m1_fp32(u, 0), _e2m1_fp32(u, 1), _e2m1_fp32(u, 2), _e2m1_fp32(u, 3))
+    else:
+        return tl.inline_asm_elementwise(_E2M1_PLANES_ASM, "=r,=r,=r,=r,r", [x],
+                                         dtype=(tl.float16,) * 4, is_pure=True, pack=2)
+
+
+@triton.jit
+def _e2m1_fp32(u, J: tl.constexpr):
+    """Chunk ``J``'s element of uint32 words ``u`` (one 16-bit word each) as fp32 ``e2m1 * 2^-14``,
+    the value the asm places: byte ``J // 2`` holds chunks ``J - J % 2`` and ``+ 1``."""
+    a, b = unpack_e2m1_pair((u >> (8 * (J // 2))) & 0xFF)
+    return e2m1_f16_scaled_f32(b if J % 2 else a)
+
+
+# the E4M3 bytes of two 16-bit words ($2): $0 = f16x2 of their low (even-element) bytes,
+# $1 = f16x2 of their high (odd-element) bytes; native conversion (sm_89+)
+_E4M3_PLANES_ASM = tl.constexpr(
+    "{ .reg .b32 t; .reg .b16 e, o; prmt.b32 t, $2, 0, 0x3120; mov.b32 {e, o}, t;"
+    " cvt.rn.f16x2.e4m3x2 $0, e; cvt.rn.f16x2.e4m3x2 $1, o; }")
+
+
+@triton.jit
+def _fp8_planes(x, F32: tl.constexpr):
+    """E4M3 pairs in uint16 words ``x`` (any shape) -> ``(even, odd)``: the elements of the low
+    and of the high bytes as fp16 (fp32 when ``F32``), exact. One pure inline asm of the loaded
+    words, so (as for :func:`_planes`) Triton copies the raw words asynchronously and converts them
+    in the MMA operand registers - a whole-tile ``.to(float16)`` of the bytes instead reads them
+    from shared memory one byte per instruction."""
+    if F32:  # the interpreter
+        lo = (x & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        hi = (x >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return lo, hi
+    else:
+        return tl.inline_asm_elementwise(_E4M3_PLANES_ASM, "=r,=r,r", [x],
+                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+
+
+@triton.jit
+def _tile_words(page, off, valid, h, DATA: tl.constexpr, ROW_BYTES: tl.constexpr,
+                FIRST: tl.constexpr, NW: tl.constexpr, BLOCK: tl.constexpr,
+                TRANSPOSED: tl.constexpr, MASKED: tl.constexpr, PARTS: tl.constexpr):
+    """Words ``[FIRST, FIRST + NW)`` (uint16) of each token's ``ROW_BYTES``-byte row of a K or V
+    plane: ``[N, NW]``, or ``[NW, N]`` when ``TRANSPOSED`` (loaded straight in that orientation:
+    the V operand ``V^T``). NVFP4: the 16 words of one 64-element group; FP8: the whole row.
+    With ``PARTS > 1`` the row is cut into ``PARTS`` equal parts (:func:`_part_cols`) and
+    ``FIRST`` counts from the start of each: ``[PARTS, N, NW]`` or ``[PARTS, NW, N]``.
+    Tokens past ``valid`` read 0 when ``MASKED``; unmasked tiles hold valid tokens only."""
+    row = (page + DATA + (h * BLOCK + off) * ROW_BYTES).to(tl.pointer_type(tl.uint16))
+    i = FIRST + tl.arange(0, NW)
+    if PARTS > 1:
+        first = tl.arange(0, PARTS) * (ROW_BYTES // 2 // PARTS)
+        if TRANSPOSED:
+            ptr = row[None, None, :] + (first[:, None, None] + i[None, :, None])
+            ok = valid[None, None, :]
+        else:
+            ptr = row[None, :, None] + (first[:, None, None] + i[None, None, :])
+            ok = valid[None, :, None]
+    elif TRANSPOSED:
+        ptr = row[None, :] + i[:, None]
+        ok = valid[None, :]
+    else:
+        ptr = row[:, None] + i[None, :]
+        ok = valid[:, None]
+    if MASKED:
+        w = tl.load(ptr, mask=ok, other=0)
+    else:
+        w = tl.load(ptr)
+    return w
+
+
+@triton.constexpr_function
+def _bit_reversed(c, n):
+    """``c`` with its log2(n) bits reversed: where the halving splits put column ``c``."""
+    r = 0
+    b = 1
+    while b < n:
+        r = r * 2 + (c // b) % 2
+        b *= 2
+    return r
+
+
+@triton.jit
+def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexpr,
+                 C: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr,
+                 MASKED: tl.constexpr, ZERO_PAST_END: tl.constexpr):
+    """FP32 block scales of the ``N`` tokens from ``t0``: a tuple of ``C`` vectors ``[N]`` (chunk
+    order). In a ``MASKED`` tile (one that may reach ``t_end``), with ``ZERO_PAST_END``, 0 for
+    tokens at or past ``t_end`` (their slots may hold any stale byte, and a NaN scale would turn
+    p = 0 into NaN). One load of the ``BLOCK * C`` contiguous bytes of the token-major scale
+    plane per block (so the pipeliner copies it asynchronously; a thread then reads a token's
+    ``C`` scales from shared memory at once), split into chunks by halving (which leaves them in
+    bit-reversed order, undone when returned)."""
+    NB: tl.constexpr = N // BLOCK
+    nb = tl.arange(0, NB)
+    if MASKED:  # past the sequence: block 0 (a real block: the scale load below stays in bounds)
+        blk = tl.load(bt_row + t0 // BLOCK + nb, mask=t0 + nb * BLOCK < t_end, other=0)
+    else:
+        blk = tl.load(bt_row + t0 // BLOCK + nb)
+    j = tl.arange(0, BLOCK)
+    k = tl.arange(0, C)
+    ptr = (cache_ptr + blk.to(tl.int64) * stride_blk)[:, None, None] + SCALE \
+        + (h * BLOCK + j)[None, :, None] * C + k[None, None, :]
+    sc = tl.load(ptr)  # [NB, BLOCK, C]
+    return _scale_chunks(tl.reshape(sc, [N, C]), t0 + tl.arange(0, N) < t_end, N, C,
+                         MASKED and ZERO_PAST_END)
+
+
+@triton.jit
+def _tile_scales_by_token(page, off, valid, h, SCALE: tl.constexpr, C: tl.constexpr,
+                          BLOCK: tl.constexpr, N: tl.constexpr, MASKED: tl.constexpr,
+                          ZERO_PAST_END: tl.constexpr):
+    """:func:`_tile_scales` for any block size (tiles may straddle blocks): each token's ``C``
+    scales from its own page (``page``, ``off``, ``valid`` from :func:`_tile_rows`; masked tokens
+    read block 0, in bounds)."""
+    k = tl.arange(0, C)
+    sc = tl.load(page[:, None] + SCALE + (h * BLOCK + off)[:, None] * C + k[None, :])
+    return _scale_chunks(sc, valid, N, C, MASKED and ZERO_PAST_END)
+
+
+@triton.jit
+def _tile_scale_parts(page, off, valid, h, SCALE: tl.constexpr, C: tl.constexpr,
+                      BLOCK: tl.constexpr, N: tl.constexpr, MASKED: tl.constexpr,
+                      ZERO_PAST_END: tl.constexpr, PARTS: tl.constexpr):
+    """:func:`_tile_scales_by_token` with the chunks cut into ``PARTS`` parts
+    (:func:`_part_cols`): a tuple of ``C / PARTS`` vectors ``[PARTS, N]``, local chunk ``c`` of
+    part ``p`` = chunk ``p * C / PARTS + c``."""
+    CP: tl.constexpr = C // PARTS
+    k = tl.arange(0, PARTS)[:, None, None] * CP + tl.arange(0, CP)[None, None, :]
+    sc = tl.load(page[None, :, None] + SCALE + (h * BLOCK + off)[None, :, None] * C + k)
+    ok = tl.reshape(tl.broadcast_to(valid[None, :], [PARTS, N]), [PARTS * N])
+    chunks = _scale_chunks(tl.reshape(sc, [PARTS * N, CP]), ok, PARTS * N, CP,
+                           MASKED and ZERO_PAST_END)
+    out = ()
+    for c in tl.static_range(CP):
+        out = out + (tl.reshape(chunks[c], [PARTS, N]),)
+    return out
+
+
+@triton.jit
+def _scales_of_tile(cache_ptr, stride_blk, bt_row, t0, t_end, page, off, valid, h,
+                    SCALE: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr,
+                    MASKED: tl.constexpr, ZERO_PAST_END: tl.constexpr, PARTS: tl.constexpr):
+    """The tile's block scales: :func:`_tile_scales` when the tile spans whole blocks (a power-of-2
+    ``BLOCK`` dividing ``N``), else :func:`_tile_scales_by_token`; with ``PARTS > 1``
+    :func:`_tile_scale_parts`."""
+    if PARTS > 1:
+        scales = _tile_scale_parts(page, off, valid, h, SCALE, C, BLOCK, N, MASKED,
+                                   ZERO_PAST_END, PARTS)
+    elif N % BLOCK == 0 and (BLOCK & (BLOCK - 1)) == 0:
+        scales = _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE, C, BLOCK, N,
+                              MASKED, ZERO_PAST_END)
+    else:
+        scales = _tile_scales_by_token(page, off, valid, h, SCALE, C, BLOCK, N, MASKED,
+                                       ZERO_PAST_END)
+    return scales
+
+
+@triton.jit
+def _scale_chunks(sc, valid, N: tl.constexpr, C: tl.constexpr, ZERO: tl.constexpr):
+    """Raw E4M3 scale bytes ``[N, C]`` -> a tuple of ``C`` FP32 vectors ``[N]`` (chunk order);
+    ``ZERO``: 0 where not ``valid``."""
+    sc = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if ZERO:
+        sc = tl.where(valid[:, None], sc, 0.0)
+    parts = (sc,)
+    for lvl in tl.static_range(5):  # C <= 32 chunks (head_dim 512)
+        if (C >> lvl) > 1:
+            halves = ()
+            for p in tl.static_range(1 << lvl):
+                a, b = tl.split(tl.reshape(parts[p], [N, (C >> lvl) // 2, 2]))
+                halves = halves + (a, b)
+            parts = halves
+    out = ()
+    for c in tl.static_range(C):
+        out = out + (tl.reshape(parts[_bit_reversed(c, C)], [N]),)
+    return out
+
+
+@triton.jit
+def _dot_f(a, b, acc, F32: tl.constexpr):
+    if F32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _part_cols(c, FMT: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr):
+    """Head-dim columns of operand ``c`` of a K or V tile in :func:`_attend_keys`: NVFP4 chunk
+    ``c`` (``16c .. 16c + 15``); FP8 byte plane ``c`` (the even columns for 0, the odd ones for
+    1). With ``PARTS > 1`` the head dim is cut into ``PARTS`` parts of ``D / PARTS`` columns, each
+    taken by its own warps (the leading dimension of every operand), and ``c`` counts inside a
+    part: ``[PARTS, 16]`` or ``[PARTS, D / 2 / PARTS]``."""
+    if FMT == FMT_FP8:
+        cols = 2 * tl.arange(0, D // 2 // PARTS) + c
+    else:
+        cols = 16 * c + tl.arange(0, 16)
+    if PARTS > 1:
+        cols = (tl.arange(0, PARTS) * (D // PARTS))[:, None] + cols[None, :]
+    return cols
+
+
+@triton.constexpr_function
+def _operand_count(fmt, d, parts):
+    """Operands per part of a K or V tile (:func:`_part_cols`): 2 FP8 byte planes, or the NVFP4
+    chunks of ``d / parts`` columns."""
+    return 2 if fmt == FMT_FP8 else d // 16 // parts
+
+
+@triton.jit
+def _col_ptrs(cols_ptr, c, FMT: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr):
+    """Pointers ``[W, M]`` (``[PARTS, W, M]``) to the columns of operand ``c`` (:func:`_part_cols`)
+    of ``M`` rows, one pointer per row ``cols_ptr [M]``."""
+    cols = _part_cols(c, FMT, D, PARTS)
+    if PARTS > 1:
+        ptrs = cols_ptr[None, None, :] + cols[:, :, None]
+    else:
+        ptrs = cols_ptr[None, :] + cols[:, None]
+    return ptrs
+
+
+@triton.jit
+def _load_query_parts(q_cols, col_ok, K_FMT: tl.constexpr, D: tl.constexpr, F32: tl.constexpr,
+                      PARTS: tl.constexpr):
+    """The query operand of :func:`_attend_keys`, from one pointer per column ``q_cols [M]`` (a
+    query token's head, ``col_ok`` masks padding): a tuple of the transposed parts
+    (:func:`_part_cols`) ``q_c^T [16, M]`` per NVFP4 chunk of K, or even and odd columns
+    ``q_c^T [D/2, M]`` for an FP8 K; with ``PARTS > 1`` each ``[PARTS, ., M]``."""
+    qs = ()
+    for c in tl.static_range(_operand_count(K_FMT, D, PARTS)):
+        q = tl.load(_col_ptrs(q_cols, c, K_FMT, D, PARTS), mask=col_ok[None, :], other=0.0)
+        qs = qs + ((q.to(tl.float32) if F32 else q.to(tl.float16)),)
+    return qs
+
+
+@triton.jit
+def _zero_accumulators(V_FMT: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+                       PARTS: tl.constexpr):
+    """Zero output accumulators of :func:`_attend_keys`, one per operand of V
+    (:func:`_part_cols`): ``acc_c^T [16, M]`` per NVFP4 chunk, or ``acc_c^T [D/2, M]`` for each
+    FP8 byte plane; with ``PARTS > 1`` ``[PARTS, 16, M]`` or ``[PARTS, D/2/PARTS, M]``."""
+    W: tl.constexpr = D // 2 // PARTS if V_FMT == FMT_FP8 else 16
+    accs = ()
+    for c in tl.static_range(_operand_count(V_FMT, D, PARTS)):
+        if PARTS > 1:
+            accs = accs + (tl.zeros([PARTS, W, M], dtype=tl.float32),)
+        else:
+            accs = accs + (tl.zeros([W, M], dtype=tl.float32),)
+    return accs
+
+
+@triton.jit
+def _attend_keys(
+    qs, q_pos, accs, m_i, l_i,
+    cache_ptr, stride_blk, bt_row, h, t_begin, t_full, t_end,
+    qk_scale, softcap, window,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+    K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, M: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
+    HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PARTS: tl.constexpr,
+    LAZY: tl.constexpr,
+):
+    """:func:`_attend_tiles` over the keys ``[t_begin, t_end)``: the whole tiles of ``[t_begin,
+    t_full)`` that every query column sees entirely (no mask, no bounds checks), then the rest
+    masked (the sequence end, the causal diagonal, the window).
+
+    ``HOIST_Q``: the score tiles start from ``sum_c 0 . q_c`` (zeros, computed once before the
+    loops) instead of constant zeros, which makes Triton convert the query operands to the MMA
+    layout once rather than in every tile. ``FOLD_K``, ``FOLD_V``, ``PARTS``, ``LAZY``: see
+    :func:`_attend_tiles`."""
+    W: tl.constexpr = D // 2 // PARTS if K_FMT == FMT_FP8 else 16
+    KT: tl.constexpr = tl.float32 if F32 else tl.float16
+    if PARTS > 1:
+        s0 = tl.zeros([PARTS, TILE_N, M], dtype=tl.float32)
+    else:
+        s0 = tl.zeros([TILE_N, M], dtype=tl.float32)
+    if HOIST_Q:
+        for c in tl.static_range(len(qs)):
+            if PARTS > 1:
+                s0 = _dot_f(tl.zeros([PARTS, TILE_N, W], dtype=KT), qs[c], s0, F32)
+            else:
+                s0 = _dot_f(tl.zeros([TILE_N, W], dtype=KT), qs[c], s0, F32)
+    accs, m_i, l_i = _attend_tiles(
+        qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_begin, t_full, t_end,
+        qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
+        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, False, FOLD_K, FOLD_V, PARTS, LAZY)
+    return _attend_tiles(
+        qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_full, t_end, t_end,
+        qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
+        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, True, FOLD_K, FOLD_V, PARTS, LAZY)
+
+
+@triton.jit
+def _attend_tiles(
+    qs, s0, q_pos, accs, m_i, l_i,
+    cache_ptr, stride_blk, bt_row, h, lo, hi, t_end,
+    qk_scale, softcap, window,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+    K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, M: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
+    MASKED: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PARTS: tl.constexpr,
+    LAZY: tl.constexpr,
+):
+    """Online-softmax attention with the KEYS on the MMA M dimension and the ``M`` query columns
+    (``qs`` from :func:`_load_query_parts`, positions ``q_pos [M]``) on N, over the keys
+    ``[lo, hi)`` of one sequence (``MASKED``: masking tokens at or past ``t_end``, causal and
+    window; else every token of every tile is visible to every column). NVFP4 block scales are
+    applied per 16-element chunk, never per element: each chunk ``c`` is one plane of 16
+    words (the cache's chunk-planar order, :mod:`vllm_nvfp4.layout`), so
+    ``s^T [TILE_N, M] = sum_c sk_c * (K_c [TILE_N, 16] . q_c^T [16, M])`` with ``sk_c [TILE_N]``
+    the tokens' block scales, and ``acc_c^T [16, M] += V_c^T [16, TILE_N] . (sv_c * p)``. With
+    ``FOLD_K`` the K planes are scaled instead, ``s^T = sum_c (sk_c * K_c) . q_c^T`` as one chained
+    dot: the fp16 product of an ``e2m1 * 2^-14`` plane and an E4M3 scale is exact (a multiple of
+    2^-24 with at most 6 significant bits, at most 6 * 448 * 2^-14); with ``FOLD_V`` likewise
+    ``acc_c^T += (sv_c * V_c^T) . p``. ``PARTS > 1`` (:func:`_part_cols`): each operand has a
+    leading part dimension, one part per warp (batched MMAs), and ``s^T`` is the sum of the
+    parts' partial scores. ``LAZY``: the accumulators are rescaled only in a tile that raises
+    some column's running max. An FP8
+    K or V is one dot per byte plane and tile (:func:`_fp8_planes`: even and odd columns of
+    ``K . q^T``, ``V^T . p``). The raw K/V words and whole scale
+    rows are copied asynchronously (``tl.range`` stages) and decoded by unary inline asm in the
+    MMA operand registers. Logits in log2 units: ``qk_scale`` includes log2(e)
+    (and the K dequant factor); with soft-cap, ``softcap`` is the cap and ``qk_scale`` excludes
+    log2(e)."""
+    C: tl.constexpr = D // 16
+    # the masked tail is one tile (a few on a prefill's diagonal), so it is not pipelined - unless
+    # a sliding window masks every tile
+    STAGES: tl.constexpr = 1 if MASKED and not USE_WINDOW else 3
+    for t0 in tl.range(lo, hi, TILE_N, num_stages=STAGES):
+        toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK,
+                                            TILE_N, MASKED)
+        if V_FMT != FMT_FP8:
+            vss = _scales_of_tile(cache_ptr, stride_blk, bt_row, t0, t_end, page, off, valid, h,
+                                  V_SCALE, C, BLOCK, TILE_N, MASKED, True, PARTS)
+        s = s0  # zeros (:func:`_attend_keys`)
+        if K_FMT == FMT_FP8:
+            ke, ko = _fp8_planes(_tile_words(page, off, valid, h, K_DATA, D, 0, D // 2 // PARTS,
+                                             BLOCK, False, MASKED, PARTS), F32)
+            s = _dot_f(ko, qs[1], _dot_f(ke, qs[0], s, F32), F32)
+        else:  # stale K scales past t_end only reach masked scores
+            kss = _scales_of_tile(cache_ptr, stride_blk, bt_row, t0, t_end, page, off, valid, h,
+                                  K_SCALE, C, BLOCK, TILE_N, MASKED, False, PARTS)
+            for gi in tl.static_range(D // 64 // PARTS):
+                kps = _planes(_tile_words(page, off, valid, h, K_DATA, D // 2, 16 * gi, 16, BLOCK,
+                                          False, MASKED, PARTS), F32)
+                for j in tl.static_range(4):
+                    ks = tl.expand_dims(kss[4 * gi + j], -1)
+                    if FOLD_K:  # the fp16 product is exact (see the docstring)
+                        s = _dot_f(kps[j] * (ks if F32 else ks.to(tl.float16)), qs[4 * gi + j],
+                                   s, F32)
+                    else:
+                        s += _dot_f(kps[j], qs[4 * gi + j], tl.zeros_like(s0), F32) * ks
+        if PARTS > 1:  # the parts' partial scores (one cross-warp sum per tile)
+            s = tl.sum(s, axis=0)
+        if USE_SOFTCAP:
+            z = s * (qk_scale / softcap)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * LOG2E
+        else:
+            s = s * qk_scale
+        if MASKED:
+            mask = valid[:, None]
+            if CAUSAL:
+                mask = mask & (toks[:, None] <= q_pos[None, :])
+            if USE_WINDOW:
+                mask = mask & (toks[:, None] > q_pos[None, :] - window)
+            s = tl.where(mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        if LAZY:  # rescale the accumulators now, and only on a new running max
+            if tl.max((m_new > m_i).to(tl.int32), axis=0) > 0:
+                rescaled = ()
+                for c in tl.static_range(len(accs)):
+                    rescaled = rescaled + (accs[c] * alpha[None, :],)
+                accs = rescaled
+        ph = p if F32 else p.to(tl.float16)
+        if PARTS > 1:
+            ph = tl.broadcast_to(ph[None, :, :], [PARTS, TILE_N, M])
+        if V_FMT == FMT_FP8:  # V^T's even and odd columns, [D/2, TILE_N] each
+            ve, vo = _fp8_planes(_tile_words(page, off, valid, h, V_DATA, D, 0, D // 2 // PARTS,
+                                             BLOCK, True, MASKED, PARTS), F32)
+            accs = (_dot_f(ve, ph, _rescale(accs[0], alpha, LAZY), F32),
+                    _dot_f(vo, ph, _rescale(accs[1], alpha, LAZY), F32))
+        else:
+            new_accs = ()
+            for gi in tl.static_range(D // 64 // PARTS):
+                vps = _planes(_tile_words(page, off, valid, h, V_DATA, D // 2, 16 * gi, 16, BLOCK,
+                                          True, MASKED, PARTS), F32)
+                for j in tl.static_range(4):
+                    sv = vss[4 * gi + j]
+                    sv = sv if F32 else sv.to(tl.float16)
+                    acc = _rescale(accs[4 * gi + j], alpha, LAZY)
+                    if FOLD_V:  # the fp16 product is exact, as for K
+                        acc = _dot_f(vps[j] * tl.expand_dims(sv, -2), ph, acc, F32)
+                    else:
+                        acc = _dot_f(vps[j], ph * tl.expand_dims(sv, -1), acc, F32)
+                    new_accs = new_accs + (acc,)
+            accs = new_accs
+        m_i = m_new
+    return accs, m_i, l_i
+
+
+@triton.jit
+def _rescale(acc, alpha, LAZY: tl.constexpr):
+    """An accumulator times the tile's rescale factor ``alpha [M]`` right before its dot (unless
+    ``LAZY``: :func:`_attend_tiles` rescaled them all already, where the running max grew)."""
+    if LAZY:
+        out = acc
+    else:
+        out = acc * alpha[None, :]
+    return out
+
+
+@triton.jit
+def _store_output(accs, scale, o_cols, col_ok, V_FMT: tl.constexpr, D: tl.constexpr,
+                  PARTS: tl.constexpr):
+    """Store the attention output: the transposed accumulators (:func:`_zero_accumulators`) times
+    ``scale [M]`` to one output row pointer per column ``o_cols [M]`` (cast to its type)."""
+    for c in tl.static_range(_operand_count(V_FMT, D, PARTS)):
+        o = accs[c] * scale[None, :]
+        tl.store(_col_ptrs(o_cols, c, V_FMT, D, PARTS), o.to(o_cols.dtype.element_ty),
+                 mask=col_ok[None, :])
+
+
+@triton.jit
+def _decode_kernel(
+    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
+    block_table_ptr, seq_lens_ptr, qsl_ptr,
+    part_o_ptr, part_ml_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_bt,
+    softmax_scale, softcap, window,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+    K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
+    HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
+    F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,
+    PARTS: tl.constexpr, LAZY: tl.constexpr,
+):
+    """Decode through :func:`_attend_keys`: the ``BG`` query columns are the GQA group of one
+    KV head (padded, >= 8). Grid ``(seqs, kv_heads, splits)``; with splits, FP32 partials
+    ``(o, m, l)`` for :func:`_reduce_kernel`. Sinks: :func:`_fold_sinks`."""
+    seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_full, t_end = _decode_program(
+        seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window, K_FMT, V_FMT,
+        G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP)
+    qs = _load_query_parts(query_ptr + tok * stride_qt + qh * stride_qh, row_ok, K_FMT, D, F32,
+                           PARTS)
+    accs, m_i, l_i = _attend_keys(
+        qs, tl.zeros([BG], dtype=tl.int32) + seq_len - 1, _zero_accumulators(V_FMT, D, BG, PARTS),
+        tl.full([BG], float("-inf"), tl.float32), tl.zeros([BG], dtype=tl.float32),
+        cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
+        qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
+        TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V, PARTS, LAZY)
+    if USE_SINKS:  # into the first split's partial only
+        first_split = tl.full([BG], split, tl.int32) == 0
+        m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok & first_split, m_i, l_i)
+        vf = vf * keep
+    o_cols = _decode_out_rows(out_ptr, part_o_ptr, part_ml_ptr, m_i, l_i, tok, split, qh, row_ok,
+                              stride_ot, stride_oh, HQ, D, NUM_SPLITS)
+    _store_output(accs, vf / tl.where(l_i == 0.0, 1.0, l_i), o_cols, row_ok, V_FMT, D, PARTS)
+
+
+@triton.jit
+def _reduce_kernel(
+    out_ptr, part_o_ptr, part_ml_ptr, stride_ot, stride_oh,
+    HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """Merge the split partials of one (query token, head): log-sum-exp weights, then cast."""
+    tok = tl.program_id(0).to(tl.int64)
+    qh = tl.program_id(1)
+    row = (tok * HQ + qh) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    m = tl.load(part_ml_ptr + row * 2)
+    l = tl.load(part_ml_ptr + row * 2 + 1)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(l > 0.0, l * tl.exp2(m - m_max), 0.0)
+    o = tl.load(part_o_ptr + row[:, None] * D + tl.arange(0, D)[None, :])
+    o = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + tok * stride_ot + qh * stride_oh + tl.arange(0, D),
+             o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_program(seq_lens_ptr, qsl_ptr, num_seqs, window, G: tl.constexpr,
+                     G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+                     USE_WINDOW: tl.constexpr):
+    """What one prefill program works on: ``BLOCK_Q`` query tokens x ``G_PAD`` heads of KV head
+    ``h`` = program_id(1), as ``BLOCK_Q * G_PAD`` rows: sequence, ``active`` (False for the
+    spare programs of the grid), the rows' token index, query head, validity and position, and
+    the key range ``[t_begin, t_end)`` (causal, window) with ``t_full`` (:func:`_attend_keys`)."""
+    # program -> (sequence, query block): q block b of sequence s has global index
+    # qsl[s] // BLOCK_Q + s + b, so a binary search over qsl finds s (as vLLM's unified kernel does)
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    lo_s = 0
+    hi_s = num_seqs
+    while lo_s < hi_s:
+        mid = (lo_s + hi_s) // 2
+        if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= pid:
+            lo_s = mid + 1
+        else:
+            hi_s = mid
+    seq = lo_s - 1
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    qb = pid - (q_start // BLOCK_Q + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    r = tl.arange(0, BLOCK_Q * G_PAD)
+    qi = qb * BLOCK_Q + r // G_PAD  # query index inside the sequence
+    g = r % G_PAD
+    row_ok = (qi < q_len) & (g < G)
+    tok = (q_start + qi).to(tl.int64)
+    first = seq_len - q_len + qb * BLOCK_Q  # position of the block's first query
+    t_begin = 0
+    if USE_WINDOW:
+        t_begin = tl.maximum(first - window + 1, 0) // TILE_N * TILE_N
+    t_end = tl.minimum(first + BLOCK_Q, seq_len)
+    t_full = _unmasked_end(t_begin, tl.minimum(first + 1, t_end), TILE_N, USE_WINDOW)
+    return (seq, h, qb * BLOCK_Q < q_len, tok, h * G + g, row_ok, seq_len - q_len + qi,
+            t_begin, t_full, t_end)
+
+
+@triton.jit
+def _prefill_kernel(
+    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
+    block_table_ptr, seq_lens_ptr, qsl_ptr, num_seqs,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_bt,
+    softmax_scale, softcap, window,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+    K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
+    F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,
+    PARTS: tl.constexpr, LAZY: tl.constexpr,
+):
+    """Prefill through :func:`_attend_keys` (keys on the MMA M dimension, the program's
+    ``BLOCK_Q * G_PAD`` query rows as columns, causal); grid ``(query blocks + seqs,
+    kv_heads)``, see :func:`_prefill_program`. Sinks: :func:`_fold_sinks`."""
+    seq, h, active, tok, qh, row_ok, q_pos, t_begin, t_full, t_end = _prefill_program(
+        seq_lens_ptr, qsl_ptr, num_seqs, window, G, G_PAD, BLOCK_Q, TILE_N, USE_WINDOW)
+    if not active:
+        return
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    qk_scale, vf = _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT,
+                                            V_FMT, USE_SOFTCAP)
+    qs = _load_query_parts(query_ptr + tok * stride_qt + qh * stride_qh, row_ok, K_FMT, D, F32,
+                           PARTS)
+    accs, m_i, l_i = _attend_keys(
+        qs, q_pos, _zero_accumulators(V_FMT, D, BLOCK_M, PARTS),
+        tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
+        cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
+        qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
+        TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V, PARTS, LAZY)
+    if USE_SINKS:
+        m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok, m_i, l_i)
+        vf = vf * keep
+    _store_output(accs, vf / tl.where(l_i == 0.0, 1.0, l_i), out_ptr + tok * stride_ot
+                + qh * stride_oh, row_ok, V_FMT, D, PARTS)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int,
+                  device: torch.device, num_warps: int = 1, dim_parts: int = 1) -> int:
+    """Split count (a power of 2) from host ints only: the larger of (a) enough programs to fill
+    the GPU, ``8 * SMs / num_warps``, but at most 8 splits (beyond that the partial writes and
+    the reduce cost more than the extra occupancy gains) - unless 8 splits still leave fewer
+    than half that many programs (few sequences x few KV heads), then as many as keep >= 1024
+    keys per split or as fill the GPU with >= 128 keys per split, whichever is more (H200, 16
+    sequences, 1 warp: 32 splits against 8 took 0.66x / 0.56x the time at head_dim 256 x 2 KV
+    heads, 4k / 8k keys, and 16 splits 0.81x at head_dim 512 x 4 KV heads, 4k) - and (b) at
+    most ~4096 keys per split; never more splits than tiles, at most 64. With the head dim in
+    parts (``dim_parts > 1``, two-warp programs), twice that where the doubled grid still fits
+    the SMs at :func:`decode_register_cap`'s 128 registers, eight programs per SM (H200, head_dim
+    512, 32 q / 4 KV heads, 16 x 32k: 16 splits 495.6 us against 8 splits 539.4, our FP8 520.0;
+    16 x 4k 83.6 against 84.4)."""
+    target = 8 * _num_sms(device) // num_warps
+    max_splits = min(max(1, -(-max_seq_len // tile_n)), 64)
+    programs = num_seqs * num_kv_heads
+    if 2 * programs * 8 >= target:
+        fill_cap = 8
+    else:
+        filling = 1
+        while programs * filling * 2 <= target and max_seq_len // (filling * 2) >= 128:
+            filling *= 2
+        fill_cap = max(8, max_seq_len // 1024, filling)
+    splits = 1
+    while splits * 2 <= max_splits and (
+        (programs * splits < target and splits * 2 <= fill_cap)
+        or max_seq_len > 4096 * splits
+    ):
+        splits *= 2
+    if dim_parts > 1 and splits * 2 <= max_splits and programs * splits * 2 <= 8 * _num_sms(device):
+        splits *= 2
+    return splits
+
+
+#: splits of at most this many keys take ``LaunchShape.short_split_maxnreg``
+SHORT_SPLIT_KEYS = 1024
+
+
+def decode_register_cap(shape: "LaunchShape", programs: int, keys_per_split: int,
+                        device: torch.device) -> Optional[int]:
+    """The decode kernel's register cap per thread for a grid of ``programs`` splits of at most
+    ``keys_per_split`` keys each: ``shape.maxnreg``; unset, with the head dim in parts
+    (``dim_parts > 1``), 128 where the grid holds more programs than fit the SMs uncapped (the
+    head_dim-512 NVFP4 decode takes 216 registers: four two-warp programs per SM; capped, it
+    spills a few and eight fit; H200, 32 q / 4 KV heads: capped 64 x 4k 293 -> 260 us and
+    64 x 32k 2152 -> 1887 us; with fewer programs than fit uncapped the spills only cost,
+    16 x 4k 84 -> 92 us, 16 x 32k 554 -> 610 us at 8 splits, which :func:`decode_splits` doubles
+    there); else ``shape.short_split_maxnreg`` where a
+    split holds at most 1024 keys."""
+    if shape.maxnreg:
+        return shape.maxnreg
+    if shape.dim_parts > 1:
+        return 128 if programs > 4 * _num_sms(device) else None
+    if keys_per_split <= SHORT_SPLIT_KEYS:
+        return shape.short_split_maxnreg
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchShape:
+    """How :func:`paged_attention` launches its kernels (default: :func:`launch_defaults`).
+
+    ``tile_n``: keys per tile (at least the block size is used); ``num_warps``: warps per program;
+    ``query_rows``: prefill rows (query tokens x padded GQA group) per program, a power of 2.
+    The rest stay ``None`` in production and are fixed by benchmarks and tests: ``num_splits``,
+    the decode split count (a power of 2; default :func:`decode_splits`); ``num_stages``, the
+    kernel's pipeline stages (default 3 decode, 2 prefill; the tile loop always has 3);
+    ``maxnreg``, the decode kernel's register cap per thread (Triton's ``maxnreg``; default
+    :func:`decode_register_cap`); ``short_split_maxnreg``, the cap where each decode split holds
+    at most :data:`SHORT_SPLIT_KEYS` keys (a short loop gains more from the registers ptxas then
+    spends on scheduling than from more programs per SM).
+    Code variants of the attention core (:func:`_attend_keys`): ``hoist_query`` converts the
+    query operands to the MMA layout once before the tile loop; ``fold_k_scales`` multiplies
+    each NVFP4 K plane by its block scales in fp16 (exact) so that one chained dot replaces a
+    dot and a scaled fp32 sum per chunk; ``fold_v_scales`` does the same for the NVFP4 V planes
+    (instead of scaling P per chunk, which converts each scaled P through shared memory);
+    ``dim_parts`` (a power of 2, at most ``num_warps``, dividing head_dim / 64) cuts the head
+    dim into parts, each taken by its own warps: every operand gets a leading part dimension
+    (batched MMAs, one part per warp), the parts' partial scores are summed across the warps
+    once per tile, and each warp holds only its part's output accumulators;
+    ``lazy_rescale`` rescales the output accumulators only in tiles that raise the running max
+    of some query column (exact: the same products, skipped where the factor is 1).
+    """
+
+    tile_n: int
+    num_warps: int
+    query_rows: int = 16
+    num_splits: Optional[int] = None
+    num_stages: Optional[int] = None
+    maxnreg: Optional[int] = None
+    short_split_maxnreg: Optional[int] = None
+    hoist_query: bool = False
+    fold_k_scales: bool = False
+    fold_v_scales: bool = False
+    dim_parts: int = 1
+    lazy_rescale: bool = False
+
+    def __post_init__(self) -> None:
+        splits = self.num_splits
+        if splits is not None and (splits < 1 or splits & (splits - 1)):
+            raise ValueError(f"num_splits must be a power of 2, got {self.num_splits}")
+        if self.query_rows < 1 or self.query_rows & (self.query_rows - 1):
+            raise ValueError(f"query_rows must be a power of 2, got {self.query_rows}")
+        parts = self.dim_parts
+        if parts < 1 or parts & (parts - 1) or parts > self.num_warps:
+            raise ValueError(f"dim_parts must be a power of 2 <= num_warps, got {parts}")
+
+
+def _launch_defaults_512(layout, decode: bool) -> LaunchShape:
+    """Head_dim 512 (Gemma 4's global layers): the output accumulators alone take 128 registers
+    per thread in one warp. Decode, NVFP4 K and V (timed on the H200): 16 keys x 2 warps, the
+    head dim in 2 parts (one per warp: 64 accumulator registers each, no spill uncapped), K and
+    V block scales folded, lazy rescale, and the register cap of :func:`decode_register_cap`
+    where the grid is large: 0.92-0.95x our FP8's time at 16 x 4k, 64 x 4k and 64 x 32k, and
+    0.95x at 16 x 32k with the doubled splits of :func:`decode_splits` (one warp of 16 keys
+    before, 57 registers spilled: 1.11-1.22x). Chosen by the
+    sm_90 compile check (``benchmarks/compile_sm90.py --head-dim 512 --group 8``), not timed:
+    FP8 / FP8 64 keys x 4 warps (no spill), FP8 / NVFP4 pairs 16 keys x 1 warp (head-dim parts
+    compile to more instructions there). Prefill: FP8 / FP8 32 keys x 4 warps x 16 rows (no spill); NVFP4 K /
+    FP8 V 16 keys x 2 warps x 8 rows (no spill); an NVFP4 V 16 keys x 1 warp x 8 rows."""
+    fp8_k, fp8_v = layout.k_format is KVFormat.FP8, layout.v_format is KVFormat.FP8
+    if decode:
+        if not fp8_k and not fp8_v:
+            return LaunchShape(16, 2, dim_parts=2, fold_k_scales=True, fold_v_scales=True,
+                               lazy_rescale=True)
+        return LaunchShape(64, 4) if fp8_k and fp8_v else LaunchShape(16, 1)
+    if fp8_v:
+        return LaunchShape(32, 4, 16) if fp8_k else LaunchShape(16, 2, 8)
+    return LaunchShape(16, 1, 8)
+
+
+def launch_defaults(layout, decode: bool) -> LaunchShape:
+    """The launch shape of ``layout`` (decode or prefill), chosen by timing on Hopper.
+
+    Decode: 64 keys per tile, 1 warp, or 2 for FP8 K and V; with an NVFP4 plane 32 keys at
+    head_dim 256 (64 exceed the register file; FP8 / FP8 at head_dim 256 keeps 64 keys x 2 warps,
+    which compiles for sm_90 without spills where 32 keys x 1 warp spills). Code variants where
+    they were faster at every shape timed: NVFP4 K and V fold the K block scales into the K
+    planes; an NVFP4 K with an FP8 V (head_dim <= 128) and FP8 K and V at head_dim 256 hoist
+    the query operands. NVFP4 K and V at head_dim <= 128 cap registers at 184 where a split
+    holds <= 1024 keys (H200, 32 q / 8 KV heads, one process: 64 x 4k 148.2 -> 124.2 us, 16 x 4k
+    43.2 -> 42.8 us at 512 keys per split; uncapped the kernel takes 168 registers and 64 x 32k,
+    4096 keys per split, runs 797.0 us against 834.8 capped). Prefill: 64 keys (32 at head_dim
+    256); with an FP8 V 2 warps x 32 query rows, else 1 warp x 16 rows. Head_dim 512:
+    :func:`_launch_defaults_512`."""
+    if layout.head_dim > 256:
+        return _launch_defaults_512(layout, decode)
+    tile = 32 if layout.head_dim >= 256 else 64
+    if not decode:
+        return LaunchShape(tile, 2, 32) if layout.v_format is KVFormat.FP8 else LaunchShape(tile, 1, 16)
+    fp8_k, fp8_v = layout.k_format is KVFormat.FP8, layout.v_format is KVFormat.FP8
+    if fp8_k and fp8_v:
+        return LaunchShape(64, 2, hoist_query=layout.head_dim >= 256)
+    if not fp8_k and not fp8_v:
+        return LaunchShape(tile, 1, fold_k_scales=True,
+                           short_split_maxnreg=184 if layout.head_dim <= 128 else None)
+    return LaunchShape(tile, 1, hoist_query=not fp8_k and layout.head_dim <= 128)
+
+
+def _layout_constexprs(layout, device: torch.device, softcap, window, sinks) -> dict:
+    """Kernel constexprs shared by decode and prefill."""
+    f32 = device.type != "cuda"  # the interpreter: fp32 math (its fp16/bf16 dots are unreliable)
+    return dict(
+        K_FMT=format_code(layout.k_format), V_FMT=format_code(layout.v_format),
+        K_DATA=layout.k_data_offset, K_SCALE=layout.k_scale_offset,
+        V_DATA=layout.v_data_offset, V_SCALE=layout.v_scale_offset,
+        D=layout.head_dim, BLOCK=layout.block_size,
+        USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None,
+        USE_SINKS=sinks is not None, F32=f32,
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    layout,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    softmax_scale: float,
+    out: torch.Tensor,
+    sliding_window: Optional[int] = None,
+    logits_soft_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    launch: Optional[LaunchShape] = None,
+) -> torch.Tensor:
+    """Launch decode (``max_query_len == 1``) or prefill kernels; arguments as in
+    :func:`vllm_nvfp4.ops.paged_attention` (checked there). ``launch`` fixes the launch shape
+    (benchmarks, tests); ``None`` takes :func:`launch_defaults`."""
+    decode = max_query_len == 1
+    num_seqs = seq_lens.shape[0]
+    d = layout.head_dim
+    meta = _layout_constexprs(layout, query.device, logits_soft_cap, sliding_window, sinks)
+    g = query.shape[1] // layout.num_kv_heads
+    softcap = float(logits_soft_cap or 1.0)
+    window = int(sliding_window or 0)
+    g_pad = triton.next_power_of_2(g)
+    sink_arg = k_scale if sinks is None else sinks  # never read without sinks (USE_SINKS)
+    common_args = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+                   cache.stride(0), block_table.stride(0), softmax_scale, softcap, window)
+    shape = launch or launch_defaults(layout, decode)
+    if d % (64 * shape.dim_parts):
+        raise ValueError(f"dim_parts {shape.dim_parts} needs a head_dim multiple of "
+                         f"{64 * shape.dim_parts}, got {d}")
+    block = layout.block_size
+    tn = max(shape.tile_n, block) if block & (block - 1) == 0 else shape.tile_n
+    warps = shape.num_warps
+    if decode:
+        num_tokens, hq = query.shape[0], query.shape[1]
+        bg = max(8, g_pad)
+        splits = shape.num_splits or decode_splits(num_seqs, layout.num_kv_heads, max_seq_len, tn,
+                                                   query.device, warps, shape.dim_parts)
+        maxnreg = decode_register_cap(shape, num_seqs * layout.num_kv_heads * splits,
+                                      -(-max_seq_len // splits), query.device)
+        if splits > 1:
+            part_o = torch.empty(num_tokens * hq * splits, d, dtype=torch.float32,
+                                 device=query.device)
+            part_ml = torch.empty(num_tokens * hq * splits, 2, dtype=torch.float32,
+                                  device=query.device)
+        else:
+            part_o = part_ml = out  # unused
+        _decode_kernel[(num_seqs, layout.num_kv_heads, splits)](
+            query, out, cache, k_scale, v_scale, sink_arg, block_table, seq_lens, query_start_loc,
+            part_o, part_ml, *common_args,
+            HQ=hq, G=g, BG=bg, TILE_N=tn, NUM_SPLITS=splits, **meta,
+            HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales, FOLD_V=shape.fold_v_scales,
+            PARTS=shape.dim_parts, LAZY=shape.lazy_rescale,
+            num_warps=warps, num_stages=shape.num_stages or 3,
+            **({"maxnreg": maxnreg} if maxnreg else {}),
+        )
+        if splits > 1:
+            _reduce_kernel[(num_tokens, hq)](
+                out, part_o, part_ml, out.stride(0), out.stride(1),
+                HQ=hq, D=d, NUM_SPLITS=splits, num_warps=4,
+            )
+        return out
+    block_m = max(shape.query_rows, g_pad)
+    block_q = block_m // g_pad
+    grid = (query.shape[0] // block_q + num_seqs, layout.num_kv_heads)
+    _prefill_kernel[grid](
+        query, out, cache, k_scale, v_scale, sink_arg, block_table, seq_lens, query_start_loc,
+        num_seqs,
+        *common_args,
+        G=g, G_PAD=g_pad, BLOCK_Q=block_q, TILE_N=tn, **meta,
+        HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales, FOLD_V=shape.fold_v_scales,
+        PARTS=shape.dim_parts, LAZY=shape.lazy_rescale,
+        num_warps=warps, num_stages=shape.num_stages or 2,
+    )
+    return out
