@@ -1,12 +1,17 @@
 """Benchmark tooling: bench_variants' variant names and time_zeroconfig's compile logger."""
 
+import os
 import sys
 import types
 from pathlib import Path
 
 import pytest
+import torch
 
-from benchmarks.bench_variants import VARIANTS, variant_config
+if not torch.cuda.is_available():  # before the kernels are imported, as in test_kernels.py
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from benchmarks.bench_variants import VARIANTS, variant_config  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import time_zeroconfig  # noqa: E402
