@@ -222,13 +222,15 @@ def test_head_dim_parts_match_float64(d, parts, tile_n, kind, fold, kf, vf):
 
 
 @pytest.mark.parametrize("variant", [dict(hoist_query=True), dict(fold_k_scales=True),
-                                     dict(hoist_query=True, fold_k_scales=True)],
-                         ids=["hoist_query", "fold_k", "hoist_query_fold_k"])
+                                     dict(hoist_query=True, fold_k_scales=True),
+                                     dict(fold_v_scales=False), dict(fold_v_scales=True)],
+                         ids=["hoist_query", "fold_k", "hoist_query_fold_k", "no_fold_v", "fold_v"])
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 @pytest.mark.parametrize("kf,vf", FMT_PAIRS)
 def test_code_variants_match_float64(variant, kind, kf, vf):
-    """The attention core's code variants (hoisted query operands, K block scales folded into
-    the K planes) against float64, every K/V format pair, odd lengths, split decode."""
+    """The attention core's code variants (hoisted query operands, K or V block scales folded
+    into their planes, or V scales on P) against float64, every K/V format pair, odd lengths,
+    split decode."""
     lay = KVPageLayout(2, 128, 16, kf, vf)
     seqs = ([(37 * SCALE + 5, 1), (1, 1), (20 * SCALE + 3, 1)] if kind == "decode"
             else [(23 * SCALE, 23 * SCALE), (41 * SCALE, 9), (33 * SCALE, 1)])

@@ -889,8 +889,11 @@ def launch_defaults(layout, decode: bool) -> LaunchShape:
     head_dim 256 (64 exceed the register file; FP8 / FP8 at head_dim 256 keeps 64 keys x 2 warps,
     which compiles for sm_90 without spills where 32 keys x 1 warp spills). Code variants where
     they were faster at every shape timed: NVFP4 K and V fold the K block scales into the K
-    planes; an NVFP4 K with an FP8 V (head_dim <= 128) and FP8 K and V at head_dim 256 hoist
-    the query operands. NVFP4 K and V at head_dim <= 128 cap registers at 184 where a split
+    planes; an NVFP4 V at head_dim <= 128 folds its block scales into the V planes (H200, 32 q /
+    8 KV heads, NVFP4 K and V, two runs: 16 x 32k 221.1 -> 202.2 / 201.4 us, 64 x 4k 124.5 ->
+    118.1 / 118.2, 16 x 4k 43.0 -> 42.4 / 42.5, 64 x 32k 806.5 -> 793.2 / 789.9; FP8 K: 1-4%);
+    an NVFP4 K with an FP8 V (head_dim <= 128) and FP8 K and V at head_dim 256 hoist the query
+    operands. NVFP4 K and V at head_dim <= 128 cap registers at 184 where a split
     holds <= 1024 keys (H200, 32 q / 8 KV heads, one process: 64 x 4k 148.2 -> 124.2 us, 16 x 4k
     43.2 -> 42.8 us at 512 keys per split; uncapped the kernel takes 168 registers and 64 x 32k,
     4096 keys per split, runs 797.0 us against 834.8 capped). Prefill: 64 keys (32 at head_dim
@@ -904,10 +907,12 @@ def launch_defaults(layout, decode: bool) -> LaunchShape:
     fp8_k, fp8_v = layout.k_format is KVFormat.FP8, layout.v_format is KVFormat.FP8
     if fp8_k and fp8_v:
         return LaunchShape(64, 2, hoist_query=layout.head_dim >= 256)
+    fold_v = not fp8_v and layout.head_dim <= 128
     if not fp8_k and not fp8_v:
-        return LaunchShape(tile, 1, fold_k_scales=True,
+        return LaunchShape(tile, 1, fold_k_scales=True, fold_v_scales=fold_v,
                            short_split_maxnreg=184 if layout.head_dim <= 128 else None)
-    return LaunchShape(tile, 1, hoist_query=not fp8_k and layout.head_dim <= 128)
+    return LaunchShape(tile, 1, hoist_query=not fp8_k and layout.head_dim <= 128,
+                       fold_v_scales=fold_v)
 
 
 def _layout_constexprs(layout, device: torch.device, softcap, window, sinks) -> dict:
