@@ -9,10 +9,10 @@ build_weightless_model`, ``load_format="dummy"``) is started with ``kv_cache_dty
 and no policy, each start in a fresh process, ``--repeats`` rounds of: start-up calibration off,
 on with an empty cache (it calibrates), on again (it reuses the cache). ``--warm-ups N`` adds N
 first starts that calibrate, so that vLLM's compile cache and Triton's cache hold every kernel the
-timed starts use (the selected policy may mix K/V formats the default rule never uses). Use 2: on
-the H200 the second start on a fresh machine spent 70 s more than the third in CUDA-graph capture
-(with calibration and, in an earlier run, without), so one warm-up leaves that in the first timed
-start. Writes
+timed starts use (the selected policy may mix K/V formats the default rule never uses). Use 2: the
+first start on a machine runs Inductor, which points ``TRITON_CACHE_DIR`` at its own folder, so the
+second start (model loaded from vLLM's compile cache, Triton at ``~/.triton/cache``) compiles the
+Triton kernels again (H200: 53 kernels, ~50 s; ``--log-compiles`` shows each). Writes
 ``OUT/startup.json`` (after every start): each ``LLM()`` wall time with the calibration's own
 logged time, greedy tokens and KV-cache capacity (each start's own log lines: ``OUT/KIND_ROUND.log``), the median of each kind, ``added_s`` (the
 medians' differences) and ``calibrating_vs_cached`` (a calibrating start serves the same tokens
