@@ -287,7 +287,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             "cached' times the calibration alone: same policy, same engine)")
         p.add_argument("--log-compiles", action="store_true",
                        help="startup: log every Triton kernel compile of each start (name, cache "
-                            "hit, milliseconds, cache dir) into its log")
+                            "hit, milliseconds, cache dir) into its log, through a sitecustomize "
+                            "module put first on PYTHONPATH (it hides any other sitecustomize)")
     p = sub.add_parser("startup-child")
     p.add_argument("--model", required=True)
     p.add_argument("--max-model-len", type=int, default=8192)
