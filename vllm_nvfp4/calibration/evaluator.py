@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from vllm_nvfp4.calibration.kv_hooks import KVRotation, attention_modules, kv_cache_quantization
+from vllm_nvfp4.calibration.kv_hooks import KeySink, KVRotation, attention_modules, kv_cache_quantization
 from vllm_nvfp4.calibration.modeling import input_device
 from vllm_nvfp4.calibration.metrics import Metrics, Reference, per_token_damage, reference_from_logits, summarize
 from vllm_nvfp4.policy import KVPolicy
@@ -52,13 +52,16 @@ class Evaluator:
     Call :meth:`reference` first (policy ``None``: unquantized model dtype), optionally
     :meth:`set_baseline` to enable prefix reuse, then :meth:`measure` per policy. ``rotation``
     (set it between measurements; prefix reuse assumes it stays) rotates K/V of the quantized
-    forwards (:class:`~vllm_nvfp4.calibration.kv_hooks.KVRotation`).
+    forwards (:class:`~vllm_nvfp4.calibration.kv_hooks.KVRotation`); ``key_sink``, the same way,
+    keeps each window's first keys in FP8 in NVFP4-K layers
+    (:class:`~vllm_nvfp4.calibration.kv_hooks.KeySink`).
     """
 
     def __init__(self, model: torch.nn.Module, windows: torch.Tensor, reuse_prefix: bool = True,
-                 rotation: Optional[KVRotation] = None) -> None:
+                 rotation: Optional[KVRotation] = None, key_sink: Optional[KeySink] = None) -> None:
         self.model = model
         self.rotation = rotation
+        self.key_sink = key_sink
         self.windows = windows.to(input_device(model))
         self.refs: list[Reference] = []
         self.layers = _decoder_layers(model) if reuse_prefix else None
@@ -74,7 +77,8 @@ class Evaluator:
         """Logits ``[T, vocab]`` of window ``w`` under ``policy``, from layer ``start`` on."""
         self.forwards += 1
         ids = self.windows[w].unsqueeze(0)
-        with (kv_cache_quantization(self.model, policy, rotation=self.rotation) if policy is not None
+        with (kv_cache_quantization(self.model, policy, rotation=self.rotation, key_sink=self.key_sink)
+              if policy is not None
               else contextlib.nullcontext()):
             if start == 0:
                 return self.model(ids, use_cache=False).logits[0]

@@ -35,6 +35,12 @@ Pass a :class:`KVRotation` to store chosen layers' K and/or V rotated along head
 (:mod:`vllm_nvfp4.rotation`; the query rotated alike, the output rotated back): an accuracy
 experiment of the reference path, not something the serving integration does.
 
+Key sink
+--------
+Pass a :class:`KeySink` to store the first keys of every sequence (the attention-sink tokens)
+another way in layers whose K is NVFP4 (FP8, unquantized, or NVFP4 before K centering): an
+accuracy experiment of the reference path, not something the serving integration does.
+
 Observe mode
 ------------
 Pass a :class:`KVObserver` to record the running per-layer, per-KV-head ``amax`` of K and V (the
@@ -51,6 +57,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from vllm_nvfp4.formats import (
+    E2M1_MAX,
     NonFinite,
     KVFormat,
     check_kv_format,
@@ -236,6 +243,51 @@ class KVRotation:
         return cls(kind, layers if k else frozenset(), layers if v else frozenset())
 
 
+#: how :class:`KeySink` stores the sink keys: FP8 at 6x the NVFP4 global scale, unquantized, or NVFP4
+#: of the key before K centering (the center subtracted after decoding)
+KEY_SINK_STORES = ("fp8", "exact", "uncentered")
+
+
+@dataclass(frozen=True)
+class KeySink:
+    """The first ``tokens`` keys of every sequence stored another way (``store``, one of
+    :data:`KEY_SINK_STORES`) in the layers whose K is NVFP4. ``fp8`` uses the layer's NVFP4 global
+    scale x 6 (amax/448 where the global scale is amax/2688); ``uncentered`` quantizes
+    ``K / lam`` to NVFP4 with the layer's global scale and subtracts ``mu / lam`` after decoding,
+    which stores no extra bytes (K centering, :mod:`vllm_nvfp4.key_transform`, makes the sink
+    key, small before centering, one of the largest after it)."""
+
+    tokens: int
+    store: str = "fp8"
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1:
+            raise ValueError(f"KeySink needs tokens >= 1, got {self.tokens}")
+        if self.store not in KEY_SINK_STORES:
+            raise ValueError(f"KeySink store must be one of {', '.join(KEY_SINK_STORES)}, got {self.store!r}")
+
+    def apply(self, stored: torch.Tensor, raw_key: torch.Tensor, quant: "_LayerQuant",
+              nonfinite: NonFinite) -> torch.Tensor:
+        """``stored`` (the NVFP4 read-back of the transformed keys, ``[batch, kv_heads, seq,
+        head_dim]``) with its first ``tokens`` positions stored as ``store`` says; ``raw_key``:
+        the keys before K centering and smoothing, same shape."""
+        n = min(self.tokens, raw_key.shape[-2])
+        raw = raw_key[..., :n, :]
+        mu, lam = (None if t is None else t.to(raw.device)[:, None, :] for t in (quant.k_center, quant.k_smooth))
+        if self.store == "uncentered":
+            head = fake_quantize(stored_keys(raw, None, lam), "nvfp4", quant.k_scale, nonfinite).float()
+            if mu is not None:
+                head = head - (mu if lam is None else mu / lam)
+        else:
+            head = stored_keys(raw, mu, lam)
+            if self.store == "fp8":
+                fp8_scale = torch.as_tensor(quant.k_scale, dtype=torch.float32) * E2M1_MAX
+                head = fake_quantize(head, "fp8", fp8_scale, nonfinite)
+        out = stored.clone()
+        out[..., :n, :] = head.to(out.dtype)
+        return out
+
+
 @dataclass
 class _HookState:
     base: str
@@ -244,6 +296,7 @@ class _HookState:
     nonfinite: NonFinite
     rotation: Optional[KVRotation] = None
     nvfp4_decoding: str = "exact"
+    key_sink: Optional[KeySink] = None
     calls: int = 0
 
 
@@ -270,10 +323,14 @@ def _make_wrapper(base_name: str) -> Callable[..., Any]:
                 state.observer.observe(layer, key, value)
             if state.quants is not None:
                 lq = state.quants[layer]
+                raw_key = key
                 if lq.k_smooth is not None or lq.k_center is not None:
                     query, key = transform_qk(query, key, lq.k_smooth, lq.k_center)
-                key = fake_quantize(key, lq.k_fmt, lq.k_scale, state.nonfinite,
-                                    state.nvfp4_decoding).to(query.dtype)
+                stored = fake_quantize(key, lq.k_fmt, lq.k_scale, state.nonfinite,
+                                       state.nvfp4_decoding)
+                if state.key_sink is not None and lq.k_fmt == KVFormat.NVFP4:
+                    stored = state.key_sink.apply(stored, raw_key, lq, state.nonfinite)
+                key = stored.to(query.dtype)
                 value = fake_quantize(value, lq.v_fmt, lq.v_scale, state.nonfinite,
                                       state.nvfp4_decoding).to(query.dtype)
             if rotate_v:  # output [batch, seq, heads, head_dim], rotated back
@@ -365,12 +422,14 @@ def kv_cache_quantization(
     nonfinite: NonFinite = "propagate",
     rotation: Optional[KVRotation] = None,
     nvfp4_decoding: str = "exact",
+    key_sink: Optional[KeySink] = None,
 ) -> Iterator[_HookState]:
     """Within the block, ``model`` runs with K/V fake-quantized per ``policy`` and/or observed.
 
     ``policy=None`` leaves K/V untouched (pure observation or a BF16 reference). ``rotation``:
     the layers whose K/V are rotated before observation and quantization (:class:`KVRotation`).
-    ``nvfp4_decoding``: how NVFP4 layers are read back (:data:`NVFP4_DECODINGS`). Raises
+    ``nvfp4_decoding``: how NVFP4 layers are read back (:data:`NVFP4_DECODINGS`). ``key_sink``:
+    the first keys of each sequence stored another way in NVFP4-K layers (:class:`KeySink`). Raises
     :class:`~vllm_nvfp4.policy.PolicyError` if the policy does not fit the model and
     ``RuntimeError`` for models it cannot hook. Yields the hook state (``.calls`` counts the
     attention calls that went through the hook, a check that the model is supported).
@@ -396,7 +455,7 @@ def kv_cache_quantization(
     _check_decoding(nvfp4_decoding)
     register_hooks()
     state = _HookState(base, _layer_quants(policy) if policy is not None else None, observer, nonfinite,
-                       rotation, nvfp4_decoding)
+                       rotation, nvfp4_decoding, key_sink)
     keys = {id(m.config) for m in mods}
     with _LOCK:
         if any(k in _ACTIVE for k in keys):

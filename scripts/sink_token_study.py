@@ -1,0 +1,100 @@
+#!/usr/bin/env python
+"""How much of the NVFP4 damage sits in the attention-sink keys, the first keys of a sequence (CPU)?
+
+    python scripts/sink_token_study.py MODEL TEXT --out DIR [--window 1024] [--heldout-windows 4]
+        [--dtype float32] [--sinks fp8:1 uncentered:1 exact:16 ...] [--fp8-slots 14k 15k ...]
+
+On held-out windows, against the unquantized cache: calibrated all-FP8 and all-NVFP4 (K
+centering on), then all-NVFP4 with each ``--sinks`` entry ``STORE:N`` (the first N keys of every
+window stored as :class:`~vllm_nvfp4.calibration.kv_hooks.KeySink` ``STORE`` says: ``fp8``,
+``exact``, or ``uncentered`` = NVFP4 before K centering, no extra bytes). With ``--fp8-slots``
+(e.g. the slots a ``tune`` policy keeps in FP8) the same for that mix. Each row gets its top-1 and
+delta-NLL gap recovery ``(x - all-NVFP4) / (all-FP8 - all-NVFP4)``; writes ``DIR/sink.json``.
+
+Windows as ``scripts/sweep_base_study.py``: calibration = the first window of TEXT, held-out =
+the last ``--heldout-windows`` windows of TEXT's final 50,000 characters. Transformers with the
+cache fake-quantized (:mod:`vllm_nvfp4.calibration.kv_hooks`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from rotation_study import _recovery, _row  # noqa: E402  (scripts/ is sys.path[0])
+from sweep_base_study import load_study, study_parser  # noqa: E402
+
+DEFAULT_SINKS = ("fp8:1", "uncentered:1", "fp8:16", "uncentered:16", "exact:16")
+
+
+def parse_sink(text: str) -> Any:
+    """``STORE:N`` -> :class:`~vllm_nvfp4.calibration.kv_hooks.KeySink`; ``SystemExit`` naming the
+    valid form otherwise."""
+    from vllm_nvfp4.calibration.kv_hooks import KeySink
+
+    store, _, n = text.partition(":")
+    try:
+        return KeySink(int(n), store)
+    except ValueError as e:
+        raise SystemExit(f"--sinks entry {text!r}: expected STORE:N, e.g. fp8:1 ({e})") from None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import torch
+
+    from vllm_nvfp4.calibration.evaluator import Evaluator
+    from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy
+    from vllm_nvfp4.calibration.sensitivity import all_format, upgrade
+    from vllm_nvfp4.policy import KVPolicy
+
+    ap = study_parser(__doc__, ("heldout",))
+    ap.set_defaults(window=1024)
+    ap.add_argument("--sinks", nargs="+", default=list(DEFAULT_SINKS))
+    ap.add_argument("--fp8-slots", nargs="*", default=[], help="slots like 14k 3v kept in FP8 in the mix")
+    a = ap.parse_args(["heldout", *(argv if argv is not None else sys.argv[1:])])
+    sinks = [parse_sink(s) for s in a.sinks]
+    a.out.mkdir(parents=True, exist_ok=True)
+    w = a.window
+    model, info, head, tail = load_study(a.model, a.text, a.dtype)
+    layers = info.num_layers
+    observer = observe_amax(model, torch.tensor(head[:w]).view(1, w), layers, kv_layers=info.kv_layers)
+    scaled = scaled_policy(KVPolicy.from_compact("*:fp8", layers, layer_types=info.layer_types),
+                           observer, False, {}, None, True)
+    nv = all_format(scaled, "nvfp4")
+    bases = {"all_nvfp4": nv}
+    if a.fp8_slots:
+        mix = nv
+        for s in a.fp8_slots:
+            mix = upgrade(mix, int(s[:-1]), s[-1])
+        bases["mix"] = mix
+    ev = Evaluator(model, torch.tensor(tail[-w * a.heldout_windows:]).view(a.heldout_windows, w),
+                   reuse_prefix=False)
+    ev.reference()
+    out: dict[str, Any] = {"all_fp8": ev.measure(all_format(scaled, "fp8")).to_dict()}
+    print(_row("all_fp8", out["all_fp8"]), flush=True)
+    for base_name, policy in bases.items():
+        for sink, sink_text in [(None, ""), *zip(sinks, a.sinks)]:
+            ev.key_sink = sink
+            name = base_name + (f" + sink {sink_text}" if sink else "")
+            m = ev.measure(policy).to_dict()
+            m.update(fraction_of_fp8=round(policy.fraction_of_fp8(), 6))
+            if "all_nvfp4" in out:
+                m.update(_recovery(m, out["all_fp8"], out["all_nvfp4"]))
+            out[name] = m
+            gap = f"  gap recovery {m['top1_gap_recovery']:.0%}" if "top1_gap_recovery" in m else ""
+            print(_row(name, m) + gap, flush=True)
+    summary = {"model": str(a.model), "text": str(a.text), "window": w, "dtype": a.dtype,
+               "heldout_windows": a.heldout_windows, "k_center": True, "fp8_slots": a.fp8_slots,
+               "configs": out}
+    (a.out / "sink.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
