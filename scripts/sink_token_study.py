@@ -9,7 +9,9 @@ centering on), then all-NVFP4 with each ``--sinks`` entry ``STORE:N`` (the first
 window stored as :class:`~vllm_nvfp4.calibration.kv_hooks.KeySink` ``STORE`` says: ``fp8``,
 ``exact``, or ``uncentered`` = NVFP4 before K centering, no extra bytes). With ``--fp8-slots``
 (e.g. the slots a ``tune`` policy keeps in FP8) the same for that mix. Each row gets its top-1 and
-delta-NLL gap recovery ``(x - all-NVFP4) / (all-FP8 - all-NVFP4)``; writes ``DIR/sink.json``.
+delta-NLL gap recovery ``(x - all-NVFP4) / (all-FP8 - all-NVFP4)``; writes ``DIR/sink.json``,
+with ``key_stats``: per KV layer, on the held-out windows, the first key's norm against the median
+key's before and after K centering, and its largest centered element against the other keys'.
 
 Windows as ``scripts/sweep_base_study.py``: calibration = the first window of TEXT, held-out =
 the last ``--heldout-windows`` windows of TEXT's final 50,000 characters. Transformers with the
@@ -45,6 +47,47 @@ def parse_sink(text: str) -> Any:
         raise SystemExit(f"--sinks entry {text!r}: expected STORE:N, e.g. fp8:1 ({e})") from None
 
 
+def key_stats(model: Any, windows: Any, policy: Any) -> dict[str, dict[str, float]]:
+    """Per KV layer (``policy``'s K centering offsets): ``raw_norm_ratio`` = |k_0| / median |k_t|,
+    ``centered_norm_ratio`` the same of ``k - mu``, and ``centered_amax_ratio`` = max |k_0 - mu| /
+    max over t >= 1 of |k_t - mu|; medians over heads and windows; ``raw_amax_over_range`` = the
+    largest max |k_0| / (2688 x the NVFP4 global scale) over heads and windows (above 1 the
+    ``uncentered`` store saturates)."""
+    import torch
+
+    from vllm_nvfp4.calibration.kv_hooks import KVObserver, kv_cache_quantization
+    from vllm_nvfp4.formats import E2M1_MAX, E4M3_MAX
+
+    rows: dict[int, list[list[float]]] = {}
+
+    class FirstKeys(KVObserver):
+        def observe(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+            lp = policy.layers[layer]
+            center = lp.k_center
+            top = E2M1_MAX * E4M3_MAX * torch.as_tensor(lp.k_global_scale, dtype=torch.float32).reshape(-1)
+            mu = torch.zeros(key.shape[1], key.shape[-1]) if center is None else torch.tensor(center)
+            k = key.detach().float()[0]  # [kv_heads, T, D]
+            c = k - mu[:, None, :]
+            for h, (raw, cen) in enumerate(zip(k, c)):
+                norms, cnorms = raw.norm(dim=-1), cen.norm(dim=-1)
+                rows.setdefault(layer, []).append([
+                    float(norms[0] / norms.median()), float(cnorms[0] / cnorms.median()),
+                    float(cen[0].abs().max() / cen[1:].abs().max()),
+                    float(raw[0].abs().max() / top[h if top.numel() > 1 else 0])])
+
+    obs = FirstKeys(policy.num_layers)
+    with torch.no_grad(), kv_cache_quantization(model, observer=obs):
+        for w in windows:
+            model(w.view(1, -1), use_cache=False)
+    names = ("raw_norm_ratio", "centered_norm_ratio", "centered_amax_ratio")
+    out = {}
+    for layer, v in sorted(rows.items()):
+        t = torch.tensor(v)
+        out[str(layer)] = {n: round(float(t[:, i].median()), 4) for i, n in enumerate(names)}
+        out[str(layer)]["raw_amax_over_range"] = round(float(t[:, 3].max()), 4)
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import torch
 
@@ -73,8 +116,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for s in a.fp8_slots:
             mix = upgrade(mix, int(s[:-1]), s[-1])
         bases["mix"] = mix
-    ev = Evaluator(model, torch.tensor(tail[-w * a.heldout_windows:]).view(a.heldout_windows, w),
-                   reuse_prefix=False)
+    heldout = torch.tensor(tail[-w * a.heldout_windows:]).view(a.heldout_windows, w)
+    stats = key_stats(model, heldout, scaled)
+    leads = sum(v["centered_amax_ratio"] >= 1 for v in stats.values())
+    print("first key / median key, norm before -> after K centering; its largest centered element /"
+          " the other keys' largest; its largest raw element / the NVFP4 range:", flush=True)
+    for layer, v in stats.items():
+        print(f"  layer {layer:>3}: {v['raw_norm_ratio']:.2f} -> {v['centered_norm_ratio']:.2f}; "
+              f"{v['centered_amax_ratio']:.2f}; {v['raw_amax_over_range']:.2f}", flush=True)
+    over = sum(v["raw_amax_over_range"] > 1 for v in stats.values())
+    print(f"the first key holds the largest centered element in {leads} of {len(stats)} layers; "
+          f"uncentered, it exceeds the NVFP4 range in {over}", flush=True)
+    ev = Evaluator(model, heldout, reuse_prefix=False)
     ev.reference()
     out: dict[str, Any] = {"all_fp8": ev.measure(all_format(scaled, "fp8")).to_dict()}
     print(_row("all_fp8", out["all_fp8"]), flush=True)
@@ -91,7 +144,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(_row(name, m) + gap, flush=True)
     summary = {"model": str(a.model), "text": str(a.text), "window": w, "dtype": a.dtype,
                "heldout_windows": a.heldout_windows, "k_center": True, "fp8_slots": a.fp8_slots,
-               "configs": out}
+               "configs": out, "key_stats": stats}
     (a.out / "sink.json").write_text(json.dumps(summary, indent=1) + "\n")
     return 0
 
