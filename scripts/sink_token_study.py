@@ -8,7 +8,9 @@ On held-out windows, against the unquantized cache: calibrated all-FP8 and all-N
 centering on), then all-NVFP4 with each ``--sinks`` entry ``STORE:N`` (the first N keys of every
 window stored as :class:`~vllm_nvfp4.calibration.kv_hooks.KeySink` ``STORE`` says: ``fp8``,
 ``exact``, or ``uncentered`` = NVFP4 before K centering, no extra bytes). With ``--fp8-slots``
-(e.g. the slots a ``tune`` policy keeps in FP8) the same for that mix. Each row gets its top-1 and
+(e.g. the slots a ``tune`` policy keeps in FP8) the same for that mix. ``uncentered-fit:N`` is
+``uncentered`` only in the layers where the calibration window's first key fits the NVFP4 range
+before centering (elsewhere the keys stay as the policy stores them). Each row gets its top-1 and
 delta-NLL gap recovery ``(x - all-NVFP4) / (all-FP8 - all-NVFP4)``; writes ``DIR/sink.json``,
 with ``key_stats``: per KV layer, on the held-out windows, the first key's norm against the median
 key's before and after K centering, and its largest centered element against the other keys'.
@@ -33,15 +35,18 @@ from rotation_study import _recovery, _row  # noqa: E402  (scripts/ is sys.path[
 from sweep_base_study import load_study, study_parser  # noqa: E402
 
 DEFAULT_SINKS = ("fp8:1", "uncentered:1", "fp8:16", "uncentered:16", "exact:16")
+FIT_STORE = "uncentered-fit"
 
 
-def parse_sink(text: str) -> Any:
-    """``STORE:N`` -> :class:`~vllm_nvfp4.calibration.kv_hooks.KeySink`; ``SystemExit`` naming the
-    valid form otherwise."""
+def parse_sink(text: str, fitting_layers: Optional[frozenset[int]] = None) -> Any:
+    """``STORE:N`` -> :class:`~vllm_nvfp4.calibration.kv_hooks.KeySink` (``uncentered-fit``:
+    ``uncentered`` in ``fitting_layers``); ``SystemExit`` naming the valid form otherwise."""
     from vllm_nvfp4.calibration.kv_hooks import KeySink
 
     store, _, n = text.partition(":")
     try:
+        if store == FIT_STORE:
+            return KeySink(int(n), "uncentered", fitting_layers)
         return KeySink(int(n), store)
     except ValueError as e:
         raise SystemExit(f"--sinks entry {text!r}: expected STORE:N, e.g. fp8:1 ({e})") from None
@@ -101,14 +106,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--sinks", nargs="+", default=list(DEFAULT_SINKS))
     ap.add_argument("--fp8-slots", nargs="*", default=[], help="slots like 14k 3v kept in FP8 in the mix")
     a = ap.parse_args(["heldout", *(argv if argv is not None else sys.argv[1:])])
-    sinks = [parse_sink(s) for s in a.sinks]
+    for s in a.sinks:
+        parse_sink(s)  # bad entries fail before the model loads
     a.out.mkdir(parents=True, exist_ok=True)
     w = a.window
     model, info, head, tail = load_study(a.model, a.text, a.dtype)
     layers = info.num_layers
-    observer = observe_amax(model, torch.tensor(head[:w]).view(1, w), layers, kv_layers=info.kv_layers)
+    calib = torch.tensor(head[:w]).view(1, w)
+    observer = observe_amax(model, calib, layers, kv_layers=info.kv_layers)
     scaled = scaled_policy(KVPolicy.from_compact("*:fp8", layers, layer_types=info.layer_types),
                            observer, False, {}, None, True)
+    fitting = frozenset(int(i) for i, v in key_stats(model, calib, scaled).items()
+                        if v["raw_amax_over_range"] <= 1)
+    sinks = [parse_sink(s, fitting) for s in a.sinks]
     nv = all_format(scaled, "nvfp4")
     bases = {"all_nvfp4": nv}
     if a.fp8_slots:
@@ -144,7 +154,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(_row(name, m) + gap, flush=True)
     summary = {"model": str(a.model), "text": str(a.text), "window": w, "dtype": a.dtype,
                "heldout_windows": a.heldout_windows, "k_center": True, "fp8_slots": a.fp8_slots,
-               "configs": out, "key_stats": stats}
+               "uncentered_fit_layers": sorted(fitting), "configs": out, "key_stats": stats}
     (a.out / "sink.json").write_text(json.dumps(summary, indent=1) + "\n")
     return 0
 

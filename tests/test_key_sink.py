@@ -104,6 +104,21 @@ def test_study_parses_sink_entries():
     from sink_token_study import parse_sink
 
     assert parse_sink("uncentered:16") == KeySink(16, "uncentered")
+    assert parse_sink("uncentered-fit:1", frozenset({2})) == KeySink(1, "uncentered", frozenset({2}))
     for bad in ("bf16:1", "fp8", "fp8:x", "exact:0"):
         with pytest.raises(SystemExit, match="expected STORE:N"):
             parse_sink(bad)
+
+
+def test_sink_applies_only_to_its_layers():
+    model = tiny_model(num_layers=2)
+    ids = _ids()
+    policy = _calibrated(model, ids, "nvfp4")
+    with torch.no_grad():
+        plain = _logits(model, ids, policy)
+        with kv_cache_quantization(model, policy, key_sink=KeySink(4, "fp8", frozenset())):
+            none = model(ids, use_cache=False).logits.float()
+        with kv_cache_quantization(model, policy, key_sink=KeySink(4, "fp8", frozenset({1}))):
+            last = model(ids, use_cache=False).logits.float()
+    assert torch.equal(none, plain)
+    assert (last - plain).abs().max() > 1e-4

@@ -255,10 +255,16 @@ class KeySink:
     scale x 6 (amax/448 where the global scale is amax/2688); ``uncentered`` quantizes
     ``K / lam`` to NVFP4 with the layer's global scale and subtracts ``mu / lam`` after decoding,
     which stores no extra bytes (K centering, :mod:`vllm_nvfp4.key_transform`, makes the sink
-    key, small before centering, one of the largest after it)."""
+    key, small before centering, one of the largest after it). ``layers``: the decoder layers it
+    applies to (None: every NVFP4-K layer)."""
 
     tokens: int
     store: str = "fp8"
+    layers: Optional[frozenset[int]] = None
+
+    def covers(self, layer: int) -> bool:
+        """Whether the sink applies to decoder layer ``layer`` (its K must be NVFP4 as well)."""
+        return self.layers is None or layer in self.layers
 
     def __post_init__(self) -> None:
         if self.tokens < 1:
@@ -328,7 +334,7 @@ def _make_wrapper(base_name: str) -> Callable[..., Any]:
                     query, key = transform_qk(query, key, lq.k_smooth, lq.k_center)
                 stored = fake_quantize(key, lq.k_fmt, lq.k_scale, state.nonfinite,
                                        state.nvfp4_decoding)
-                if state.key_sink is not None and lq.k_fmt == KVFormat.NVFP4:
+                if state.key_sink is not None and lq.k_fmt == KVFormat.NVFP4 and state.key_sink.covers(layer):
                     stored = state.key_sink.apply(stored, raw_key, lq, state.nonfinite)
                 key = stored.to(query.dtype)
                 value = fake_quantize(value, lq.v_fmt, lq.v_scale, state.nonfinite,
