@@ -23,6 +23,7 @@ cache fake-quantized (:mod:`vllm_nvfp4.calibration.kv_hooks`).
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -101,17 +102,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from vllm_nvfp4.calibration.sensitivity import all_format, upgrade
     from vllm_nvfp4.policy import KVPolicy
 
-    ap = study_parser(__doc__, ("heldout",))
+    ap = study_parser(__doc__, ())
     ap.set_defaults(window=1024)
-    ap.add_argument("--sinks", nargs="+", default=list(DEFAULT_SINKS))
+    ap.add_argument("--sinks", nargs="+", default=list(DEFAULT_SINKS), help="STORE:N entries")
     ap.add_argument("--fp8-slots", nargs="*", default=[], help="slots like 14k 3v kept in FP8 in the mix")
-    a = ap.parse_args(["heldout", *(argv if argv is not None else sys.argv[1:])])
+    a = ap.parse_args(argv)
     for s in a.sinks:
         parse_sink(s)  # bad entries fail before the model loads
+    bad = [s for s in a.fp8_slots if not re.fullmatch(r"\d+[kv]", s)]
+    if bad:
+        raise SystemExit(f"--fp8-slots {bad}: expected LAYERk or LAYERv, e.g. 14k 3v")
     a.out.mkdir(parents=True, exist_ok=True)
     w = a.window
     model, info, head, tail = load_study(a.model, a.text, a.dtype)
     layers = info.num_layers
+    outside = [s for s in a.fp8_slots if int(s[:-1]) not in info.kv_layers]
+    if outside:
+        raise SystemExit(f"--fp8-slots {outside}: the model's KV layers are {info.kv_layers[0]}-{info.kv_layers[-1]}")
     calib = torch.tensor(head[:w]).view(1, w)
     observer = observe_amax(model, calib, layers, kv_layers=info.kv_layers)
     scaled = scaled_policy(KVPolicy.from_compact("*:fp8", layers, layer_types=info.layer_types),

@@ -47,16 +47,21 @@ class _Progress:
 
 
 def study_parser(doc: str, steps: Sequence[str]) -> argparse.ArgumentParser:
-    """The arguments the window studies share: STEP MODEL TEXT --out and the window options."""
+    """The arguments the window studies share: STEP MODEL TEXT --out and the window options; with
+    no ``steps``, MODEL TEXT --out and the held-out window options only (a study without an
+    analysis sweep or a budget)."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    ap.add_argument("step", choices=steps)
+    if steps:
+        ap.add_argument("step", choices=steps)
     ap.add_argument("model", type=Path)
     ap.add_argument("text", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--analysis-windows", type=int, default=2)
+    if steps:
+        ap.add_argument("--analysis-windows", type=int, default=2)
     ap.add_argument("--heldout-windows", type=int, default=4)
-    ap.add_argument("--budget", type=float, default=0.62)
+    if steps:
+        ap.add_argument("--budget", type=float, default=0.62)
     ap.add_argument("--dtype", default="float32")
     return ap
 
