@@ -5,7 +5,7 @@ heads, 8 KV heads, head_dim 128, block 16; decode batch 16/64 x context 4k/32k, 
 other heads with ``--q-heads/--kv-heads/--head-dim``) with ``bench_decode.timer`` (CUDA-graph
 replays, do_bench median, L2 flushed): the BEFORE module's default, the current default and the
 current module's launch variants (tile, warps, splits - any count, e.g. ``s6`` -, maxnreg, e.g.
-``r184``, prefill rows), each output checked
+``r184``, the tile loop's pipeline stages, e.g. ``st5``, prefill rows), each output checked
 against BEFORE's default (relative L2 difference).
 Writes JSON and prints a table last.
 
@@ -22,6 +22,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -85,20 +86,21 @@ VARIANTS = {
         "t32_w2": dict(tile_n=32, num_warps=2),
     },
 }
-#: launch numbers any variant name may carry instead: sN splits, rN register cap, e.g. ``s6_r184``
-NUMERIC_FIELDS = {"s": "num_splits", "r": "maxnreg"}
+#: launch numbers any variant name may carry instead: sN splits, rN register cap, stN pipeline
+#: stages of the tile loop, e.g. ``s6_r184``, ``st5``
+NUMERIC_FIELDS = {"s": "num_splits", "r": "maxnreg", "st": "num_stages"}
 
 
 def variant_config(name: str, kind: str) -> dict | None:
     """LaunchShape fields of variant ``name`` for launch ``kind`` ('decode' / 'prefill'): a
-    VARIANTS entry, or ``_``-joined ``sN`` / ``rN`` tokens (decode only); None where it does not
-    apply."""
+    VARIANTS entry, or ``_``-joined :data:`NUMERIC_FIELDS` tokens (decode only); None where it
+    does not apply."""
     if name in VARIANTS[kind]:
         return VARIANTS[kind][name]
-    tokens = name.split("_")
-    if kind != "decode" or not all(t[:1] in NUMERIC_FIELDS and t[1:].isdigit() for t in tokens):
+    tokens = [re.fullmatch(r"([a-z]+)(\d+)", t) for t in name.split("_")]
+    if kind != "decode" or not all(t and t.group(1) in NUMERIC_FIELDS for t in tokens):
         return None
-    return {NUMERIC_FIELDS[t[0]]: int(t[1:]) for t in tokens}
+    return {NUMERIC_FIELDS[t.group(1)]: int(t.group(2)) for t in tokens}
 
 
 FORMATS = {"fp8": ("fp8", "fp8"), "nvfp4": ("nvfp4", "nvfp4"), "k_fp8_v_nvfp4": ("fp8", "nvfp4"),
@@ -142,7 +144,8 @@ def main() -> None:
                     help="BATCHxCONTEXT decode shapes; BATCHxLENxP = prefill of LEN-token prompts")
     ap.add_argument("--variants", nargs="*",
                     default=sorted({v for kind in VARIANTS.values() for v in kind}),
-                    help="names from VARIANTS, or sN / rN / sN_rN (N splits, register cap N); each "
+                    help="names from VARIANTS, or sN / rN / stN / sN_rN (N splits, register cap N, "
+                         "N pipeline stages); each "
                          "runs where its launch kind has it")
     ap.add_argument("--formats", nargs="+", choices=sorted(FORMATS), default=list(FORMATS),
                     help="K/V format pairs to time (default: all)")
@@ -154,7 +157,7 @@ def main() -> None:
     args = ap.parse_args()
     unknown = [v for v in args.variants if all(variant_config(v, k) is None for k in VARIANTS)]
     if unknown:
-        ap.error(f"unknown variants {unknown}: use names from VARIANTS or sN / rN / sN_rN")
+        ap.error(f"unknown variants {unknown}: use names from VARIANTS or sN / rN / stN / sN_rN")
     dev = "cpu" if args.smoke else "cuda"
     bd.set_shape(args.q_heads, args.kv_heads, args.head_dim, args.sinks, dev)
     if args.smoke:

@@ -45,11 +45,13 @@ def default_variants(lay: KVPageLayout, kind: str) -> tuple:
 
 
 def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: str = "decode",
-               sinks: bool = False, rows: int = 16, variants: tuple = (), parts: int = 1):
+               sinks: bool = False, rows: int = 16, variants: tuple = (), parts: int = 1,
+               stages: int = 3):
     """The decode or the prefill kernel (``kind``; prefill: ``rows`` query rows per program; with
     attention ``sinks`` or without) as Triton source for ``triton.compile``. A ``--module`` of a commit that still had the rows family:
     its keys kernels. ``variants``: names of LaunchShape code variants switched on
-    (``hoist_query``, ``fold_k_scales``); ``parts``: the head-dim parts (``dim_parts``)."""
+    (``hoist_query``, ``fold_k_scales``); ``parts``: the head-dim parts (``dim_parts``);
+    ``stages``: the tile loop's pipeline stages (``STAGES``, where the module has it)."""
     prefill = kind == "prefill"
     sig = {n: "*bf16" for n in ("query_ptr", "out_ptr")}
     sig.update(cache_ptr="*u8", k_scale_ptr="*fp32", v_scale_ptr="*fp32")
@@ -89,6 +91,8 @@ def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: st
         const.update(PARTS=parts)
     elif parts > 1:
         raise SystemExit("this attention module has no head-dim parts")
+    if "STAGES" in fn.arg_names:
+        const.update(STAGES=stages)
     if "PREFETCH" in fn.arg_names:  # an older module (--module) with register prefetch: its own default
         const.update(PREFETCH="nvfp4" in (lay.k_format, lay.v_format))
     for k, v in const.items():
@@ -153,7 +157,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sass", help="write SASS (and TTGIR) files into this folder")
     ap.add_argument("--module", help="compile this attention.py instead (e.g. an old commit's)")
-    ap.add_argument("--stages", type=int, default=3, help="num_stages")
+    ap.add_argument("--stages", type=int, default=3,
+                    help="pipeline stages of the tile loop (num_stages)")
     ap.add_argument("--maxnreg", type=int,
                     help="register cap per thread (default: the launch default's, if any)")
     ap.add_argument("--splits", type=int, default=1, help="NUM_SPLITS (> 1: partial outputs)")
@@ -193,7 +198,7 @@ def main() -> None:
         variants = (default_variants(lay, kind) if args.variant is None
                     else tuple(v for v in args.variant if v != "none"))
         k = triton.compile(kernel_src(lay, tile, args.splits, args.group, kind, args.sinks,
-                                      args.rows, variants, dim_parts),
+                                      args.rows, variants, dim_parts, args.stages),
                            target=TARGET,
                            options=dict(num_warps=warps, num_stages=args.stages,
                                         **({"maxnreg": maxnreg} if maxnreg else {})))

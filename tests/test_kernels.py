@@ -164,7 +164,7 @@ def _launch(lay: KVPageLayout, decode: bool, **fixed) -> "attn_kernels.LaunchSha
     return dataclasses.replace(attn_kernels.launch_defaults(lay, decode), **fixed)
 
 
-@pytest.mark.parametrize("splits,stages", [(2, None), (1, 1), (8, 3), (3, None), (6, 2)])
+@pytest.mark.parametrize("splits,stages", [(2, None), (1, 1), (8, 3), (3, 5), (6, 2)])
 @pytest.mark.parametrize("kf,vf", FMT_PAIRS)
 def test_decode_splits_and_stages_agree(splits, stages, kf, vf):
     """Split counts (also not powers of 2) and pipeline stages give the same attention, every K/V
@@ -322,6 +322,26 @@ def test_decode_register_cap_short_splits(monkeypatch, seqs, ctx, want):
         splits = attn_kernels.decode_splits(seqs, 8, ctx, shape.tile_n, cpu, shape.num_warps)
         keys = -(-ctx // splits)
         assert attn_kernels.decode_register_cap(shape, seqs * 8 * splits, keys, cpu) == cap
+
+
+@pytest.mark.parametrize("seqs,ctx,want", [(64, 4096, 5), (16, 4096, 3), (64, 32768, 5),
+                                            (16, 32768, 5), (4, 2048, 3)])
+def test_decode_stages_long_splits(monkeypatch, seqs, ctx, want):
+    """An NVFP4 K at head_dim 128, 32 q / 8 KV heads, 132 SMs: the tile loop takes 5 pipeline
+    stages (a second copy buffer) where each split holds at least 1024 keys (64 x 4k: 4 splits
+    of 1024), 3 where it holds fewer (16 x 4k: 8 splits of 512); an FP8 K and head_dim 256
+    always 3; a launch shape's ``num_stages`` wins."""
+    monkeypatch.setattr(attn_kernels, "_num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    for kf, vf, d, stages in (("nvfp4", "nvfp4", 128, want), ("nvfp4", "fp8", 128, want),
+                              ("fp8", "nvfp4", 128, 3), ("fp8", "fp8", 128, 3),
+                              ("nvfp4", "nvfp4", 256, 3)):
+        shape = attn_kernels.launch_defaults(KVPageLayout(8, d, 16, kf, vf), True)
+        splits = attn_kernels.decode_splits(seqs, 8, ctx, shape.tile_n, cpu, shape.num_warps)
+        keys = -(-ctx // splits)
+        assert attn_kernels.decode_stages(shape, keys) == stages, (kf, vf, d)
+        fixed = dataclasses.replace(shape, num_stages=2)
+        assert attn_kernels.decode_stages(fixed, keys) == 2
 
 
 @pytest.mark.parametrize("group,d,b,window,cap", [(3, 64, 32, 40, 2.0), (1, 256, 16, None, None),

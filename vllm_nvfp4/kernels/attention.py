@@ -438,7 +438,7 @@ def _attend_keys(
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
     HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PARTS: tl.constexpr,
-    LAZY: tl.constexpr,
+    LAZY: tl.constexpr, STAGES: tl.constexpr,
 ):
     """:func:`_attend_tiles` over the keys ``[t_begin, t_end)``: the whole tiles of ``[t_begin,
     t_full)`` that every query column sees entirely (no mask, no bounds checks), then the rest
@@ -446,8 +446,8 @@ def _attend_keys(
 
     ``HOIST_Q``: the score tiles start from ``sum_c 0 . q_c`` (zeros, computed once before the
     loops) instead of constant zeros, which makes Triton convert the query operands to the MMA
-    layout once rather than in every tile. ``FOLD_K``, ``FOLD_V``, ``PARTS``, ``LAZY``: see
-    :func:`_attend_tiles`."""
+    layout once rather than in every tile. ``FOLD_K``, ``FOLD_V``, ``PARTS``, ``LAZY``,
+    ``STAGES``: see :func:`_attend_tiles`."""
     W: tl.constexpr = D // 2 // PARTS if K_FMT == FMT_FP8 else 16
     KT: tl.constexpr = tl.float32 if F32 else tl.float16
     if PARTS > 1:
@@ -463,11 +463,13 @@ def _attend_keys(
     accs, m_i, l_i = _attend_tiles(
         qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
-        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, False, FOLD_K, FOLD_V, PARTS, LAZY)
+        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, False, FOLD_K, FOLD_V, PARTS, LAZY,
+        STAGES)
     return _attend_tiles(
         qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_full, t_end, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
-        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, True, FOLD_K, FOLD_V, PARTS, LAZY)
+        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, True, FOLD_K, FOLD_V, PARTS, LAZY,
+        STAGES)
 
 
 @triton.jit
@@ -480,7 +482,7 @@ def _attend_tiles(
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
     MASKED: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PARTS: tl.constexpr,
-    LAZY: tl.constexpr,
+    LAZY: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Online-softmax attention with the KEYS on the MMA M dimension and the ``M`` query columns
     (``qs`` from :func:`_load_query_parts`, positions ``q_pos [M]``) on N, over the keys
@@ -499,15 +501,15 @@ def _attend_tiles(
     some column's running max. An FP8
     K or V is one dot per byte plane and tile (:func:`_fp8_planes`: even and odd columns of
     ``K . q^T``, ``V^T . p``). The raw K/V words and whole scale
-    rows are copied asynchronously (``tl.range`` stages) and decoded by unary inline asm in the
-    MMA operand registers. Logits in log2 units: ``qk_scale`` includes log2(e)
+    rows are copied asynchronously (``tl.range`` with ``STAGES`` software-pipeline stages) and
+    decoded by unary inline asm in the MMA operand registers. Logits in log2 units: ``qk_scale`` includes log2(e)
     (and the K dequant factor); with soft-cap, ``softcap`` is the cap and ``qk_scale`` excludes
     log2(e)."""
     C: tl.constexpr = D // 16
     # the masked tail is one tile (a few on a prefill's diagonal), so it is not pipelined - unless
     # a sliding window masks every tile
-    STAGES: tl.constexpr = 1 if MASKED and not USE_WINDOW else 3
-    for t0 in tl.range(lo, hi, TILE_N, num_stages=STAGES):
+    LOOP_STAGES: tl.constexpr = 1 if MASKED and not USE_WINDOW else STAGES
+    for t0 in tl.range(lo, hi, TILE_N, num_stages=LOOP_STAGES):
         toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK,
                                             TILE_N, MASKED)
         if V_FMT != FMT_FP8:
@@ -618,7 +620,7 @@ def _decode_kernel(
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
     F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,
-    PARTS: tl.constexpr, LAZY: tl.constexpr,
+    PARTS: tl.constexpr, LAZY: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Decode through :func:`_attend_keys`: the ``BG`` query columns are the GQA group of one
     KV head (padded, >= 8). Grid ``(seqs, kv_heads, splits)``; with splits, FP32 partials
@@ -633,7 +635,8 @@ def _decode_kernel(
         tl.full([BG], float("-inf"), tl.float32), tl.zeros([BG], dtype=tl.float32),
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
-        TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V, PARTS, LAZY)
+        TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V, PARTS, LAZY,
+        STAGES)
     if USE_SINKS:  # into the first split's partial only
         first_split = tl.full([BG], split, tl.int32) == 0
         m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok & first_split, m_i, l_i)
@@ -718,7 +721,7 @@ def _prefill_kernel(
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
     F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,
-    PARTS: tl.constexpr, LAZY: tl.constexpr,
+    PARTS: tl.constexpr, LAZY: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Prefill through :func:`_attend_keys` (keys on the MMA M dimension, the program's
     ``BLOCK_Q * G_PAD`` query rows as columns, causal); grid ``(query blocks + seqs,
@@ -737,7 +740,8 @@ def _prefill_kernel(
         tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
-        TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V, PARTS, LAZY)
+        TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V, PARTS, LAZY,
+        STAGES)
     if USE_SINKS:
         m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok, m_i, l_i)
         vf = vf * keep
@@ -788,6 +792,29 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: in
 
 #: splits of at most this many keys take ``LaunchShape.short_split_maxnreg``
 SHORT_SPLIT_KEYS = 1024
+#: splits of at least this many keys take ``LaunchShape.long_split_stages``
+LONG_SPLIT_KEYS = 1024
+#: the tile loop's software-pipeline stages unless a launch shape sets others. Triton 3.6 spends
+#: one stage on the block-table load that the K/V addresses depend on, so 3 stages copy the next
+#: tile into the single buffer only after this one is used (no overlap within a program)
+DEFAULT_STAGES = 3
+#: stages that give the K/V copies a second buffer: the next tile's copy runs during this tile's
+#: math (sm_90 compile: 10.5 -> 20.0 KB shared memory per 64-key NVFP4 program). H200, 32 q /
+#: 8 KV heads, head_dim 128, one process: NVFP4 K and V 64 x 32k 754.7 -> 709.3 us, 16 x 32k
+#: 203.9 -> 191.3, 64 x 4k 119.1 -> 115.9, but 16 x 4k (512 keys per split) 43.1 -> 44.1; NVFP4
+#: K / FP8 V 64 x 32k 854.8 -> 814.5; slower with an FP8 K (FP8 / FP8 16 x 32k 258.8 -> 291.5)
+PIPELINED_STAGES = 5
+
+
+def decode_stages(shape: "LaunchShape", keys_per_split: int) -> int:
+    """The decode tile loop's pipeline stages for splits of at most ``keys_per_split`` keys:
+    ``shape.num_stages``; unset, ``shape.long_split_stages`` where a split holds at least
+    :data:`LONG_SPLIT_KEYS` keys; else :data:`DEFAULT_STAGES`."""
+    if shape.num_stages:
+        return shape.num_stages
+    if shape.long_split_stages and keys_per_split >= LONG_SPLIT_KEYS:
+        return shape.long_split_stages
+    return DEFAULT_STAGES
 
 
 def decode_register_cap(shape: "LaunchShape", programs: int, keys_per_split: int,
@@ -817,8 +844,10 @@ class LaunchShape:
     ``tile_n``: keys per tile (at least the block size is used); ``num_warps``: warps per program;
     ``query_rows``: prefill rows (query tokens x padded GQA group) per program, a power of 2.
     The rest stay ``None`` in production and are fixed by benchmarks and tests: ``num_splits``,
-    the decode split count (default :func:`decode_splits`); ``num_stages``, the
-    kernel's pipeline stages (default 3 decode, 2 prefill; the tile loop always has 3);
+    the decode split count (default :func:`decode_splits`); ``num_stages``, the software-pipeline
+    stages of the whole-tile loop (``tl.range``; default :func:`decode_stages` in decode,
+    :data:`DEFAULT_STAGES` in prefill); ``long_split_stages``, the stages where each decode split
+    holds at least :data:`LONG_SPLIT_KEYS` keys;
     ``maxnreg``, the decode kernel's register cap per thread (Triton's ``maxnreg``; default
     :func:`decode_register_cap`); ``short_split_maxnreg``, the cap where each decode split holds
     at most :data:`SHORT_SPLIT_KEYS` keys (a short loop gains more from the registers ptxas then
@@ -843,6 +872,7 @@ class LaunchShape:
     num_stages: Optional[int] = None
     maxnreg: Optional[int] = None
     short_split_maxnreg: Optional[int] = None
+    long_split_stages: Optional[int] = None
     hoist_query: bool = False
     fold_k_scales: bool = False
     fold_v_scales: bool = False
@@ -896,8 +926,10 @@ def launch_defaults(layout, decode: bool) -> LaunchShape:
     operands. NVFP4 K and V at head_dim <= 128 cap registers at 184 where a split
     holds <= 1024 keys (H200, 32 q / 8 KV heads, one process: 64 x 4k 148.2 -> 124.2 us, 16 x 4k
     43.2 -> 42.8 us at 512 keys per split; uncapped the kernel takes 168 registers and 64 x 32k,
-    4096 keys per split, runs 797.0 us against 834.8 capped). Prefill: 64 keys (32 at head_dim
-    256); with an FP8 V 2 warps x 32 query rows, else 1 warp x 16 rows. Head_dim 512:
+    4096 keys per split, runs 797.0 us against 834.8 capped). An NVFP4 K at head_dim <= 128
+    pipelines splits of at least 1024 keys with :data:`PIPELINED_STAGES` stages. Prefill: 64
+    keys (32 at head_dim 256); with an FP8 V 2 warps x 32 query rows, else 1 warp x 16 rows.
+    Head_dim 512:
     :func:`_launch_defaults_512`."""
     if layout.head_dim > 256:
         return _launch_defaults_512(layout, decode)
@@ -908,11 +940,13 @@ def launch_defaults(layout, decode: bool) -> LaunchShape:
     if fp8_k and fp8_v:
         return LaunchShape(64, 2, hoist_query=layout.head_dim >= 256)
     fold_v = not fp8_v and layout.head_dim <= 128
+    long_stages = PIPELINED_STAGES if not fp8_k and layout.head_dim <= 128 else None
     if not fp8_k and not fp8_v:
         return LaunchShape(tile, 1, fold_k_scales=True, fold_v_scales=fold_v,
-                           short_split_maxnreg=184 if layout.head_dim <= 128 else None)
+                           short_split_maxnreg=184 if layout.head_dim <= 128 else None,
+                           long_split_stages=long_stages)
     return LaunchShape(tile, 1, hoist_query=not fp8_k and layout.head_dim <= 128,
-                       fold_v_scales=fold_v)
+                       fold_v_scales=fold_v, long_split_stages=long_stages)
 
 
 def _layout_constexprs(layout, device: torch.device, softcap, window, sinks) -> dict:
@@ -972,8 +1006,10 @@ def paged_attention(
         bg = max(8, g_pad)
         splits = shape.num_splits or decode_splits(num_seqs, layout.num_kv_heads, max_seq_len, tn,
                                                    query.device, warps, shape.dim_parts)
+        keys_per_split = -(-max_seq_len // splits)
         maxnreg = decode_register_cap(shape, num_seqs * layout.num_kv_heads * splits,
-                                      -(-max_seq_len // splits), query.device)
+                                      keys_per_split, query.device)
+        stages = decode_stages(shape, keys_per_split)
         if splits > 1:
             part_o = torch.empty(num_tokens * hq * splits, d, dtype=torch.float32,
                                  device=query.device)
@@ -986,8 +1022,8 @@ def paged_attention(
             part_o, part_ml, *common_args,
             HQ=hq, G=g, BG=bg, TILE_N=tn, NUM_SPLITS=splits, **meta,
             HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales, FOLD_V=shape.fold_v_scales,
-            PARTS=shape.dim_parts, LAZY=shape.lazy_rescale,
-            num_warps=warps, num_stages=shape.num_stages or 3,
+            PARTS=shape.dim_parts, LAZY=shape.lazy_rescale, STAGES=stages,
+            num_warps=warps, num_stages=stages,
             **({"maxnreg": maxnreg} if maxnreg else {}),
         )
         if splits > 1:
@@ -999,6 +1035,7 @@ def paged_attention(
         return out
     block_m = max(shape.query_rows, g_pad)
     block_q = block_m // g_pad
+    stages = shape.num_stages or DEFAULT_STAGES
     grid = (query.shape[0] // block_q + num_seqs, layout.num_kv_heads)
     _prefill_kernel[grid](
         query, out, cache, k_scale, v_scale, sink_arg, block_table, seq_lens, query_start_loc,
@@ -1006,7 +1043,7 @@ def paged_attention(
         *common_args,
         G=g, G_PAD=g_pad, BLOCK_Q=block_q, TILE_N=tn, **meta,
         HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales, FOLD_V=shape.fold_v_scales,
-        PARTS=shape.dim_parts, LAZY=shape.lazy_rescale,
-        num_warps=warps, num_stages=shape.num_stages or 2,
+        PARTS=shape.dim_parts, LAZY=shape.lazy_rescale, STAGES=stages,
+        num_warps=warps, num_stages=stages,
     )
     return out
