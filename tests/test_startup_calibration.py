@@ -440,6 +440,81 @@ def test_tp2_ranks_calibrate_their_heads_into_one_policy(tmp_path: Path):
         assert (a.k_scale, a.v_global_scale) == pytest.approx((b.k_scale, b.v_global_scale), rel=1e-4)
 
 
+AGREE_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    import torch
+    import vllm.distributed
+
+    from vllm_nvfp4.integration import startup_calibration as sc
+
+    rank, store = int(sys.argv[1]), sys.argv[2]
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                                         world_size=2)
+    tp = SimpleNamespace(world_size=2, cpu_group=None)  # None: the default (gloo) group
+    vllm.distributed.get_tp_group = lambda: tp
+    out = {"ok": sc.agree_outcome(None, tp),
+           "rank1": sc.agree_outcome(ValueError("boom") if rank == 1 else None, tp),
+           "both": sc.agree_outcome(KeyError(f"r{rank}"), tp)}
+
+    class States:  # binds on rank 0, runs out of memory on rank 1
+        entered = exited = 0
+
+        @contextmanager
+        def bound(self, max_seqs):
+            if rank == 1:
+                raise RuntimeError(f"out of memory for {max_seqs} slots")
+            States.entered += 1
+            try:
+                yield
+            finally:
+                States.exited += 1
+
+    try:
+        with sc._states_bound_on_every_rank(States(), 3):
+            out["forward"] = True  # never reached: rank 1 failed to bind
+    except sc.StartupCalibrationError as e:
+        out["bind"] = str(e)
+    out["entered_exited"] = [States.entered, States.exited]
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_tp_ranks_agree_on_a_failure_of_one_rank(tmp_path: Path):
+    """Two gloo ranks: :func:`agree_outcome` gives every rank the same verdict (None when all
+    succeeded, the lowest failed rank's error otherwise), and binding GDN states that fails on
+    rank 1 only raises on both ranks before any forward, rank 0's binding undone - no rank is
+    left waiting in a collective."""
+    import subprocess
+    import sys
+
+    from conftest import vllm_subprocess_env
+
+    (tmp_path / "agree.py").write_text(AGREE_SCRIPT)
+    env = vllm_subprocess_env()
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "agree.py"), str(rank),
+                               str(tmp_path / "store")], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    results = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, (stdout + stderr)[-3000:]
+        results.append(json.loads(lines[0][len("RESULT "):]))
+    rank0, rank1 = results
+    for r in results:
+        assert r["ok"] is None
+        assert r["rank1"] == "rank 1: ValueError: boom"
+        assert r["both"] == "rank 0: KeyError: 'r0'"
+        assert r["bind"] == ("binding the Gated DeltaNet states failed on rank 1: RuntimeError: "
+                             "out of memory for 3 slots")
+        assert "forward" not in r
+    assert rank0["entered_exited"] == [1, 1] and rank1["entered_exited"] == [0, 0]
+
+
 # ---------------------------------------------------------------------------- Gated DeltaNet
 GDN_WINDOWS = (2, 192)  # the unit check's calibration forward: 2 sequences of 192 tokens
 

@@ -52,7 +52,11 @@ Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5): every forward above also
 gives each GDN layer vLLM's own pure-prefill metadata and temporary zeroed states, restoring the
 layer's own afterwards (:mod:`.calibration_states`); the policy rows of those layers carry no
 formats and no scales. Any error there falls back to the default rule's scales with a warning;
-the engine still starts.
+the engine still starts. Under TP the ranks agree on the outcome over the CPU group
+(:func:`agree_outcome`) after binding the GDN states, before any forward, and after the
+calibration, so they fall back together and never build different policies. A rank that fails
+inside a forward leaves the others in that forward's collective until the process group's
+timeout, as any failed vLLM forward does.
 """
 
 from __future__ import annotations
@@ -60,10 +64,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -223,6 +227,48 @@ def gather_heads(local: KVObserver, total_heads: int) -> KVObserver:
     return merged
 
 
+def agree_outcome(error: Optional[BaseException], tp: Any) -> Optional[str]:
+    """Every rank's outcome of a step, agreed over the TP group ``tp`` (vLLM's ``GroupCoordinator``:
+    ``world_size``, ``cpu_group``): None where each rank succeeded (``error`` None), else
+    ``"rank R: Type: message"`` of the lowest failed rank - the same string on every rank, so
+    that all of them fall back or raise together instead of one waiting in a collective the
+    others never reach."""
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    if tp.world_size == 1:
+        return None if mine is None else f"rank 0: {mine}"
+    outcomes: list[Optional[str]] = [None] * tp.world_size
+    torch.distributed.all_gather_object(outcomes, mine, group=tp.cpu_group)
+    failed = [(rank, o) for rank, o in enumerate(outcomes) if o is not None]
+    return None if not failed else f"rank {failed[0][0]}: {failed[0][1]}"
+
+
+class StartupCalibrationError(RuntimeError):
+    """The start-up calibration failed on some TP rank (the message names it)."""
+
+
+@contextmanager
+def _states_bound_on_every_rank(states: Optional[StateLayers], max_seqs: int) -> Iterator[None]:
+    """``states.bound(max_seqs)`` (nothing for None), entered only when it succeeded on every
+    TP rank (:func:`agree_outcome`, before any forward and its collectives); else
+    :class:`StartupCalibrationError` on every rank."""
+    from vllm.distributed import get_tp_group
+
+    if states is None:
+        yield
+        return
+    with ExitStack() as stack:
+        error = None
+        try:
+            stack.enter_context(states.bound(max_seqs))
+        except Exception as e:  # noqa: BLE001 - agreed below, raised on every rank
+            error = e
+        failure = agree_outcome(error, get_tp_group())
+        if failure is not None:
+            raise StartupCalibrationError(
+                f"binding the Gated DeltaNet states failed on {failure}") from error
+        yield
+
+
 def _broadcast(obj: Any) -> Any:
     """Rank 0's ``obj`` on every TP rank."""
     from vllm.distributed import get_tp_group
@@ -308,7 +354,7 @@ def _calibrate(runner: Any, layers: dict[str, Any], states: Optional[StateLayers
     bound here for the forwards; None: it has none)."""
     from vllm_nvfp4.calibration.scales import scaled_policy
 
-    with states.bound(recipe.per_forward) if states is not None else nullcontext():
+    with _states_bound_on_every_rank(states, recipe.per_forward):
         observer = gather_heads(observe_in_vllm(runner, layers, windows, recipe.per_forward,
                                                 shape.num_layers, states),
                                 shape.total_num_kv_heads)
@@ -372,18 +418,24 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
     else:
         windows = load_windows([BUILTIN_TEXT], tokenizer, recipe.window, count=0,
                                calib=recipe.windows).calib
+        error = None
         try:
             policy = _calibrate(runner, layers, states, windows, recipe, shape, parts, rank0)
-        except Exception as e:  # noqa: BLE001 - a GDN model starts uncalibrated, never fails
-            if states is None:
-                raise
-            logger.warning("vllm-nvfp4: start-up calibration through the Gated DeltaNet layers "
-                           "failed", exc_info=True)
-            return {"skipped": "the calibration forward through the Gated DeltaNet layers "
-                               f"failed ({type(e).__name__}: {e})"}
+        except Exception as e:  # noqa: BLE001 - agreed below: every rank falls back or raises
+            error = e
         finally:
             if runner.device.type == "cuda":
                 torch.cuda.empty_cache()  # give the forwards' memory back before memory profiling
+        failure = agree_outcome(error, get_tp_group())
+        if failure is not None:
+            if states is None:  # a model without GDN layers: a failure is a bug, never hidden
+                if error is not None:
+                    raise error
+                raise StartupCalibrationError(f"start-up calibration failed on {failure}")
+            logger.warning("vllm-nvfp4: start-up calibration through the Gated DeltaNet layers "
+                           "failed on %s", failure, exc_info=error)
+            return {"skipped": "the calibration forward through the Gated DeltaNet layers "
+                               f"failed ({failure})"}
         if rank0:
             save_cached(policy, path)
     set_startup_policy(vllm_config, policy)
