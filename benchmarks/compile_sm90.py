@@ -44,6 +44,15 @@ def default_variants(lay: KVPageLayout, kind: str) -> tuple:
     return tuple(v for v in CODE_VARIANTS if getattr(shape, v, False))
 
 
+def default_stages(lay: KVPageLayout, kind: str) -> int:
+    """The tile loop's stages ``paged_attention`` takes for ``lay`` in a decode split of 4096 keys
+    (64 x 32k at 8 splits, the shape the instruction analysis describes); 3 in prefill and in a
+    ``--module`` without a stage choice."""
+    if kind != "decode" or not hasattr(A, "decode_stages"):
+        return 3
+    return A.decode_stages(A.launch_defaults(lay, True), 4096)
+
+
 def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: str = "decode",
                sinks: bool = False, rows: int = 16, variants: tuple = (), parts: int = 1,
                stages: int = 3):
@@ -157,8 +166,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sass", help="write SASS (and TTGIR) files into this folder")
     ap.add_argument("--module", help="compile this attention.py instead (e.g. an old commit's)")
-    ap.add_argument("--stages", type=int, default=3,
-                    help="pipeline stages of the tile loop (num_stages)")
+    ap.add_argument("--stages", type=int,
+                    help="pipeline stages of the tile loop (default: the launch default's for a "
+                         "split of 4096 keys, 3 in prefill and in modules without stage choice)")
     ap.add_argument("--maxnreg", type=int,
                     help="register cap per thread (default: the launch default's, if any)")
     ap.add_argument("--splits", type=int, default=1, help="NUM_SPLITS (> 1: partial outputs)")
@@ -195,12 +205,13 @@ def main() -> None:
     for fmt, tile, kind, warps, dim_parts, maxnreg in configs:
         kf, _, vf = fmt.partition("+")  # "fp8" or K+V, e.g. "fp8+nvfp4"
         lay = KVPageLayout(8, args.head_dim, 16, kf, vf or kf)
+        stages = args.stages or default_stages(lay, kind)
         variants = (default_variants(lay, kind) if args.variant is None
                     else tuple(v for v in args.variant if v != "none"))
         k = triton.compile(kernel_src(lay, tile, args.splits, args.group, kind, args.sinks,
-                                      args.rows, variants, dim_parts, args.stages),
+                                      args.rows, variants, dim_parts, stages),
                            target=TARGET,
-                           options=dict(num_warps=warps, num_stages=args.stages,
+                           options=dict(num_warps=warps, num_stages=stages,
                                         **({"maxnreg": maxnreg} if maxnreg else {})))
         sass, regs = cubin_sass(k.asm["cubin"])
         loops = tile_loops(sass) or [collections.Counter()]
@@ -213,7 +224,7 @@ def main() -> None:
         print(f"triton {triton.__version__} D {args.head_dim} {fmt:11} {kind:7} tile {tile:3} "
               f"group {args.group}{' sinks' if args.sinks else ''} "
               f"warps {warps}{f' parts {dim_parts}' if dim_parts > 1 else ''} "
-              f"stages {args.stages}{''.join(' ' + v for v in variants)}: "
+              f"stages {stages}{''.join(' ' + v for v in variants)}: "
               f"regs {regs} smem {k.metadata.shared} "
               f"loop {sum(body.values())} instr/warp "
               f"({sum(body.values()) * warps / tile:.1f} per token-head{tail}; STS/LDS/LDSM/BAR "

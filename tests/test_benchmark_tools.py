@@ -21,6 +21,9 @@ import time_zeroconfig  # noqa: E402
     ("s6", "decode", {"num_splits": 6}),
     ("r184", "decode", {"maxnreg": 184}),
     ("s12_r255", "decode", {"num_splits": 12, "maxnreg": 255}),
+    ("st5", "decode", {"num_stages": 5}),
+    ("s12_st5", "decode", {"num_splits": 12, "num_stages": 5}),
+    ("sst5", "decode", None),      # an unknown prefix
     ("fold_v", "decode", VARIANTS["decode"]["fold_v"]),
     ("w2", "prefill", VARIANTS["prefill"]["w2"]),
     ("s6", "prefill", None),       # splits are a decode launch field

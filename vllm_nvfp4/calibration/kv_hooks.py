@@ -334,8 +334,9 @@ def _make_wrapper(base_name: str) -> Callable[..., Any]:
                     query, key = transform_qk(query, key, lq.k_smooth, lq.k_center)
                 stored = fake_quantize(key, lq.k_fmt, lq.k_scale, state.nonfinite,
                                        state.nvfp4_decoding)
-                if state.key_sink is not None and lq.k_fmt == KVFormat.NVFP4 and state.key_sink.covers(layer):
-                    stored = state.key_sink.apply(stored, raw_key, lq, state.nonfinite)
+                sink = state.key_sink
+                if sink is not None and lq.k_fmt == KVFormat.NVFP4 and sink.covers(layer):
+                    stored = sink.apply(stored, raw_key, lq, state.nonfinite)
                 key = stored.to(query.dtype)
                 value = fake_quantize(value, lq.v_fmt, lq.v_scale, state.nonfinite,
                                       state.nvfp4_decoding).to(query.dtype)

@@ -502,9 +502,9 @@ def _attend_tiles(
     K or V is one dot per byte plane and tile (:func:`_fp8_planes`: even and odd columns of
     ``K . q^T``, ``V^T . p``). The raw K/V words and whole scale
     rows are copied asynchronously (``tl.range`` with ``STAGES`` software-pipeline stages) and
-    decoded by unary inline asm in the MMA operand registers. Logits in log2 units: ``qk_scale`` includes log2(e)
-    (and the K dequant factor); with soft-cap, ``softcap`` is the cap and ``qk_scale`` excludes
-    log2(e)."""
+    decoded by unary inline asm in the MMA operand registers. Logits in log2 units: ``qk_scale``
+    includes log2(e) (and the K dequant factor); with soft-cap, ``softcap`` is the cap and
+    ``qk_scale`` excludes log2(e)."""
     C: tl.constexpr = D // 16
     # the masked tail is one tile (a few on a prefill's diagonal), so it is not pipelined - unless
     # a sliding window masks every tile
@@ -929,8 +929,7 @@ def launch_defaults(layout, decode: bool) -> LaunchShape:
     4096 keys per split, runs 797.0 us against 834.8 capped). An NVFP4 K at head_dim <= 128
     pipelines splits of at least 1024 keys with :data:`PIPELINED_STAGES` stages. Prefill: 64
     keys (32 at head_dim 256); with an FP8 V 2 warps x 32 query rows, else 1 warp x 16 rows.
-    Head_dim 512:
-    :func:`_launch_defaults_512`."""
+    Head_dim 512: :func:`_launch_defaults_512`."""
     if layout.head_dim > 256:
         return _launch_defaults_512(layout, decode)
     tile = 32 if layout.head_dim >= 256 else 64
