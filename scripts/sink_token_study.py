@@ -53,6 +53,26 @@ def parse_sink(text: str, fitting_layers: Optional[frozenset[int]] = None) -> An
         raise SystemExit(f"--sinks entry {text!r}: expected STORE:N, e.g. fp8:1 ({e})") from None
 
 
+def check_fp8_slots(slots: Sequence[str], kv_layers: Optional[Sequence[int]] = None) -> None:
+    """``SystemExit`` unless every entry of ``--fp8-slots`` is ``LAYERk`` / ``LAYERv`` (and, given
+    ``kv_layers``, names a KV layer)."""
+    bad = [s for s in slots if not re.fullmatch(r"\d+[kv]", s)]
+    if bad:
+        raise SystemExit(f"--fp8-slots {bad}: expected LAYERk or LAYERv, e.g. 14k 3v")
+    outside = [s for s in slots if kv_layers is not None and int(s[:-1]) not in kv_layers]
+    if outside:
+        raise SystemExit(f"--fp8-slots {outside}: the model's KV layers are {kv_layers[0]}-{kv_layers[-1]}")
+
+
+def with_fp8_slots(policy: Any, slots: Sequence[str]) -> Any:
+    """``policy`` with each slot of ``slots`` (``LAYERk`` / ``LAYERv``) in FP8."""
+    from vllm_nvfp4.calibration.sensitivity import upgrade
+
+    for s in slots:
+        policy = upgrade(policy, int(s[:-1]), s[-1])
+    return policy
+
+
 def key_stats(model: Any, windows: Any, policy: Any) -> dict[str, dict[str, float]]:
     """Per KV layer (``policy``'s K centering offsets): ``raw_norm_ratio`` = |k_0| / median |k_t|,
     ``centered_norm_ratio`` the same of ``k - mu``, and ``centered_amax_ratio`` = max |k_0 - mu| /
@@ -99,7 +119,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from vllm_nvfp4.calibration.evaluator import Evaluator
     from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy
-    from vllm_nvfp4.calibration.sensitivity import all_format, upgrade
+    from vllm_nvfp4.calibration.sensitivity import all_format
     from vllm_nvfp4.policy import KVPolicy
 
     ap = study_parser(__doc__, ())
@@ -109,16 +129,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = ap.parse_args(argv)
     for s in a.sinks:
         parse_sink(s)  # bad entries fail before the model loads
-    bad = [s for s in a.fp8_slots if not re.fullmatch(r"\d+[kv]", s)]
-    if bad:
-        raise SystemExit(f"--fp8-slots {bad}: expected LAYERk or LAYERv, e.g. 14k 3v")
+    check_fp8_slots(a.fp8_slots)
     a.out.mkdir(parents=True, exist_ok=True)
     w = a.window
     model, info, head, tail = load_study(a.model, a.text, a.dtype)
     layers = info.num_layers
-    outside = [s for s in a.fp8_slots if int(s[:-1]) not in info.kv_layers]
-    if outside:
-        raise SystemExit(f"--fp8-slots {outside}: the model's KV layers are {info.kv_layers[0]}-{info.kv_layers[-1]}")
+    check_fp8_slots(a.fp8_slots, info.kv_layers)
     calib = torch.tensor(head[:w]).view(1, w)
     observer = observe_amax(model, calib, layers, kv_layers=info.kv_layers)
     scaled = scaled_policy(KVPolicy.from_compact("*:fp8", layers, layer_types=info.layer_types),
@@ -129,10 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     nv = all_format(scaled, "nvfp4")
     bases = {"all_nvfp4": nv}
     if a.fp8_slots:
-        mix = nv
-        for s in a.fp8_slots:
-            mix = upgrade(mix, int(s[:-1]), s[-1])
-        bases["mix"] = mix
+        bases["mix"] = with_fp8_slots(nv, a.fp8_slots)
     heldout = torch.tensor(tail[-w * a.heldout_windows:]).view(a.heldout_windows, w)
     stats = key_stats(model, heldout, scaled)
     leads = sum(v["centered_amax_ratio"] >= 1 for v in stats.values())

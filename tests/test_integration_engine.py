@@ -44,12 +44,13 @@ KV_BYTES = int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) << 30  # conftest sets 1 Gi
 
 def _policy_dict(model_dir: Path) -> dict:
     """A calibrated, mixed policy: per-head and scalar scales, K and V formats apart, K
-    smoothing on layer 2, K centering on layers 1 and 2 (so the log-prob comparison covers them
-    end to end)."""
+    smoothing on layer 2, K centering on layers 1 and 2, the K channel permutation on layers 2
+    (with centering and smoothing, given in permuted order) and 3 (so the log-prob comparison
+    covers them end to end)."""
     from transformers import AutoModelForCausalLM
 
     from vllm_nvfp4.calibration.kv_hooks import KVObserver, kv_cache_quantization
-    from vllm_nvfp4.calibration.scales import smoothing_factors
+    from vllm_nvfp4.calibration.scales import channel_permutation, smoothing_factors
     from vllm_nvfp4.formats import fp8_scale_from_amax, nvfp4_global_scale
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -70,6 +71,13 @@ def _policy_dict(model_dir: Path) -> dict:
             lam = smoothing_factors(channel_amax, 1.0)
             entry["k_smooth"] = lam.tolist()
             k_amax = (channel_amax / lam).amax(dim=1)
+        if i in (2, 3):
+            order = channel_permutation(observer.k_channel_rms(i, centered=i == 2))
+            assert not torch.equal(order, torch.arange(order.shape[1]).expand_as(order))
+            entry["k_perm"] = order.tolist()
+            for name in ("k_center", "k_smooth"):
+                if name in entry:
+                    entry[name] = torch.tensor(entry[name]).gather(1, order).tolist()
         for kv, fmt, amax in (("k", kf, k_amax), ("v", vf, observer.v_amax[i])):
             amax = amax * 1.25  # headroom for unseen prompts
             if fmt == "fp8":

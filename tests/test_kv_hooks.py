@@ -300,6 +300,52 @@ def test_k_centering_keeps_softmax_and_the_observer_finds_the_mean():
     assert plain.layers[0].k_scale == pytest.approx(k0.abs().amax().item() / 448, rel=1e-6)
 
 
+def test_k_permutation_is_exact_and_the_observer_finds_the_rms():
+    """Permuting K's channels per KV head and the queries of its group alike leaves every logit
+    exact but for the transform's FP32 rounding, with centering and smoothing given in permuted order; the observer's channel
+    RMS (plain and centered) matches torch; calibration orders each head's channels by falling
+    RMS and writes the offsets in that order, the K scale unchanged."""
+    from vllm_nvfp4.calibration.kv_hooks import transform_qk
+    from vllm_nvfp4.calibration.scales import channel_permutation, scaled_policy
+
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, 9, 16, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, 2, 9, 16, generator=gen, dtype=torch.float64)
+    perm = torch.stack([torch.randperm(16, generator=gen) for _ in range(2)])
+    lam = torch.rand(2, 16, generator=gen, dtype=torch.float64) + 0.5
+    qp, kp = transform_qk(q, k, lam, None, perm)
+    torch.testing.assert_close(kp[0, 1, :, 0], k[0, 1, :, perm[1, 0]] / lam[1, 0])
+    torch.testing.assert_close(qp[0, 3, :, 5], q[0, 3, :, perm[1, 5]] * lam[1, 5])  # q head 3: KV head 1
+    rep = lambda t: t.repeat_interleave(2, 1)  # noqa: E731
+    torch.testing.assert_close(qp @ rep(kp).transpose(-1, -2), q @ rep(k).transpose(-1, -2),
+                               rtol=1e-5, atol=1e-6)  # the transform's FP32 products
+
+    assert channel_permutation(torch.tensor([[1.0, 3.0, 2.0, 3.0]])).tolist() == [[1, 3, 2, 0]]
+    model = tiny_model(num_layers=2)
+    obs = KVObserver(2)
+    keys = []
+    original = obs.observe
+    obs.observe = lambda layer, key, value: (keys.append(key) if layer == 0 else None,
+                                            original(layer, key, value))
+    with torch.no_grad(), kv_cache_quantization(model, observer=obs):
+        model(_ids(), use_cache=False)
+    k0 = keys[0].double()
+    mean = k0.mean(dim=(0, 2))
+    torch.testing.assert_close(obs.k_channel_rms(0, False), k0.square().mean(dim=(0, 2)).sqrt().float())
+    torch.testing.assert_close(obs.k_channel_rms(0, True),
+                               (k0 - mean[None, :, None, :]).square().mean(dim=(0, 2)).sqrt().float())
+    every = KVPolicy.from_compact("*:nvfp4", 2)
+    centered = scaled_policy(every, obs, k_center=True)
+    permuted = scaled_policy(every, obs, k_center=True, k_permute=True)
+    order = torch.tensor(permuted.layers[0].k_perm)
+    rms = (k0 - mean[None, :, None, :]).square().mean(dim=(0, 2)).sqrt()
+    assert (rms.gather(1, order).diff(dim=1) <= 1e-6).all()  # falling RMS per head
+    torch.testing.assert_close(torch.tensor(permuted.layers[0].k_center),
+                               torch.tensor(centered.layers[0].k_center).gather(1, order))
+    assert permuted.layers[0].k_global_scale == centered.layers[0].k_global_scale
+    assert centered.layers[0].k_perm is None
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_k_centering_repairs_keys_with_a_constant_part(fmt):
     """Keys = a large per-channel constant (a K bias) + small token-dependent parts: quantizing

@@ -110,6 +110,26 @@ def test_k_center_round_trips_and_is_checked(tmp_path):
             LayerPolicy("fp8", "fp8", k_center=bad)
 
 
+def test_k_perm_round_trips_and_is_checked(tmp_path):
+    """K channel permutations: per KV head, each channel index exactly once; round-trips through
+    JSON as integers; checked against the model like k_center; described in the start-up table."""
+    rows = [[2, 0, 3, 1], [0, 1, 2, 3]]
+    p = KVPolicy.from_compact("*:nvfp4", 2).with_layer(1, k_perm=rows)
+    q = KVPolicy.load(p.save(tmp_path / "policy.json"))
+    assert q.layers == p.layers and q.to_dict()["layers"][1]["k_perm"] == rows
+    assert "K permuted" in q.describe().splitlines()[2]
+    with pytest.raises(PolicyError, match="layer 1 k_perm has 2 per-head values"):
+        q.check_model(2, num_kv_heads=1)
+    with pytest.raises(PolicyError, match="layer 1 k_perm has 4 values per head, the model's head_dim is 8"):
+        q.check_model(2, num_kv_heads=2, head_dim=8)
+    for bad, match in (([[0, 1, 1, 3]], "head 0 is not a permutation of 0..3"),
+                       ([[0, 1], [1, 2]], "head 1 is not a permutation of 0..1"),
+                       ([[0, 1.0]], "head 0 is not a permutation"), ([[True, False]], "not a permutation"),
+                       ([3], "one per KV head")):
+        with pytest.raises(PolicyError, match=match):
+            LayerPolicy("nvfp4", "nvfp4", k_perm=bad)
+
+
 def _write(tmp_path, data) -> str:
     path = tmp_path / "p.json"
     path.write_text(data if isinstance(data, str) else json.dumps(data))

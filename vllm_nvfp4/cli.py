@@ -82,6 +82,16 @@ def _model_args(p: argparse.ArgumentParser, default_windows: int, k_center_defau
                        help="K centering: store K minus each channel's calibration mean (exact for "
                             "attention without a logits soft-cap; for models whose keys carry a large "
                             "constant part, e.g. Qwen2.5's K bias)")
+    if k_center_default:
+        p.add_argument("--no-k-permute", dest="k_permute", action="store_false",
+                       help="no K channel permutation (default: order each KV head's K channels "
+                            "by their calibration RMS, so each NVFP4 block holds channels of "
+                            "similar magnitude; exact, the queries are permuted alike)")
+    else:
+        p.add_argument("--k-permute", action="store_true",
+                       help="K channel permutation: store each KV head's K channels in order of "
+                            "their calibration RMS, so each NVFP4 block holds channels of similar "
+                            "magnitude (exact: the queries are permuted alike)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="model dtype (default bfloat16, the reference for all damages)")
     _device_arg(p)
@@ -204,7 +214,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     _check_data(a.data)
     _check_writable_file(a.out, a.force, "--out")
     policy = run_calibrate(a.model, a.data, a.policy, a.window, a.windows, a.per_head, a.dtype,
-                           a.k_smooth, a.k_center, a.device)
+                           a.k_smooth, a.k_center, a.device, a.k_permute)
     policy.save(a.out, overwrite=a.force)
     print(f"wrote {a.out}: {policy.to_compact()} ({policy.fraction_of_fp8():.4f}x FP8 bytes)")
     return 0
@@ -221,7 +231,7 @@ def cmd_analyze(a: argparse.Namespace) -> int:
     if (a.out / REPORT_FILE).exists() and not a.force:
         raise UsageError(f"--out {a.out} already holds a report; refusing to overwrite it (use --force)")
     given = [flag for flag, on in (("--per-head", a.per_head), ("--k-smooth", a.k_smooth),
-                                   ("--k-center", a.k_center)) if on]
+                                   ("--k-center", a.k_center), ("--k-permute", a.k_permute)) if on]
     if a.scales is not None and given:
         raise UsageError(f"{' '.join(given)} shape the calibration, which --scales replaces: pass "
                          f"them to `vllm-nvfp4 calibrate` instead (the policy carries them)")
@@ -230,7 +240,7 @@ def cmd_analyze(a: argparse.Namespace) -> int:
         scales.check_model(num_layers)  # KV heads and head_dim are checked once the model is loaded
     report = analyze(a.model, a.data, a.out, a.window, a.windows, a.calib_windows, scales,
                      a.per_head, a.dtype, reuse_prefix=not a.no_prefix_reuse, k_smooth=a.k_smooth,
-                     k_center=a.k_center, device=a.device, base=a.base)
+                     k_center=a.k_center, device=a.device, base=a.base, k_permute=a.k_permute)
     for stale in a.out.glob("selection-*.json"):  # belong to the previous analysis
         stale.unlink()
     paths = render(a.out)
@@ -311,7 +321,8 @@ def cmd_tune(a: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     result = run_tune(a.model, a.data, report_dir, slots, budget=a.budget, window=a.window,
                       windows=a.windows, calib_windows=a.calib_windows, per_head=a.per_head,
-                      dtype=a.dtype, k_smooth=a.k_smooth, k_center=a.k_center, metric=a.metric,
+                      dtype=a.dtype, k_smooth=a.k_smooth, k_center=a.k_center,
+                      k_permute=a.k_permute, metric=a.metric,
                       base=a.base,
                       measure=not a.no_measure, measure_windows=a.measure_windows, device=a.device)
     result.policy.save(target, overwrite=a.force)

@@ -40,7 +40,7 @@ def _tool(command: str) -> dict[str, str]:
 def run_calibrate(model_dir: Path, data: Sequence[Path], formats: Optional[str] = None,
                   window: int = 2048, windows: int = 4, per_head: bool = False,
                   dtype: str = "bfloat16", k_smooth: Optional[float] = None,
-                  k_center: bool = False, device: str = "cpu") -> KVPolicy:
+                  k_center: bool = False, device: str = "cpu", k_permute: bool = False) -> KVPolicy:
     """Calibrate K/V scales on ``windows`` windows; formats from the compact ``formats`` string
     (default rule when ``None``). Returns the policy with scales and provenance (not saved)."""
     model, tokenizer, info = load_model(model_dir, dtype, device, window, 0)
@@ -52,9 +52,9 @@ def run_calibrate(model_dir: Path, data: Sequence[Path], formats: Optional[str] 
     prov = {"tool": _tool("calibrate"), "created": utc_now(), "model": info.to_dict(),
             "data": toks.describe(), "formats_from": "--policy" if formats else "default rule",
             "scales": "per KV head" if per_head else "per layer",
-            "k_smooth_alpha": k_smooth, "k_center": k_center,
+            "k_smooth_alpha": k_smooth, "k_center": k_center, "k_permute": k_permute,
             "conventions": {"fp8_scale": "amax/448", "nvfp4_global_scale": "amax/2688"}}
-    return scaled_policy(fmt, observer, per_head, prov, k_smooth, k_center)
+    return scaled_policy(fmt, observer, per_head, prov, k_smooth, k_center, k_permute)
 
 
 def _check_same_inputs(report: dict[str, Any]) -> None:
@@ -178,7 +178,8 @@ def soft_capped(model_dir: Path) -> bool:
 def run_tune(model_dir: Path, data: Sequence[Path], report_dir: Path, fp8_slots: int,
              budget: Optional[float] = None, window: int = 2048, windows: int = 2,
              calib_windows: int = 1, per_head: bool = False, dtype: str = "bfloat16",
-             k_smooth: Optional[float] = None, k_center: bool = True, metric: str = "kl",
+             k_smooth: Optional[float] = None, k_center: bool = True, k_permute: bool = True,
+             metric: str = "kl",
              measure: bool = True, measure_windows: Optional[int] = None,
              device: str = "cpu", base: str = DEFAULT_BASE) -> TuneResult:
     """``analyze`` (calibrating on the first ``calib_windows`` windows, scoring the next
@@ -194,6 +195,7 @@ def run_tune(model_dir: Path, data: Sequence[Path], report_dir: Path, fp8_slots:
     with single_bar("tune", unit="step"):
         report = analyze(model_dir, data, report_dir, window, windows, calib_windows,
                          per_head=per_head, dtype=dtype, k_smooth=k_smooth, k_center=k_center,
+                         k_permute=k_permute,
                          device=device, base=base)
         for stale in Path(report_dir).glob("selection-*.json"):  # of an earlier analysis
             stale.unlink()

@@ -67,7 +67,7 @@ from vllm_nvfp4.formats import (
     nvfp4_dequantize_folded,
     nvfp4_quantize,
 )
-from vllm_nvfp4.key_transform import stored_keys
+from vllm_nvfp4.key_transform import permute_channels, stored_keys
 from vllm_nvfp4.rotation import rotate, rotation_matrix, unrotate
 from vllm_nvfp4.policy import KVPolicy, LayerType, PolicyError, layer_types_from_config
 
@@ -130,7 +130,8 @@ def fake_quantize(
 class KVObserver:
     """Running per-layer, per-KV-head amax of K and V (FP32 tensors ``[kv_heads]``), and per K
     channel (``[kv_heads, head_dim]``): amax (the input of K smoothing), max, min and sum (K
-    centering: the mean and the amax of ``K - mean``). Indexed by decoder layer; ``kv_layers``
+    centering: the mean and the amax of ``K - mean``), sum of squares (the channel RMS that
+    orders a K channel permutation). Indexed by decoder layer; ``kv_layers``
     (default: all) are the layers that hold a KV cache and must be observed."""
 
     def __init__(self, num_layers: int, kv_layers: Optional[Sequence[int]] = None) -> None:
@@ -142,11 +143,20 @@ class KVObserver:
         self.k_channel_max: list[Optional[torch.Tensor]] = [None] * num_layers
         self.k_channel_min: list[Optional[torch.Tensor]] = [None] * num_layers
         self.k_channel_sum: list[Optional[torch.Tensor]] = [None] * num_layers  # FP64
+        self.k_channel_sumsq: list[Optional[torch.Tensor]] = [None] * num_layers  # FP64
         self.tokens: list[int] = [0] * num_layers
 
     def k_channel_mean(self, layer: int) -> torch.Tensor:
         """Mean of each K channel over the observed tokens, FP32 ``[kv_heads, head_dim]``."""
         return (self.k_channel_sum[layer] / self.tokens[layer]).float()  # type: ignore[operator]
+
+    def k_channel_rms(self, layer: int, centered: bool) -> torch.Tensor:
+        """Root mean square of each K channel (of ``K - mean`` when ``centered``) over the observed
+        tokens, FP32 ``[kv_heads, head_dim]``."""
+        mean_sq = self.k_channel_sumsq[layer] / self.tokens[layer]  # type: ignore[operator]
+        if centered:
+            mean_sq = mean_sq - (self.k_channel_sum[layer] / self.tokens[layer]) ** 2  # type: ignore[operator]
+        return mean_sq.clamp(min=0).sqrt().float()
 
     def k_centered_channel_amax(self, layer: int) -> torch.Tensor:
         """Largest ``|K - mean|`` of each channel, FP32 ``[kv_heads, head_dim]``."""
@@ -166,7 +176,8 @@ class KVObserver:
         stats = {"k_channel_amax": (k32.abs().amax(dim=(0, 2)), torch.maximum),
                  "k_channel_max": (k32.amax(dim=(0, 2)), torch.maximum),
                  "k_channel_min": (k32.amin(dim=(0, 2)), torch.minimum),
-                 "k_channel_sum": (k32.double().sum(dim=(0, 2)), torch.add)}
+                 "k_channel_sum": (k32.double().sum(dim=(0, 2)), torch.add),
+                 "k_channel_sumsq": (k32.double().square().sum(dim=(0, 2)), torch.add)}
         for name, (val, fold) in stats.items():  # each [kv_heads, head_dim]
             prev = getattr(self, name)[layer]
             getattr(self, name)[layer] = val.cpu() if prev is None else fold(prev, val.cpu())
@@ -186,6 +197,12 @@ class _LayerQuant:
     v_scale: ScaleArg
     k_smooth: Optional[torch.Tensor] = None  # FP32 [kv_heads, head_dim]
     k_center: Optional[torch.Tensor] = None  # FP32 [kv_heads, head_dim]
+    k_perm: Optional[torch.Tensor] = None  # int64 [kv_heads, head_dim]
+
+    @property
+    def transforms_k(self) -> bool:
+        """Whether the cache stores K other than as computed (permuted, centered or smoothed)."""
+        return self.k_smooth is not None or self.k_center is not None or self.k_perm is not None
 
 
 def _layer_quants(policy: KVPolicy) -> list[Optional[_LayerQuant]]:
@@ -204,23 +221,29 @@ def _layer_quants(policy: KVPolicy) -> list[Optional[_LayerQuant]]:
             scales.append(s)
         smooth, center = (None if rows is None else torch.tensor(rows, dtype=torch.float32)
                           for rows in (lp.k_smooth, lp.k_center))
-        out.append(_LayerQuant(lp.k, lp.v, scales[0], scales[1], smooth, center))
+        perm = None if lp.k_perm is None else torch.tensor(lp.k_perm, dtype=torch.int64)
+        out.append(_LayerQuant(lp.k, lp.v, scales[0], scales[1], smooth, center, perm))
     return out
 
 
 def transform_qk(query: torch.Tensor, key: torch.Tensor, lam: Optional[torch.Tensor],
-                 mu: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """K centering and smoothing as the integration does them: the cache gets
-    ``(key - mu) / lam`` (:func:`vllm_nvfp4.key_transform.stored_keys`), the query ``query * lam``
-    (FP32, cast back). ``query [b, q_heads, s, d]``, ``key [b, kv_heads, s, d]``, ``lam`` and
-    ``mu`` ``[kv_heads, d]`` or None (a query head uses the rows of its KV head). ``q . k`` moves
-    by ``q . mu`` for every key of a query alike, so softmax does not change."""
+                 mu: Optional[torch.Tensor] = None,
+                 perm: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K channel permutation, centering and smoothing as the integration does them: the cache
+    gets ``(key[perm] - mu) / lam`` (:func:`vllm_nvfp4.key_transform.stored_keys`), the query
+    ``query[perm] * lam`` (FP32, cast back). ``query [b, q_heads, s, d]``, ``key [b, kv_heads, s,
+    d]``, ``lam`` and ``mu`` ``[kv_heads, d]`` (permuted order) and ``perm`` (int64) ``[kv_heads,
+    d]`` or None (a query head uses the rows of its KV head). ``q . k`` moves by ``q . mu`` for
+    every key of a query alike, so softmax does not change."""
+    group = query.shape[1] // key.shape[1]
+    if perm is not None:
+        query = permute_channels(query, perm.repeat_interleave(group, dim=0)[:, None, :])
     if lam is not None:
         lam = lam.to(key.device)
-        group = query.shape[1] // key.shape[1]
         query = (query.float() * lam.repeat_interleave(group, dim=0)[:, None, :]).to(query.dtype)
     key = stored_keys(key, None if mu is None else mu.to(key.device)[:, None, :],
-                      None if lam is None else lam[:, None, :])
+                      None if lam is None else lam[:, None, :],
+                      None if perm is None else perm[:, None, :])
     return query, key
 
 
@@ -279,13 +302,15 @@ class KeySink:
         the keys before K centering and smoothing, same shape."""
         n = min(self.tokens, raw_key.shape[-2])
         raw = raw_key[..., :n, :]
-        mu, lam = (None if t is None else t.to(raw.device)[:, None, :] for t in (quant.k_center, quant.k_smooth))
+        mu, lam, perm = (None if t is None else t.to(raw.device)[:, None, :]
+                         for t in (quant.k_center, quant.k_smooth, quant.k_perm))
         if self.store == "uncentered":
-            head = fake_quantize(stored_keys(raw, None, lam), "nvfp4", quant.k_scale, nonfinite).float()
+            head = fake_quantize(stored_keys(raw, None, lam, perm), "nvfp4", quant.k_scale,
+                                 nonfinite).float()
             if mu is not None:
                 head = head - (mu if lam is None else mu / lam)
         else:
-            head = stored_keys(raw, mu, lam)
+            head = stored_keys(raw, mu, lam, perm)
             if self.store == "fp8":
                 fp8_scale = torch.as_tensor(quant.k_scale, dtype=torch.float32) * E2M1_MAX
                 head = fake_quantize(head, "fp8", fp8_scale, nonfinite)
@@ -330,8 +355,8 @@ def _make_wrapper(base_name: str) -> Callable[..., Any]:
             if state.quants is not None:
                 lq = state.quants[layer]
                 raw_key = key
-                if lq.k_smooth is not None or lq.k_center is not None:
-                    query, key = transform_qk(query, key, lq.k_smooth, lq.k_center)
+                if lq.transforms_k:
+                    query, key = transform_qk(query, key, lq.k_smooth, lq.k_center, lq.k_perm)
                 stored = fake_quantize(key, lq.k_fmt, lq.k_scale, state.nonfinite,
                                        state.nvfp4_decoding)
                 sink = state.key_sink

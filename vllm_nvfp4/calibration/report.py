@@ -144,6 +144,8 @@ def commands(report: dict[str, Any], selections: list[dict[str, Any]], report_di
         analyze += f" --k-smooth {st['k_smooth']}"
     if st.get("k_center"):
         analyze += " --k-center"
+    if st.get("k_permute"):  # absent from reports written before the flag existed
+        analyze += " --k-permute"
     analyze += " --per-head" * bool(st["per_head"]) + f" --dtype {model['dtype']}"
     analyze += f" --base {sweep_base(report)}"
     out = [analyze]

@@ -14,6 +14,11 @@ are then calibrated on ``K / lam`` (its amax per head is ``max_c a_c / lam_c``).
 K centering (``k_center``): ``mu_c`` = the mean of each K channel over the calibration tokens;
 the cache stores ``K - mu`` (softmax-invariant, :mod:`vllm_nvfp4.policy.layer_policy`), so ``a_c`` above
 becomes the largest ``|K_c - mu_c|`` for the smoothing factors and the K scales.
+
+K channel permutation (``k_permute``): per KV head, the channels in order of falling RMS (of
+``K - mu`` with centering), so each 16-value NVFP4 block holds channels of similar magnitude; the
+offsets and smoothing factors are written in that order, and the K scales, which depend only on
+the largest value per head, do not change.
 """
 
 from __future__ import annotations
@@ -77,11 +82,19 @@ def _rows(t: torch.Tensor) -> tuple[tuple[float, ...], ...]:
     return tuple(tuple(float(x) for x in row) for row in t)
 
 
+def channel_permutation(channel_rms: torch.Tensor) -> torch.Tensor:
+    """Per KV head, the channel indices by falling RMS (ties by index): int64 ``[kv_heads,
+    head_dim]`` from ``channel_rms [kv_heads, head_dim]``."""
+    return torch.sort(channel_rms, dim=1, descending=True, stable=True).indices
+
+
 def scaled_policy(formats: KVPolicy, observer: KVObserver, per_head: bool = False,
                   provenance: Optional[Mapping[str, Any]] = None,
-                  k_smooth_alpha: Optional[float] = None, k_center: bool = False) -> KVPolicy:
+                  k_smooth_alpha: Optional[float] = None, k_center: bool = False,
+                  k_permute: bool = False) -> KVPolicy:
     """``formats`` (formats only) with calibrated scales from ``observer`` for every layer, K
-    centering offsets when ``k_center``, K smoothing factors when ``k_smooth_alpha`` is given."""
+    centering offsets when ``k_center``, K smoothing factors when ``k_smooth_alpha`` is given,
+    a K channel permutation when ``k_permute`` (module doc)."""
     if formats.num_layers != observer.num_layers:
         raise ValueError(f"formats cover {formats.num_layers} layers, amax {observer.num_layers}")
     layers = []
@@ -89,23 +102,29 @@ def scaled_policy(formats: KVPolicy, observer: KVObserver, per_head: bool = Fals
         if not lp.layer_type.holds_kv:
             layers.append(lp)
             continue
-        k_amax, smooth, center = observer.k_amax[i], None, None
+        k_amax, smooth, center, perm = observer.k_amax[i], None, None, None
         channel_amax = observer.k_channel_amax[i]
+        order = channel_permutation(observer.k_channel_rms(i, k_center)) if k_permute else None
+
+        def ordered(t: torch.Tensor) -> torch.Tensor:
+            return t if order is None else t.gather(1, order)
         if k_center:
             channel_amax = observer.k_centered_channel_amax(i)
             k_amax = channel_amax.amax(dim=1)
-            center = _rows(observer.k_channel_mean(i))
+            center = _rows(ordered(observer.k_channel_mean(i)))
         if k_smooth_alpha is not None:
             lam = smoothing_factors(channel_amax, k_smooth_alpha)  # type: ignore[arg-type]
             k_amax = (channel_amax / lam).amax(dim=1)  # type: ignore[operator]
-            smooth = _rows(lam)
+            smooth = _rows(ordered(lam))
+        if order is not None:
+            perm = tuple(tuple(int(c) for c in row) for row in order)
         k8, k4 = _scales(k_amax, per_head)  # type: ignore[arg-type]
         v8, v4 = _scales(observer.v_amax[i], per_head)  # type: ignore[arg-type]
         if None in (k8, v8):
             logger.warning("layer %d: K or V was all zeros during calibration; keeping default scales", i)
         layers.append(LayerPolicy(lp.k, lp.v, k_scale=k8, v_scale=v8, k_global_scale=k4,
                                   v_global_scale=v4, k_smooth=smooth, k_center=center,
-                                  layer_type=lp.layer_type))
+                                  k_perm=perm, layer_type=lp.layer_type))
     return KVPolicy(tuple(layers), provenance=dict(provenance or {}), source="calibration")
 
 

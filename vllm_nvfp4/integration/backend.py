@@ -32,7 +32,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_nvfp4 import ops
 from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE
-from vllm_nvfp4.key_transform import stored_keys
+from vllm_nvfp4.key_transform import permute_channels, stored_keys
 from vllm_nvfp4.layout import PAGE_ALIGN, KVPageLayout
 from vllm_nvfp4.policy import CHANNEL_FIELDS, DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE, LayerPolicy
 
@@ -49,7 +49,7 @@ from vllm_nvfp4.integration.dense_prefill import (
 )
 from vllm_nvfp4.integration.dtype import CACHE_DTYPE
 from vllm_nvfp4.integration.model import layer_plan
-from vllm_nvfp4.integration.rank_params import rank_row_values
+from vllm_nvfp4.integration.rank_params import INDEX_FIELDS, rank_row_values
 from vllm_nvfp4.integration.calibration_forward import CalibrationBatch
 from vllm_nvfp4.integration.startup_calibration import planned
 
@@ -273,6 +273,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         self.k_smooth: Optional[torch.Tensor] = None  # float32 [num_kv_heads, D]: cache holds K / it
         self.q_smooth: Optional[torch.Tensor] = None  # float32 [num_heads, D]: queries times it
         self.k_center: Optional[torch.Tensor] = None  # float32 [num_kv_heads, D]: cache holds K - it
+        self.k_perm: Optional[torch.Tensor] = None  # int64 [num_kv_heads, D]: cache holds K[..., it]
+        self.q_perm: Optional[torch.Tensor] = None  # int64 [num_heads, D]: queries permuted alike
         self._ops: Optional[ops.LayerOps] = None  # checked once per layer and cache tensor
         self._ops_of: Optional[torch.Tensor] = None
         config = get_current_vllm_config_or_none()  # set while vLLM builds the model's layers
@@ -324,7 +326,7 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         # is legal in both places.
         with torch.inference_mode(False):
             for attr, vals in tensors.items():
-                new = torch.tensor(vals, dtype=torch.float32)
+                new = torch.tensor(vals, dtype=torch.int64 if attr in INDEX_FIELDS else torch.float32)
                 current = getattr(self, attr)
                 if current is None or current.shape != new.shape:
                     setattr(self, attr, new.to(device))
@@ -349,8 +351,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
             return  # profiling run before the KV cache exists
         n = min(key.shape[0], slot_mapping.shape[0])
         key = key[:n]
-        if self.k_smooth is not None or self.k_center is not None:
-            key = stored_keys(key, self.k_center, self.k_smooth)
+        if self.k_smooth is not None or self.k_center is not None or self.k_perm is not None:
+            key = stored_keys(key, self.k_center, self.k_smooth, self.k_perm)
         self._layer_ops(kv_cache).write(key, value[:n], slot_mapping[:n])
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -369,6 +371,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
             return attn_metadata.attend(self, query, key, value, output)
         m = attn_metadata
         layer_ops = self._layer_ops(kv_cache)
+        if self.q_perm is not None:  # the cache holds K's channels in this order
+            query = permute_channels(query, self.q_perm)
         if self.q_smooth is not None:  # q . (K / lam) with q * lam: the smoothing cancels
             query = (query.float() * self.q_smooth).to(query.dtype)
         if (not m.prefill_groups or query.dtype not in DENSE_DTYPES

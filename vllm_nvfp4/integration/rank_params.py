@@ -1,8 +1,9 @@
 """A layer's policy row on one tensor-parallel rank: the values of the rank's KV heads.
 
-Per-KV-head lists (scales, K smoothing factors, K centering offsets) are split across the ranks
+Per-KV-head lists (scales, K smoothing factors, K centering offsets, K channel permutations) are split across the ranks
 when there are at least as many KV heads as ranks, else each rank gets the one KV head it
-replicates. The results are the float lists the impl copies into its persistent tensors.
+replicates. The results are the lists the impl copies into its persistent tensors (channel
+indices of :data:`INDEX_FIELDS` as int64, the rest FP32).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from vllm_nvfp4.formats import KVFormat
 from vllm_nvfp4.policy import CHANNEL_FIELDS, LayerPolicy, Scale
 
 T = TypeVar("T")
+#: the impl's per-layer tensors of channel indices (int64); every other one is FP32
+INDEX_FIELDS = ("k_perm", "q_perm")
 
 
 def rank_heads(per_head: Sequence[T], total_heads: int, num_heads: int, tp_rank: int,
@@ -36,10 +39,10 @@ def rank_scales(scale: Optional[Scale], fmt: KVFormat, total_heads: int, num_hea
 def rank_row_values(row: LayerPolicy, layer_name: str, total_heads: int, num_kv_heads: int,
                     num_heads: int, head_size: int, tp_rank: int,
                     tp_size: int) -> dict[str, list]:
-    """The impl's per-layer tensors of ``row`` on this rank, by attribute name, as float lists:
-    ``k_scale``/``v_scale`` ``[num_kv_heads]``; where the row has them, ``k_smooth``/``k_center``
-    ``[num_kv_heads][head_size]`` and ``q_smooth`` ``[num_heads][head_size]`` (each query head
-    takes the factors of its KV head)."""
+    """The impl's per-layer tensors of ``row`` on this rank, by attribute name, as lists:
+    ``k_scale``/``v_scale`` ``[num_kv_heads]``; where the row has them, ``k_smooth``/``k_center``/
+    ``k_perm`` ``[num_kv_heads][head_size]`` and ``q_smooth``/``q_perm`` ``[num_heads][head_size]``
+    (each query head takes the rows of its KV head)."""
     values: dict[str, list] = {
         f"{kv}_scale": rank_scales(row.quant_scale(kv), row.format_of(kv), total_heads,
                                    num_kv_heads, tp_rank, tp_size) for kv in ("k", "v")}
@@ -52,7 +55,8 @@ def rank_row_values(row: LayerPolicy, layer_name: str, total_heads: int, num_kv_
             raise RuntimeError(f"{layer_name}: the policy's {name} has {len(rows[0])} values "
                                f"per head, the layer's head size is {head_size}")
         values[name] = rows
-    if "k_smooth" in values:
-        group = num_heads // num_kv_heads
-        values["q_smooth"] = [r for r in values["k_smooth"] for _ in range(group)]
+    group = num_heads // num_kv_heads
+    for k_name, q_name in (("k_smooth", "q_smooth"), ("k_perm", "q_perm")):
+        if k_name in values:
+            values[q_name] = [r for r in values[k_name] for _ in range(group)]
     return values

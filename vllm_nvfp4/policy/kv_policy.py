@@ -157,7 +157,8 @@ class KVPolicy:
                 lines.append(f"  layer {i:3d}: {kind}(no KV cache)")
                 continue
             ks, vs = lp.quant_scale("k"), lp.quant_scale("v")
-            extra = ("  K centered" if lp.k_center else "") + ("  K smoothed" if lp.k_smooth else "")
+            extra = (("  K centered" if lp.k_center else "") + ("  K smoothed" if lp.k_smooth else "")
+                     + ("  K permuted" if lp.k_perm else ""))
             lines.append(f"  layer {i:3d}: {kind}K {lp.k:5s} scale {_fmt_scale(ks)}  V {lp.v:5s} "
                          f"scale {_fmt_scale(vs)}{extra}")
         return "\n".join(lines)

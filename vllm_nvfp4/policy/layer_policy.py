@@ -15,6 +15,12 @@ each post-RoPE K channel): the cache stores ``K - mu`` (then ``/ lam`` if smooth
 calibrated on that), which moves every logit of a query by the same ``q . mu``, so softmax and the
 attention output are unchanged before quantization, while a channel's constant part (Qwen2's K
 bias) no longer spends the format's resolution. Not valid with a logits soft-cap.
+
+Optional ``k_perm``: per KV head, a permutation of ``range(head_dim)``: the cache stores channel
+``k_perm[h][j]`` of K at position ``j`` and every query of head ``h`` is permuted alike, so
+``q . k`` is exact. Calibration orders the channels by their RMS, so each 16-value NVFP4 block
+holds channels of similar magnitude and one block scale fits all of them. The permutation comes
+first: ``k_center`` and ``k_smooth`` are given in the permuted channel order.
 """
 
 from __future__ import annotations
@@ -30,11 +36,12 @@ from vllm_nvfp4.policy.layer_types import FULL_ATTENTION, LayerType
 DEFAULT_FP8_SCALE = KVFormat.FP8.default_scale
 DEFAULT_NVFP4_GLOBAL_SCALE = KVFormat.NVFP4.default_scale
 SCALE_FIELDS = ("k_scale", "v_scale", "k_global_scale", "v_global_scale")
-#: per KV head and channel: K smoothing factors, K centering offsets
-CHANNEL_FIELDS = ("k_smooth", "k_center")
+#: per KV head and channel: K smoothing factors, K centering offsets, K channel permutation
+CHANNEL_FIELDS = ("k_smooth", "k_center", "k_perm")
 
 Scale = Union[float, tuple[float, ...]]
 Smooth = tuple[tuple[float, ...], ...]  # [kv_heads][head_dim]
+Permutation = tuple[tuple[int, ...], ...]  # [kv_heads][head_dim]
 
 
 def _check_scale(value: Any, where: str) -> Optional[Scale]:
@@ -75,6 +82,24 @@ def _check_channels(value: Any, name: str, positive: bool) -> Optional[Smooth]:
     return tuple(heads)
 
 
+def _check_permutation(value: Any) -> Optional[Permutation]:
+    """Per KV head, a permutation of ``range(head_dim)`` (``k_perm``), as tuples."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not value or not all(
+            isinstance(h, (list, tuple)) and h for h in value):
+        raise PolicyError("k_perm: k_perm must be a non-empty list (one per KV head) of "
+                          "non-empty lists (one channel index per channel)")
+    heads = []
+    for i, h in enumerate(value):
+        if any(isinstance(c, bool) or not isinstance(c, int) for c in h) \
+                or sorted(h) != list(range(len(value[0]))):
+            raise PolicyError(f"k_perm: head {i} is not a permutation of 0..{len(value[0]) - 1} "
+                              f"(each channel index exactly once)")
+        heads.append(tuple(h))
+    return tuple(heads)
+
+
 @dataclass(frozen=True)
 class LayerPolicy:
     """Formats and (optional) calibrated scales of one decoder layer's K and V.
@@ -89,6 +114,7 @@ class LayerPolicy:
     v_global_scale: Optional[Scale] = None
     k_smooth: Optional[Smooth] = None
     k_center: Optional[Smooth] = None
+    k_perm: Optional[Permutation] = None
     layer_type: LayerType = FULL_ATTENTION
 
     def __post_init__(self) -> None:
@@ -108,6 +134,7 @@ class LayerPolicy:
             object.__setattr__(self, name, _check_scale(getattr(self, name), name))
         object.__setattr__(self, "k_smooth", _check_channels(self.k_smooth, "k_smooth", True))
         object.__setattr__(self, "k_center", _check_channels(self.k_center, "k_center", False))
+        object.__setattr__(self, "k_perm", _check_permutation(self.k_perm))
 
     def format_of(self, kv: str) -> KVFormat:
         """Format of ``"k"`` or ``"v"``."""
