@@ -1,8 +1,8 @@
 """JSON text for policies and results: indented structure, every list of numbers on one line.
 
-Per-channel vectors (``k_smooth``, ``k_center``: ``[kv_heads][head_dim]``) written one number per
-line make a 28-layer policy 7,600 lines long; here each ``head_dim`` vector is one line and the
-file stays readable as a diff. Numbers are written by :func:`json.dumps`, so floats round-trip
+Per-channel vectors (``k_smooth``, ``k_center``, ``k_perm``: ``[kv_heads][head_dim]``) written
+one number per line make a 28-layer policy 7,600 lines long; here each ``head_dim`` vector is one
+line and the file stays readable as a diff. Numbers are written by :func:`json.dumps`, so floats round-trip
 exactly (shortest repr) and ``json.loads(dumps(x)) == json.loads(json.dumps(x))``.
 """
 
