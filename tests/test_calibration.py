@@ -321,10 +321,11 @@ def test_data_formats_and_errors(tmp_path: Path, tiny_model_dir: Path):
     assert w.describe()["files"][0]["sha256"]
 
 
-@pytest.mark.parametrize("k_smooth,k_center", [(None, None), (0.5, None), (None, True), (0.5, False)])
-def test_report_commands_repeat_k_smoothing(k_smooth, k_center):
-    """The analyze command rebuilt from a report repeats --k-smooth / --k-center exactly when
-    they were used (reports written before the flags existed have no such settings)."""
+@pytest.mark.parametrize("k_smooth,k_center,k_permute", [(None, None, None), (0.5, None, None),
+                                                        (None, True, True), (0.5, False, False)])
+def test_report_commands_repeat_k_smoothing(k_smooth, k_center, k_permute):
+    """The analyze command rebuilt from a report repeats --k-smooth / --k-center / --k-permute
+    exactly when they were used (reports written before the flags existed have no such settings)."""
     from vllm_nvfp4.calibration.report import commands
 
     settings = {"window": 256, "windows": 2, "calib_windows": 1, "per_head": False}
@@ -332,8 +333,11 @@ def test_report_commands_repeat_k_smoothing(k_smooth, k_center):
         settings["k_smooth"] = k_smooth
     if k_center is not None:
         settings["k_center"] = k_center
+    if k_permute is not None:
+        settings["k_permute"] = k_permute
     report = {"settings": settings, "model": {"path": "M", "dtype": "bfloat16"},
               "data": {"files": [{"path": "d.txt"}]}}
     analyze = commands(report, [])[0]
     assert ("--k-smooth 0.5" in analyze) == (k_smooth is not None)
     assert ("--k-center" in analyze) == bool(k_center)
+    assert ("--k-permute" in analyze) == bool(k_permute)

@@ -49,23 +49,11 @@ def _engine(model_dir: Path, **overrides: Any) -> Any:
 
 
 def _bound(worker: Any) -> dict:
-    """Every nvfp4_mixed layer's bound scales, K centering and K channel permutation (runs in the
-    worker)."""
+    """Every nvfp4_mixed layer's bound scales and K centering (runs in the worker)."""
     ctx = worker.model_runner.compilation_config.static_forward_context
     return {name: {"k_scale": layer.impl.k_scale.tolist(), "v_scale": layer.impl.v_scale.tolist(),
-                   **{f: None if getattr(layer.impl, f) is None else getattr(layer.impl, f).tolist()
-                      for f in ("k_center", "k_perm")}}
+                   "k_center": None if layer.impl.k_center is None else layer.impl.k_center.tolist()}
             for name, layer in ctx.items() if hasattr(getattr(layer, "impl", None), "layout")}
-
-
-def _channel_order(center: Any, perm: Any) -> torch.Tensor:
-    """K centering offsets ``[kv_heads][head_dim]`` given in the order of ``perm`` (None: the
-    channels' own order) put back in the channels' own order. Channels of (almost) equal RMS - a
-    RoPE pair - may take either order, so two calibrations are compared in this order."""
-    center = torch.tensor(center)
-    if perm is None:
-        return center
-    return torch.empty_like(center).scatter_(1, torch.tensor(perm), center)
 
 
 def _start(model_dir: Path, **overrides: Any) -> dict:
@@ -117,8 +105,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def _calibrate_like(model_dir: Path, cache_file: Path) -> Any:
-    """``vllm-nvfp4 calibrate --k-center --k-permute`` (transformers, float32) with the text and
-    windows the start-up calibration recorded in ``cache_file``."""
+    """``vllm-nvfp4 calibrate --k-center`` (transformers, float32) with the text and windows the
+    start-up calibration recorded in ``cache_file``."""
     from vllm_nvfp4.calibration.builtin_text import BUILTIN_TEXT
     from vllm_nvfp4.calibration.commands import run_calibrate
 
@@ -126,8 +114,7 @@ def _calibrate_like(model_dir: Path, cache_file: Path) -> Any:
     data = cached["provenance"]["data"]
     assert cached["provenance"]["tokens"] == data["window_tokens"] * data["calib_windows"] >= 2048
     return run_calibrate(model_dir, [BUILTIN_TEXT], None, window=data["window_tokens"],
-                         windows=data["calib_windows"], dtype="float32", k_center=True,
-                         k_permute=True)
+                         windows=data["calib_windows"], dtype="float32", k_center=True)
 
 
 def _served_formats(ref: Any, served: Any) -> Any:
@@ -139,14 +126,13 @@ def _served_formats(ref: Any, served: Any) -> Any:
 
 def _assert_bound_equals(bound: dict, ref: Any, heads: int, rel: float, atol: float) -> None:
     """Every layer's bound K/V scales and K centering offsets equal ``ref``'s (per-layer scales,
-    repeated over ``heads`` KV heads), each layer's K permuted as calibrated."""
+    repeated over ``heads`` KV heads)."""
     for i, row in enumerate(ref.layers):
         (layer,) = [v for name, v in bound.items() if name.startswith(f"model.layers.{i}.")]
         for kv in ("k", "v"):
             assert layer[f"{kv}_scale"] == pytest.approx([row.quant_scale(kv)] * heads, rel=rel), (i, kv)
-        assert layer["k_perm"] is not None and row.k_perm is not None
-        torch.testing.assert_close(_channel_order(layer["k_center"], layer["k_perm"]),
-                                   _channel_order(row.k_center, row.k_perm), rtol=0, atol=atol)
+        torch.testing.assert_close(torch.tensor(layer["k_center"]), torch.tensor(row.k_center),
+                                   rtol=0, atol=atol)
 
 
 def test_flag_only_engine_binds_the_scales_of_calibrate(runs):
@@ -408,8 +394,7 @@ TP_SCRIPT = textwrap.dedent("""
 
     def bound(worker):
         ctx = worker.model_runner.compilation_config.static_forward_context
-        return {n: [l.impl.k_scale.tolist(), l.impl.v_scale.tolist(), l.impl.k_center.tolist(),
-                    l.impl.k_perm.tolist()]
+        return {n: [l.impl.k_scale.tolist(), l.impl.v_scale.tolist(), l.impl.k_center.tolist()]
                 for n, l in ctx.items() if hasattr(l.impl, "layout")}
 
     if __name__ == "__main__":
@@ -443,12 +428,11 @@ def test_tp2_ranks_calibrate_their_heads_into_one_policy(tmp_path: Path):
     assert run.returncode == 0 and lines, (run.stdout + run.stderr)[-4000:]
     out = json.loads(lines[0][len("RESULT "):])
     (tp1,), (rank0, rank1) = out["1"], out["2"]
-    for name, (k1, v1, c1, p1) in tp1.items():
+    for name, (k1, v1, c1) in tp1.items():
         assert rank0[name][0] == pytest.approx(k1[:1], rel=1e-4)  # per-layer scale, both ranks
         assert rank1[name][1] == pytest.approx(v1[1:], rel=1e-4)
-        torch.testing.assert_close(  # each rank its head's centering offsets and permutation
-            _channel_order(rank0[name][2] + rank1[name][2], rank0[name][3] + rank1[name][3]),
-            _channel_order(c1, p1), rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(rank0[name][2] + rank1[name][2]), torch.tensor(c1),
+                                   rtol=0, atol=1e-5)  # each rank its head's centering offsets
     (f1,), (f2,) = ((tmp_path / f"tp{tp}" / "startup-calibration").glob("*.json") for tp in (1, 2))
     assert f1.name == f2.name  # same key: the TP degree is not part of it
     p1, p2 = KVPolicy.load(f1), KVPolicy.load(f2)
@@ -698,13 +682,13 @@ def test_gdn_calibration_forward_matches_transformers(gdn_run):
 def test_gdn_slots_resume_at_their_layer(gdn_run):
     """The start-up sensitivity on a GDN model: slots resumed at their attention layer (the GDN
     layers after it on their metadata) measure what the whole model measures, without running
-    layer 0 again. Within 20%, not exactly: the resumed stream enters in bfloat16 where the
-    whole forward adds it in float32, which this random model amplifies (measured 0.6-13%; the
+    layer 0 again. Within 10%, not exactly: the resumed stream enters in bfloat16 where the
+    whole forward adds it in float32, which this random model amplifies (measured 0.6-5%; the
     final hidden states of a forward resumed at layer 3 differ by 7%, 1.7% for a bfloat16 Llama)."""
     resumed, whole = gdn_run["worker"]["resumed"], gdn_run["worker"]["whole"]
     assert resumed["damage"].keys() == whole["damage"].keys() == {(3, "k"), (3, "v"), (7, "k"), (7, "v")}
     for slot, d in whole["damage"].items():
-        assert d > 0 and resumed["damage"][slot] == pytest.approx(d, rel=0.2), slot
+        assert d > 0 and resumed["damage"][slot] == pytest.approx(d, rel=0.1), slot
     assert whole["layer0_calls"] == 1 + 4 and resumed["layer0_calls"] == 1
 
 

@@ -82,16 +82,11 @@ def _model_args(p: argparse.ArgumentParser, default_windows: int, k_center_defau
                        help="K centering: store K minus each channel's calibration mean (exact for "
                             "attention without a logits soft-cap; for models whose keys carry a large "
                             "constant part, e.g. Qwen2.5's K bias)")
-    if k_center_default:
-        p.add_argument("--no-k-permute", dest="k_permute", action="store_false",
-                       help="no K channel permutation (default: order each KV head's K channels "
-                            "by their calibration RMS, so each NVFP4 block holds channels of "
-                            "similar magnitude; exact, the queries are permuted alike)")
-    else:
-        p.add_argument("--k-permute", action="store_true",
-                       help="K channel permutation: store each KV head's K channels in order of "
-                            "their calibration RMS, so each NVFP4 block holds channels of similar "
-                            "magnitude (exact: the queries are permuted alike)")
+    p.add_argument("--k-permute", action="store_true",
+                   help="K channel permutation: store each KV head's K channels in order of their "
+                        "calibration RMS, so each NVFP4 block holds channels of similar magnitude "
+                        "(exact: the queries are permuted alike; measured gains depend on the "
+                        "model and text, see docs/CALIBRATION.md)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="model dtype (default bfloat16, the reference for all damages)")
     _device_arg(p)

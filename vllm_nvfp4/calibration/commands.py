@@ -178,7 +178,7 @@ def soft_capped(model_dir: Path) -> bool:
 def run_tune(model_dir: Path, data: Sequence[Path], report_dir: Path, fp8_slots: int,
              budget: Optional[float] = None, window: int = 2048, windows: int = 2,
              calib_windows: int = 1, per_head: bool = False, dtype: str = "bfloat16",
-             k_smooth: Optional[float] = None, k_center: bool = True, k_permute: bool = True,
+             k_smooth: Optional[float] = None, k_center: bool = True, k_permute: bool = False,
              metric: str = "kl",
              measure: bool = True, measure_windows: Optional[int] = None,
              device: str = "cpu", base: str = DEFAULT_BASE) -> TuneResult:

@@ -21,7 +21,7 @@ from vllm_nvfp4.calibration.kv_hooks import KVObserver, fake_quantize, transform
 from vllm_nvfp4.calibration.metrics import kl_divergence
 from vllm_nvfp4.integration.calibration_states import StateLayers
 from vllm_nvfp4.integration.model import layer_index
-from vllm_nvfp4.integration.rank_params import INDEX_FIELDS, rank_row_values
+from vllm_nvfp4.integration.rank_params import rank_row_values
 from vllm_nvfp4.paged_torch import attend_one_sequence
 from vllm_nvfp4.policy import KVPolicy
 
@@ -33,8 +33,7 @@ LOGIT_ROWS = 256  # positions per logits chunk: the extra memory is 2 x LOGIT_RO
 class SlotPerturbation:
     """One slot stored as the cache would store it on this rank: ``kv`` ("k" or "v") of policy
     row ``row`` in ``fmt`` with ``scale [kv_heads]`` (FP32) and, for K, the K centering offsets
-    and smoothing factors ``[kv_heads, head_dim]`` and channel permutation (int64, same shape) of
-    this rank's heads (None: none)."""
+    and smoothing factors ``[kv_heads, head_dim]`` of this rank's heads (None: none)."""
 
     row: int
     kv: str
@@ -42,7 +41,6 @@ class SlotPerturbation:
     scale: torch.Tensor
     k_center: Optional[torch.Tensor] = None
     k_smooth: Optional[torch.Tensor] = None
-    k_perm: Optional[torch.Tensor] = None
 
     @classmethod
     def of(cls, policy: KVPolicy, row: int, kv: str, fmt: str, layer_name: str, impl: Any,
@@ -57,19 +55,18 @@ class SlotPerturbation:
                                  vllm_config.model_config.get_total_num_kv_heads(),
                                  impl.num_kv_heads, impl.num_heads, impl.head_size,
                                  get_tensor_model_parallel_rank() if tp > 1 else 0, tp)
-        rows = {n: torch.tensor(values[n], dtype=torch.int64 if n in INDEX_FIELDS else torch.float32)
-                if kv == "k" and n in values else None for n in ("k_center", "k_smooth", "k_perm")}
+        rows = {n: torch.tensor(values[n], dtype=torch.float32) if kv == "k" and n in values
+                else None for n in ("k_center", "k_smooth")}
         return cls(row, kv, fmt, torch.tensor(values[f"{kv}_scale"], dtype=torch.float32), **rows)
 
     def apply(self, query: torch.Tensor, key: torch.Tensor,
               value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``query [S, heads, L, D]``, ``key``/``value [S, kv_heads, L, D]`` as the layer attends
-        them with this slot quantized (K permuted / centered / smoothed first, the query permuted
-        and smoothed alike)."""
+        them with this slot quantized (K centered / smoothed first, the query smoothed back)."""
         if self.kv == "v":
             return query, key, fake_quantize(value, self.fmt, self.scale)
-        if self.k_center is not None or self.k_smooth is not None or self.k_perm is not None:
-            query, key = transform_qk(query, key, self.k_smooth, self.k_center, self.k_perm)
+        if self.k_center is not None or self.k_smooth is not None:
+            query, key = transform_qk(query, key, self.k_smooth, self.k_center)
         return query, fake_quantize(key, self.fmt, self.scale).to(query.dtype), value
 
 

@@ -18,14 +18,13 @@ capture (the formats chosen here size the pages):
 2. Under tensor parallelism each rank observes its own KV heads; the statistics are gathered
    over the TP group's CPU group, so every rank builds the same whole-model policy.
 3. Scales: the default layer rule with calibrated scales (FP8 ``amax/448``, NVFP4
-   ``amax/2688``, one per layer), K centering offsets (not for models with a logits
-   soft-cap) and the K channel permutation, exactly
-   :func:`~vllm_nvfp4.calibration.scales.scaled_policy` as ``calibrate --k-center --k-permute``
-   writes it.
+   ``amax/2688``, one per layer) and K centering offsets (not for models with a logits
+   soft-cap), exactly :func:`~vllm_nvfp4.calibration.scales.scaled_policy` as ``calibrate
+   --k-center`` writes it.
 4. Formats (start-up sensitivity, ``analyze`` + ``select`` in vLLM; the candidates and the
    choice in :mod:`.startup_selection`): on the first :data:`SENSITIVITY_TOKENS` tokens of the
    text, the model runs once exactly and once per candidate slot (the K or the V of a
-   full-attention layer) with only that slot stored in NVFP4 (its calibrated scale, K permuted and centered
+   full-attention layer) with only that slot stored in NVFP4 (its calibrated scale, K centered
    as served; :func:`~vllm_nvfp4.calibration.kv_hooks.fake_quantize`), every other layer exact;
    a slot's damage is the mean next-token KL of the final logits against the exact forward
    (:func:`~vllm_nvfp4.calibration.metrics.kl_divergence`,
@@ -158,21 +157,18 @@ def planned(vllm_config: Any) -> bool:
 @dataclass(frozen=True)
 class Recipe:
     """How much text is run: ``windows`` sequences of ``window`` tokens, ``per_forward`` of them
-    per model forward; K centering unless the model has a logits soft-cap; the K channel
-    permutation (exact with any attention); with ``select``, the formats from the sensitivity
-    forwards on the first ``sensitivity_windows`` windows."""
+    per model forward; K centering unless the model has a logits soft-cap; with ``select``, the
+    formats from the sensitivity forwards on the first ``sensitivity_windows`` windows."""
 
     window: int
     windows: int
     per_forward: int
     k_center: bool
     select: bool = True
-    k_permute: bool = True
     sensitivity_windows: int = 0
 
     def describe(self) -> dict[str, Any]:
         out = {"window": self.window, "windows": self.windows, "k_center": self.k_center,
-               "k_permute": self.k_permute,
                "per_head": False, "version": RECIPE_VERSION,
                "formats": "sensitivity" if self.select else "default rule"}
         if self.select:
@@ -203,8 +199,7 @@ def _our_layers(vllm_config: Any, num_layers: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- tensor parallel
-_HEAD_FIELDS = ("k_amax", "v_amax", "k_channel_amax", "k_channel_max", "k_channel_min", "k_channel_sum",
-                "k_channel_sumsq")
+_HEAD_FIELDS = ("k_amax", "v_amax", "k_channel_amax", "k_channel_max", "k_channel_min", "k_channel_sum")
 
 
 def gather_heads(local: KVObserver, total_heads: int) -> KVObserver:
@@ -368,12 +363,11 @@ def _calibrate(runner: Any, layers: dict[str, Any], states: Optional[StateLayers
                                           "sha256": parts["text_sha256"]}],
                                "window_tokens": recipe.window, "calib_windows": recipe.windows},
                       "formats_from": "default rule", "scales": "per layer",
-                      "k_center": recipe.k_center, "k_permute": recipe.k_permute,
-                      "cache_key": parts,
+                      "k_center": recipe.k_center, "cache_key": parts,
                       "conventions": {"fp8_scale": "amax/448", "nvfp4_global_scale": "amax/2688"}}
         rule = default_policy(shape.num_layers, shape.layer_types or None)
         scaled = scaled_policy(rule, observer, per_head=False, provenance=provenance,
-                               k_center=recipe.k_center, k_permute=recipe.k_permute)
+                               k_center=recipe.k_center)
         if recipe.select:
             return _select(runner, layers, windows, recipe, scaled, provenance, rank0, states)
         return KVPolicy(scaled.layers, provenance, source="start-up calibration")
@@ -472,8 +466,8 @@ def calibrate_engine(executor: Any) -> None:
                     summary["path"], summary["tokens"], summary["seconds"], summary["policy"],
                     summary["formats"])
     else:
-        logger.info("vllm-nvfp4: calibrated at start-up on %d tokens in %.1f s (%s; K/V scales, "
-                    "K centering and K channel order of the built-in text; %s; cached in %s; set "
-                    "%s=scales for the default rule's formats, =0 to switch off)",
+        logger.info("vllm-nvfp4: calibrated at start-up on %d tokens in %.1f s (%s; K/V scales and "
+                    "K centering of the built-in text; %s; cached in %s; set %s=scales for the "
+                    "default rule's formats, =0 to switch off)",
                     summary["tokens"], summary["seconds"], summary["policy"], summary["formats"],
                     summary["path"], STARTUP_CALIBRATION_ENV)
