@@ -1,8 +1,8 @@
 """A layer's policy row on one tensor-parallel rank: the values of the rank's KV heads.
 
-Per-KV-head lists (scales, K smoothing factors, K centering offsets, K channel permutations) are split across the ranks
-when there are at least as many KV heads as ranks, else each rank gets the one KV head it
-replicates. The results are the lists the impl copies into its persistent tensors (channel
+Per-KV-head lists (scales, K smoothing factors, K centering offsets, K channel permutations) are
+split across the ranks when there are at least as many KV heads as ranks, else each rank gets the
+one KV head it replicates. The results are the lists the impl copies into its persistent tensors (channel
 indices of :data:`INDEX_FIELDS` as int64, the rest FP32).
 """
 
