@@ -2,8 +2,8 @@
 
 Per-channel vectors (``k_smooth``, ``k_center``, ``k_perm``: ``[kv_heads][head_dim]``) written
 one number per line make a 28-layer policy 7,600 lines long; here each ``head_dim`` vector is one
-line and the file stays readable as a diff. Numbers are written by :func:`json.dumps`, so floats round-trip
-exactly (shortest repr) and ``json.loads(dumps(x)) == json.loads(json.dumps(x))``.
+line and the file stays readable as a diff. Numbers are written by :func:`json.dumps`, so floats
+round-trip exactly (shortest repr) and ``json.loads(dumps(x)) == json.loads(json.dumps(x))``.
 """
 
 from __future__ import annotations
