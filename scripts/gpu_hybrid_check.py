@@ -23,10 +23,19 @@ CUDA the models take the head dims of the real ones (:data:`GPU_HEAD_DIMS`: the 
   and prompt log-probs are nearer to transformers with the same fake quantization than to the
   unquantized model (ratio < ``TOL_RATIO``).
 
+Two variants of the policy:
+
+* ``--startup-calibration``: no policy file, so the engine calibrates at start-up on the
+  package's text (into a fresh ``$VLLM_NVFP4_CACHE``); also checked: it wrote one cached
+  policy with calibrated scales, and that policy is the one every check and the reference use;
+* ``--k-perm``: every layer whose K is NVFP4 stores its K channels in a random order per KV head
+  (the policy's ``k_perm``; queries are permuted alike), the reference likewise.
+
 Reported, not checked: cold vs prefix-cached greedy tokens, A vs B greedy agreement, the plan,
 vLLM's KV-cache size in tokens, decode tokens/s of 32 requests.
 
-    python scripts/gpu_hybrid_check.py --out hybrid_h200.json [--arch gemma3 gpt_oss ...]
+    python scripts/gpu_hybrid_check.py --out hybrid_h200.json [--arch gemma3 gpt_oss ...] \
+        [--startup-calibration | --k-perm]
 
 Writes the JSON after every architecture and prints ``RESULT {...}``; exit 0 when every hard
 check of every architecture passed. ``--device cpu`` is a dry run on vLLM's CPU build (eager: the
@@ -67,11 +76,38 @@ def gen(llm: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def with_random_k_perm(policy: Any, num_kv_heads: int, head_dim: int, seed: int = 0) -> Any:
+    """``policy`` with a random K channel order per KV head (``k_perm``) on every layer whose K
+    is NVFP4."""
+    gen_ = torch.Generator().manual_seed(seed)
+    for i, lp in policy.kv_layers():
+        if lp.k == "nvfp4":
+            perm = [torch.randperm(head_dim, generator=gen_).tolist() for _ in range(num_kv_heads)]
+            policy = policy.with_layer(i, k_perm=perm)
+    return policy
+
+
+def startup_policy(cache_root: Path) -> Any:
+    """The one policy the start-up calibration cached under ``cache_root``."""
+    from vllm_nvfp4.calibration.startup_cache import STARTUP_SUBDIR
+    from vllm_nvfp4.policy import KVPolicy
+
+    files = sorted((cache_root / STARTUP_SUBDIR).glob("*.json"))
+    if len(files) != 1:
+        raise RuntimeError(f"expected one cached start-up calibration in {cache_root}, found {len(files)}")
+    return KVPolicy.load(files[0])
+
+
 def check_arch(arch: str, device: str, work: Path, compare_eager: bool,
                dtype: str = "bfloat16", gpu_head_dims: bool = False,
-               batched_tokens: int = 128) -> dict[str, Any]:
+               batched_tokens: int = 128, variant: str = "by_type") -> dict[str, Any]:
+    import shutil
+
+    from transformers import AutoConfig
     from vllm import LLM
 
+    from vllm_nvfp4.calibration.startup_cache import CACHE_ENV
+    from vllm_nvfp4.policy import POLICY_FILENAME
     from vllm_nvfp4.testing.kv_report import kv_cache_report
     from vllm_nvfp4.integration.block_sizes import arithmetic_request_bytes, hybrid_plan
     from vllm_nvfp4.testing.hybrid_models import (GPU_HEAD_DIMS, build_tiny_hybrid,
@@ -83,10 +119,19 @@ def check_arch(arch: str, device: str, work: Path, compare_eager: bool,
     arch = arch.removesuffix(MIXED_SUFFIX)
     # the CUDA kernels: >= 64; on CPU the CUDA geometry (hence the same block plan) on request
     head_dim = GPU_HEAD_DIMS[arch] if device == "cuda" or gpu_head_dims else None
-    model_dir = build_tiny_hybrid(arch, work / f"{case}-{head_dim}", qk_gain=QK_GAIN,
+    model_dir = build_tiny_hybrid(arch, work / f"{case}-{head_dim}-{variant}", qk_gain=QK_GAIN,
                                   head_dim=head_dim)
     policy = write_by_type_policy(
         model_dir, mixed_sliding_policy_text if mixed else by_type_policy_text)
+    cache_root = work / f"startup-cache-{case}"
+    if variant == "startup_calibration":  # no policy file: the engine calibrates into a fresh cache
+        (model_dir / POLICY_FILENAME).unlink()
+        shutil.rmtree(cache_root, ignore_errors=True)
+        os.environ[CACHE_ENV] = str(cache_root)
+    elif variant == "k_perm":
+        text_config = AutoConfig.from_pretrained(model_dir).get_text_config()
+        policy = with_random_k_perm(policy, text_config.num_key_value_heads, text_config.head_dim)
+        policy.save(model_dir / POLICY_FILENAME, overwrite=True)
     # Mamba / GDN: vLLM's state, its own caching
     state = not all(t.holds_kv for t in policy.layer_types)
     extra = {"additional_config": {"gdn_prefill_backend": "triton"}} if arch == "qwen3_next" else {}
@@ -97,12 +142,22 @@ def check_arch(arch: str, device: str, work: Path, compare_eager: bool,
         common["block_size"] = BLOCK
     if device == "cpu":  # the dry run: vLLM's CPU build compiles for minutes
         common["enforce_eager"] = True
-    r: dict[str, Any] = {"arch": case, "dtype": dtype, "policy": policy.to_compact(), "checks": {}}
+    r: dict[str, Any] = {"arch": case, "dtype": dtype, "variant": variant, "checks": {}}
     checks = r["checks"]
     t0 = time.time()
     llm = LLM(**common, enable_prefix_caching=True, max_num_batched_tokens=batched_tokens,
               max_num_seqs=32)
     r["start_s"] = round(time.time() - t0, 1)
+    if variant == "startup_calibration":
+        policy = startup_policy(cache_root)
+        provenance = policy.provenance
+        r["startup_tokens"] = provenance.get("tokens")
+        checks["calibrated_at_startup"] = (
+            provenance.get("tool") == "vllm-nvfp4 start-up calibration"
+            and all(getattr(lp, f) is not None for _, lp in policy.kv_layers()
+                    for f in (("k_scale" if lp.k == "fp8" else "k_global_scale"),
+                              ("v_scale" if lp.v == "fp8" else "v_global_scale"))))
+    r["policy"] = policy.to_compact()
     tok = llm.get_tokenizer()
     import inspect
     import textwrap
@@ -205,13 +260,19 @@ def main() -> int:
                          "scheduling), so 128 there plans the blocks as 256 does on CPU")
     ap.add_argument("--compare-eager", action="store_true",
                     help="also run engine B (eager, no prefix caching) and report A vs B")
+    variant = ap.add_mutually_exclusive_group()
+    variant.add_argument("--startup-calibration", action="store_true",
+                         help="no policy file: the engine calibrates at start-up (module doc)")
+    variant.add_argument("--k-perm", action="store_true",
+                         help="a random K channel order on every NVFP4-K layer (module doc)")
     a = ap.parse_args()
+    chosen = "startup_calibration" if a.startup_calibration else "k_perm" if a.k_perm else "by_type"
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # collective_rpc with functions
     results: dict[str, Any] = {}
     for arch in a.arch:
         try:
             results[arch] = check_arch(arch, a.device, a.work, a.compare_eager, a.dtype,
-                                       a.gpu_head_dims, a.max_num_batched_tokens)
+                                       a.gpu_head_dims, a.max_num_batched_tokens, chosen)
         except Exception as e:  # one architecture failing must not hide the others
             results[arch] = {"arch": arch, "ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
         a.out.write_text(json.dumps(results, indent=1))

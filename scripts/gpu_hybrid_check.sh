@@ -10,6 +10,10 @@
 #   bash scripts/gpu_hybrid_check.sh                    ARCHS="gemma3 mistral" SERVE=0: a subset
 #   ARCHS=none SERVE_ARCHS="gemma3 gpt_oss mistral qwen3_next" bash scripts/gpu_hybrid_check.sh
 #                                                       only `vllm serve`, each family (also on CPU)
+#   CHECK_ARGS=--startup-calibration SERVE=0 bash scripts/gpu_hybrid_check.sh
+#                                                       no policy file: the engine calibrates at start-up
+#   CHECK_ARGS="--k-perm --dtype float32" SERVE=0 bash scripts/gpu_hybrid_check.sh
+#                                                       K channels stored in a random order (k_perm)
 #
 # Environment: OUT (default out/hybrid), ARCHS (default "gpt_oss gemma3 qwen3_next mistral";
 # also gemma3_swa_mix: Gemma 3 with sliding layers of mixed formats; none: skip the LLM()
