@@ -18,7 +18,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from vllm_nvfp4.calibration.kv_hooks import KeySink, KVRotation, attention_modules, kv_cache_quantization
+from vllm_nvfp4.calibration.kv_hooks import (HeadFormats, KeySink, KVRotation, attention_modules,
+                                             kv_cache_quantization)
 from vllm_nvfp4.calibration.modeling import input_device
 from vllm_nvfp4.calibration.metrics import Metrics, Reference, per_token_damage, reference_from_logits, summarize
 from vllm_nvfp4.policy import KVPolicy
@@ -54,7 +55,9 @@ class Evaluator:
     (set it between measurements; prefix reuse assumes it stays) rotates K/V of the quantized
     forwards (:class:`~vllm_nvfp4.calibration.kv_hooks.KVRotation`); ``key_sink``, the same way,
     keeps each window's first keys in FP8 in NVFP4-K layers
-    (:class:`~vllm_nvfp4.calibration.kv_hooks.KeySink`).
+    (:class:`~vllm_nvfp4.calibration.kv_hooks.KeySink`); ``head_formats``, set before a
+    :meth:`measure`, stores single KV heads in the other format
+    (:class:`~vllm_nvfp4.calibration.kv_hooks.HeadFormats`; prefix reuse starts at its first layer).
     """
 
     def __init__(self, model: torch.nn.Module, windows: torch.Tensor, reuse_prefix: bool = True,
@@ -62,6 +65,7 @@ class Evaluator:
         self.model = model
         self.rotation = rotation
         self.key_sink = key_sink
+        self.head_formats: Optional[HeadFormats] = None
         self.windows = windows.to(input_device(model))
         self.refs: list[Reference] = []
         self.layers = _decoder_layers(model) if reuse_prefix else None
@@ -77,7 +81,8 @@ class Evaluator:
         """Logits ``[T, vocab]`` of window ``w`` under ``policy``, from layer ``start`` on."""
         self.forwards += 1
         ids = self.windows[w].unsqueeze(0)
-        with (kv_cache_quantization(self.model, policy, rotation=self.rotation, key_sink=self.key_sink)
+        with (kv_cache_quantization(self.model, policy, rotation=self.rotation, key_sink=self.key_sink,
+                                    head_formats=self.head_formats)
               if policy is not None
               else contextlib.nullcontext()):
             if start == 0:
@@ -160,13 +165,17 @@ class Evaluator:
             self.captured = []
 
     def first_difference(self, policy: KVPolicy) -> int:
-        """Index of the first layer where ``policy`` differs from the baseline (0 without one)."""
+        """Index of the first layer where ``policy`` (or :attr:`head_formats`) differs from the
+        baseline (0 without one)."""
         if self.baseline is None or self.layers is None or not self.captured:
             return 0
+        first = len(policy.layers)
         for i, (a, b) in enumerate(zip(policy.layers, self.baseline.layers)):
             if a != b:
-                return i
-        return len(policy.layers)
+                first = i
+                break
+        heads = None if self.head_formats is None else self.head_formats.first_layer
+        return first if heads is None else min(first, heads)
 
     def measure(self, policy: Optional[KVPolicy], desc_progress: Optional[object] = None) -> Metrics:
         """Damage of ``policy`` against the reference (prefix reuse when it applies).

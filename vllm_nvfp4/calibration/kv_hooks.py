@@ -41,6 +41,13 @@ Pass a :class:`KeySink` to store the first keys of every sequence (the attention
 another way in layers whose K is NVFP4 (FP8, unquantized, or NVFP4 before K centering): an
 accuracy experiment of the reference path, not something the serving integration does.
 
+Head formats
+------------
+Pass a :class:`HeadFormats` to store single KV heads of a K or V slot in the other format (FP8
+heads in an NVFP4 slot or the reverse), each with the layer's scale for that format: an accuracy
+experiment of the reference path (per-head format selection), which the paged cache does not
+serve - its pages hold one format for a layer's K and one for its V.
+
 Observe mode
 ------------
 Pass a :class:`KVObserver` to record the running per-layer, per-KV-head ``amax`` of K and V (the
@@ -52,7 +59,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -319,6 +326,62 @@ class KeySink:
         return out
 
 
+@dataclass(frozen=True)
+class HeadFormats:
+    """Single KV heads stored in another format than their slot's: ``heads[(layer, "k" or
+    "v")][head]`` is ``"fp8"`` or ``"nvfp4"``; every other head keeps the policy's format. A head's
+    scale is its layer's for that format (the policy keeps an FP8 scale and an NVFP4 global scale
+    per slot, :func:`~vllm_nvfp4.calibration.sensitivity.all_format`; missing: the format's default)."""
+
+    heads: Mapping[tuple[int, str], Mapping[int, str]]
+
+    def __post_init__(self) -> None:
+        for (layer, kv), per_head in self.heads.items():
+            if kv not in ("k", "v") or not isinstance(layer, int) or layer < 0:
+                raise ValueError(f"HeadFormats key must be (layer >= 0, 'k' or 'v'), got {(layer, kv)!r}")
+            for head, fmt in per_head.items():
+                check_kv_format(fmt)
+                if not isinstance(head, int) or head < 0:
+                    raise ValueError(f"HeadFormats: layer {layer} {kv}: head must be an int >= 0, got {head!r}")
+
+    @property
+    def first_layer(self) -> Optional[int]:
+        """The lowest layer with an overridden head (None: none)."""
+        return min((layer for (layer, _), per_head in self.heads.items() if per_head), default=None)
+
+    def overrides(self, policy: KVPolicy, num_kv_heads: int) -> dict[tuple[int, str], list[tuple[int, str, ScaleArg]]]:
+        """``{(layer, kv): [(head, format, that head's scale)]}`` resolved against ``policy``."""
+        out: dict[tuple[int, str], list[tuple[int, str, ScaleArg]]] = {}
+        for (layer, kv), per_head in self.heads.items():
+            lp = policy.layers[layer]
+            if not lp.layer_type.holds_kv:
+                raise ValueError(f"HeadFormats: layer {layer} has no KV cache")
+            for head, fmt in sorted(per_head.items()):
+                if head >= num_kv_heads:
+                    raise ValueError(f"HeadFormats: layer {layer} {kv} head {head}: the model has "
+                                     f"{num_kv_heads} KV heads")
+                fmt = check_kv_format(fmt)
+                scale = getattr(lp, f"{kv}_scale" if fmt is KVFormat.FP8 else f"{kv}_global_scale")
+                scale = fmt.default_scale if scale is None else scale
+                if isinstance(scale, (tuple, list)):
+                    scale = scale[head]
+                out.setdefault((layer, kv), []).append((head, fmt, scale))
+        return out
+
+
+def _with_head_formats(stored: torch.Tensor, x: torch.Tensor,
+                       overrides: Optional[list[tuple[int, str, ScaleArg]]], state: "_HookState") -> torch.Tensor:
+    """``stored [b, kv_heads, s, d]`` with the overridden heads re-quantized from ``x`` (the same
+    tensor before quantization) in their own format."""
+    if not overrides:
+        return stored
+    out = stored.clone()
+    for head, fmt, scale in overrides:
+        out[:, head:head + 1] = fake_quantize(x[:, head:head + 1], fmt, scale, state.nonfinite,
+                                              state.nvfp4_decoding).to(out.dtype)
+    return out
+
+
 @dataclass
 class _HookState:
     base: str
@@ -328,6 +391,7 @@ class _HookState:
     rotation: Optional[KVRotation] = None
     nvfp4_decoding: str = "exact"
     key_sink: Optional[KeySink] = None
+    head_overrides: Optional[dict[tuple[int, str], list[tuple[int, str, ScaleArg]]]] = None
     calls: int = 0
 
 
@@ -359,12 +423,15 @@ def _make_wrapper(base_name: str) -> Callable[..., Any]:
                     query, key = transform_qk(query, key, lq.k_smooth, lq.k_center, lq.k_perm)
                 stored = fake_quantize(key, lq.k_fmt, lq.k_scale, state.nonfinite,
                                        state.nvfp4_decoding)
+                heads = state.head_overrides or {}
+                stored = _with_head_formats(stored, key, heads.get((layer, "k")), state)
                 sink = state.key_sink
                 if sink is not None and lq.k_fmt == KVFormat.NVFP4 and sink.covers(layer):
                     stored = sink.apply(stored, raw_key, lq, state.nonfinite)
                 key = stored.to(query.dtype)
-                value = fake_quantize(value, lq.v_fmt, lq.v_scale, state.nonfinite,
-                                      state.nvfp4_decoding).to(query.dtype)
+                value = _with_head_formats(
+                    fake_quantize(value, lq.v_fmt, lq.v_scale, state.nonfinite, state.nvfp4_decoding),
+                    value, heads.get((layer, "v")), state).to(query.dtype)
             if rotate_v:  # output [batch, seq, heads, head_dim], rotated back
                 out, weights = _attend(base_name, module, query, key, value, attention_mask, **kwargs)
                 return unrotate(out, matrix), weights
@@ -455,13 +522,15 @@ def kv_cache_quantization(
     rotation: Optional[KVRotation] = None,
     nvfp4_decoding: str = "exact",
     key_sink: Optional[KeySink] = None,
+    head_formats: Optional[HeadFormats] = None,
 ) -> Iterator[_HookState]:
     """Within the block, ``model`` runs with K/V fake-quantized per ``policy`` and/or observed.
 
     ``policy=None`` leaves K/V untouched (pure observation or a BF16 reference). ``rotation``:
     the layers whose K/V are rotated before observation and quantization (:class:`KVRotation`).
     ``nvfp4_decoding``: how NVFP4 layers are read back (:data:`NVFP4_DECODINGS`). ``key_sink``:
-    the first keys of each sequence stored another way in NVFP4-K layers (:class:`KeySink`). Raises
+    the first keys of each sequence stored another way in NVFP4-K layers (:class:`KeySink`).
+    ``head_formats``: single KV heads in the other format (:class:`HeadFormats`; needs ``policy``). Raises
     :class:`~vllm_nvfp4.policy.PolicyError` if the policy does not fit the model and
     ``RuntimeError`` for models it cannot hook. Yields the hook state (``.calls`` counts the
     attention calls that went through the hook, a check that the model is supported).
@@ -485,9 +554,14 @@ def kv_cache_quantization(
     if base not in _BASE_IMPLEMENTATIONS:
         raise RuntimeError(f"attention implementation {base!r} is not supported; load with sdpa or eager")
     _check_decoding(nvfp4_decoding)
+    overrides = None
+    if head_formats is not None:
+        if policy is None:
+            raise ValueError("head_formats needs a policy (the formats and scales of the other heads)")
+        overrides = head_formats.overrides(policy, cfg.num_key_value_heads)
     register_hooks()
     state = _HookState(base, _layer_quants(policy) if policy is not None else None, observer, nonfinite,
-                       rotation, nvfp4_decoding, key_sink)
+                       rotation, nvfp4_decoding, key_sink, overrides)
     keys = {id(m.config) for m in mods}
     with _LOCK:
         if any(k in _ACTIVE for k in keys):
