@@ -71,6 +71,8 @@ def test_evaluator_resumes_at_the_first_overridden_layer():
     base = reused.set_baseline(policy)
     reused.head_formats = heads
     assert reused.first_difference(policy) == 1
+    with pytest.raises(ValueError, match="a baseline is the policy alone"):
+        reused.set_baseline(policy)
     got, want = reused.measure(policy), full.measure(policy)
     assert got.kl == pytest.approx(want.kl, rel=1e-6) and got.kl != base.kl
 
@@ -87,6 +89,9 @@ def test_bad_head_formats_are_clear_errors():
         HeadFormats({(0, "k"): {0: "int4"}})
     with pytest.raises(ValueError, match="the model has 2 KV heads"):
         with kv_cache_quantization(model, policy, head_formats=HeadFormats({(0, "k"): {2: "fp8"}})):
+            pass
+    with pytest.raises(ValueError, match="the policy has 1 layers"):
+        with kv_cache_quantization(model, policy, head_formats=HeadFormats({(1, "v"): {0: "fp8"}})):
             pass
     with pytest.raises(ValueError, match="needs a policy"):
         with kv_cache_quantization(model, None, head_formats=HeadFormats({(0, "k"): {0: "fp8"}})):

@@ -134,6 +134,9 @@ class Evaluator:
     def set_baseline(self, policy: KVPolicy, desc_progress: Optional[object] = None) -> Metrics:
         """Measure ``policy`` and record its per-layer inputs for prefix reuse."""
         self._need_reference()
+        if self.head_formats is not None:
+            raise ValueError("set_baseline with head_formats set: a baseline is the policy alone "
+                             "(set head_formats = None first, then before each measure)")
         t0 = time.time()
         kls, nlls, agree = [], [], []
         self.captured = []

@@ -326,6 +326,10 @@ class KeySink:
         return out
 
 
+#: one overridden KV head: its index, its format and the scale of that format
+HeadOverride = tuple[int, KVFormat, ScaleArg]
+
+
 @dataclass(frozen=True)
 class HeadFormats:
     """Single KV heads stored in another format than their slot's: ``heads[(layer, "k" or
@@ -349,10 +353,12 @@ class HeadFormats:
         """The lowest layer with an overridden head (None: none)."""
         return min((layer for (layer, _), per_head in self.heads.items() if per_head), default=None)
 
-    def overrides(self, policy: KVPolicy, num_kv_heads: int) -> dict[tuple[int, str], list[tuple[int, str, ScaleArg]]]:
+    def overrides(self, policy: KVPolicy, num_kv_heads: int) -> dict[tuple[int, str], list[HeadOverride]]:
         """``{(layer, kv): [(head, format, that head's scale)]}`` resolved against ``policy``."""
-        out: dict[tuple[int, str], list[tuple[int, str, ScaleArg]]] = {}
+        out: dict[tuple[int, str], list[HeadOverride]] = {}
         for (layer, kv), per_head in self.heads.items():
+            if layer >= policy.num_layers:
+                raise ValueError(f"HeadFormats: layer {layer}: the policy has {policy.num_layers} layers")
             lp = policy.layers[layer]
             if not lp.layer_type.holds_kv:
                 raise ValueError(f"HeadFormats: layer {layer} has no KV cache")
@@ -370,7 +376,7 @@ class HeadFormats:
 
 
 def _with_head_formats(stored: torch.Tensor, x: torch.Tensor,
-                       overrides: Optional[list[tuple[int, str, ScaleArg]]], state: "_HookState") -> torch.Tensor:
+                       overrides: Optional[list[HeadOverride]], state: "_HookState") -> torch.Tensor:
     """``stored [b, kv_heads, s, d]`` with the overridden heads re-quantized from ``x`` (the same
     tensor before quantization) in their own format."""
     if not overrides:
@@ -391,7 +397,7 @@ class _HookState:
     rotation: Optional[KVRotation] = None
     nvfp4_decoding: str = "exact"
     key_sink: Optional[KeySink] = None
-    head_overrides: Optional[dict[tuple[int, str], list[tuple[int, str, ScaleArg]]]] = None
+    head_overrides: Optional[dict[tuple[int, str], list[HeadOverride]]] = None
     calls: int = 0
 
 
