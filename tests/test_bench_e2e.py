@@ -131,7 +131,11 @@ def test_kv_bytes_per_token_llama8b_matches_the_library():
     allnv = capacity.kv_bytes_per_token("nvfp4_mixed", L8B, "*:nvfp4")
     assert allnv / fp8 == pytest.approx(KVPolicy.from_compact("*:nvfp4", 32).fraction_of_fp8())
     by = capacity.bytes_per_token_by_config(L8B)
-    assert by == {"fp8": fp8, "nvfp4-mixed": mixed, "auto": 2 * fp8, "fp8-triton": fp8, "nvfp4-all": allnv}
+    # vLLM's own nvfp4: the same bytes as all-NVFP4; with layers 0 and 31 skipped those two store
+    # bf16: 30 x (2 x 8 heads x 128 x 0.5625 B) + 2 x (2 x 8 x 128 x 2 B)
+    assert by == {"fp8": fp8, "nvfp4-mixed": mixed, "auto": 2 * fp8, "fp8-triton": fp8,
+                  "nvfp4-all": allnv, "nvfp4": allnv, "nvfp4-skip": 30 * 1152 + 2 * 4096}
+    assert configs.CONFIGS["nvfp4-skip"].skipped(32) == ["0", "31"]
     with pytest.raises(ValueError, match="needs a policy"):
         capacity.kv_bytes_per_token("nvfp4_mixed", L8B)
     with pytest.raises(ValueError, match="no bytes-per-token rule"):

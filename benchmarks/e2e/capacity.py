@@ -32,10 +32,19 @@ from vllm_nvfp4.policy import KVPolicy
 DEFAULT_IN_FLIGHT_TOKENS = 16384
 
 
-def kv_bytes_per_token(kv_cache_dtype: str, shape: ModelShape, policy: Optional[str] = None) -> int:
-    """Cache bytes one token occupies over all layers (K + V, NVFP4 block scales included)."""
+def kv_bytes_per_token(kv_cache_dtype: str, shape: ModelShape, policy: Optional[str] = None,
+                       num_skipped: int = 0) -> int:
+    """Cache bytes one token occupies over all layers (K + V, NVFP4 block scales included).
+
+    ``nvfp4`` is vLLM's own NVFP4 cache (the same bytes per element as ours); its
+    ``num_skipped`` layers (``kv_cache_dtype_skip_layers``) store the model dtype.
+    """
+    model_dtype_layer = 2 * shape.dtype_bytes * shape.head_dim * shape.num_kv_heads
     if kv_cache_dtype == "auto":
-        return 2 * shape.dtype_bytes * shape.head_dim * shape.num_kv_heads * shape.num_layers
+        return model_dtype_layer * shape.num_layers
+    if kv_cache_dtype == "nvfp4":
+        nvfp4_layer = kv_bytes_per_token("nvfp4_mixed", shape, "*:nvfp4") // shape.num_layers
+        return nvfp4_layer * (shape.num_layers - num_skipped) + model_dtype_layer * num_skipped
     if kv_cache_dtype == "fp8":
         policy = "*:fp8"
     elif kv_cache_dtype != "nvfp4_mixed":
@@ -54,7 +63,8 @@ def bytes_per_token_by_config(shape: ModelShape, mixed_override: Optional[str] =
                               ) -> dict[str, int]:
     """:func:`kv_bytes_per_token` of every configuration of the matrix (all KV layers)."""
     return {name: kv_bytes_per_token(c.kv_cache_dtype, shape,
-                                     policy_for(c, shape.layer_types, mixed_override))
+                                     policy_for(c, shape.layer_types, mixed_override),
+                                     len(c.skip_layers))
             for name, c in CONFIGS.items()}
 
 
@@ -94,9 +104,11 @@ class PoolLayout:
 
 
 def pool_layout(kv_cache_dtype: str, shape: ModelShape, policy: Optional[str], block_size: int,
-                max_model_len: int, in_flight_tokens: int) -> PoolLayout:
+                max_model_len: int, in_flight_tokens: int, num_skipped: int = 0) -> PoolLayout:
     """The :class:`PoolLayout` of one configuration (module doc); ``block_size``: the configured
-    one, ``max_model_len`` and ``in_flight_tokens``: the engine's (the plugin plans with them)."""
+    one, ``max_model_len`` and ``in_flight_tokens``: the engine's (the plugin plans with them).
+    With ``num_skipped`` layers of vLLM's ``nvfp4`` in the model dtype the layout is the unpadded
+    arithmetic (vLLM pads their pages to the NVFP4 page: the worker takes its report instead)."""
     kinds = {(t.kind, t.window) for t in shape.layer_types}
     if any(kind == "none" for kind, _ in kinds):
         raise ValueError("no capacity arithmetic for models with linear-attention / Mamba layers "
@@ -112,7 +124,7 @@ def pool_layout(kv_cache_dtype: str, shape: ModelShape, policy: Optional[str], b
         groups = ((KVGroup("full", plan.full_block),) * plan.full_groups
                   + (KVGroup("sliding", plan.sliding_block, window),) * plan.sliding_groups)
         return PoolLayout(plan.block_bytes, groups)
-    per_token = kv_bytes_per_token(kv_cache_dtype, shape, policy)
+    per_token = kv_bytes_per_token(kv_cache_dtype, shape, policy, num_skipped)
     if not shape.needs_packed_groups:
         return PoolLayout(per_token * block_size, (KVGroup("full", block_size),))
     # vLLM's own dtypes: every layer's page is the same; groups of group_size layers

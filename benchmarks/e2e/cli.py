@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="default: vLLM's (16384 for LLM() on an H100/H200: what --dry-run assumes)")
     g.add_argument("--max-batch", type=int, default=512, help="cap of the largest batch (graph sizes)")
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: vLLM's)")
+    g.add_argument("--extensible-kv-cache", choices=("on", "off"), default=None,
+                   help="vLLM >= 0.34: size the KV cache after CUDA-graph capture (VMM) or from the "
+                        "profiling estimate (default: vLLM's, on for CUDA)")
     g.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs; not for numbers)")
     g.add_argument("--default-capture-sizes", action="store_true", help="vLLM's own CUDA-graph sizes")
     g.add_argument("--cpu", action="store_true", help="CPU build of vLLM: no backend names, no nvidia-smi")

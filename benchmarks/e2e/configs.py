@@ -19,7 +19,8 @@ class BenchConfig:
     """One engine configuration of the matrix.
 
     ``policy``: a compact KV policy, ``"mixed"`` (:func:`policy_for`, or ``--mixed-policy``), or
-    None for vLLM's own dtypes. ``attention_backend``: forced on dense models; on hybrid models
+    None for vLLM's own dtypes. ``skip_layers``: layer indices (negative: from the end) that
+    vLLM's own ``nvfp4`` keeps in the model dtype (``kv_cache_dtype_skip_layers``). ``attention_backend``: forced on dense models; on hybrid models
     (sliding windows, sinks) vLLM's default for the model runs, except for ``fp8-triton``
     (:func:`backend_for`). ``weight``: relative share of a time budget (bigger caches take
     longer to fill).
@@ -30,6 +31,11 @@ class BenchConfig:
     attention_backend: Optional[str]  # None: vLLM picks (ours for nvfp4_mixed)
     policy: Optional[str]
     weight: float
+    skip_layers: tuple[int, ...] = ()
+
+    def skipped(self, num_layers: int) -> list[str]:
+        """``kv_cache_dtype_skip_layers`` of this configuration for a model of ``num_layers``."""
+        return [str(i % num_layers) for i in self.skip_layers]
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
@@ -38,6 +44,9 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig("auto", "auto", "FLASH_ATTN", None, 0.8),
     BenchConfig("fp8-triton", "fp8", "TRITON_ATTN", None, 1.0),
     BenchConfig("nvfp4-all", "nvfp4_mixed", None, "*:nvfp4", 1.7),
+    # vLLM's own NVFP4 KV cache (on SM80/90/120: FlashInfer's fa2 kernels, software dequantization)
+    BenchConfig("nvfp4", "nvfp4", "FLASHINFER", None, 1.7),
+    BenchConfig("nvfp4-skip", "nvfp4", "FLASHINFER", None, 1.6, skip_layers=(0, -1)),
 )}
 #: its largest batch per context is the common batch of the decode comparison
 REFERENCE = "fp8"

@@ -199,7 +199,7 @@ def plan(a: Namespace) -> dict[str, Any]:
     names = list(dict.fromkeys(a.dtypes + a.serve))
     layouts = {n: pool_layout(CONFIGS[n].kv_cache_dtype, shape,
                               policy_for(CONFIGS[n], shape.layer_types, a.mixed_policy), PLAN_BLOCK_SIZE,
-                              a.max_model_len, in_flight)
+                              a.max_model_len, in_flight, len(CONFIGS[n].skip_layers))
                for n in dict.fromkeys([REFERENCE] + names)}
     configs = {}
     for n in names:

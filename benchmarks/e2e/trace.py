@@ -50,6 +50,19 @@ def kernel_time_by_category(events: list[dict]) -> dict[str, float]:
     return out
 
 
+def top_kernels(events: list[dict], n: int = 12) -> list[tuple[str, str, float, int]]:
+    """The ``n`` kernels of most total GPU time: (category, name cut to 90 characters, total
+    microseconds, launches)."""
+    total: dict[str, list[float]] = {}
+    for ev in events:
+        if ev.get("ph") == "X" and ev.get("cat") == "kernel":
+            t = total.setdefault(str(ev.get("name", "")), [0.0, 0])
+            t[0] += float(ev.get("dur", 0.0))
+            t[1] += 1
+    ranked = sorted(total.items(), key=lambda kv: -kv[1][0])[:n]
+    return [(kernel_category(k), k[:90], round(us, 1), int(c)) for k, (us, c) in ranked]
+
+
 def split_per_step(us: dict[str, float], tpot_ms: float) -> tuple[dict[str, float], dict[str, float]]:
     """(fraction of kernel time, ms per decode step) per category.
 

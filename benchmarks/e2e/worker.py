@@ -17,7 +17,7 @@ import traceback
 import zlib
 from argparse import Namespace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from benchmarks.e2e import trace
 from benchmarks.e2e.capacity import (PoolLayout, bytes_per_token_by_config, capacity_tokens, estimate_batch,
@@ -33,12 +33,19 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def engine_kwargs(a: Namespace, kv_cache_dtype: str, attention_backend: Optional[str]) -> dict:
+def engine_kwargs(a: Namespace, kv_cache_dtype: str, attention_backend: Optional[str],
+                  skip_layers: Sequence[str] = ()) -> dict:
     """``LLM(...)`` arguments of one configuration: dummy weights, no prefix caching."""
     kw: dict[str, Any] = dict(
         model=a.model, load_format="dummy", kv_cache_dtype=kv_cache_dtype,
         gpu_memory_utilization=a.gpu_mem, max_model_len=a.max_model_len,
         enable_prefix_caching=False, seed=0)
+    if skip_layers:
+        kw["kv_cache_dtype_skip_layers"] = list(skip_layers)
+    if a.block_size:
+        kw["block_size"] = a.block_size
+    if a.extensible_kv_cache:
+        kw["enable_extensible_kv_cache"] = a.extensible_kv_cache == "on"
     if a.max_num_seqs:
         kw["max_num_seqs"] = a.max_num_seqs
     if a.max_num_batched_tokens:
@@ -77,7 +84,8 @@ class Worker:
     def start(self) -> dict:
         from vllm import LLM
 
-        kw = engine_kwargs(self.a, self.cfg.kv_cache_dtype, backend_for(self.cfg, self.shape.needs_packed_groups))
+        kw = engine_kwargs(self.a, self.cfg.kv_cache_dtype, backend_for(self.cfg, self.shape.needs_packed_groups),
+                           self.cfg.skipped(self.shape.num_layers))
         log(f"{self.cfg.name}: starting engine {kw}")
         t0 = time.time()
         self.llm = LLM(**kw)
@@ -90,6 +98,11 @@ class Worker:
         cap = capacity_tokens(blocks, own, self.a.max_model_len)
         mb = {str(c): max_batch(blocks, own, c + self.a.headroom, self.in_flight, self.a.max_batch)
               for c in self.contexts()}
+        if self.cfg.skip_layers:  # vLLM pads the skipped layers' pages: take its own report
+            cap = int(cc.kv_cache_size_tokens)
+            seqs = float(cc.kv_cache_max_concurrency) * self.a.max_model_len
+            mb = {str(c): min(self.a.max_batch, int(seqs // (c + self.a.headroom)))
+                  for c in self.contexts()}
         rec = self.rec.write(
             "engine", engine_start_s=round(start_s, 1), num_gpu_blocks=blocks, block_size=bs,
             capacity_tokens=cap, kv_bytes_per_token=bpt,
@@ -109,7 +122,7 @@ class Worker:
         cfg = CONFIGS[name]
         bs = int(self.llm.llm_engine.vllm_config.cache_config.block_size)
         return pool_layout(cfg.kv_cache_dtype, self.shape, policy_for(cfg, self.shape.layer_types, self.a.mixed_policy),
-                           bs, self.a.max_model_len, self.in_flight)
+                           bs, self.a.max_model_len, self.in_flight, len(cfg.skip_layers))
 
     def left(self, soft: bool = False) -> float:
         return (self.soft if soft else self.deadline) - time.time()
@@ -191,11 +204,13 @@ class Worker:
                 st.step()
             self.llm.stop_profile()
             path = trace.wait_for_trace(pdir, before, timeout=60)
-            us = trace.kernel_time_by_category(trace.load_trace_events(path))
+            events = trace.load_trace_events(path)
+            us = trace.kernel_time_by_category(events)
             frac, per_step = trace.split_per_step(us, tpot_ms)
             self.rec.write("profile", context=context, batch=batch, iterations=n, kernel_us_total=us,
                            fraction=frac, tpot_ms=tpot_ms, ms_per_step=per_step,
-                           kernel_ms_per_iteration=round(us["total"] / n / 1000, 3), trace=str(path))
+                           kernel_ms_per_iteration=round(us["total"] / n / 1000, 3),
+                           top_kernels=trace.top_kernels(events), trace=str(path))
             log(f"{self.cfg.name}: profile ctx {context} batch {batch}: fractions {frac}")
         except Exception as e:  # the split is a bonus: never lose the run for it
             self.rec.write("error", what="profile", error=repr(e))
