@@ -20,7 +20,7 @@ cd "$REPO"
 rc=0
 for step in ${STEPS:-startup analyze}; do
   say "step $step"
-  "$PYTHON" studies/time_zeroconfig.py "$step" --out "$OUT" --preset "${PRESET:-llama8b}" \
+  "$PYTHON" -m studies.time_zeroconfig "$step" --out "$OUT" --preset "${PRESET:-llama8b}" \
     --device "${DEVICE:-cuda}" --windows "${ANALYZE_WINDOWS:-2}" ${WARMUP:+--warm-ups $WARMUP} \
     --repeats "${REPEATS:-1}" ${KINDS:+--kinds $KINDS} ${LOG_COMPILES:+--log-compiles} \
     2>&1 | tee "$OUT/$step.log" | grep --line-buffered -E "time_zeroconfig|calibrat|Error|Traceback|added_s|wall_s" | cut -c1-600
