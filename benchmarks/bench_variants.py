@@ -34,8 +34,7 @@ import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
-import bench_decode as bd  # noqa: E402
+from benchmarks import bench_decode as bd  # noqa: E402
 from vllm_nvfp4.kernels import attention as new_mod  # noqa: E402
 from vllm_nvfp4.layout import KVPageLayout  # noqa: E402
 

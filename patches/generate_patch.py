@@ -40,12 +40,12 @@ EDITS: tuple[Edit, ...] = (
     Edit("backend_selection", "vllm/v1/attention/selector.py",
          "    from vllm.platforms import current_platform\n\n",
          "    if attn_selector_config.kv_cache_dtype == \"nvfp4_mixed\":\n"
-         "        from vllm_nvfp4.integration.selection import select_backend\n\n"
+         "        from vllm_nvfp4.integration.backend_choice import select_backend\n\n"
          "        return resolve_obj_by_qualname(select_backend(backend, attn_selector_config))\n\n"),
     Edit("spec", "vllm/model_executor/layers/attention/attention.py",
          "    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec | None:\n",
          "        if self.kv_cache_dtype == \"nvfp4_mixed\":\n"
-         "            from vllm_nvfp4.integration.spec import kv_cache_spec\n\n"
+         "            from vllm_nvfp4.integration.kv_cache_spec import kv_cache_spec\n\n"
          "            return kv_cache_spec(self, vllm_config)\n"),
     Edit("startup_check", "vllm/engine/arg_utils.py",
          "            shutdown_timeout=self.shutdown_timeout,\n        )\n\n",

@@ -2,7 +2,7 @@
 # Kernels on a CUDA GPU: their CUDA tests, then the decode/prefill benchmark.
 #
 #   pip install vllm==0.32.0 && pip install -e .[test]  (once; vLLM only for the peer kernels)
-#   bash scripts/gpu_kernels.sh [all|tests|bench] [scripts/bench_decode.py arguments ...]
+#   bash scripts/gpu_kernels.sh [all|tests|bench] [benchmarks/bench_decode.py arguments ...]
 #   bash scripts/gpu_kernels.sh variants [benchmarks/bench_variants.py arguments ...]
 #
 # variants: our kernels only, against BEFORE (an older attention.py, default
@@ -41,5 +41,5 @@ if [[ $what == all || $what == tests ]]; then
   kernel_tests tests/test_kernels.py tests/test_layout.py tests/test_paged_torch.py
 fi
 if [[ $what == all || $what == bench ]]; then
-  "$PYTHON" scripts/bench_decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/bench.log"
+  "$PYTHON" benchmarks/bench_decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/bench.log"
 fi

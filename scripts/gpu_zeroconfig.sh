@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Zero-config timings on a CUDA GPU at the Llama-3.1-8B shape (scripts/time_zeroconfig.py):
+# Zero-config timings on a CUDA GPU at the Llama-3.1-8B shape (studies/time_zeroconfig.py):
 #   1. engine start with kv_cache_dtype=nvfp4_mixed and no policy: start-up calibration off,
 #      calibrating (empty cache), cached, REPEATS rounds -> OUT/startup.json (medians; target:
 #      <= 10 s added; WARMUP=N: N calibrating starts first, which fill the compile and kernel caches - use 2);
@@ -20,7 +20,7 @@ cd "$REPO"
 rc=0
 for step in ${STEPS:-startup analyze}; do
   say "step $step"
-  "$PYTHON" scripts/time_zeroconfig.py "$step" --out "$OUT" --preset "${PRESET:-llama8b}" \
+  "$PYTHON" -m studies.time_zeroconfig "$step" --out "$OUT" --preset "${PRESET:-llama8b}" \
     --device "${DEVICE:-cuda}" --windows "${ANALYZE_WINDOWS:-2}" ${WARMUP:+--warm-ups $WARMUP} \
     --repeats "${REPEATS:-1}" ${KINDS:+--kinds $KINDS} ${LOG_COMPILES:+--log-compiles} \
     2>&1 | tee "$OUT/$step.log" | grep --line-buffered -E "time_zeroconfig|calibrat|Error|Traceback|added_s|wall_s" | cut -c1-600

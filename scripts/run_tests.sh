@@ -9,7 +9,10 @@
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 T0=$SECONDS
-source "$REPO/scripts/venv_env.sh"
+VENV=${VENV:-$REPO/.venv}
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac  # absolute: the script cds later
+export VENV PATH="$VENV/bin:$PATH" VIRTUAL_ENV="$VENV"  # tests call `vllm`, `lm_eval` by name
+bash "$REPO/scripts/install.sh"
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TRANSFORMERS_OFFLINE=${TRANSFORMERS_OFFLINE:-1}
 export VLLM_NO_USAGE_STATS=${VLLM_NO_USAGE_STATS:-1}

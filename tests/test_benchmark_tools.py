@@ -3,7 +3,6 @@
 import os
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +12,7 @@ if not torch.cuda.is_available():  # before the kernels are imported, as in test
 
 from benchmarks.bench_variants import VARIANTS, variant_config  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import time_zeroconfig  # noqa: E402
+from studies import time_zeroconfig  # noqa: E402
 
 
 @pytest.mark.parametrize("name,kind,want", [

@@ -1,4 +1,4 @@
-"""benchmarks/default_rule.py: the candidate rules it compares, by hand on small layer patterns,
+"""studies/default_rule_candidates.py: the candidate rules it compares, by hand on small layer patterns,
 and its summary statistics."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from benchmarks.default_rule import CANDIDATES, candidate_policies, candidate_text, summarize_runs
+from studies.default_rule_candidates import CANDIDATES, candidate_policies, candidate_text, summarize_runs
 from vllm_nvfp4.policy import KVPolicy, LayerType, default_policy
 
 SWA, FULL, NONE = LayerType("sliding", 32), LayerType("full"), LayerType("none")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_nvfp4 import env_vars
 from vllm_nvfp4.env_vars import ENV_VARS, register_with_vllm, unknown_variables
 
 REPO = Path(__file__).resolve().parent.parent
@@ -14,10 +15,15 @@ NAME = re.compile(r"\bVLLM_NVFP4_[A-Z0-9_]*[A-Z0-9]\b")
 
 
 def _names_in_sources() -> set[str]:
+    """The names other sources spell out, and those they read through an env_vars constant."""
     files = [*(REPO / "vllm_nvfp4").rglob("*.py"), *(REPO / "scripts").rglob("*.py"),
              *(REPO / "benchmarks").rglob("*.py"), *(REPO / "benchmarks").rglob("*.sh"),
+             *(REPO / "studies").rglob("*.py"),
              *(REPO / "scripts").rglob("*.sh"), *(REPO / "vllm_nvfp4").rglob("*.yaml")]
-    return {n for f in files if f.name != "env_vars.py" for n in NAME.findall(f.read_text())}
+    texts = [f.read_text() for f in files if f.name != "env_vars.py"]
+    constants = {c: getattr(env_vars, c) for c in dir(env_vars) if c.endswith("_ENV")}
+    return ({n for text in texts for n in NAME.findall(text)}
+            | {name for c, name in constants.items() if any(re.search(rf"\b{c}\b", t) for t in texts)})
 
 
 def test_every_variable_the_package_reads_is_in_the_table_and_none_is_stale():
@@ -77,3 +83,15 @@ def test_our_variables_do_not_change_vllms_compile_cache_key(monkeypatch):
     assert not set(first) & set(ENV_VARS)
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")  # a vLLM variable still counts
     assert envs.compile_factors()["VLLM_BATCH_INVARIANT"] != first["VLLM_BATCH_INVARIANT"]
+
+
+def test_env_vars_is_a_leaf_and_its_constants_are_the_ones_read():
+    """env_vars.py imports no product module (hooks.py and the readers import it); the torch-path
+    switch that ops.py names itself is the same string."""
+    from vllm_nvfp4 import ops
+
+    source = (REPO / "vllm_nvfp4" / "env_vars.py").read_text()
+    assert not re.search(r"^\s*(from|import) vllm_nvfp4", source, re.M)
+    assert ops.FORCE_TORCH_ENV == env_vars.FORCE_TORCH_ENV
+    for c in ("POLICY_ENV", "FORCE_TORCH_ENV", "FUSED_PREFILL_ENV", "STARTUP_CALIBRATION_ENV", "CACHE_ENV"):
+        assert getattr(env_vars, c) in ENV_VARS

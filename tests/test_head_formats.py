@@ -99,11 +99,7 @@ def test_bad_head_formats_are_clear_errors():
 
 
 def test_study_reads_head_slots_and_ranks_by_kl_rise():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from head_format_study import _head_formats, _largest
+    from studies.head_format_study import _head_formats, _largest
 
     assert _head_formats(["14k2", "3v0", "14k0"], "fp8") == HeadFormats(
         {(14, "k"): {2: "fp8", 0: "fp8"}, (3, "v"): {0: "fp8"}})

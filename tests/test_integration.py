@@ -72,7 +72,7 @@ def test_every_hook_is_installed_once():
     from vllm.v1.executor.abstract import Executor
 
     from vllm_nvfp4.integration import hooks
-    from vllm_nvfp4.integration.selection import BACKEND_PATH
+    from vllm_nvfp4.integration.backend_choice import BACKEND_PATH
 
     for fn in (EngineArgs.create_engine_config, Attention.get_kv_cache_spec,
                selector._cached_get_attn_backend, Executor.get_kv_cache_specs,
@@ -98,7 +98,7 @@ def _selector_config(**changes):
 def test_backend_selection():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from vllm_nvfp4.integration.selection import BACKEND_PATH, select_backend
+    from vllm_nvfp4.integration.backend_choice import BACKEND_PATH, select_backend
 
     assert select_backend(None, _selector_config()) == BACKEND_PATH
     assert select_backend(AttentionBackendEnum.CUSTOM, _selector_config()) == BACKEND_PATH

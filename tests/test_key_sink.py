@@ -97,11 +97,7 @@ def test_evaluator_scores_with_the_sink():
 
 
 def test_study_parses_sink_entries():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from sink_token_study import parse_sink
+    from studies.sink_token_study import parse_sink
 
     assert parse_sink("uncentered:16") == KeySink(16, "uncentered")
     assert parse_sink("uncentered-fit:1", frozenset({2})) == KeySink(1, "uncentered", frozenset({2}))

@@ -1,4 +1,4 @@
-"""vllm_nvfp4.evaluation.rounding_sensitivity on a tiny random bf16 Llama: the FP32 projection
+"""studies/kv_rounding_sensitivity.py on a tiny random bf16 Llama: the FP32 projection
 hook, the seeded perturbation, the comparison and its pooling over windows."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from studies import kv_rounding_sensitivity as krs
 from vllm_nvfp4.calibration.modeling import load_model
-from vllm_nvfp4.evaluation import rounding_sensitivity as krs
 from vllm_nvfp4.policy import KVPolicy
 from vllm_nvfp4.testing.models import build_tiny_llama
 

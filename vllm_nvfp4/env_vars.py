@@ -12,13 +12,14 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from vllm_nvfp4.calibration.startup_cache import CACHE_ENV
-from vllm_nvfp4.integration.dense_prefill import FUSED_PREFILL_ENV
-from vllm_nvfp4.integration.startup_calibration import STARTUP_CALIBRATION_ENV
-from vllm_nvfp4.ops import FORCE_TORCH_ENV
-from vllm_nvfp4.policy import POLICY_ENV
-
 PREFIX = "VLLM_NVFP4_"
+# the names the package's modules read through these constants (this module imports none of them)
+POLICY_ENV = "VLLM_NVFP4_POLICY"
+FORCE_TORCH_ENV = "VLLM_NVFP4_FORCE_TORCH"
+FUSED_PREFILL_ENV = "VLLM_NVFP4_FUSED_PREFILL"
+STARTUP_CALIBRATION_ENV = "VLLM_NVFP4_STARTUP_CALIBRATION"
+CACHE_ENV = "VLLM_NVFP4_CACHE"
+
 #: name -> what it does (read by the package, its scripts or its lm-eval tasks)
 ENV_VARS: dict[str, str] = {
     POLICY_ENV: "the KV policy: a JSON policy file or a compact string (overrides the model "

@@ -134,12 +134,6 @@ def amax_table(observer: KVObserver) -> list[dict[str, list[float]]]:
             if k is not None else {} for k, v in zip(observer.k_amax, observer.v_amax)]
 
 
-def formats_only(policy: KVPolicy) -> KVPolicy:
-    """The formats of ``policy`` without any scales."""
-    return KVPolicy(tuple(LayerPolicy(lp.k, lp.v, layer_type=lp.layer_type) for lp in policy.layers),
-                    source=policy.source)
-
-
 def with_formats(scaled: KVPolicy, formats: KVPolicy, provenance: Optional[Mapping[str, Any]] = None,
                  source: str = "selection") -> KVPolicy:
     """``formats``' per-layer formats combined with ``scaled``'s calibrated scales."""

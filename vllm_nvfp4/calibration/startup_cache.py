@@ -20,12 +20,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from vllm_nvfp4 import compact_json
+from vllm_nvfp4 import json_text
+from vllm_nvfp4.env_vars import CACHE_ENV
 from vllm_nvfp4.policy import KVPolicy, PolicyError
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
 
-CACHE_ENV = "VLLM_NVFP4_CACHE"
 STARTUP_SUBDIR = "startup-calibration"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 SAMPLE_BYTES = 1 << 20  # read from each end of a weight file that has no hub checksum
@@ -107,7 +107,7 @@ def save_cached(policy: KVPolicy, path: Path) -> Optional[Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(compact_json.dumps(policy.to_dict()) + "\n")  # as KVPolicy.save writes it
+            f.write(json_text.dumps(policy.to_dict()) + "\n")  # as KVPolicy.save writes it
         os.replace(tmp, path)
     except OSError as e:
         logger.warning("vllm-nvfp4: cannot cache the start-up calibration in %s (%s); the next "

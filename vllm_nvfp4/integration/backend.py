@@ -67,7 +67,7 @@ class Nvfp4MixedBackend(AttentionBackend):
 
     @staticmethod
     def get_name() -> str:
-        return "CUSTOM"  # the static enum member that resolves to this class (see selection.py)
+        return "CUSTOM"  # the static enum member that resolves to this class (see backend_choice.py)
 
     @staticmethod
     def get_impl_cls() -> type:

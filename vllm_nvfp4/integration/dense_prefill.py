@@ -36,11 +36,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from vllm_nvfp4 import ops
+from vllm_nvfp4.env_vars import FUSED_PREFILL_ENV
 from vllm_nvfp4.layout import KVPageLayout
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
 
-FUSED_PREFILL_ENV = "VLLM_NVFP4_FUSED_PREFILL"
 DENSE_DTYPES = (torch.bfloat16, torch.float16)
 #: largest head size of FlashAttention 2/3 (Gemma 4's 512 takes the fused Triton prefill)
 MAX_DENSE_HEAD_DIM = 256

@@ -88,7 +88,7 @@ def _install_cache_dtype() -> None:
 
 
 def _install_custom_backend() -> None:
-    from vllm_nvfp4.integration.selection import register_custom_backend
+    from vllm_nvfp4.integration.backend_choice import register_custom_backend
 
     register_custom_backend()
 
@@ -97,7 +97,7 @@ def _install_backend_selection() -> None:
     from vllm.utils.import_utils import resolve_obj_by_qualname
     from vllm.v1.attention import selector
 
-    from vllm_nvfp4.integration.selection import select_backend
+    from vllm_nvfp4.integration.backend_choice import select_backend
 
     def make(original: Callable) -> Callable:
         def cached_get_attn_backend(backend: Any, attn_selector_config: Any,
@@ -116,7 +116,7 @@ def _install_backend_selection() -> None:
 def _install_spec() -> None:
     from vllm.model_executor.layers.attention.attention import Attention
 
-    from vllm_nvfp4.integration.spec import kv_cache_spec
+    from vllm_nvfp4.integration.kv_cache_spec import kv_cache_spec
 
     def make(original: Callable) -> Callable:
         def get_kv_cache_spec(self: Any, vllm_config: Any) -> Any:

@@ -81,6 +81,7 @@ from vllm_nvfp4.calibration.startup_cache import (
     save_cached,
     weights_fingerprint,
 )
+from vllm_nvfp4.env_vars import STARTUP_CALIBRATION_ENV
 from vllm_nvfp4.policy import POLICY_ENV, POLICY_FILENAME, KVPolicy, default_policy
 
 from vllm_nvfp4.integration.dtype import is_ours
@@ -102,7 +103,6 @@ from vllm_nvfp4.model_shape import ModelShape
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
 
-STARTUP_CALIBRATION_ENV = "VLLM_NVFP4_STARTUP_CALIBRATION"
 #: values of ``$VLLM_NVFP4_STARTUP_CALIBRATION`` (lower case) -> mode
 STARTUP_MODES = {"": "select", "1": "select", "on": "select", "true": "select", "yes": "select",
                  "scales": "scales", "0": "off", "off": "off", "false": "off", "no": "off"}

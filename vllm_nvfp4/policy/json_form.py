@@ -13,7 +13,7 @@
 ``"type"`` may be left out for full attention (policies of dense models written before the types
 existed read unchanged); ``"sinks": true`` marks a layer with attention sinks. The scale and
 channel fields are those of :class:`~vllm_nvfp4.policy.layer_policy.LayerPolicy`. Files are
-written by :func:`vllm_nvfp4.compact_json.dumps` (one line per vector).
+written by :func:`vllm_nvfp4.json_text.dumps` (one line per vector).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Mapping, Sequence, Union
 
-from vllm_nvfp4 import compact_json
+from vllm_nvfp4 import json_text
 from vllm_nvfp4.formats import KV_FORMATS, KVFormat
 from vllm_nvfp4.policy.errors import PolicyError
 from vllm_nvfp4.policy.layer_policy import CHANNEL_FIELDS, SCALE_FIELDS, LayerPolicy
@@ -132,5 +132,5 @@ def write_policy_file(path: Union[str, Path], data: Mapping[str, Any], overwrite
     p = Path(path)
     if p.exists() and not overwrite:
         raise FileExistsError(f"{p} exists; refusing to overwrite it (use --force / overwrite=True)")
-    p.write_text(compact_json.dumps(data) + "\n", encoding="utf-8")
+    p.write_text(json_text.dumps(data) + "\n", encoding="utf-8")
     return p

@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Mapping, Optional, Sequence, Union
 
+from vllm_nvfp4.env_vars import POLICY_ENV
 from vllm_nvfp4.policy.default_rule import default_policy
 from vllm_nvfp4.policy.errors import PolicyError
 from vllm_nvfp4.policy.kv_policy import KVPolicy
@@ -20,7 +21,6 @@ from vllm_nvfp4.policy.layer_types import LayerType
 
 logger = logging.getLogger(__name__)
 
-POLICY_ENV = "VLLM_NVFP4_POLICY"
 POLICY_FILENAME = "nvfp4_policy.json"
 
 

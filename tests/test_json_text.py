@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_nvfp4 import compact_json
+from vllm_nvfp4 import json_text
 from vllm_nvfp4.policy import POLICY_FORMAT, KVPolicy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_layout_of_a_small_document():
     doc = {"a": [1, 2.5, -3e-9], "b": {"c": [[1, 2], [3.25]], "d": []}, "e": ["x", True, None],
            "f": {}, "g": 0.1}
-    assert compact_json.dumps(doc) == (
+    assert json_text.dumps(doc) == (
         '{\n'
         '  "a": [1, 2.5, -3e-09],\n'
         '  "b": {\n'
@@ -37,9 +37,9 @@ def test_layout_of_a_small_document():
 
 
 def test_bools_are_not_numbers_and_keys_must_be_strings():
-    assert compact_json.dumps([True, 1]) == "[\n  true,\n  1\n]"
+    assert json_text.dumps([True, 1]) == "[\n  true,\n  1\n]"
     with pytest.raises(TypeError, match="keys must be strings, got 3"):
-        compact_json.dumps({3: 1.0})
+        json_text.dumps({3: 1.0})
 
 
 def _random_floats(rng: random.Random, n: int) -> list[float]:
@@ -75,7 +75,7 @@ def test_policy_vectors_one_line_each_and_exact_round_trip(tmp_path):
     q = KVPolicy.load(path)
     assert q.layers == p.layers  # every float bit-exact
     assert q.save(tmp_path / "again.json").read_bytes() == path.read_bytes()
-    assert json.loads(compact_json.dumps({"x": vectors})) == {"x": vectors}
+    assert json.loads(json_text.dumps({"x": vectors})) == {"x": vectors}
 
 
 def _committed_policy_files() -> list[Path]:
@@ -96,5 +96,5 @@ def test_committed_policy_files_are_written_by_the_writer():
     assert files, "no policy files found under docs/ or results/"
     for f in files:
         text = f.read_text(encoding="utf-8")
-        assert text == compact_json.dumps(json.loads(text)) + "\n", f"{f}: rewrite it with KVPolicy.save"
+        assert text == json_text.dumps(json.loads(text)) + "\n", f"{f}: rewrite it with KVPolicy.save"
         KVPolicy.load(f)

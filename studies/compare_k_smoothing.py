@@ -2,7 +2,7 @@
 transforms (K smoothing, K centering, both), through the calibration code path (transformers +
 the fake-quant hook that mirrors the vLLM integration bit for bit).
 
-    python scripts/compare_k_smoothing.py MODEL_DIR --data brown.txt --out DIR \
+    python -m studies.compare_k_smoothing MODEL_DIR --data brown.txt --out DIR \
         [--window 2048] [--windows 1] [--alpha 1.0] [--policy policy.json]
 
 Calibrates per-layer scales on one window (plain, ``--k-smooth ALPHA``, ``--k-center``, both),

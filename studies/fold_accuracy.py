@@ -13,7 +13,7 @@ windows are scored:
   delta NLL and top-1 agreement of both against the unquantized model, and folded against exact
   (paired delta NLL with its standard error, KL, top-1 agreement).
 
-    python benchmarks/fold_accuracy.py MODEL_DIR --data brown.txt [--window 1024] [--windows 3]
+    python -m studies.fold_accuracy MODEL_DIR --data brown.txt [--window 1024] [--windows 3]
                                        [--dtype float32] [--json OUT.json]
 """
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Would choosing FP8 per KV head instead of per layer recover more top-1 agreement (CPU)?
 
-    python scripts/head_format_study.py STEP MODEL TEXT --out DIR [--window 512]
+    python -m studies.head_format_study STEP MODEL TEXT --out DIR [--window 512]
         [--analysis-windows 2] [--heldout-windows 4] [--budget 0.62] [--dtype float32]
 
 STEP ``sweep``: from calibrated all-FP8 (K centering, as ``analyze --k-center``), every K/V
@@ -15,7 +15,7 @@ FP8 (a head slot costs a ``1/kv_heads`` share of a layer slot's bytes, so the bu
 (all-FP8 - all-NVFP4)``. The paged cache holds one format per layer's K and V, so per-head
 formats are a measurement here, not a served option.
 
-Windows as ``scripts/sweep_base_study.py``: calibration = the first window of TEXT, analysis =
+Windows as ``studies/sweep_base_study.py``: calibration = the first window of TEXT, analysis =
 the next ``--analysis-windows``, held-out = the last ``--heldout-windows`` windows of TEXT's
 final 50,000 characters. Transformers with the cache fake-quantized, one CPU thread.
 """
@@ -24,15 +24,9 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from rotation_study import _recovery, _row  # noqa: E402  (scripts/ is sys.path[0])
-from sweep_base_study import _Progress, load_study, study_parser  # noqa: E402
+from studies.common import Progress, load_study, recovery, row, study_parser, with_fp8_slots
 
 
 def _largest(sweep: dict[str, Any], n: int) -> list[str]:
@@ -60,7 +54,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from vllm_nvfp4.calibration.evaluator import Evaluator
     from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy
     from vllm_nvfp4.calibration.selection import fp8_slots_for_budget, fraction_for_slots
-    from vllm_nvfp4.calibration.sensitivity import all_format, downgrade, upgrade
+    from vllm_nvfp4.calibration.sensitivity import all_format, downgrade
     from vllm_nvfp4.policy import KVPolicy
 
     a = study_parser(__doc__, ("sweep", "heldout")).parse_args(argv)
@@ -78,7 +72,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ev = Evaluator(model, torch.tensor(head[w:w * (1 + a.analysis_windows)]).view(a.analysis_windows, w))
         ev.reference()
         base = ev.set_baseline(fp8).to_dict()
-        bar = _Progress()
+        bar = Progress()
         layer_slots, head_slots = {}, {}
         for i in info.kv_layers:
             for kv in ("k", "v"):
@@ -96,24 +90,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     n_layer = fp8_slots_for_budget(info.num_layers, a.budget)
     n_head = fp8_slots_for_budget(info.num_layers * kv_heads, a.budget)
     layer_pick, head_pick = _largest(sweep["layers"], n_layer), _largest(sweep["heads"], n_head)
-    layer_mix = nv
-    for s in layer_pick:
-        layer_mix = upgrade(layer_mix, int(s[:-1]), s[-1])
+    layer_mix = with_fp8_slots(nv, layer_pick)
 
     ev = Evaluator(model, torch.tensor(tail[-w * a.heldout_windows:]).view(a.heldout_windows, w),
                    reuse_prefix=False)
     ev.reference()
     out: dict[str, Any] = {"all_fp8": ev.measure(fp8).to_dict(), "all_nvfp4": ev.measure(nv).to_dict()}
     for name in out:
-        print(_row(name, out[name]), flush=True)
+        print(row(name, out[name]), flush=True)
     rows = {"layer_mix": (layer_mix, None, layer_pick),
             "head_mix": (nv, _head_formats(head_pick, "fp8"), head_pick)}
     for name, (policy, heads, picked) in rows.items():
         ev.head_formats = heads
         m = ev.measure(policy).to_dict()
-        m.update(_recovery(m, out["all_fp8"], out["all_nvfp4"]), fp8_slots=picked)
+        m.update(recovery(m, out["all_fp8"], out["all_nvfp4"]), fp8_slots=picked)
         out[name] = m
-        print(_row(name, m) + f"  gap recovery top-1 {m['top1_gap_recovery']:.0%}, "
+        print(row(name, m) + f"  gap recovery top-1 {m['top1_gap_recovery']:.0%}, "
               f"dNLL {m['dnll_gap_recovery']:.0%}  ({len(picked)} slots)", flush=True)
     fraction = {"layer_mix": layer_mix.fraction_of_fp8(),
                 "head_mix": fraction_for_slots(info.num_layers * kv_heads, len(head_pick))}

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How much of the NVFP4 damage sits in the attention-sink keys, the first keys of a sequence (CPU)?
 
-    python scripts/sink_token_study.py MODEL TEXT --out DIR [--window 1024] [--heldout-windows 4]
+    python -m studies.sink_token_study MODEL TEXT --out DIR [--window 1024] [--heldout-windows 4]
         [--dtype float32] [--sinks fp8:1 uncentered:1 exact:16 ...] [--fp8-slots 14k 15k ...]
 
 On held-out windows, against the unquantized cache: calibrated all-FP8 and all-NVFP4 (K
@@ -15,7 +15,7 @@ delta-NLL gap recovery ``(x - all-NVFP4) / (all-FP8 - all-NVFP4)``; writes ``DIR
 with ``key_stats``: per KV layer, on the held-out windows, the first key's norm against the median
 key's before and after K centering, and its largest centered element against the other keys'.
 
-Windows as ``scripts/sweep_base_study.py``: calibration = the first window of TEXT, held-out =
+Windows as ``studies/sweep_base_study.py``: calibration = the first window of TEXT, held-out =
 the last ``--heldout-windows`` windows of TEXT's final 50,000 characters. Transformers with the
 cache fake-quantized (:mod:`vllm_nvfp4.calibration.kv_hooks`).
 """
@@ -23,17 +23,10 @@ cache fake-quantized (:mod:`vllm_nvfp4.calibration.kv_hooks`).
 from __future__ import annotations
 
 import json
-import re
 import sys
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from rotation_study import _recovery, _row  # noqa: E402  (scripts/ is sys.path[0])
-from sweep_base_study import load_study, study_parser  # noqa: E402
+from studies.common import check_fp8_slots, load_study, recovery, row, study_parser, with_fp8_slots
 
 DEFAULT_SINKS = ("fp8:1", "uncentered:1", "fp8:16", "uncentered:16", "exact:16")
 FIT_STORE = "uncentered-fit"
@@ -51,26 +44,6 @@ def parse_sink(text: str, fitting_layers: Optional[frozenset[int]] = None) -> An
         return KeySink(int(n), store)
     except ValueError as e:
         raise SystemExit(f"--sinks entry {text!r}: expected STORE:N, e.g. fp8:1 ({e})") from None
-
-
-def check_fp8_slots(slots: Sequence[str], kv_layers: Optional[Sequence[int]] = None) -> None:
-    """``SystemExit`` unless every entry of ``--fp8-slots`` is ``LAYERk`` / ``LAYERv`` (and, given
-    ``kv_layers``, names a KV layer)."""
-    bad = [s for s in slots if not re.fullmatch(r"\d+[kv]", s)]
-    if bad:
-        raise SystemExit(f"--fp8-slots {bad}: expected LAYERk or LAYERv, e.g. 14k 3v")
-    outside = [s for s in slots if kv_layers is not None and int(s[:-1]) not in kv_layers]
-    if outside:
-        raise SystemExit(f"--fp8-slots {outside}: the model's KV layers are {kv_layers[0]}-{kv_layers[-1]}")
-
-
-def with_fp8_slots(policy: Any, slots: Sequence[str]) -> Any:
-    """``policy`` with each slot of ``slots`` (``LAYERk`` / ``LAYERv``) in FP8."""
-    from vllm_nvfp4.calibration.sensitivity import upgrade
-
-    for s in slots:
-        policy = upgrade(policy, int(s[:-1]), s[-1])
-    return policy
 
 
 def key_stats(model: Any, windows: Any, policy: Any) -> dict[str, dict[str, float]]:
@@ -160,7 +133,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ev = Evaluator(model, heldout, reuse_prefix=False)
     ev.reference()
     out: dict[str, Any] = {"all_fp8": ev.measure(all_format(scaled, "fp8")).to_dict()}
-    print(_row("all_fp8", out["all_fp8"]), flush=True)
+    print(row("all_fp8", out["all_fp8"]), flush=True)
     for base_name, policy in bases.items():
         for sink, sink_text in [(None, ""), *zip(sinks, a.sinks)]:
             ev.key_sink = sink
@@ -168,10 +141,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             m = ev.measure(policy).to_dict()
             m.update(fraction_of_fp8=round(policy.fraction_of_fp8(), 6))
             if "all_nvfp4" in out:
-                m.update(_recovery(m, out["all_fp8"], out["all_nvfp4"]))
+                m.update(recovery(m, out["all_fp8"], out["all_nvfp4"]))
             out[name] = m
             gap = f"  gap recovery {m['top1_gap_recovery']:.0%}" if "top1_gap_recovery" in m else ""
-            print(_row(name, m) + gap, flush=True)
+            print(row(name, m) + gap, flush=True)
     summary = {"model": str(a.model), "text": str(a.text), "window": w, "dtype": a.dtype,
                "heldout_windows": a.heldout_windows, "k_center": True, "fp8_slots": a.fp8_slots,
                "uncentered_fit_layers": sorted(fitting), "configs": out, "key_stats": stats}

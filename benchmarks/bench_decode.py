@@ -9,9 +9,9 @@ Writes one JSON file (records + copy bandwidth + versions) and prints a table. O
 (hybrid models): ``--q-heads/--kv-heads/--head-dim``, ``--sinks`` (random per-head sink logits
 for every kernel, vLLM's ``sinks`` / FA3's ``s_aux``).
 
-    python3 scripts/bench_decode.py --out results/DATE-decode-kernels-GPU/decode_h200.json
-    python3 scripts/bench_decode.py --q-heads 16 --kv-heads 2 --head-dim 256 --sinks --out X.json
-    python3 scripts/bench_decode.py --smoke     # CPU + TRITON_INTERPRET, tiny shapes, no timing
+    python3 benchmarks/bench_decode.py --out results/DATE-decode-kernels-GPU/decode_h200.json
+    python3 benchmarks/bench_decode.py --q-heads 16 --kv-heads 2 --head-dim 256 --sinks --out X.json
+    python3 benchmarks/bench_decode.py --smoke     # CPU + TRITON_INTERPRET, tiny shapes, no timing
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Which sensitivity sweep picks the FP8 slots that recover the most top-1 agreement (CPU).
 
-    python scripts/sweep_base_study.py STEP MODEL TEXT --out DIR [--window 512]
+    python -m studies.sweep_base_study STEP MODEL TEXT --out DIR [--window 512]
         [--analysis-windows 2] [--heldout-windows 4] [--budget 0.62] [--dtype float32]
 
 STEP ``fp8`` / ``nvfp4``: the sweep of ``vllm-nvfp4 analyze --base`` (every K/V slot moved alone
@@ -20,67 +20,11 @@ fake-quantized (:mod:`vllm_nvfp4.calibration.kv_hooks`), one CPU thread.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import time
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-HEAD_CHARS, TAIL_CHARS = 100_000, 50_000  # text tokenized for the first / the held-out windows
-
-
-class _Progress:
-    """A progress sink for :class:`Evaluator`: a line every 20 forwards."""
-
-    def __init__(self) -> None:
-        self.n, self.t0 = 0, time.time()
-
-    def update(self, k: int) -> None:
-        self.n += k
-        if self.n % 20 == 0:
-            print(f"  {self.n} forwards, {time.time() - self.t0:.0f} s", flush=True)
-
-
-def study_parser(doc: str, steps: Sequence[str]) -> argparse.ArgumentParser:
-    """The arguments the window studies share: STEP MODEL TEXT --out and the window options; with
-    no ``steps``, MODEL TEXT --out and the held-out window options only (a study without an
-    analysis sweep or a budget)."""
-    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    if steps:
-        ap.add_argument("step", choices=steps)
-    ap.add_argument("model", type=Path)
-    ap.add_argument("text", type=Path)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--window", type=int, default=512)
-    if steps:
-        ap.add_argument("--analysis-windows", type=int, default=2)
-    ap.add_argument("--heldout-windows", type=int, default=4)
-    if steps:
-        ap.add_argument("--budget", type=float, default=0.62)
-    ap.add_argument("--dtype", default="float32")
-    return ap
-
-
-def load_study(model_dir: Path, text_path: Path, dtype: str) -> tuple[Any, Any, list[int], list[int]]:
-    """``(model, info, head, tail)``: the transformers model on the CPU (one thread, seed 0), its
-    :func:`~vllm_nvfp4.calibration.modeling.load_model` info, and the token ids of TEXT's first
-    ``HEAD_CHARS`` and last ``TAIL_CHARS`` characters."""
-    import torch
-
-    from vllm_nvfp4.calibration.modeling import load_model
-
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    model, tok, info = load_model(model_dir, dtype, "cpu")
-    text = text_path.read_text(encoding="utf-8")
-    head = tok(text[:HEAD_CHARS], add_special_tokens=False)["input_ids"]
-    tail = tok(text[-TAIL_CHARS:], add_special_tokens=False)["input_ids"]
-    return model, info, head, tail
+from studies.common import Progress, load_study, recovery, study_parser, with_fp8_slots
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -109,7 +53,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ev.reference()
         base, switch = (fp8, downgrade) if a.step == "fp8" else (nv, upgrade)
         result: dict[str, Any] = {"base": ev.set_baseline(base).to_dict(), "slots": {}}
-        bar = _Progress()
+        bar = Progress()
         for i in info.kv_layers:
             for kv in ("k", "v"):
                 result["slots"][f"{i}{kv}"] = ev.measure(switch(base, i, kv), bar).to_dict()
@@ -129,12 +73,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             score = {s: sign * (m[metric] - b[metric]) for s, m in sw["slots"].items()}
         return [s for s in sorted(score, key=lambda s: -score[s])[:n] if score[s] > 0]
 
-    def with_fp8(slots: list[str]) -> KVPolicy:
-        p = nv
-        for s in slots:
-            p = upgrade(p, int(s[:-1]), s[-1])
-        return p
-
     windows = torch.tensor(tail[-w * a.heldout_windows:]).view(a.heldout_windows, w)
     ev = Evaluator(model, windows, reuse_prefix=False)
     ev.reference()
@@ -143,11 +81,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for base in ("fp8", "nvfp4"):
         for metric in ("kl", "top1"):
             slots = ranked(base, metric)
-            m = ev.measure(with_fp8(slots)).to_dict()
-            m.update(slots=slots, policy=with_fp8(slots).to_compact(),
-                     fraction_of_fp8=round(with_fp8(slots).fraction_of_fp8(), 6),
-                     top1_gap_recovery=round((m["top1"] - n4["top1"]) / (f8["top1"] - n4["top1"]), 4),
-                     dnll_gap_recovery=round((n4["dnll"] - m["dnll"]) / (n4["dnll"] - f8["dnll"]), 4))
+            mix = with_fp8_slots(nv, slots)
+            m = ev.measure(mix).to_dict()
+            m.update(slots=slots, policy=mix.to_compact(), fraction_of_fp8=round(mix.fraction_of_fp8(), 6),
+                     **recovery(m, f8, n4))
             out[f"base_{base}_by_{metric}"] = m
             print(f"base {base:5s} by {metric:4s}: {slots} top-1 {m['top1']:.4f} "
                   f"(gap recovery {m['top1_gap_recovery']:.0%}), delta NLL {m['dnll']:.4f} "

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Does ordering each KV head's K channels by RMS (``k_perm``) make NVFP4 keys more accurate (CPU)?
 
-    python scripts/k_permutation_study.py MODEL TEXT --out DIR [--window 512] [--heldout-windows 4]
+    python -m studies.k_permutation_study MODEL TEXT --out DIR [--window 512] [--heldout-windows 4]
         [--dtype float32] [--fp8-slots 1k 8k 0v ...]
 
 On held-out windows, against the unquantized cache: calibrated all-FP8 and all-NVFP4 with K
@@ -12,7 +12,7 @@ permutation. Each row gets its top-1 and delta-NLL gap recovery ``(x - all-NVFP4
 all-NVFP4)``; writes ``DIR/k_permutation.json``. A permutation does not change an FP8 cache
 (one scale per layer), so all-FP8 is measured once.
 
-Windows as ``scripts/sweep_base_study.py``: calibration = the first window of TEXT, held-out =
+Windows as ``studies/sweep_base_study.py``: calibration = the first window of TEXT, held-out =
 the last ``--heldout-windows`` windows of TEXT's final 50,000 characters. Transformers with the
 cache fake-quantized (:mod:`vllm_nvfp4.calibration.kv_hooks`), one CPU thread.
 """
@@ -21,16 +21,9 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from rotation_study import _recovery, _row  # noqa: E402  (scripts/ is sys.path[0])
-from sink_token_study import check_fp8_slots, with_fp8_slots  # noqa: E402
-from sweep_base_study import load_study, study_parser  # noqa: E402
+from studies.common import check_fp8_slots, load_study, recovery, row, study_parser, with_fp8_slots
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -63,16 +56,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    reuse_prefix=False)
     ev.reference()
     out: dict[str, Any] = {"all_fp8": ev.measure(all_format(plain, "fp8")).to_dict()}
-    print(_row("all_fp8", out["all_fp8"]), flush=True)
+    print(row("all_fp8", out["all_fp8"]), flush=True)
     for name, policy in configs.items():
         m = ev.measure(policy).to_dict()
         m["fraction_of_fp8"] = round(policy.fraction_of_fp8(), 6)
         if "all_nvfp4" in out:
-            m.update(_recovery(m, out["all_fp8"], out["all_nvfp4"]))
+            m.update(recovery(m, out["all_fp8"], out["all_nvfp4"]))
         out[name] = m
         gap = (f"  gap recovery top-1 {m['top1_gap_recovery']:.0%}, dNLL {m['dnll_gap_recovery']:.0%}"
                if "top1_gap_recovery" in m else "")
-        print(_row(name, m) + gap, flush=True)
+        print(row(name, m) + gap, flush=True)
     summary = {"model": str(a.model), "text": str(a.text), "window": w, "dtype": a.dtype,
                "heldout_windows": a.heldout_windows, "k_center": True, "fp8_slots": a.fp8_slots,
                "configs": out}

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Does a Hadamard rotation along head_dim before quantization make NVFP4 K/V more accurate (CPU)?
 
-    python scripts/rotation_study.py STEP MODEL TEXT --out DIR [--window 512]
+    python -m studies.rotation_study STEP MODEL TEXT --out DIR [--window 512]
         [--analysis-windows 2] [--heldout-windows 4] [--budget 0.62] [--dtype float32]
         [--heldout-skip 0] [--kinds hadamard,hadamard16,random_hadamard] [--sweep-kind hadamard]
         [--sweep-rotate k]
@@ -23,7 +23,7 @@ keeps in FP8) with the same slots rotated, and the selection from the unrotated 
 gap recovery ``(x - all-NVFP4) / (all-FP8 - all-NVFP4)`` against the *unrotated* all-NVFP4 and
 all-FP8 of the held-out step's JSON; writes ``DIR/mix_<kind>_<k|kv>.json`` (``..._skipN.json``).
 
-Windows as ``scripts/sweep_base_study.py``: calibration = the first window of TEXT, analysis =
+Windows as ``studies/sweep_base_study.py``: calibration = the first window of TEXT, analysis =
 the next ``--analysis-windows``, held-out = the last ``--heldout-windows`` windows of TEXT's
 final 50,000 characters (``--heldout-skip`` windows before the end: another held-out set).
 Transformers with the cache fake-quantized
@@ -40,24 +40,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from studies.common import load_study, recovery, row, study_parser, with_fp8_slots
 
-from sweep_base_study import load_study, study_parser  # noqa: E402  (scripts/ is sys.path[0])
-
-Z95 = 1.96
-
-
-def _row(name: str, m: dict[str, Any]) -> str:
-    lo, hi = m["dnll"] - Z95 * m["dnll_se"], m["dnll"] + Z95 * m["dnll_se"]
-    return (f"{name:34s} top-1 {m['top1']:.4f}  dNLL {m['dnll']:+.4f} [{lo:+.4f}, {hi:+.4f}]  "
-            f"KL {m['kl']:.4f}")
-
-
-def _recovery(m: dict[str, Any], fp8: dict[str, Any], nv: dict[str, Any]) -> dict[str, float]:
-    return {"top1_gap_recovery": round((m["top1"] - nv["top1"]) / (fp8["top1"] - nv["top1"]), 4),
-            "dnll_gap_recovery": round((nv["dnll"] - m["dnll"]) / (nv["dnll"] - fp8["dnll"]), 4)}
+REPO = Path(__file__).resolve().parents[1]  # for the default --plain-sweep
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -67,7 +52,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from vllm_nvfp4.calibration.kv_hooks import KVRotation
     from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy
     from vllm_nvfp4.calibration.selection import fp8_slots_for_budget
-    from vllm_nvfp4.calibration.sensitivity import all_format, downgrade, upgrade
+    from vllm_nvfp4.calibration.sensitivity import all_format, downgrade
     from vllm_nvfp4.policy import KVPolicy
     from vllm_nvfp4.rotation import ROTATIONS
 
@@ -113,7 +98,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         out: dict[str, Any] = {"all_fp8": ev.measure(all_format(plain, "fp8")).to_dict(),
                                "all_nvfp4": ev.measure(all_format(plain, "nvfp4")).to_dict()}
         for name in ("all_fp8", "all_nvfp4"):
-            print(_row(name, out[name]), flush=True)
+            print(row(name, out[name]), flush=True)
         for kind in a.kinds.split(","):
             for v, fmts in ((False, ("nvfp4",)), (True, ("nvfp4", "fp8"))):
                 rot, scaled = rotated(kind, v)
@@ -121,9 +106,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 for fmt in fmts:
                     name = f"all_{fmt}_{kind}_{'kv' if v else 'k'}"
                     m = ev.measure(all_format(scaled, fmt)).to_dict()
-                    m.update(_recovery(m, out["all_fp8"], out["all_nvfp4"]))
+                    m.update(recovery(m, out["all_fp8"], out["all_nvfp4"]))
                     out[name] = m
-                    print(_row(name, m) + f"  gap recovery {m['top1_gap_recovery']:.0%}", flush=True)
+                    print(row(name, m) + f"  gap recovery {m['top1_gap_recovery']:.0%}", flush=True)
                 ev.rotation = None
         summary = {"model": str(a.model), "text": str(a.text), "window": w,
                    "heldout_windows": a.heldout_windows, "heldout_skip": a.heldout_skip,
@@ -167,15 +152,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                        ("plain_sweep", a.plain_sweep, rot),
                                        ("plain_sweep_unrotated", a.plain_sweep, None)):
         slots = by_kl(json.loads(sweep_file.read_text()))
-        p = all_format(plain if rotation is None else scaled, "nvfp4")
-        for s in slots:
-            p = upgrade(p, int(s[:-1]), s[-1])
+        p = with_fp8_slots(all_format(plain if rotation is None else scaled, "nvfp4"), slots)
         ev.rotation = rotation
         m = ev.measure(p).to_dict()
-        m.update(_recovery(m, f8, n4), slots=slots, policy=p.to_compact(),
+        m.update(recovery(m, f8, n4), slots=slots, policy=p.to_compact(),
                  fraction_of_fp8=round(p.fraction_of_fp8(), 6))
         out[f"mix_{tag}_{name}"] = m
-        print(_row(name, m) + f"  gap recovery {m['top1_gap_recovery']:.0%}  slots {slots}", flush=True)
+        print(row(name, m) + f"  gap recovery {m['top1_gap_recovery']:.0%}  slots {slots}", flush=True)
     summary = {"model": str(a.model), "text": str(a.text), "window": w, "budget": a.budget,
                "fp8_slots": n, "heldout_skip": a.heldout_skip, "rotation": a.sweep_kind, "rotated": a.sweep_rotate, "configs": out}
     (a.out / f"mix_{tag}{skip}.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -186,7 +169,7 @@ def _per_layer(a: argparse.Namespace, ev: Any, plain: Any, scaled: Any, n: int, 
                n4: dict[str, Any], tag: str, skip: str) -> int:
     """The ``perlayer`` step (module doc): per-layer choice of K rotation from the two sweeps."""
     from vllm_nvfp4.calibration.kv_hooks import KVRotation
-    from vllm_nvfp4.calibration.sensitivity import all_format, upgrade
+    from vllm_nvfp4.calibration.sensitivity import all_format
     from vllm_nvfp4.policy import KVPolicy
 
     if a.sweep_rotate != "k":
@@ -207,14 +190,12 @@ def _per_layer(a: argparse.Namespace, ev: Any, plain: Any, scaled: Any, n: int, 
     ev.rotation = KVRotation(a.sweep_kind, frozenset(chosen), frozenset())
     out: dict[str, Any] = {}
     nv = all_format(mixed, "nvfp4")
-    mix = nv
-    for s in fp8_slots:
-        mix = upgrade(mix, int(s[:-1]), s[-1])
+    mix = with_fp8_slots(nv, fp8_slots)
     for name, p in (("all_nvfp4", nv), ("mix", mix)):
         m = ev.measure(p).to_dict()
-        m.update(_recovery(m, f8, n4), policy=p.to_compact(), fraction_of_fp8=round(p.fraction_of_fp8(), 6))
+        m.update(recovery(m, f8, n4), policy=p.to_compact(), fraction_of_fp8=round(p.fraction_of_fp8(), 6))
         out[f"perlayer_{tag}_{name}"] = m
-        print(_row(name, m) + f"  gap recovery {m['top1_gap_recovery']:.0%}", flush=True)
+        print(row(name, m) + f"  gap recovery {m['top1_gap_recovery']:.0%}", flush=True)
     summary = {"model": str(a.model), "text": str(a.text), "window": a.window, "budget": a.budget,
                "heldout_skip": a.heldout_skip, "rotation": a.sweep_kind, "k_rotated_layers": chosen,
                "fp8_slots": fp8_slots, "configs": out}

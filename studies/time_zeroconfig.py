@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Time the zero-config start and the offline analysis at a real model size (GPU).
 
-    python scripts/time_zeroconfig.py startup --out OUT [--preset llama8b]
-    python scripts/time_zeroconfig.py analyze --out OUT [--preset llama8b] [--device cuda]
+    python -m studies.time_zeroconfig startup --out OUT [--preset llama8b]
+    python -m studies.time_zeroconfig analyze --out OUT [--preset llama8b] [--device cuda]
 
 ``startup``: a weight-less Llama-3.1-8B-shaped model (:func:`vllm_nvfp4.testing.weightless.
 build_weightless_model`, ``load_format="dummy"``) is started with ``kv_cache_dtype="nvfp4_mixed"``
@@ -40,11 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from vllm_nvfp4.testing.weightless import PRESETS  # noqa: E402 - after the path insert
+from vllm_nvfp4.testing.weightless import PRESETS
 
 DEFAULT_WINDOWS = 2  # `vllm-nvfp4 analyze --windows` default
 CALIBRATED = re.compile(r"calibrated at start-up on (\d+) tokens in ([\d.]+) s")
@@ -111,7 +107,7 @@ def _start_once(model: Path, cache: Path, calibrate: bool, max_model_len: int, n
         (hook / "sitecustomize.py").write_text(COMPILE_LOGGER)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook), env.get("PYTHONPATH")]))
     env.pop("VLLM_NVFP4_POLICY", None)
-    run = subprocess.run([sys.executable, __file__, "startup-child", "--model", str(model),
+    run = subprocess.run([sys.executable, "-m", "studies.time_zeroconfig", "startup-child", "--model", str(model),
                           "--max-model-len", str(max_model_len)],
                          env=env, capture_output=True, text=True, timeout=1800)
     text = run.stdout + run.stderr

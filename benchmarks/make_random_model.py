@@ -19,7 +19,7 @@ Presets (``--preset``):
   (quick GPU runs: same head geometry per KV head, a fraction of the weights).
 * ``tiny``:    2 layers, hidden 128, 4 / 2 heads, head_dim 32, vocab 512 (CPU tests).
 
-usage: python3 scripts/make_random_model.py OUT_DIR [--preset llama8b] [--max-pos N]
+usage: python3 benchmarks/make_random_model.py OUT_DIR [--preset llama8b] [--max-pos N]
 """
 
 from __future__ import annotations

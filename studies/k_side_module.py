@@ -2,7 +2,7 @@
 scores of each tile go into a running max (no softmax, no V), the same work as the Gluon
 prototypes' running-max mode. For instruction counts only (its output is meaningless):
 
-    python3 benchmarks/k_side_module.py /tmp/attention_kside.py
+    python -m studies.k_side_module /tmp/attention_kside.py
     PYTHONPATH=/tmp/t36:. python3 benchmarks/compile_sm90.py --module /tmp/attention_kside.py \\
         --splits 8 --configs nvfp4:64 fp8:64 [--variant none]
 """
@@ -31,7 +31,7 @@ def k_side_source(text: str) -> str:
         end = text.find(last, start)
         if start < 0 or end < 0:
             raise SystemExit(f"attention.py changed: cannot find {first.strip()[:40]!r}; "
-                             "update benchmarks/k_side_module.py")
+                             "update studies/k_side_module.py")
         text = text[:start] + replacement + text[end + len(last):]
     return text
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How should the NVFP4 write choose each block's E4M3 scale? Three rules on held-out text (CPU).
 
-    python scripts/block_scale_study.py MODEL TEXT --policy POLICY.json --out DIR
+    python -m studies.block_scale_study MODEL TEXT --policy POLICY.json --out DIR
         [--window 512] [--heldout-windows 8] [--heldout-skip 0] [--rules amax6,four_over_six,search]
         [--dtype float32]
 
@@ -37,17 +37,12 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import torch
 
-from sweep_base_study import load_study, study_parser  # noqa: E402  (scripts/ is sys.path[0])
-
-import torch  # noqa: E402
-
-from vllm_nvfp4 import formats as F  # noqa: E402
+from studies.common import load_study, study_parser
+from vllm_nvfp4 import formats as F
 
 Z95 = 1.96
 RULES = ("amax6", "four_over_six", "search")
