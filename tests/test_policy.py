@@ -191,6 +191,22 @@ def test_bytes_and_fraction():
     assert "layer   1: K fp8" in p.describe()
 
 
+def test_describe_says_whether_the_scales_are_calibrated():
+    """The table's first line counts the K/V slots without a scale (default 1.0 / 1/6); its rows
+    name each slot's format and scale, ``default`` where it has none."""
+    p = KVPolicy.from_compact("0:fp8,1:k=fp8,v=nvfp4,2:nvfp4", 3, source="test")
+    assert p.scales_summary() == "default K/V scales (not calibrated)"
+    p = p.with_layer(0, k_scale=0.02, v_scale=0.03).with_layer(1, k_scale=0.5)
+    lines = p.describe("KV policy in force").splitlines()
+    assert lines[0] == ("KV policy in force: 0:fp8,1:k=fp8,v=nvfp4,2:nvfp4 (0.781x FP8 bytes; 3 of 6 "
+                        "K/V scales default (not calibrated); from test)")
+    assert lines[1:] == ["  layer   0: K fp8   scale 0.02  V fp8   scale 0.03",
+                         "  layer   1: K fp8   scale 0.5  V nvfp4 scale default",
+                         "  layer   2: K nvfp4 scale default  V nvfp4 scale default"]
+    p = p.with_layer(1, v_global_scale=0.001).with_layer(2, k_global_scale=0.1, v_global_scale=0.2)
+    assert p.scales_summary() == "K/V scales calibrated"
+
+
 def test_default_rule():
     assert default_policy(6).to_compact() == "0:fp8,1-4:nvfp4,5:fp8"
     assert default_policy(2).to_compact() == "0-1:fp8"
@@ -199,8 +215,8 @@ def test_default_rule():
 def test_resolution_order(tmp_path, caplog):
     model = tmp_path / "model"
     model.mkdir()
-    # 3. default, with a log line
-    with caplog.at_level(logging.INFO, logger="vllm_nvfp4.policy"):
+    # 3. default, with a debug line (the engine logs the policy in force once it is decided)
+    with caplog.at_level(logging.DEBUG, logger="vllm_nvfp4.policy"):
         p = resolve_policy(4, model, env={})
     assert p.to_compact() == "0:fp8,1-2:nvfp4,3:fp8" and "default rule" in caplog.text
     # 2. a file in the model directory wins over the default
@@ -391,9 +407,10 @@ def test_empty_policy_variable_counts_as_unset_and_the_log_line_says_so(tmp_path
     model.mkdir()
     p = resolve_policy(4, model, env={POLICY_ENV: value})
     assert p.to_compact() == "0:fp8,1-2:nvfp4,3:fp8"
-    assert p.describe().splitlines()[0].startswith(
-        "KV policy from default rule (first/last FP8); $VLLM_NVFP4_POLICY is set but empty, so it "
-        "was ignored: 0:fp8")
+    assert p.describe().splitlines()[0] == (
+        "KV policy: 0:fp8,1-2:nvfp4,3:fp8 (0.781x FP8 bytes; default K/V scales (not calibrated); "
+        "from default rule (first/last FP8); $VLLM_NVFP4_POLICY is set but empty, so it was "
+        "ignored)")
     KVPolicy.from_compact("*:fp8", 4).save(model / POLICY_FILENAME)
     p = resolve_policy(4, model, env={POLICY_ENV: value})
     assert p.to_compact() == "0-3:fp8" and p.source.endswith("nvfp4_policy.json; $VLLM_NVFP4_POLICY "

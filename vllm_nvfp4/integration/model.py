@@ -258,7 +258,9 @@ def choose_kv_cache_layout(vllm_config: Any, shape: ModelShape) -> Optional[str]
 
 
 def check_engine_config(vllm_config: Any) -> KVPolicy:
-    """Start-up validation of an ``nvfp4_mixed`` engine config; returns the policy in force.
+    """Start-up validation of an ``nvfp4_mixed`` engine config; returns the policy it resolves
+    (the policy in force unless start-up calibration replaces the default rule; logged by
+    :func:`~vllm_nvfp4.integration.startup_calibration.calibrate_engine`).
 
     Raises :class:`Nvfp4MixedConfigError` (or :class:`~vllm_nvfp4.policy.PolicyError`) naming
     the problem: MLA (DeepSeek, incl. V4's compressed layers), cross-layer KV sharing, hybrid
@@ -319,7 +321,8 @@ def check_engine_config(vllm_config: Any) -> KVPolicy:
             "'swa:fp8' with no index rule naming a sliding layer, in nvfp4_policy.json equal "
             "'k'/'v' in their rows")
     layout = choose_kv_cache_layout(vllm_config, shape)
-    logger.info("vllm-nvfp4: %s", policy.describe())
+    # The policy in force is logged once, by the engine core, where it is decided (start-up
+    # calibration may still replace the default rule): startup_calibration.calibrate_engine.
     if layout is not None:
         logger.info("vllm-nvfp4: hybrid model: KV-cache layout %s, so each KV-cache group packs "
                     "its layers' own page sizes into the shared blocks (no padding to one size)",
