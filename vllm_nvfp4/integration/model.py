@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, KVFormat
 from vllm_nvfp4.integration.block_sizes import hybrid_plan, unpackable_sliding_formats
@@ -197,6 +197,16 @@ def other_backend_error(name: str) -> ValueError:
     )
 
 
+def plugins_leaving_us_out(plugins: Optional[Sequence[str]]) -> Optional[str]:
+    """The problem, with its fix, when vLLM's ``VLLM_PLUGINS`` list (``vllm.envs``: None when
+    unset, every general plugin loads) leaves out our plugin; None when it does not."""
+    if plugins is None or PLUGIN_NAME in plugins:
+        return None
+    return (f"kv_cache_dtype={CACHE_DTYPE} needs the vLLM plugin {PLUGIN_NAME!r} in every vLLM "
+            f"process, but VLLM_PLUGINS={','.join(plugins)!r} leaves it out; add {PLUGIN_NAME} "
+            "to VLLM_PLUGINS (or unset it)")
+
+
 def check_plugin_enabled() -> None:
     """Plugin mode: raise unless ``VLLM_PLUGINS`` lets every vLLM process load our plugin.
 
@@ -205,13 +215,9 @@ def check_plugin_enabled() -> None:
     """
     from vllm import envs
 
-    plugins = envs.VLLM_PLUGINS
-    if plugins is not None and PLUGIN_NAME not in plugins:
-        raise Nvfp4MixedConfigError(
-            f"kv_cache_dtype={CACHE_DTYPE} needs the vLLM plugin {PLUGIN_NAME!r} in every vLLM "
-            f"process, but VLLM_PLUGINS={','.join(plugins)!r} leaves it out; add {PLUGIN_NAME} "
-            "to VLLM_PLUGINS (or unset it)"
-        )
+    problem = plugins_leaving_us_out(envs.VLLM_PLUGINS)
+    if problem is not None:
+        raise Nvfp4MixedConfigError(problem)
 
 
 #: what nvfp4_mixed serves, for the refusals of everything else

@@ -315,6 +315,11 @@ def load_tokenizer(model_config: Any) -> Any:
                                          trust_remote_code=model_config.trust_remote_code)
 
 
+def cached_source(path: Path) -> str:
+    """The ``source`` of a policy reused from the start-up cache file ``path``."""
+    return f"start-up calibration (cached {path})"
+
+
 def calibration_plan(vllm_config: Any, tokenizer: Any,
                      soft_cap: bool) -> tuple[Recipe, dict[str, Any], Path]:
     """``(recipe, cache-key parts, cache file)`` of this engine's start-up calibration over the
@@ -425,10 +430,10 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
     cached = load_cached(path, shape.num_layers, shape.total_num_kv_heads, shape.head_dim) if rank0 else None
     cached_dict = _broadcast(None if cached is None else cached.to_dict())
     if cached_dict is not None:
-        policy = KVPolicy.from_dict(cached_dict, source=f"start-up calibration (cached {path})")
+        policy = KVPolicy.from_dict(cached_dict, source=cached_source(path))
     else:
         if rank0:
-            logger.info("vllm-nvfp4: no KV policy given: calibrating at start-up (%s)",
+            logger.info("vllm-nvfp4: no policy given, so start-up calibrates: %s",
                         describe_recipe(recipe, shape))
         windows = load_windows([BUILTIN_TEXT], tokenizer, recipe.window, count=0,
                                calib=recipe.windows).calib
@@ -459,20 +464,38 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
             "formats": formats_line(policy.provenance), "in_force": policy.describe(IN_FORCE)}
 
 
+def selection_size(recipe: Recipe, shape: ModelShape) -> tuple[int, int]:
+    """``(candidate slots, FP8 slots)`` the start-up selection measures and keeps (module doc,
+    step 4); ``(0, 0)`` when it selects nothing (``scales`` mode, or every candidate FP8)."""
+    if not recipe.select:
+        return 0, 0
+    candidates, fp8_slots = fp8_slot_count(
+        default_policy(shape.num_layers, shape.layer_types or None).layer_types)
+    slots = len(candidate_slots(candidates))
+    return (0, 0) if fp8_slots >= slots else (slots, fp8_slots)
+
+
+def tokens_run(recipe: Recipe, shape: ModelShape) -> int:
+    """Tokens a start-up calibration runs through the model: the calibration windows, then one
+    exact forward and one per candidate slot over the sensitivity windows."""
+    slots, _ = selection_size(recipe, shape)
+    return (recipe.window * recipe.windows
+            + (slots + 1 if slots else 0) * recipe.window * recipe.sensitivity_windows)
+
+
 def describe_recipe(recipe: Recipe, shape: ModelShape) -> str:
     """What a start-up calibration with ``recipe`` runs, in words (the start-up log, ``doctor``)."""
     what = (f"K/V scales on {recipe.window * recipe.windows} tokens of the built-in text, "
             f"{recipe.windows} windows of {recipe.window}")
     if not recipe.select:
         return what + f"; the default rule's formats (${STARTUP_CALIBRATION_ENV}=scales)"
-    candidates, fp8_slots = fp8_slot_count(
-        default_policy(shape.num_layers, shape.layer_types or None).layer_types)
-    slots = len(candidate_slots(candidates))
-    if fp8_slots >= slots:
+    slots, fp8_slots = selection_size(recipe, shape)
+    if not slots:
         return what + "; every candidate slot FP8, nothing to select"
     return what + (f"; then {slots + 1} forwards of {recipe.window * recipe.sensitivity_windows} "
                    f"tokens measure the {slots} candidate K/V slots, and the {fp8_slots} most "
-                   f"sensitive stay FP8 (the {DEFAULT_BUDGET}x FP8-bytes budget)")
+                   f"sensitive stay FP8 (as many as the {DEFAULT_BUDGET}x FP8-bytes budget "
+                   "allows, at least as many as the default rule has there)")
 
 
 def calibrate_engine(executor: Any) -> None:
