@@ -145,7 +145,7 @@ def _valid() -> dict:
     [
         (lambda d: "{not json", "malformed JSON at line 1"),
         (lambda d: {**d, "version": 7}, "unsupported policy version 7"),
-        (lambda d: {**d, "format": "other"}, "'format' must be"),
+        (lambda d: {**d, "format": "other"}, "not a vllm-nvfp4 policy: it has 'format' 'other'"),
         (lambda d: {**d, "num_layers": 3}, "num_layers is 3 but 2 layers"),
         (lambda d: {**d, "layers": [d["layers"][0], {**d["layers"][1], "k": "int8"}]}, r"layers\[1\].*unknown KV format"),
         (lambda d: {**d, "layers": [{**d["layers"][0], "k_scale": -1.0}, d["layers"][1]]}, "finite and > 0"),
@@ -172,6 +172,35 @@ def test_unreadable_files_are_named_as_such(tmp_path):
     (tmp_path / "cut.json").write_text(json.dumps(_valid())[:40])
     with pytest.raises(PolicyError, match=r"cut.json: malformed JSON at line 1 column \d+: "):
         KVPolicy.load(tmp_path / "cut.json")
+
+
+@pytest.mark.parametrize("text, fault", [
+    ('{"layers": 3}', "not a vllm-nvfp4 policy: it has no 'format' header; a policy file starts "
+                      '{"format": "vllm-nvfp4-policy", "version": 1, ...}'),
+    ('{"format": "vllm-nvfp4-policy", "version": 1,\n "layers": [{"k": "fp8\n"}]}',
+     "malformed JSON at line 2 column 23: Invalid control character after 'layers\": [{\"k\": \"fp8'"),
+    ('{"format": "vllm-nvfp4-policy", "version": 1, "num_layers": 2, "layers": [',
+     "malformed JSON at line 1 column 75: Expecting value after 'ers\": 2, \"layers\": ['"),
+    ("", "malformed JSON at line 1 column 1: Expecting value (the file is empty)"),
+    ("   x", "malformed JSON at line 1 column 4: Expecting value after '   '"),
+    ("x", "malformed JSON at line 1 column 1: Expecting value at the start: 'x'"),
+])
+def test_malformed_policy_file_is_one_line_naming_file_fault_and_format(tmp_path, text, fault):
+    """A foreign or broken policy file: one line with the file, the fault (the JSON error's
+    position and the characters before it) and where the format is documented."""
+    from vllm_nvfp4.policy.json_form import FORMAT_DOC
+
+    path = tmp_path / "policy.json"
+    path.write_text(text)
+    with pytest.raises(PolicyError) as e:
+        KVPolicy.load(path)
+    assert str(e.value) == f"{path}: {fault}; {FORMAT_DOC}"
+    assert "\n" not in str(e.value)
+    assert FORMAT_DOC == ("the policy file format is documented in vllm_nvfp4/policy/json_form.py; "
+                          "`vllm-nvfp4 calibrate`, `select` and `tune` write one")
+    from vllm_nvfp4.policy import json_form
+
+    assert '{"format": "vllm-nvfp4-policy", "version": 1,' in json_form.__doc__  # it is documented there
 
 
 def test_check_model_layer_count_and_per_head_lengths():
