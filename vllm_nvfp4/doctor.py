@@ -176,6 +176,7 @@ def environment() -> list[Finding]:
 #: measured start-up calibrations (statistics and selection, own clock) the cost estimate scales
 #: from: ``(parameters, tokens run through the model, seconds, what and where)``; tokens: the
 #: calibration windows plus one exact and one forward per candidate slot on the sensitivity tokens
+#: (results/2026-12-02-startup-logprob-cache-smollm2-cpu, results/2026-12-02-zeroconfig-startup-h200)
 MEASURED_STARTUP = {
     "cpu": (134_515_008, 4 * 1024 + 61 * 2048, 637.8, "SmolLM2-135M on a 2-core CPU"),
     "cuda": (8_030_261_248, 4 * 1024 + 65 * 2048, 4.9, "a Llama-3.1-8B-shaped model on one H200"),
