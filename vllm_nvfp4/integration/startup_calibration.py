@@ -36,6 +36,9 @@ capture (the formats chosen here size the pages):
    (:func:`~vllm_nvfp4.integration.model.set_startup_policy`) before the KV-cache specs are
    taken; it is cached (:mod:`vllm_nvfp4.calibration.startup_cache`, rank 0 writes) and reused by
    the next start of the same model, weights, dtype, text and recipe.
+6. :func:`calibrate_engine` logs it as the engine's one ``KV policy in force`` statement (with
+   its per-layer table); an engine with a given policy, or one that does not calibrate, states
+   its policy the same way, once.
 
 ``VLLM_NVFP4_STARTUP_CALIBRATION`` (:data:`STARTUP_MODES`): unset / ``1`` scales and formats as
 above; ``scales`` the default rule's formats with calibrated scales (no sensitivity forwards);
@@ -460,8 +463,8 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
     set_startup_policy(vllm_config, policy)
     return {"tokens": int(policy.provenance.get("tokens", 0)),
             "seconds": time.perf_counter() - start, "cached": cached_dict is not None,
-            "path": str(path), "policy": policy.to_compact(),
-            "formats": formats_line(policy.provenance), "in_force": policy.describe(IN_FORCE)}
+            "path": str(path), "formats": formats_line(policy.provenance),
+            "in_force": policy.describe(IN_FORCE)}
 
 
 def selection_size(recipe: Recipe, shape: ModelShape) -> tuple[int, int]:
