@@ -43,8 +43,8 @@ def dtype_accepted(name: str) -> tuple[bool, str]:
     try:
         CacheConfig(cache_dtype=name)
     except Exception as e:  # pydantic ValidationError (0.32: closed Literal) or a plugin error
-        first = str(e).strip().splitlines()
-        return False, f"{type(e).__name__}: {' '.join(first[:3])[:300]}"
+        lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+        return False, f"{type(e).__name__}: {' '.join(lines)}"
     return True, ""
 
 
@@ -76,12 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     from vllm import LLM, SamplingParams
 
+    from vllm_nvfp4.doctor import vllm_plugins_hint
+
     kv = a.kv_cache_dtype
+    hint = vllm_plugins_hint() if kv == "nvfp4_mixed" else None
     ok, why = dtype_accepted(kv)
     if not ok:
-        print(f"[demo] ERROR: vLLM does not accept kv_cache_dtype={kv!r} ({why}). For "
-              "nvfp4_mixed, is vllm-nvfp4 installed (pip install -e .) and, if VLLM_PLUGINS is "
-              "set, does it name nvfp4_mixed? `vllm-nvfp4 doctor` says which.", file=sys.stderr, flush=True)
+        problem = (f"{hint}." if hint else f"vLLM does not accept kv_cache_dtype={kv!r}. For "
+                   "nvfp4_mixed, is vllm-nvfp4 installed (pip install -e .)? `vllm-nvfp4 doctor` "
+                   "says what is missing.")
+        print(f"[demo] ERROR: {problem} (vLLM: {why})", file=sys.stderr, flush=True)
         return 2
     cuda = _cuda()
     eager = (not cuda) if a.eager is None else a.eager

@@ -34,7 +34,7 @@ if [ "${ARCHS:-}" != none ]; then
   # shellcheck disable=SC2086
   timeout "${CHECK_TIMEOUT:-390}" "$PYTHON" scripts/gpu_hybrid_check.py --out "$OUT/hybrid_h200.json" \
     --arch ${ARCHS:-gpt_oss gemma3 qwen3_next mistral} ${CHECK_ARGS:-} 2>&1 | tee "$OUT/hybrid_check.log" \
-    | grep -E "RESULT|Error|Traceback|KV policy from|KV-cache layout" | cut -c1-2000
+    | grep -E "RESULT|Error|Traceback|KV policy in force|KV-cache layout" | cut -c1-2000
   rc_llm=${PIPESTATUS[0]}
 fi
 

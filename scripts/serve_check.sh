@@ -37,7 +37,7 @@ serve_check() {  # MODEL [ARG...]: vllm serve MODEL ARG... in its own process gr
     if kill -0 "$pid" 2>/dev/null; then say "serve: no /health within ${wait}s (see $log)"
     else say "serve: the server exited (see $log)"; fi
   fi
-  grep -aE "KV policy from|Using .* backend|Error|Traceback" "$log" | head -5 | cut -c1-300
+  grep -aE "KV policy in force|Using .* backend|Error|Traceback" "$log" | head -5 | cut -c1-300
   kill -TERM -- "-$pid" 2>/dev/null
   for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
   kill -KILL -- "-$pid" 2>/dev/null

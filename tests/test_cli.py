@@ -185,6 +185,10 @@ SELECT = ["--budget", "0.7", "--no-measure", "--out", "{tmp}/p.json"]
      "", "is a directory; name the files in it"),
     ("analyze", None, ["{model}", "--data", "{data}", "--out", "{tmp}/rep", "--scales", "{tmp}/cut.json", *WIN],
      "cut.json", "malformed JSON at line"),
+    ("analyze", None, ["{model}", "--data", "{data}", "--out", "{tmp}/rep", "--scales", "{tmp}/headerless.json", *WIN],
+     "headerless.json", "not a vllm-nvfp4 policy: it has no 'format' header; a policy file starts "
+     '{{"format": "vllm-nvfp4-policy", "version": 1, ...}}; the policy file format is documented in '
+     "vllm_nvfp4/policy/json_form.py; `vllm-nvfp4 calibrate`, `select` and `tune` write one"),
     ("analyze", None, ["{model}", "--data", "{data}", "--out", "{tmp}/rep", "--scales", "{tmp}/none.json", *WIN],
      "none.json", "policy file {tmp}/none.json does not exist"),
     ("analyze", None, ["{model}", "--data", "{data}", "--out", "{tmp}/rep", "--scales", "{tmp}/three.json", *WIN],
@@ -206,6 +210,7 @@ def test_malformed_input_files_exit_2_with_one_line(command, damage, args, names
     (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00\x81" * 64)
     (tmp_path / "cut.jsonl").write_text('{"text": "a complete record"}\n{"text": "cut\n')
     (tmp_path / "cut.json").write_text((report / "scales.json").read_text()[:150])
+    (tmp_path / "headerless.json").write_text('{"layers": 3}')
     three = json.loads((report / "scales.json").read_text())
     three.update(num_layers=3, layers=three["layers"][:3])
     (tmp_path / "three.json").write_text(json.dumps(three))

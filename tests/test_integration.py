@@ -278,6 +278,31 @@ def test_policy_for_another_layer_count_fails_at_start(tiny_model_dir, tmp_path,
         _llm(tiny_model_dir)
 
 
+@pytest.mark.parametrize("where", ["env", "model_dir"])
+def test_malformed_policy_file_fails_at_start_with_one_line(tiny_model_dir, tmp_path, monkeypatch, where):
+    """A policy file without the header, named by $VLLM_NVFP4_POLICY or found in the model
+    directory: LLM() stops before any worker with one line naming the file, the fault and where
+    the format is documented."""
+    from vllm_nvfp4.policy import PolicyError
+    from vllm_nvfp4.policy.json_form import FORMAT_DOC
+
+    if where == "env":
+        path = tmp_path / "policy.json"
+        monkeypatch.setenv("VLLM_NVFP4_POLICY", str(path))
+        model = tiny_model_dir
+    else:
+        monkeypatch.delenv("VLLM_NVFP4_POLICY", raising=False)
+        model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+        path = model / "nvfp4_policy.json"
+    path.write_text('{"layers": 3}')
+    with pytest.raises(PolicyError) as e:
+        _llm(model)
+    assert str(e.value) == (f"kv_cache_dtype=nvfp4_mixed: no usable KV policy for {model}: {path}: "
+                            "not a vllm-nvfp4 policy: it has no 'format' header; a policy file "
+                            'starts {"format": "vllm-nvfp4-policy", "version": 1, ...}; '
+                            f"{FORMAT_DOC}")
+
+
 def test_unknown_format_fails_at_start(tiny_model_dir, monkeypatch):
     from vllm_nvfp4.policy import PolicyError
 

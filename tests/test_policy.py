@@ -145,7 +145,7 @@ def _valid() -> dict:
     [
         (lambda d: "{not json", "malformed JSON at line 1"),
         (lambda d: {**d, "version": 7}, "unsupported policy version 7"),
-        (lambda d: {**d, "format": "other"}, "'format' must be"),
+        (lambda d: {**d, "format": "other"}, "not a vllm-nvfp4 policy: it has 'format' 'other'"),
         (lambda d: {**d, "num_layers": 3}, "num_layers is 3 but 2 layers"),
         (lambda d: {**d, "layers": [d["layers"][0], {**d["layers"][1], "k": "int8"}]}, r"layers\[1\].*unknown KV format"),
         (lambda d: {**d, "layers": [{**d["layers"][0], "k_scale": -1.0}, d["layers"][1]]}, "finite and > 0"),
@@ -174,6 +174,35 @@ def test_unreadable_files_are_named_as_such(tmp_path):
         KVPolicy.load(tmp_path / "cut.json")
 
 
+@pytest.mark.parametrize("text, fault", [
+    ('{"layers": 3}', "not a vllm-nvfp4 policy: it has no 'format' header; a policy file starts "
+                      '{"format": "vllm-nvfp4-policy", "version": 1, ...}'),
+    ('{"format": "vllm-nvfp4-policy", "version": 1,\n "layers": [{"k": "fp8\n"}]}',
+     "malformed JSON at line 2 column 23: Invalid control character after 'layers\": [{\"k\": \"fp8'"),
+    ('{"format": "vllm-nvfp4-policy", "version": 1, "num_layers": 2, "layers": [',
+     "malformed JSON at line 1 column 75: Expecting value after 'ers\": 2, \"layers\": ['"),
+    ("", "malformed JSON at line 1 column 1: Expecting value (the file is empty)"),
+    ("   x", "malformed JSON at line 1 column 4: Expecting value after '   '"),
+    ("x", "malformed JSON at line 1 column 1: Expecting value at the start: 'x'"),
+])
+def test_malformed_policy_file_is_one_line_naming_file_fault_and_format(tmp_path, text, fault):
+    """A foreign or broken policy file: one line with the file, the fault (the JSON error's
+    position and the characters before it) and where the format is documented."""
+    from vllm_nvfp4.policy.json_form import FORMAT_DOC
+
+    path = tmp_path / "policy.json"
+    path.write_text(text)
+    with pytest.raises(PolicyError) as e:
+        KVPolicy.load(path)
+    assert str(e.value) == f"{path}: {fault}; {FORMAT_DOC}"
+    assert "\n" not in str(e.value)
+    assert FORMAT_DOC == ("the policy file format is documented in vllm_nvfp4/policy/json_form.py; "
+                          "`vllm-nvfp4 calibrate`, `select` and `tune` write one")
+    from vllm_nvfp4.policy import json_form
+
+    assert '{"format": "vllm-nvfp4-policy", "version": 1,' in json_form.__doc__  # it is documented there
+
+
 def test_check_model_layer_count_and_per_head_lengths():
     p = KVPolicy.from_compact("*:nvfp4", 4).with_layer(2, k_global_scale=(0.1, 0.2, 0.3))
     with pytest.raises(PolicyError, match="describes 4 attention layers, but the model has 6"):
@@ -191,6 +220,22 @@ def test_bytes_and_fraction():
     assert "layer   1: K fp8" in p.describe()
 
 
+def test_describe_says_whether_the_scales_are_calibrated():
+    """The table's first line counts the K/V slots without a scale (default 1.0 / 1/6); its rows
+    name each slot's format and scale, ``default`` where it has none."""
+    p = KVPolicy.from_compact("0:fp8,1:k=fp8,v=nvfp4,2:nvfp4", 3, source="test")
+    assert p.scales_summary() == "default K/V scales (not calibrated)"
+    p = p.with_layer(0, k_scale=0.02, v_scale=0.03).with_layer(1, k_scale=0.5)
+    lines = p.describe("KV policy in force").splitlines()
+    assert lines[0] == ("KV policy in force: 0:fp8,1:k=fp8,v=nvfp4,2:nvfp4 (0.781x FP8 bytes; 3 of 6 "
+                        "K/V scales default (not calibrated); from test)")
+    assert lines[1:] == ["  layer   0: K fp8   scale 0.02  V fp8   scale 0.03",
+                         "  layer   1: K fp8   scale 0.5  V nvfp4 scale default",
+                         "  layer   2: K nvfp4 scale default  V nvfp4 scale default"]
+    p = p.with_layer(1, v_global_scale=0.001).with_layer(2, k_global_scale=0.1, v_global_scale=0.2)
+    assert p.scales_summary() == "K/V scales calibrated"
+
+
 def test_default_rule():
     assert default_policy(6).to_compact() == "0:fp8,1-4:nvfp4,5:fp8"
     assert default_policy(2).to_compact() == "0-1:fp8"
@@ -199,8 +244,8 @@ def test_default_rule():
 def test_resolution_order(tmp_path, caplog):
     model = tmp_path / "model"
     model.mkdir()
-    # 3. default, with a log line
-    with caplog.at_level(logging.INFO, logger="vllm_nvfp4.policy"):
+    # 3. default, with a debug line (the engine logs the policy in force once it is decided)
+    with caplog.at_level(logging.DEBUG, logger="vllm_nvfp4.policy"):
         p = resolve_policy(4, model, env={})
     assert p.to_compact() == "0:fp8,1-2:nvfp4,3:fp8" and "default rule" in caplog.text
     # 2. a file in the model directory wins over the default
@@ -391,9 +436,10 @@ def test_empty_policy_variable_counts_as_unset_and_the_log_line_says_so(tmp_path
     model.mkdir()
     p = resolve_policy(4, model, env={POLICY_ENV: value})
     assert p.to_compact() == "0:fp8,1-2:nvfp4,3:fp8"
-    assert p.describe().splitlines()[0].startswith(
-        "KV policy from default rule (first/last FP8); $VLLM_NVFP4_POLICY is set but empty, so it "
-        "was ignored: 0:fp8")
+    assert p.describe().splitlines()[0] == (
+        "KV policy: 0:fp8,1-2:nvfp4,3:fp8 (0.781x FP8 bytes; default K/V scales (not calibrated); "
+        "from default rule (first/last FP8); $VLLM_NVFP4_POLICY is set but empty, so it was "
+        "ignored)")
     KVPolicy.from_compact("*:fp8", 4).save(model / POLICY_FILENAME)
     p = resolve_policy(4, model, env={POLICY_ENV: value})
     assert p.to_compact() == "0-3:fp8" and p.source.endswith("nvfp4_policy.json; $VLLM_NVFP4_POLICY "

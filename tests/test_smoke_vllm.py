@@ -123,4 +123,22 @@ def test_demo_script_multiprocess(tiny_model_dir):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "DEMO OK" in proc.stdout, proc.stdout[-2000:]
     assert '"kv_cache_dtype": "nvfp4_mixed"' in proc.stdout, proc.stdout[-2000:]
+    # the engine core process states the policy it runs once; the front end states none
+    log = proc.stdout + proc.stderr
+    assert log.count("KV policy in force: ") == log.count("KV policy") == 1, log[-3000:]
+
+
+def test_demo_names_the_vllm_plugins_fix(tiny_model_dir):
+    """``VLLM_PLUGINS`` without nvfp4_mixed: vLLM never loads the plugin and only lists its
+    dtypes; the demo says which variable leaves it out, the fix and ``vllm-nvfp4 doctor``."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "demo.py"), "--model", str(tiny_model_dir)],
+        env=vllm_subprocess_env(VLLM_PLUGINS="foo"), capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+    (error,) = [line for line in proc.stderr.splitlines() if line.startswith("[demo] ERROR")]
+    assert error.startswith("[demo] ERROR: kv_cache_dtype=nvfp4_mixed needs the vLLM plugin "
+                            "'nvfp4_mixed' in every vLLM process, but VLLM_PLUGINS='foo' leaves it "
+                            "out; add nvfp4_mixed to VLLM_PLUGINS (or unset it).")
+    assert "`vllm-nvfp4 doctor` checks the whole set-up." in error
+    assert "[type=literal_error, input_value='nvfp4_mixed', input_type=str]" in error  # not cut
 

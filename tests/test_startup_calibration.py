@@ -18,6 +18,8 @@ from __future__ import annotations
 import gc
 import inspect
 import json
+import logging
+import re
 import shutil
 import textwrap
 from contextlib import nullcontext
@@ -49,11 +51,58 @@ def _engine(model_dir: Path, **overrides: Any) -> Any:
 
 
 def _bound(worker: Any) -> dict:
-    """Every nvfp4_mixed layer's bound scales and K centering (runs in the worker)."""
+    """Every nvfp4_mixed layer's bound scales, K centering and the K/V formats of its cache
+    pages (runs in the worker)."""
     ctx = worker.model_runner.compilation_config.static_forward_context
     return {name: {"k_scale": layer.impl.k_scale.tolist(), "v_scale": layer.impl.v_scale.tolist(),
-                   "k_center": None if layer.impl.k_center is None else layer.impl.k_center.tolist()}
+                   "k_center": None if layer.impl.k_center is None else layer.impl.k_center.tolist(),
+                   "formats": (layer.impl.layout.k_format.value, layer.impl.layout.v_format.value)}
             for name, layer in ctx.items() if hasattr(getattr(layer, "impl", None), "layout")}
+
+
+class _Lines(logging.Handler):
+    """Collects the messages logged to it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _record_policy_logs(mp: pytest.MonkeyPatch) -> list[str]:
+    """Route the log of the front-end checks and of the start-up calibration (every place that
+    states a policy) to a list, returned (vLLM's logging set-up drops handlers of loggers under
+    "vllm", so the modules get a logger of their own)."""
+    import vllm_nvfp4.integration.model as model
+    import vllm_nvfp4.integration.startup_calibration as sc
+
+    log, handler = logging.getLogger("test_startup_calibration.policy"), _Lines()
+    log.setLevel(logging.INFO)
+    log.handlers = [handler]
+    log.propagate = False
+    mp.setattr(model, "logger", log)
+    mp.setattr(sc, "logger", log)
+    return handler.lines
+
+
+IN_FORCE = re.compile(r"^vllm-nvfp4: KV policy in force: (\S+) \(")
+
+
+def _in_force(lines: list[str]) -> list[str]:
+    """The compact policy of every "KV policy in force" statement in ``lines``."""
+    return [m.group(1) for line in lines if (m := IN_FORCE.match(line))]
+
+
+def _run_formats(bound: dict) -> str:
+    """The compact string of the formats the layers' cache pages hold (``_bound``)."""
+    from vllm_nvfp4.policy import LayerPolicy
+    from vllm_nvfp4.policy.compact import format_compact
+
+    rows = sorted((int(name.split(".")[2]), v["formats"]) for name, v in bound.items())
+    assert [i for i, _ in rows] == list(range(len(rows)))
+    return format_compact(tuple(LayerPolicy(k, v) for _, (k, v) in rows))
 
 
 def _start(model_dir: Path, **overrides: Any) -> dict:
@@ -84,15 +133,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         return observe(*args, **kwargs)
 
     mp.setattr(sc, "observe_in_vllm", counting)
+    lines = _record_policy_logs(mp)
+    logs = {}
     try:
         first = _start(model_dir)
+        logs["first"] = list(lines)
         after_first = len(calls)
         files = sorted((root / "cache" / "startup-calibration").glob("*.json"))
         mtimes = [f.stat().st_mtime_ns for f in files]
         second = _start(model_dir)
+        logs["second"] = lines[len(logs["first"]):]
         after_second = len(calls)
         mp.setenv(STARTUP_ENV, "0")
+        del lines[:]
         off = _start(model_dir)
+        logs["off"] = list(lines)
         after_off = len(calls)
         mp.setenv(STARTUP_ENV, "scales")
         scales = _start(model_dir)
@@ -101,7 +156,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         mp.undo()
     return {"model": model_dir, "first": first, "second": second, "off": off, "files": files,
             "mtimes": mtimes, "calls": (after_first, after_second, after_off), "scales": scales,
-            "scales_files": scales_files}
+            "scales_files": scales_files, "logs": logs}
 
 
 def _calibrate_like(model_dir: Path, cache_file: Path) -> Any:
@@ -182,6 +237,42 @@ def test_sliding_window_and_sink_model_binds_the_scales_of_calibrate(tmp_path: P
         _assert_bound_equals(bound, full, heads=2, rel=1e-2, atol=1e-3)
 
 
+def test_flag_only_start_states_the_policy_in_force_once(runs):
+    """A flag-only start logs exactly one "KV policy in force" statement, after the start-up
+    calibration decided it: its compact string is the formats the layers' cache pages hold (and
+    the cached policy's), its table has a row per layer with the calibrated scales; nothing
+    before it states another policy or prints a table."""
+    from vllm_nvfp4.policy import KVPolicy
+
+    log = runs["logs"]["first"]
+    (compact,) = _in_force(log)
+    assert compact == _run_formats(runs["first"]) == KVPolicy.load(runs["files"][0]).to_compact()
+    (statement,) = [line for line in log if IN_FORCE.match(line)]
+    head, *rows = statement.splitlines()
+    assert "K/V scales calibrated; from start-up calibration)" in head
+    assert [row.split(":")[0] for row in rows] == [f"  layer   {i}" for i in range(4)]
+    assert not any("scale default" in row for row in rows)
+    before = log[:log.index(statement)]
+    assert any(line.startswith("vllm-nvfp4: calibrated at start-up on 4096 tokens") for line in before)
+    stated = re.compile(r"\d:(fp8|nvfp4|k=)|\n  layer")  # a compact policy or a table row
+    assert not any(stated.search(line) for line in before), before
+
+
+def test_cached_and_uncalibrated_starts_state_the_policy_in_force_once(runs):
+    """The start that reuses the cache states the cached policy; the start with calibration off
+    states the default rule with default scales (after its warning), each once and equal to
+    what its layers run."""
+    (cached,) = _in_force(runs["logs"]["second"])
+    assert cached == _run_formats(runs["second"]) == _in_force(runs["logs"]["first"])[0]
+    assert any(line.startswith("vllm-nvfp4: start-up calibration reused from")
+               for line in runs["logs"]["second"])
+    (off,) = _in_force(runs["logs"]["off"])
+    assert off == _run_formats(runs["off"]) == "0:fp8,1-2:nvfp4,3:fp8"
+    (statement,) = [line for line in runs["logs"]["off"] if IN_FORCE.match(line)]
+    assert "default K/V scales (not calibrated); from default rule (first/last FP8))" in statement
+    assert statement.count("scale default") == 8
+
+
 def test_second_start_reuses_the_cache(runs):
     assert runs["calls"][1] == runs["calls"][0]  # no calibration forward on the second start
     assert [f.stat().st_mtime_ns for f in runs["files"]] == runs["mtimes"]
@@ -217,7 +308,10 @@ def test_a_policy_file_is_never_overridden(tmp_path: Path, monkeypatch: pytest.M
     model_dir = build_tiny_llama(tmp_path / "llama", dtype="float32")
     KVPolicy.from_compact("*:fp8", 4).with_layer(1, k_scale=0.5).save(model_dir / "nvfp4_policy.json")
     monkeypatch.setenv("VLLM_NVFP4_CACHE", str(tmp_path / "cache"))
+    lines = _record_policy_logs(monkeypatch)
     bound = _start(model_dir)
+    assert _in_force(lines) == [_run_formats(bound)] == ["0-3:fp8"]
+    assert f"from {model_dir / 'nvfp4_policy.json'})" in [l for l in lines if IN_FORCE.match(l)][0]
     assert bound["model.layers.1.self_attn.attn"]["k_scale"] == [0.5, 0.5]
     assert bound["model.layers.2.self_attn.attn"]["k_scale"] == [1.0, 1.0]
     assert not (tmp_path / "cache" / "startup-calibration").exists()

@@ -369,6 +369,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from vllm_nvfp4.calibration.modeling import ModelError
     from vllm_nvfp4.calibration.report_files import ReportError
 
+    if a.command != "doctor":  # doctor reports it among its findings
+        from vllm_nvfp4.doctor import vllm_plugins_hint
+
+        hint = vllm_plugins_hint()
+        if hint is not None:
+            print(f"vllm-nvfp4 {a.command}: warning: {hint}", file=sys.stderr)
     try:
         return COMMANDS[a.command](a)
     except (UsageError, PolicyError, DataError, ModelError, ReportError, FileExistsError) as e:

@@ -102,7 +102,7 @@ def resolve_device(device: str) -> str:
     raise ModelError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
 
 
-def _weight_bytes(model_dir: Path, dtype: str) -> float:
+def weight_bytes(model_dir: Path, dtype: str) -> float:
     """Bytes of the weights in ``dtype``: the checkpoint files' size rescaled from their dtype."""
     files = [p for p in Path(model_dir).iterdir() if p.suffix in (".safetensors", ".bin")]
     stored = sum(p.stat().st_size for p in files)
@@ -123,7 +123,7 @@ def memory_estimate(model_dir: Path, dtype: str, window: int, windows: int) -> d
             + window * vocab * (elem + 8)  # one forward's logits + FP32 log-softmax chunk copies
             + windows * layers * window * hidden * elem  # decoder-layer inputs (prefix reuse)
             + 8 * window * hidden * 4 * elem)  # activations of one layer (MLP ~4x hidden)
-    return {"weights": _weight_bytes(model_dir, dtype) / GiB, "work": work / GiB}
+    return {"weights": weight_bytes(model_dir, dtype) / GiB, "work": work / GiB}
 
 
 def free_memory(device: str) -> float:

@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, KVFormat
 from vllm_nvfp4.integration.block_sizes import hybrid_plan, unpackable_sliding_formats
@@ -197,6 +197,16 @@ def other_backend_error(name: str) -> ValueError:
     )
 
 
+def plugins_leaving_us_out(plugins: Optional[Sequence[str]]) -> Optional[str]:
+    """The problem, with its fix, when vLLM's ``VLLM_PLUGINS`` list (``vllm.envs``: None when
+    unset, every general plugin loads) leaves out our plugin; None when it does not."""
+    if plugins is None or PLUGIN_NAME in plugins:
+        return None
+    return (f"kv_cache_dtype={CACHE_DTYPE} needs the vLLM plugin {PLUGIN_NAME!r} in every vLLM "
+            f"process, but VLLM_PLUGINS={','.join(plugins)!r} leaves it out; add {PLUGIN_NAME} "
+            "to VLLM_PLUGINS (or unset it)")
+
+
 def check_plugin_enabled() -> None:
     """Plugin mode: raise unless ``VLLM_PLUGINS`` lets every vLLM process load our plugin.
 
@@ -205,13 +215,9 @@ def check_plugin_enabled() -> None:
     """
     from vllm import envs
 
-    plugins = envs.VLLM_PLUGINS
-    if plugins is not None and PLUGIN_NAME not in plugins:
-        raise Nvfp4MixedConfigError(
-            f"kv_cache_dtype={CACHE_DTYPE} needs the vLLM plugin {PLUGIN_NAME!r} in every vLLM "
-            f"process, but VLLM_PLUGINS={','.join(plugins)!r} leaves it out; add {PLUGIN_NAME} "
-            "to VLLM_PLUGINS (or unset it)"
-        )
+    problem = plugins_leaving_us_out(envs.VLLM_PLUGINS)
+    if problem is not None:
+        raise Nvfp4MixedConfigError(problem)
 
 
 #: what nvfp4_mixed serves, for the refusals of everything else
@@ -258,7 +264,9 @@ def choose_kv_cache_layout(vllm_config: Any, shape: ModelShape) -> Optional[str]
 
 
 def check_engine_config(vllm_config: Any) -> KVPolicy:
-    """Start-up validation of an ``nvfp4_mixed`` engine config; returns the policy in force.
+    """Start-up validation of an ``nvfp4_mixed`` engine config; returns the policy it resolves
+    (the policy in force unless start-up calibration replaces the default rule; logged by
+    :func:`~vllm_nvfp4.integration.startup_calibration.calibrate_engine`).
 
     Raises :class:`Nvfp4MixedConfigError` (or :class:`~vllm_nvfp4.policy.PolicyError`) naming
     the problem: MLA (DeepSeek, incl. V4's compressed layers), cross-layer KV sharing, hybrid
@@ -319,7 +327,8 @@ def check_engine_config(vllm_config: Any) -> KVPolicy:
             "'swa:fp8' with no index rule naming a sliding layer, in nvfp4_policy.json equal "
             "'k'/'v' in their rows")
     layout = choose_kv_cache_layout(vllm_config, shape)
-    logger.info("vllm-nvfp4: %s", policy.describe())
+    # The policy in force is logged once, by the engine core, where it is decided (start-up
+    # calibration may still replace the default rule): startup_calibration.calibrate_engine.
     if layout is not None:
         logger.info("vllm-nvfp4: hybrid model: KV-cache layout %s, so each KV-cache group packs "
                     "its layers' own page sizes into the shared blocks (no padding to one size)",

@@ -36,6 +36,9 @@ capture (the formats chosen here size the pages):
    (:func:`~vllm_nvfp4.integration.model.set_startup_policy`) before the KV-cache specs are
    taken; it is cached (:mod:`vllm_nvfp4.calibration.startup_cache`, rank 0 writes) and reused by
    the next start of the same model, weights, dtype, text and recipe.
+6. :func:`calibrate_engine` logs it as the engine's one ``KV policy in force`` statement (with
+   its per-layer table); an engine with a given policy, or one that does not calibrate, states
+   its policy the same way, once.
 
 ``VLLM_NVFP4_STARTUP_CALIBRATION`` (:data:`STARTUP_MODES`): unset / ``1`` scales and formats as
 above; ``scales`` the default rule's formats with calibrated scales (no sensitivity forwards);
@@ -91,7 +94,7 @@ from vllm_nvfp4.integration.calibration_states import (
     state_layers,
     unsupported_state_layers,
 )
-from vllm_nvfp4.integration.model import is_draft_layer, set_startup_policy
+from vllm_nvfp4.integration.model import is_draft_layer, model_policy, set_startup_policy
 from vllm_nvfp4.integration.startup_selection import (
     METRIC,
     candidate_slots,
@@ -116,6 +119,8 @@ PROGRESS_SECONDS = 10.0  # a progress line at most this often during the sensiti
 #: bump when the statistics or the policy built from them change (3: NVFP4 block scales by
 #: lowest error, so the measured damage and the chosen slots differ)
 RECIPE_VERSION = 3
+#: the title of the one start-up statement of the policy an engine runs (its per-layer table)
+IN_FORCE = "KV policy in force"
 
 
 def startup_mode() -> str:
@@ -304,12 +309,30 @@ def _key_parts(vllm_config: Any, recipe: Recipe) -> dict[str, Any]:
             "text_sha256": builtin_text_sha256(), "recipe": recipe.describe()}
 
 
-def _load_tokenizer(model_config: Any) -> Any:
+def load_tokenizer(model_config: Any) -> Any:
+    """The engine's tokenizer, loaded with transformers (vLLM's ``ModelConfig`` fields)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_config.tokenizer,
                                          revision=model_config.tokenizer_revision,
                                          trust_remote_code=model_config.trust_remote_code)
+
+
+def cached_source(path: Path) -> str:
+    """The ``source`` of a policy reused from the start-up cache file ``path``."""
+    return f"start-up calibration (cached {path})"
+
+
+def calibration_plan(vllm_config: Any, tokenizer: Any,
+                     soft_cap: bool) -> tuple[Recipe, dict[str, Any], Path]:
+    """``(recipe, cache-key parts, cache file)`` of this engine's start-up calibration over the
+    built-in text (``soft_cap``: its attention layers have a logits soft-cap, so no K
+    centering); the mode from ``$VLLM_NVFP4_STARTUP_CALIBRATION``."""
+    text_tokens = len(tokenizer(BUILTIN_TEXT.read_text(encoding="utf-8"),
+                                add_special_tokens=False, verbose=False)["input_ids"])
+    recipe = recipe_for(vllm_config, text_tokens, soft_cap, select=startup_mode() == "select")
+    parts = _key_parts(vllm_config, recipe)
+    return recipe, parts, cache_path(cache_key(parts))
 
 
 def _progress_logger(total: int, start: float, rank0: bool) -> Callable[[int], None]:
@@ -402,20 +425,19 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
         return {"skipped": states}
     soft_cap = any(layer.impl.logits_soft_cap is not None for layer in layers.values())
     try:
-        tokenizer = _load_tokenizer(mc)
+        tokenizer = load_tokenizer(mc)
     except (OSError, ValueError, ImportError) as e:  # same outcome on every rank: no collective yet
         return {"skipped": f"cannot load the tokenizer of {mc.tokenizer} with transformers ({e})"}
-    text_tokens = len(tokenizer(BUILTIN_TEXT.read_text(encoding="utf-8"),
-                                add_special_tokens=False, verbose=False)["input_ids"])
-    recipe = recipe_for(vllm_config, text_tokens, soft_cap, select=startup_mode() == "select")
-    parts = _key_parts(vllm_config, recipe)
-    path = cache_path(cache_key(parts))
+    recipe, parts, path = calibration_plan(vllm_config, tokenizer, soft_cap)
     rank0 = get_tp_group().rank_in_group == 0
     cached = load_cached(path, shape.num_layers, shape.total_num_kv_heads, shape.head_dim) if rank0 else None
     cached_dict = _broadcast(None if cached is None else cached.to_dict())
     if cached_dict is not None:
-        policy = KVPolicy.from_dict(cached_dict, source=f"start-up calibration (cached {path})")
+        policy = KVPolicy.from_dict(cached_dict, source=cached_source(path))
     else:
+        if rank0:
+            logger.info("vllm-nvfp4: no policy given, so start-up calibrates: %s",
+                        describe_recipe(recipe, shape))
         windows = load_windows([BUILTIN_TEXT], tokenizer, recipe.window, count=0,
                                calib=recipe.windows).calib
         error = None
@@ -441,33 +463,73 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
     set_startup_policy(vllm_config, policy)
     return {"tokens": int(policy.provenance.get("tokens", 0)),
             "seconds": time.perf_counter() - start, "cached": cached_dict is not None,
-            "path": str(path), "policy": policy.to_compact(),
-            "formats": formats_line(policy.provenance)}
+            "path": str(path), "formats": formats_line(policy.provenance),
+            "in_force": policy.describe(IN_FORCE)}
+
+
+def selection_size(recipe: Recipe, shape: ModelShape) -> tuple[int, int]:
+    """``(candidate slots, FP8 slots)`` the start-up selection measures and keeps (module doc,
+    step 4); ``(0, 0)`` when it selects nothing (``scales`` mode, or every candidate FP8)."""
+    if not recipe.select:
+        return 0, 0
+    candidates, fp8_slots = fp8_slot_count(
+        default_policy(shape.num_layers, shape.layer_types or None).layer_types)
+    slots = len(candidate_slots(candidates))
+    return (0, 0) if fp8_slots >= slots else (slots, fp8_slots)
+
+
+def tokens_run(recipe: Recipe, shape: ModelShape) -> int:
+    """Tokens a start-up calibration runs through the model: the calibration windows, then one
+    exact forward and one per candidate slot over the sensitivity windows."""
+    slots, _ = selection_size(recipe, shape)
+    return (recipe.window * recipe.windows
+            + (slots + 1 if slots else 0) * recipe.window * recipe.sensitivity_windows)
+
+
+def describe_recipe(recipe: Recipe, shape: ModelShape) -> str:
+    """What a start-up calibration with ``recipe`` runs, in words (the start-up log, ``doctor``)."""
+    what = (f"K/V scales on {recipe.window * recipe.windows} tokens of the built-in text, "
+            f"{recipe.windows} windows of {recipe.window}")
+    if not recipe.select:
+        return what + f"; the default rule's formats (${STARTUP_CALIBRATION_ENV}=scales)"
+    slots, fp8_slots = selection_size(recipe, shape)
+    if not slots:
+        return what + "; every candidate slot FP8, nothing to select"
+    return what + (f"; then {slots + 1} forwards of {recipe.window * recipe.sensitivity_windows} "
+                   f"tokens measure the {slots} candidate K/V slots, and the {fp8_slots} most "
+                   f"sensitive stay FP8 (as many as the {DEFAULT_BUDGET}x FP8-bytes budget "
+                   "allows, at least as many as the default rule has there)")
 
 
 def calibrate_engine(executor: Any) -> None:
     """The executor's part (hook ``startup_calibration``): run :func:`calibrate_worker` on every
-    worker when :func:`skip_reason` allows, and log the outcome once."""
+    worker when :func:`skip_reason` allows, and log the outcome, then the policy in force: one
+    ``KV policy in force`` statement per engine, with its per-layer table, whichever way the
+    policy was decided (given, calibrated, cached, or the default rule)."""
     reason = skip_reason(executor.vllm_config)
-    if reason == "policy given":
-        return
-    if reason is not None:
+    if reason is None:
+        summary = executor.collective_rpc(calibrate_worker)[0]
+        reason = summary.get("skipped")
+        if reason is None:
+            _log_calibrated(summary)
+            logger.info("vllm-nvfp4: %s", summary["in_force"])
+            return
+    if reason != "policy given":
         logger.warning("vllm-nvfp4: no policy and no start-up calibration (%s): the default rule "
                        "runs with default scales; calibrate with `vllm-nvfp4 calibrate` for "
                        "accuracy", reason)
-        return
-    summary = executor.collective_rpc(calibrate_worker)[0]
-    if "skipped" in summary:
-        logger.warning("vllm-nvfp4: no start-up calibration (%s): the default rule runs with "
-                       "default scales; calibrate with `vllm-nvfp4 calibrate` for accuracy",
-                       summary["skipped"])
-    elif summary["cached"]:
-        logger.info("vllm-nvfp4: start-up calibration reused from %s (%d tokens; %.1f s): %s; %s",
-                    summary["path"], summary["tokens"], summary["seconds"], summary["policy"],
-                    summary["formats"])
+    # given or the default rule: every process resolves it the same way (integration.model)
+    logger.info("vllm-nvfp4: %s", model_policy(executor.vllm_config).describe(IN_FORCE))
+
+
+def _log_calibrated(summary: dict[str, Any]) -> None:
+    """How the start-up calibration decided (its policy: the ``KV policy in force`` line)."""
+    if summary["cached"]:
+        logger.info("vllm-nvfp4: start-up calibration reused from %s (%d tokens; %.1f s): %s",
+                    summary["path"], summary["tokens"], summary["seconds"], summary["formats"])
     else:
-        logger.info("vllm-nvfp4: calibrated at start-up on %d tokens in %.1f s (%s; K/V scales and "
+        logger.info("vllm-nvfp4: calibrated at start-up on %d tokens in %.1f s (K/V scales and "
                     "K centering of the built-in text; %s; cached in %s; set %s=scales for the "
                     "default rule's formats, =0 to switch off)",
-                    summary["tokens"], summary["seconds"], summary["policy"], summary["formats"],
-                    summary["path"], STARTUP_CALIBRATION_ENV)
+                    summary["tokens"], summary["seconds"], summary["formats"], summary["path"],
+                    STARTUP_CALIBRATION_ENV)

@@ -32,15 +32,30 @@ from vllm_nvfp4.policy.layer_types import LayerType
 POLICY_FORMAT = "vllm-nvfp4-policy"
 POLICY_VERSION = 1
 TYPE_FIELDS = ("type", "window", "sinks")
+#: where a malformed policy's error sends the reader: the schema and what writes a valid file
+FORMAT_DOC = ("the policy file format is documented in vllm_nvfp4/policy/json_form.py; "
+              "`vllm-nvfp4 calibrate`, `select` and `tune` write one")
+CONTEXT_CHARS = 20  # characters of the text quoted before the fault of malformed JSON
 
 
 def layers_from_dict(data: Any, source: str) -> tuple[tuple[LayerPolicy, ...], dict[str, Any]]:
     """``(rows, provenance)`` of a parsed JSON policy; every malformation raises
-    :class:`PolicyError` naming ``source`` and the entry."""
+    :class:`PolicyError` naming ``source``, the entry and where the format is documented
+    (:data:`FORMAT_DOC`)."""
+    try:
+        return _layers_from_dict(data, source)
+    except PolicyError as e:
+        raise PolicyError(f"{e}; {FORMAT_DOC}") from None
+
+
+def _layers_from_dict(data: Any, source: str) -> tuple[tuple[LayerPolicy, ...], dict[str, Any]]:
     if not isinstance(data, dict):
         raise PolicyError(f"{source}: top level must be a JSON object")
     if data.get("format") != POLICY_FORMAT:
-        raise PolicyError(f"{source}: 'format' must be {POLICY_FORMAT!r}, got {data.get('format')!r}")
+        what = ("has no 'format' header" if "format" not in data
+                else f"has 'format' {data['format']!r}")
+        raise PolicyError(f"{source}: not a vllm-nvfp4 policy: it {what}; a policy file starts "
+                          f'{{"format": "{POLICY_FORMAT}", "version": {POLICY_VERSION}, ...}}')
     if data.get("version") != POLICY_VERSION:
         raise PolicyError(
             f"{source}: unsupported policy version {data.get('version')!r} "
@@ -119,11 +134,23 @@ def read_policy_file(path: Path) -> Any:
     except OSError as e:
         raise PolicyError(f"cannot read policy file {path}: {e.strerror}") from None
     except UnicodeDecodeError:
-        raise PolicyError(f"policy file {path} is not UTF-8 text (not a JSON policy)") from None
+        raise PolicyError(f"policy file {path} is not UTF-8 text (not a JSON policy); "
+                          f"{FORMAT_DOC}") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise PolicyError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+        raise PolicyError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: "
+                          f"{_json_fault(e)}; {FORMAT_DOC}") from None
+
+
+def _json_fault(e: json.JSONDecodeError) -> str:
+    """The decoder's message (without its dangling ``at``) and the text around the fault:
+    the :data:`CONTEXT_CHARS` characters before it, quoted (control characters escaped)."""
+    msg = e.msg[:-3] if e.msg.endswith(" at") else e.msg
+    before, after = e.doc[max(0, e.pos - CONTEXT_CHARS):e.pos], e.doc[e.pos:e.pos + CONTEXT_CHARS]
+    if not e.doc.strip():
+        return f"{msg} (the file is empty)"
+    return f"{msg} after {before!r}" if before else f"{msg} at the start: {after!r}"
 
 
 def write_policy_file(path: Union[str, Path], data: Mapping[str, Any], overwrite: bool) -> Path:

@@ -146,10 +146,13 @@ class KVPolicy:
         total = sum(lp.k.bytes_per_element + lp.v.bytes_per_element for lp in growing)
         return total / (2 * len(growing) * KVFormat.FP8.bytes_per_element)
 
-    def describe(self) -> str:
-        """A multi-line table of the policy, for the start-up log."""
-        lines = [f"KV policy from {self.source}: {self.to_compact()} "
-                 f"({self.fraction_of_fp8():.3f}x FP8 bytes)"]
+    def describe(self, title: str = "KV policy") -> str:
+        """A multi-line table of the policy, for logs and reports: the line ``TITLE: COMPACT
+        (X FP8 bytes; SCALES; from SOURCE)`` (``SCALES`` says whether the K/V scales are
+        calibrated: :meth:`scales_summary`), then one row per layer (formats, scales, K
+        transforms)."""
+        lines = [f"{title}: {self.to_compact()} ({self.fraction_of_fp8():.3f}x FP8 bytes; "
+                 f"{self.scales_summary()}; from {self.source})"]
         typed = any(t != FULL_ATTENTION for t in self.layer_types)  # dense: no type column
         for i, lp in enumerate(self.layers):
             kind = f"{lp.layer_type.label():18s} " if typed else ""
@@ -162,6 +165,18 @@ class KVPolicy:
             lines.append(f"  layer {i:3d}: {kind}K {lp.k:5s} scale {_fmt_scale(ks)}  V {lp.v:5s} "
                          f"scale {_fmt_scale(vs)}{extra}")
         return "\n".join(lines)
+
+    def scales_summary(self) -> str:
+        """Whether the K/V slots carry scales: ``K/V scales calibrated`` (every slot has one),
+        ``default K/V scales (not calibrated)`` (none has) or ``N of M K/V scales default (not
+        calibrated)``. Default scales: FP8 1.0, NVFP4 global 1/6."""
+        slots = [lp.quant_scale(kv) for _, lp in self.kv_layers() for kv in ("k", "v")]
+        missing = sum(s is None for s in slots)
+        if not missing:
+            return "K/V scales calibrated"
+        if missing == len(slots):
+            return "default K/V scales (not calibrated)"
+        return f"{missing} of {len(slots)} K/V scales default (not calibrated)"
 
 
 def _fmt_scale(s: Optional[Scale]) -> str:

@@ -2,7 +2,8 @@
 
 1. ``$VLLM_NVFP4_POLICY``: a path to a JSON policy file, or a compact string.
 2. ``nvfp4_policy.json`` inside the model directory.
-3. The default rule (:func:`~vllm_nvfp4.policy.default_rule.default_policy`, logged).
+3. The default rule (:func:`~vllm_nvfp4.policy.default_rule.default_policy`; an engine without a
+   policy calibrates at start-up instead, :mod:`vllm_nvfp4.integration.startup_calibration`).
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ def resolve_policy(
             policy.check_model(num_layers, layer_types=layer_types)
             return policy
     policy = default_policy(num_layers, layer_types)
-    logger.info(
-        "vllm-nvfp4: no $%s and no %s in the model directory; using the %s: %s",
+    logger.debug(
+        "vllm-nvfp4: no $%s and no %s in the model directory; the %s: %s",
         POLICY_ENV, POLICY_FILENAME, policy.source, policy.to_compact(),
     )
     return replace(policy, source=policy.source + ignored)
