@@ -131,7 +131,8 @@ def test_kv_bytes_per_token_llama8b_matches_the_library():
     allnv = capacity.kv_bytes_per_token("nvfp4_mixed", L8B, "*:nvfp4")
     assert allnv / fp8 == pytest.approx(KVPolicy.from_compact("*:nvfp4", 32).fraction_of_fp8())
     by = capacity.bytes_per_token_by_config(L8B)
-    assert by == {"fp8": fp8, "nvfp4-mixed": mixed, "auto": 2 * fp8, "fp8-triton": fp8, "nvfp4-all": allnv}
+    assert by == {"fp8": fp8, "nvfp4-mixed": mixed, "auto": 2 * fp8, "fp8-triton": fp8, "nvfp4-all": allnv,
+                  "nvfp4-flashinfer": allnv}  # vLLM's NVFP4: 4-bit data + an E4M3 scale per 16
     with pytest.raises(ValueError, match="needs a policy"):
         capacity.kv_bytes_per_token("nvfp4_mixed", L8B)
     with pytest.raises(ValueError, match="no bytes-per-token rule"):

@@ -38,8 +38,9 @@ request and token throughput, TTFT / TPOT / ITL / end-to-end latency, mean, medi
 Configurations (``--dtypes``, ``--serve``): ``fp8`` (FlashAttention 3; on hybrids vLLM's default),
 ``nvfp4-mixed`` (dense: the first eighth of the layers FP8, the rest NVFP4; hybrids: the default
 rule of :mod:`vllm_nvfp4.policy`; ``--mixed-policy`` overrides), ``auto`` (bf16,
-FlashAttention 3), ``fp8-triton`` (TRITON_ATTN), ``nvfp4-all`` (``*:nvfp4``). nvfp4 policies reach
-the engine through ``VLLM_NVFP4_POLICY``.
+FlashAttention 3), ``fp8-triton`` (TRITON_ATTN), ``nvfp4-all`` (``*:nvfp4``), ``nvfp4-flashinfer``
+(vLLM's own ``nvfp4`` cache on FLASHINFER; skipped and recorded where the vLLM build or FlashInfer
+lacks it). nvfp4 policies reach the engine through ``VLLM_NVFP4_POLICY``.
 
 Output in ``--out``: ``e2e_records.jsonl`` (one record per measurement, appended as it completes:
 a crash or a kill keeps what was measured), ``e2e_summary.json`` (records, ratios against fp8,

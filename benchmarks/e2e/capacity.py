@@ -38,6 +38,8 @@ def kv_bytes_per_token(kv_cache_dtype: str, shape: ModelShape, policy: Optional[
         return 2 * shape.dtype_bytes * shape.head_dim * shape.num_kv_heads * shape.num_layers
     if kv_cache_dtype == "fp8":
         policy = "*:fp8"
+    elif kv_cache_dtype == "nvfp4":  # vLLM's own: E2M1 data + one E4M3 scale per 16, our bytes
+        policy = "*:nvfp4"
     elif kv_cache_dtype != "nvfp4_mixed":
         raise ValueError(f"no bytes-per-token rule for kv_cache_dtype {kv_cache_dtype!r}")
     if policy is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import typing
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -30,6 +32,7 @@ class BenchConfig:
     attention_backend: Optional[str]  # None: vLLM picks (ours for nvfp4_mixed)
     policy: Optional[str]
     weight: float
+    needs_module: Optional[str] = None  # a package the backend imports (None: vLLM alone)
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
@@ -38,9 +41,27 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig("auto", "auto", "FLASH_ATTN", None, 0.8),
     BenchConfig("fp8-triton", "fp8", "TRITON_ATTN", None, 1.0),
     BenchConfig("nvfp4-all", "nvfp4_mixed", None, "*:nvfp4", 1.7),
+    # vLLM's own NVFP4 cache (FlashInfer; FA2 kernels on sm_80/90/120), where the vLLM build has it
+    BenchConfig("nvfp4-flashinfer", "nvfp4", "FLASHINFER", None, 1.7, needs_module="flashinfer"),
 )}
 #: its largest batch per context is the common batch of the decode comparison
 REFERENCE = "fp8"
+
+
+def unavailable_reason(cfg: BenchConfig) -> Optional[str]:
+    """Why the installed vLLM cannot run ``cfg`` (None: it can): an unknown ``kv_cache_dtype``
+    (vLLM's ``CacheDType`` literal; ``nvfp4_mixed`` is added by this plugin when it loads) or a
+    missing backend package."""
+    if cfg.kv_cache_dtype not in ("auto", "fp8", "nvfp4_mixed"):
+        try:
+            from vllm.config.cache import CacheDType
+        except ImportError as e:
+            return f"vLLM is not importable ({e})"
+        if cfg.kv_cache_dtype not in typing.get_args(CacheDType):
+            return f"this vLLM has no kv_cache_dtype {cfg.kv_cache_dtype!r}"
+    if cfg.needs_module and importlib.util.find_spec(cfg.needs_module) is None:
+        return f"{cfg.attention_backend} needs the package {cfg.needs_module!r}, which is not installed"
+    return None
 
 
 def mixed_policy(num_layers: int) -> str:
