@@ -392,7 +392,7 @@ def test_plot_summary(tmp_path):
     path.write_text(json.dumps(summary))
     assert title_suffix(summary) == " (H200, llama8b shape)" and title_suffix({}) == ""
     files = plot_summary(path, tmp_path / "img")
-    assert [f.name for f in files] == ["e2e_capacity.png", "e2e_decode.png"]
+    assert [f.name for f in files] == ["e2e_capacity.png", "e2e_decode.png", "e2e_context.png"]
     assert all(f.stat().st_size > 1000 for f in files)
     assert parse_args(["--plot", str(path)]).plot == str(path)
 

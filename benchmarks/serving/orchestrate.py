@@ -124,7 +124,7 @@ class ConfigRun:
         after = scrape_counter(self.a.port, PREEMPTIONS)
         self.rec.write("bench", workload=run.workload, label=run.label, wall_s=round(wall, 1),
                        num_prompts=run.num_prompts, result_file=str(path.relative_to(self.a.out)),
-                       preemptions=None if before is None or after is None else after - before,
+                       preemptions=None if before is None or after is None else int(after - before),
                        command=shlex.join(cmd), **run.extra, **result_record(result))
         log(f"{self.cfg.name} {run.label}: {result.get('completed')} done in {wall:.0f}s, "
             f"{result.get('output_throughput', 0):.0f} output tok/s, TTFT p50 "

@@ -33,7 +33,7 @@ class LengthRange:
 
     @property
     def ratio(self) -> float:
-        return round((self.hi - self.lo) / (self.hi + self.lo), 4)
+        return round((self.hi - self.lo) / (self.hi + self.lo), 6)
 
     @property
     def mean(self) -> float:

@@ -80,15 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a mismatch where the alone pass's top-2 margin is below this is a near tie")
     g.add_argument("--eager", action="store_true")
     g.add_argument("--cpu", action="store_true")
-    g.add_argument("--cpu-tiny", action="store_true", help="CPU smoke run: tiny Llama with its "
-                   "weights, short prompts, auto + nvfp4-mixed")
+    g.add_argument("--cpu-tiny", action="store_true", help="CPU smoke run: the tiny repetitive "
+                   "Llama of vllm_nvfp4.testing.spec_models with its weights, short prompts, auto + nvfp4-mixed")
     return ap
 
 
-CPU_TINY = dict(configs=["auto", "nvfp4-mixed"], requests=24, prompt_len=parse_range("1-200"),
+CPU_TINY = dict(configs=["auto", "nvfp4-mixed"], requests=16, prompt_len=parse_range("1-160"),
                 output_len=parse_range("4-12"), prefix_len=parse_range("32-96"), num_prefixes=3,
-                spec_fraction=0.25, pressure_kv_tokens=640, chunk_tokens=64, max_num_seqs=16,
-                block_size=16, alone_chunk=24, gpu_mem=0.3)
+                spec_fraction=0.25, pressure_kv_tokens=256, chunk_tokens=64, max_num_seqs=16,
+                block_size=32, alone_chunk=24, gpu_mem=0.3)  # vLLM's CPU attention: blocks of 32n
 
 
 def parse_args(argv: Optional[list[str]] = None) -> Namespace:
@@ -120,10 +120,11 @@ def prepare_model(a: Namespace) -> tuple[str, str]:
     weights), or on ``--cpu-tiny`` the tiny Llama with its weights."""
     if a.model:
         return a.model, "auto"
-    if a.cpu_tiny:
-        from vllm_nvfp4.testing.models import build_tiny_llama
+    if a.cpu_tiny:  # greedy text with repeated runs: ngram drafts hit and miss
+        from vllm_nvfp4.testing.spec_models import repetitive_llama
 
-        return str(build_tiny_llama(a.model_dir or "/tmp/vllm-nvfp4-models/soak-tiny")), "auto"
+        d = Path(a.model_dir or "/tmp/vllm-nvfp4-models/soak-tiny") / "repetitive"
+        return str(d if (d / "model.safetensors").exists() else repetitive_llama(d)), "auto"
     d = a.model_dir or f"/tmp/vllm-nvfp4-models/{a.preset}-random"
     need = a.max_model_len + 1024
     return str(build_weightless_model(d, a.preset, need if need > PRESETS[a.preset]["max_pos"] else None)), "dummy"
