@@ -83,8 +83,9 @@ def test_client_commands_parse_with_vllms_own_parser(tmp_path):
     assert ns.ignore_eos and ns.save_result and ns.num_warmups == 2 and ns.request_rate == math.inf
     assert ns.result_dir == str((tmp_path / "raw" / "fp8").resolve()) and ns.result_filename == "chat_c64.json"
     prefix = workloads.prefix_runs(a)
-    assert [(r.extra["prefix_len"], r.max_concurrency) for r in prefix] == [(8192, 64), (16384, 64)]
-    ns = _vllm_parse(orchestrate.client_command(a, fp8, prefix[1]))
+    assert [(r.extra["prefix_len"], r.max_concurrency) for r in prefix] == [
+        (8192, 64), (8192, 128), (16384, 64), (16384, 128)]
+    ns = _vllm_parse(orchestrate.client_command(a, fp8, prefix[2]))
     assert ns.dataset_name == "prefix_repetition" and ns.prefix_repetition_prefix_len == 16384
     assert ns.prefix_repetition_num_prefixes == 8 and ns.num_prompts % 8 == 0
     probe = workloads.rate_run(a, 0.75, 2)
@@ -220,8 +221,34 @@ def test_tables_ratios_and_markdown():
 def test_merge_replaces_a_configuration_served_again():
     prior = [dict(r, prior="old") for r in RECORDS[:4]]
     now = [_bench("nvfp4-mixed", "chat_c16", "chat", 1600.0, 800.0, 30.0, concurrency=16)]
-    merged = report.merge(prior, now)
-    assert [r["config"] for r in merged] == ["fp8", "fp8", "nvfp4-mixed"] and merged[-1]["output_throughput"] == 1600.0
+    merged = report.merge(prior, now)  # the same config and label replaced, the other level kept
+    assert [(r["config"], r["label"]) for r in merged] == [
+        ("fp8", "chat_c16"), ("fp8", "chat_c64"), ("nvfp4-mixed", "chat_c64"), ("nvfp4-mixed", "chat_c16")]
+    assert merged[-1]["output_throughput"] == 1600.0 and "prior" not in merged[-1]
+
+
+def test_rate_search_resumes_from_earlier_probes(tmp_path, monkeypatch):
+    """Probes of an earlier call (same objective) seed the bisection; the new probes continue it."""
+    obj = dict(p99_tpot_ms=50.0, p99_ttft_ms=None)
+    prior = tmp_path / "prior.jsonl"
+    prior.write_text("\n".join(json.dumps(dict(kind="rate_probe", config="fp8", rate=r, passed=ok, objective=o))
+                               for r, ok, o in ((0.5, True, obj), (1.0, True, obj), (2.0, False, obj),
+                                                (0.25, False, dict(obj, p99_tpot_ms=20.0)))))
+    a = parse_args(["--out", str(tmp_path), "--model", "/m", "--prior-records", str(prior), "--max-probes", "2"])
+    probed = []
+
+    def fake_bench(self, run):
+        probed.append(run.request_rate)
+        return dict(completed=run.num_prompts, num_prompts=run.num_prompts, failed=0,
+                    p99_tpot_ms=40.0 if run.request_rate <= 1.3 else 60.0)
+
+    monkeypatch.setattr(orchestrate.ConfigRun, "bench", fake_bench)
+    orchestrate.ConfigRun(a, configs.CONFIGS["fp8"], math.inf, orchestrate.Estimator(1, 1)).rate_search()
+    assert probed == [pytest.approx(1.4142), pytest.approx(1.1892)]  # the 20 ms probe is not reused
+    recs = [json.loads(x) for x in (tmp_path / orchestrate.RECORDS).read_text().splitlines()]
+    assert [r["label"] for r in recs if r["kind"] == "rate_probe"] == ["rate_3_1.4142", "rate_4_1.1892"]
+    final = recs[-1]
+    assert final["kind"] == "rate_search" and final["max_rate"] == 1.1892 and final["lowest_failing_rate"] == 1.4142
 
 
 def test_estimator_corrects_itself_with_measured_runs():

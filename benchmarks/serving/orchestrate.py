@@ -135,18 +135,24 @@ class ConfigRun:
         """Probes of :mod:`benchmarks.serving.rate_search` while probes and time last."""
         a = self.a
         obj = rate_search.Objective(a.tpot_p99_ms, a.ttft_p99_ms)
-        passed: dict[float, bool] = {}
-        while len(passed) < a.max_probes:
+        passed = {r["rate"]: r["passed"] for r in prior_records(a.prior_records)  # resume a search
+                  if r["kind"] == "rate_probe" and r.get("config") == self.cfg.name
+                  and r.get("objective") == vars(obj)}
+        if passed:
+            log(f"{self.cfg.name}: rate search resumes from earlier probes {passed}")
+        new = 0
+        while new < a.max_probes:
             rate = rate_search.next_rate(passed, a.rate_start, a.rate_factor, a.rate_tol)
             if rate is None:
                 break
             rate = round(rate, 4)
-            result = self.bench(rate_run(a, rate, len(passed)))
+            run = rate_run(a, rate, len(passed))
+            result = self.bench(run)
             if result is None:
                 break
             ok, why = obj.check(result)
-            passed[rate] = ok
-            self.rec.write("rate_probe", rate=rate, passed=ok, why=why)
+            passed[rate], new = ok, new + 1
+            self.rec.write("rate_probe", label=run.label, rate=rate, passed=ok, why=why, objective=vars(obj))
             log(f"{self.cfg.name} rate {rate:g}/s: {'pass' if ok else 'fail'} ({why})")
         self.rec.write("rate_search", objective=vars(obj), rates={str(r): ok for r, ok in passed.items()},
                        **rate_search.summarize(passed))

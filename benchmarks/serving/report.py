@@ -19,10 +19,13 @@ PREFERRED_REFERENCE = "fp8"
 
 
 def merge(prior: list[dict], now: list[dict]) -> list[dict]:
-    """Earlier runs' records, then this run's; a configuration served now replaces its earlier
-    records (a re-run of one configuration keeps the other configurations' numbers)."""
-    served = {r.get("config") for r in now}
-    return [r for r in prior if r.get("config") not in served] + now
+    """Earlier runs' records, then this run's: a record of this run replaces the earlier ones of
+    the same configuration, kind and label (a run of one concurrency level keeps the others)."""
+    def key(r: dict) -> tuple:
+        return r.get("config"), r["kind"], r.get("label")
+
+    fresh = {key(r) for r in now}
+    return [r for r in prior if key(r) not in fresh] + now
 
 
 def reference(records: list[dict]) -> Optional[str]:
