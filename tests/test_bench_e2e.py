@@ -242,6 +242,10 @@ def test_latest_and_merge_records():
     assert records.latest(merged + [dict(kind="ttft", config="fp8", context=1, ttft_s=2.0)],
                           kind="ttft", config="fp8")["ttft_s"] == 2.0
     assert records.latest(merged, kind="decode") is None
+    per_ctx = records.merge_records(old + [dict(kind="ttft", config="fp8", context=2, ttft_s=7.0)], now,
+                                    measured_now=["fp8"], contexts_now=[1])
+    assert [(r["config"], r["context"], r["ttft_s"]) for r in per_ctx if r["kind"] == "ttft"] == [
+        ("auto", 1, 8.0), ("fp8", 2, 7.0), ("fp8", 1, 1.0)]  # context 2 was not measured again
 
 
 def test_compute_ratios_and_shipped_targets():

@@ -346,7 +346,7 @@ def test_compare_finds_mismatches_near_ties_and_bad_outputs():
 
 def test_soak_engine_arguments_per_pass(tmp_path):
     a = soak_args(["--out", str(tmp_path)])
-    assert a.max_model_len == 32768 + 96 + 3 + 16 and a.pressure_kv_tokens == 3 * a.max_model_len
+    assert a.max_model_len == 32768 + 64 + 3 + 16 and a.pressure_kv_tokens == 3 * a.max_model_len
     from benchmarks.serving.soak.cli import pass_spec
     from vllm_nvfp4.testing.weightless import build_weightless_model
 
@@ -390,17 +390,21 @@ def test_cpu_tiny_serving_run_end_to_end(tmp_path):
 
 @pytest.mark.vllm
 def test_cpu_tiny_soak_preempts_and_matches_alone(tmp_path):
-    """The soak's three passes for one configuration on CPU: the pressure pass preempts, the spec
-    pass drafts, every output is complete and compared with the alone pass."""
+    """The pressure and alone passes of nvfp4-mixed on CPU (~1.5 min on 2 cores): the pressure
+    pass preempts, every output is complete and equals the alone pass's except at near ties.
+    The ngram pass is covered by the engine arguments above and tests/test_spec_decode_engine.py."""
     out = tmp_path / "soak"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.serving.soak", "--out", str(out), "--cpu-tiny",
-                           "--configs", "nvfp4-mixed", "--model-dir", str(tmp_path / "m")],
+                           "--configs", "nvfp4-mixed", "--passes", "pressure,alone",
+                           "--model-dir", str(tmp_path / "m")],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    s = json.loads((out / "soak_summary.json").read_text())["configs"]["nvfp4-mixed"]
-    assert s["crashes"] == [] and s["preemptions"]["pressure"] > 0
-    assert s["drafted"] > 0
-    for mode in ("pressure", "spec"):
-        assert s[mode]["missing"] == 0 and s[mode]["bad_outputs"] == [] and s[mode]["compared"] > 0
-        # mismatches are allowed only where the alone pass had a near tie (module doc of compare)
-        assert all(m["near_tie"] for m in s[mode]["mismatches"]), s[mode]["mismatches"]
+    summary = json.loads((out / "soak_summary.json").read_text())
+    s = summary["configs"]["nvfp4-mixed"]
+    assert s["crashes"] == [] and s["killed"] == [] and s["preemptions"]["pressure"] > 0, s["preemptions"]
+    p = s["pressure"]
+    assert p["missing"] == 0 and p["bad_outputs"] == [] and s["alone_bad_outputs"] == []
+    assert p["compared"] == summary["requests"]["total"] - summary["requests"]["spec"] > 0
+    # a mismatch is allowed only where the alone pass had a near tie (benchmarks/serving/soak/compare.py)
+    assert all(m["near_tie"] for m in p["mismatches"]), p["mismatches"]
+    assert "| nvfp4-mixed | pressure |" in (out / "soak_summary.md").read_text()

@@ -47,7 +47,7 @@ a crash or a kill keeps what was measured), ``e2e_summary.json`` (records, ratio
 targets, versions, machine, command), ``bench_serve_CONFIG.json`` (vLLM's result files),
 ``worker_CONFIG.json`` (the settings a worker ran with), ``workers.log``, ``serve.log``; a table
 is printed last. ``--prior-records`` merges earlier runs' records (a configuration measured again
-replaces its earlier records). Targets (``--targets``, default ``targets.toml`` beside this file)
+replaces its earlier records at the contexts measured now; its other contexts stay). Targets (``--targets``, default ``targets.toml`` beside this file)
 are ratio bounds checked in the summary.
 
 ``--budget-s`` (optional, :mod:`benchmarks.e2e.budget`) fits the run into a fixed wall-clock time:

@@ -159,7 +159,8 @@ def versions() -> dict[str, Any]:
 def summarize(a: Namespace, meta: dict, t_start: float) -> dict:
     """Merge earlier runs' records with this run's, compute ratios and targets, write the summary."""
     now = read_records(Path(a.out) / RECORDS)
-    records = merge_records(prior_records(a.prior_records), now, a.dtypes, a.serve)
+    records = merge_records(prior_records(a.prior_records), now, a.dtypes, a.serve,
+                            a.contexts + a.ttft_contexts)
     ctxs = sorted({r["context"] for r in records if "context" in r} | set(a.contexts + a.ttft_contexts),
                   reverse=True)
     ratios = report.compute_ratios(records, ctxs)

@@ -9,6 +9,7 @@ import math
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from argparse import Namespace
 from pathlib import Path
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--requests", type=int, default=1000)
     g.add_argument("--prompt-len", type=RANGE, default=parse_range("1-32k"))
     g.add_argument("--uniform", action="store_true", help="prompt lengths uniform (default: log-uniform)")
-    g.add_argument("--output-len", type=RANGE, default=parse_range("16-96"))
+    g.add_argument("--output-len", type=RANGE, default=parse_range("8-64"))
     g.add_argument("--prefix-fraction", type=float, default=0.3, help="share of requests with a shared prefix")
     g.add_argument("--prefix-len", type=RANGE, default=parse_range("1k-8k"))
     g.add_argument("--num-prefixes", type=int, default=8)
@@ -73,8 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, default=256, help="pressure / spec engines")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--spec-tokens", type=int, default=3, help="ngram num_speculative_tokens")
-    g.add_argument("--alone-chunk", type=int, default=50, help="alone pass: requests per generate() "
-                   "call (outputs are saved after each)")
     g.add_argument("--gpu-mem", type=float, default=0.9)
     g.add_argument("--tie-nats", type=float, default=0.05,
                    help="a mismatch where the alone pass's top-2 margin is below this is a near tie")
@@ -85,10 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-CPU_TINY = dict(configs=["auto", "nvfp4-mixed"], requests=16, prompt_len=parse_range("1-160"),
-                output_len=parse_range("4-12"), prefix_len=parse_range("32-96"), num_prefixes=3,
-                spec_fraction=0.25, pressure_kv_tokens=256, chunk_tokens=64, max_num_seqs=16,
-                block_size=32, alone_chunk=24, gpu_mem=0.3)  # vLLM's CPU attention: blocks of 32n
+CPU_TINY = dict(configs=["auto", "nvfp4-mixed"], requests=20, prompt_len=parse_range("1-160"),
+                output_len=parse_range("8-24"), prefix_len=parse_range("32-96"), num_prefixes=3,
+                spec_fraction=0.25, pressure_kv_tokens=224, chunk_tokens=64, max_num_seqs=16,
+                block_size=32, gpu_mem=0.3)  # vLLM's CPU attention: blocks of 32n
 
 
 def parse_args(argv: Optional[list[str]] = None) -> Namespace:
@@ -146,38 +145,48 @@ def pass_spec(a: Namespace, model: str, load_format: str, name: str, mode: str, 
                 load_format=load_format, max_model_len=a.max_model_len, gpu_mem=a.gpu_mem,
                 chunk_tokens=a.chunk_tokens, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
                 pressure_kv_tokens=a.pressure_kv_tokens, spec_tokens=a.spec_tokens,
-                alone_chunk=a.alone_chunk, eager=a.eager, cpu=a.cpu, hybrid=shape.needs_packed_groups,
+                eager=a.eager, cpu=a.cpu, hybrid=shape.needs_packed_groups,
                 deadline=deadline, policy=policy_for(CONFIGS[name], shape.layer_types, a.mixed_policy),
                 distributed_executor_backend="uni" if a.cpu else None,
                 params=dict(vars(p), prompt=[p.prompt.lo, p.prompt.hi], output=[p.output.lo, p.output.hi],
                             prefix_len=[p.prefix_len.lo, p.prefix_len.hi]))
 
 
-def run_pass(a: Namespace, spec: dict, grace_s: float = 60.0) -> int:
-    """One pass in its own process (a fresh engine; GPU memory back when it exits)."""
+def run_pass(a: Namespace, spec: dict, grace_s: float = 60.0) -> Optional[int]:
+    """One pass in its own process (a fresh engine; GPU memory back when it exits), its process
+    group killed ``grace_s`` after the pass's deadline (the worker stops itself at the deadline)."""
     out = Path(a.out)
     path = out / f"pass_{spec['config']}_{spec['mode']}.json"
     path.write_text(json.dumps(spec, indent=1))
     cmd = [sys.executable, "-m", "benchmarks.serving.soak.worker", str(path)]
-    timeout = None if math.isinf(spec["deadline"]) else max(30.0, spec["deadline"] - time.time() + grace_s)
     with open(out / "soak_workers.log", "a") as lf:
         lf.write(f"\n===== {shlex.join(cmd)}\n")
         lf.flush()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=child_env(), start_new_session=True, bufsize=1)
-        t_end = None if timeout is None else time.time() + timeout
+        killed = threading.Event()
+
+        def kill() -> None:
+            killed.set()
+            kill_group(proc)
+
+        timer = None if math.isinf(spec["deadline"]) else threading.Timer(
+            max(30.0, spec["deadline"] - time.time() + grace_s), kill)
+        if timer:
+            timer.start()
         assert proc.stdout is not None
-        for line in proc.stdout:  # ends when the worker exits (or is killed below)
+        for line in proc.stdout:  # ends when the worker exits or is killed
             lf.write(line)
             if line.startswith("[bench"):
                 sys.stdout.write(line)
                 sys.stdout.flush()
-            if t_end is not None and time.time() > t_end:
-                Recorder(out / worker.RECORDS, config=spec["config"]).write(
-                    "killed", mode=spec["mode"], reason="past its deadline")
-                log(f"soak {spec['config']} {spec['mode']}: past its deadline, killed")
-                break
+        if timer:
+            timer.cancel()
         kill_group(proc)
+    if killed.is_set():
+        Recorder(out / worker.RECORDS, config=spec["config"]).write(
+            "killed", mode=spec["mode"], reason="past its deadline")
+        log(f"soak {spec['config']} {spec['mode']}: past its deadline, killed")
     if not a.cpu:
         wait_gpu_free()
     return proc.returncode
@@ -201,8 +210,9 @@ def summarize(a: Namespace, model: str, head: dict) -> dict:
                               for m in ("pressure", "spec")}
         res["drafted"] = sum(r["drafted"] for r in passes if r["mode"] == "spec")
         res["accepted"] = sum(r["accepted"] for r in passes if r["mode"] == "spec")
-        res["crashes"] = [dict(mode=r.get("mode"), error=r.get("error", r.get("reason")))
-                          for r in records if r.get("config") == name and r["kind"] in ("error", "killed")]
+        res["crashes"] = [dict(mode=r.get("mode"), error=r.get("error"))
+                          for r in records if r.get("config") == name and r["kind"] == "error"]
+        res["killed"] = [r.get("mode") for r in records if r.get("config") == name and r["kind"] == "killed"]
         configs[name] = res
     summary = dict(head, finished_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                    requests=dict(total=len(reqs), shared_prefix=sum(r.prefix >= 0 for r in reqs),
@@ -233,6 +243,8 @@ def markdown(summary: dict) -> str:
                          f"| {c['preemptions'][mode]:.0f} | {acc} |")
         for cr in c["crashes"]:
             lines.append(f"\n- {name} {cr['mode']}: CRASH {cr['error']}")
+        for mode in c["killed"]:
+            lines.append(f"\n- {name} {mode}: killed past its deadline (the next call resumes it)")
         if c["alone_bad_outputs"]:
             lines.append(f"\n- {name} alone: {len(c['alone_bad_outputs'])} bad outputs")
     return "\n".join(lines) + "\n"

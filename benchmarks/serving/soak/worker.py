@@ -9,6 +9,8 @@ Passes (``mode``):
 * ``alone``: every request served alone (``max_num_seqs=1``), the engine's full cache, prefix
   caching off, the same chunked prefill: the reference.
 
+Every request still to serve is added at once and the engine is stepped by hand (``LLMEngine``).
+
 Each finished request is appended to ``outputs_CONFIG_MODE.jsonl`` (``id``, ``tokens``, per
 token ``[logprob, runner-up logprob]``, ``finish``); requests already there are skipped, so a
 pass cut off by a time limit resumes where it stopped. The pass ends with a ``pass`` record
@@ -122,7 +124,10 @@ def metric_values(llm: Any) -> dict[str, Any]:
 
 
 def run_pass(spec: dict, rec: Recorder) -> None:
+    """Add every request still to serve, step the engine, append each output as it finishes;
+    at the deadline the rest is aborted (and served by the next call)."""
     from vllm import LLM, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
     path = outputs_path(spec["out"], spec["config"], spec["mode"])
     done = {r["id"] for r in read_records(path)}
@@ -133,26 +138,32 @@ def run_pass(spec: dict, rec: Recorder) -> None:
     kw = engine_kwargs(spec)
     t0 = time.time()
     llm = LLM(**kw)
+    engine = llm.llm_engine
     start_s = time.time() - t0
     log(f"soak {spec['config']} {spec['mode']}: engine up in {start_s:.0f}s")
-    served, t1 = 0, time.time()
-    chunk = len(todo) if spec["mode"] != "alone" else spec["alone_chunk"]
-    for i in range(0, len(todo), chunk):
-        if time.time() > spec["deadline"]:
-            rec.write("skip", mode=spec["mode"], what=f"{len(todo) - i} requests", reason="budget")
-            log(f"soak {spec['config']} {spec['mode']}: deadline, {len(todo) - i} requests left")
-            break
-        part = todo[i:i + chunk]
-        sps = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True, logprobs=2)
-               for r in part]
-        outs = llm.generate([{"prompt_token_ids": list(r.prompt)} for r in part], sps, use_tqdm=False)
-        with open(path, "a", encoding="utf-8") as f:
-            for r, o in zip(part, outs):
-                f.write(json.dumps(output_record(r.id, o)) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        served += len(part)
-        log(f"soak {spec['config']} {spec['mode']}: {len(done) + served} of {len(done) + len(todo)} served")
+    for r in todo:  # FINAL_ONLY: one output per request, when it finishes
+        sp = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True, logprobs=2,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+        engine.add_request(str(r.id), {"prompt_token_ids": list(r.prompt)}, sp)
+    served, t1, t_log = 0, time.time(), time.time()
+    with open(path, "a", encoding="utf-8") as f:
+        while engine.has_unfinished_requests():
+            if time.time() > spec["deadline"]:
+                left = [str(r.id) for r in todo if r.id not in done]
+                engine.abort_request(left)
+                rec.write("skip", mode=spec["mode"], what=f"{len(left)} requests", reason="budget")
+                log(f"soak {spec['config']} {spec['mode']}: deadline, {len(left)} requests left")
+                break
+            for o in engine.step():
+                if o.finished:
+                    f.write(json.dumps(output_record(int(o.request_id), o)) + "\n")
+                    done.add(int(o.request_id))
+                    served += 1
+            if time.time() - t_log > 30:
+                f.flush()
+                os.fsync(f.fileno())
+                t_log = time.time()
+                log(f"soak {spec['config']} {spec['mode']}: {served} of {len(todo)} served")
     m = metric_values(llm)  # a fresh engine: its counters are this pass's
     rec.write("pass", mode=spec["mode"], served=served, engine_start_s=round(start_s, 1),
               wall_s=round(time.time() - t1, 1), engine_kwargs={k: str(v) for k, v in kw.items()}, **m)
