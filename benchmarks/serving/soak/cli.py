@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 CPU_TINY = dict(configs=["auto", "nvfp4-mixed"], requests=20, prompt_len=parse_range("1-160"),
                 output_len=parse_range("8-24"), prefix_len=parse_range("32-96"), num_prefixes=3,
-                spec_fraction=0.25, pressure_kv_tokens=224, chunk_tokens=64, max_num_seqs=16,
+                spec_fraction=0.25, pressure_kv_tokens=256, chunk_tokens=64, max_num_seqs=16,
                 block_size=32, gpu_mem=0.3)  # vLLM's CPU attention: blocks of 32n
 
 
@@ -108,9 +108,9 @@ def parse_args(argv: Optional[list[str]] = None) -> Namespace:
             ap.error(f"--{name.replace('_', '-')} must be in [0, 1]")
     a.max_model_len = a.prompt_len.hi + a.output_len.hi + a.spec_tokens + 16
     a.pressure_kv_tokens = a.pressure_kv_tokens or 3 * a.max_model_len
-    if a.pressure_kv_tokens < a.max_model_len:
-        ap.error(f"--pressure-kv-tokens {a.pressure_kv_tokens} < max_model_len {a.max_model_len}: "
-                 "vLLM refuses a cache that cannot hold one request")
+    if a.pressure_kv_tokens < a.max_model_len + a.block_size:  # vLLM keeps one block back
+        ap.error(f"--pressure-kv-tokens {a.pressure_kv_tokens} < max_model_len {a.max_model_len} + "
+                 f"one block ({a.block_size}): vLLM refuses a cache that cannot hold one request")
     return a
 
 
