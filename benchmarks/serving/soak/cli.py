@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 import benchmarks.serving.soak as package
+from benchmarks.e2e.budget import deadline_share
 from benchmarks.e2e.cli import DTYPES, _checked
 from benchmarks.e2e.configs import CONFIGS, parse_dtypes, policy_for, unavailable_reason
 from benchmarks.e2e.orchestrate import child_env, kill_group, versions, wait_gpu_free
@@ -29,6 +30,8 @@ from vllm_nvfp4.model_shape import ModelShape
 from vllm_nvfp4.testing.weightless import PRESETS, build_weightless_model
 
 SUMMARY, TABLE = "soak_summary.json", "soak_summary.md"
+#: relative time of the passes in a budget (the speculative pass serves a fifth of the requests)
+PASS_WEIGHTS = {"pressure": 1.0, "spec": 0.4, "alone": 1.5}
 
 
 def parse_modes(text: str) -> list[str]:
@@ -275,7 +278,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             rec.write("skip", mode=mode, reason="budget")
             log(f"soak {name} {mode}: skipped (budget)")
             continue
-        deadline = end if math.isinf(end) else time.time() + (end - time.time() - 30) / (len(steps) - i)
+        weights = [PASS_WEIGHTS[m] for _, m in steps[i:]]
+        deadline = end if math.isinf(end) else deadline_share(time.time(), end - 30, weights)
         run_pass(a, pass_spec(a, model, load_format, name, mode, deadline))
         summarize(a, model, head)
     summary = summarize(a, model, head)
