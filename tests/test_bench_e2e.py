@@ -245,6 +245,10 @@ def test_latest_and_merge_records():
     assert records.latest(merged + [dict(kind="ttft", config="fp8", context=1, ttft_s=2.0)],
                           kind="ttft", config="fp8")["ttft_s"] == 2.0
     assert records.latest(merged, kind="decode") is None
+    per_ctx = records.merge_records(old + [dict(kind="ttft", config="fp8", context=2, ttft_s=7.0)], now,
+                                    measured_now=["fp8"], contexts_now=[1])
+    assert [(r["config"], r["context"], r["ttft_s"]) for r in per_ctx if r["kind"] == "ttft"] == [
+        ("auto", 1, 8.0), ("fp8", 2, 7.0), ("fp8", 1, 1.0)]  # context 2 was not measured again
 
 
 def test_compute_ratios_and_shipped_targets():
@@ -353,6 +357,20 @@ def test_bench_serve_command_parses_with_vllms_own_parser():
     assert server[3:5] == ["serve", "/m"] and "--attention-backend" in server
 
 
+def test_skip_configuration_names_the_first_and_last_layer(tmp_path):
+    """nvfp4-skip keeps layers 0 and L-1 in bf16: LLM(kv_cache_dtype_skip_layers=...) and
+    --kv-cache-dtype-skip-layers of `vllm serve` name them for the model's layer count."""
+    model = build_weightless_model(tmp_path / "m", "llama8b")
+    a = parse_args(["--out", str(tmp_path / "o"), "--model", str(model)])
+    cfg = configs.CONFIGS["nvfp4-skip"]
+    assert engine_kwargs(a, cfg.kv_cache_dtype, "FLASHINFER", cfg.skipped(32))[
+        "kv_cache_dtype_skip_layers"] == ["0", "31"]
+    server = serve.serve_command(a, cfg)
+    i = server.index("--kv-cache-dtype-skip-layers")
+    assert server[i + 1:i + 3] == ["0", "31"] and server[server.index("--kv-cache-dtype") + 1] == "nvfp4"
+    assert "--kv-cache-dtype-skip-layers" not in serve.serve_command(a, configs.CONFIGS["nvfp4"])
+
+
 def test_result_record_keeps_vllms_fields():
     result = dict(duration=10.0, completed=128, failed=0, output_throughput=1234.5, date="x",
                   mean_ttft_ms=50.0, median_ttft_ms=45.0, p99_ttft_ms=90.0, p99_9_ttft_ms=1.0,
@@ -395,7 +413,7 @@ def test_plot_summary(tmp_path):
     path.write_text(json.dumps(summary))
     assert title_suffix(summary) == " (H200, llama8b shape)" and title_suffix({}) == ""
     files = plot_summary(path, tmp_path / "img")
-    assert [f.name for f in files] == ["e2e_capacity.png", "e2e_decode.png"]
+    assert [f.name for f in files] == ["e2e_capacity.png", "e2e_decode.png", "e2e_context.png"]
     assert all(f.stat().st_size > 1000 for f in files)
     assert parse_args(["--plot", str(path)]).plot == str(path)
 

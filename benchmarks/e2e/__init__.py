@@ -38,15 +38,18 @@ request and token throughput, TTFT / TPOT / ITL / end-to-end latency, mean, medi
 Configurations (``--dtypes``, ``--serve``): ``fp8`` (FlashAttention 3; on hybrids vLLM's default),
 ``nvfp4-mixed`` (dense: the first eighth of the layers FP8, the rest NVFP4; hybrids: the default
 rule of :mod:`vllm_nvfp4.policy`; ``--mixed-policy`` overrides), ``auto`` (bf16,
-FlashAttention 3), ``fp8-triton`` (TRITON_ATTN), ``nvfp4-all`` (``*:nvfp4``). nvfp4 policies reach
-the engine through ``VLLM_NVFP4_POLICY``.
+FlashAttention 3), ``fp8-triton`` (TRITON_ATTN), ``nvfp4-all`` (``*:nvfp4``), ``nvfp4``
+(vLLM's own ``nvfp4`` cache on FLASHINFER; skipped and recorded where the vLLM build or FlashInfer
+lacks it), ``nvfp4-skip`` (the same with the first and last layer in the model dtype,
+``kv_cache_dtype_skip_layers``; capacity and largest batch from vLLM's own report, since vLLM pads
+those layers' pages). nvfp4 policies reach the engine through ``VLLM_NVFP4_POLICY``.
 
 Output in ``--out``: ``e2e_records.jsonl`` (one record per measurement, appended as it completes:
 a crash or a kill keeps what was measured), ``e2e_summary.json`` (records, ratios against fp8,
 targets, versions, machine, command), ``bench_serve_CONFIG.json`` (vLLM's result files),
 ``worker_CONFIG.json`` (the settings a worker ran with), ``workers.log``, ``serve.log``; a table
 is printed last. ``--prior-records`` merges earlier runs' records (a configuration measured again
-replaces its earlier records). Targets (``--targets``, default ``targets.toml`` beside this file)
+replaces its earlier records at the contexts measured now; its other contexts stay). Targets (``--targets``, default ``targets.toml`` beside this file)
 are ratio bounds checked in the summary.
 
 ``--budget-s`` (optional, :mod:`benchmarks.e2e.budget`) fits the run into a fixed wall-clock time:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import typing
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -20,7 +22,8 @@ class BenchConfig:
 
     ``policy``: a compact KV policy, ``"mixed"`` (:func:`policy_for`, or ``--mixed-policy``), or
     None for vLLM's own dtypes. ``skip_layers``: layer indices (negative: from the end) that
-    vLLM's own ``nvfp4`` keeps in the model dtype (``kv_cache_dtype_skip_layers``). ``attention_backend``: forced on dense models; on hybrid models
+    vLLM's own ``nvfp4`` keeps in the model dtype (``kv_cache_dtype_skip_layers``).
+    ``attention_backend``: forced on dense models; on hybrid models
     (sliding windows, sinks) vLLM's default for the model runs, except for ``fp8-triton``
     (:func:`backend_for`). ``weight``: relative share of a time budget (bigger caches take
     longer to fill).
@@ -31,6 +34,7 @@ class BenchConfig:
     attention_backend: Optional[str]  # None: vLLM picks (ours for nvfp4_mixed)
     policy: Optional[str]
     weight: float
+    needs_module: Optional[str] = None  # a package the backend imports (None: vLLM alone)
     skip_layers: tuple[int, ...] = ()
 
     def skipped(self, num_layers: int) -> list[str]:
@@ -45,11 +49,28 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig("fp8-triton", "fp8", "TRITON_ATTN", None, 1.0),
     BenchConfig("nvfp4-all", "nvfp4_mixed", None, "*:nvfp4", 1.7),
     # vLLM's own NVFP4 KV cache (on SM80/90/120: FlashInfer's fa2 kernels, software dequantization)
-    BenchConfig("nvfp4", "nvfp4", "FLASHINFER", None, 1.7),
-    BenchConfig("nvfp4-skip", "nvfp4", "FLASHINFER", None, 1.6, skip_layers=(0, -1)),
+    BenchConfig("nvfp4", "nvfp4", "FLASHINFER", None, 1.7, needs_module="flashinfer"),
+    BenchConfig("nvfp4-skip", "nvfp4", "FLASHINFER", None, 1.6, needs_module="flashinfer",
+                skip_layers=(0, -1)),
 )}
 #: its largest batch per context is the common batch of the decode comparison
 REFERENCE = "fp8"
+
+
+def unavailable_reason(cfg: BenchConfig) -> Optional[str]:
+    """Why the installed vLLM cannot run ``cfg`` (None: it can): an unknown ``kv_cache_dtype``
+    (vLLM's ``CacheDType`` literal; ``nvfp4_mixed`` is added by this plugin when it loads) or a
+    missing backend package."""
+    if cfg.kv_cache_dtype not in ("auto", "fp8", "nvfp4_mixed"):
+        try:
+            from vllm.config.cache import CacheDType
+        except ImportError as e:
+            return f"vLLM is not importable ({e})"
+        if cfg.kv_cache_dtype not in typing.get_args(CacheDType):
+            return f"this vLLM has no kv_cache_dtype {cfg.kv_cache_dtype!r}"
+    if cfg.needs_module and importlib.util.find_spec(cfg.needs_module) is None:
+        return f"{cfg.attention_backend} needs the package {cfg.needs_module!r}, which is not installed"
+    return None
 
 
 def mixed_policy(num_layers: int) -> str:

@@ -26,7 +26,7 @@ from benchmarks.e2e import report
 from benchmarks.e2e.budget import Budget
 from benchmarks.e2e.capacity import (DEFAULT_IN_FLIGHT_TOKENS, bytes_per_token_by_config, estimate_batch,
                                      max_batch, pool_layout)
-from benchmarks.e2e.configs import CONFIGS, REFERENCE, policy_for
+from benchmarks.e2e.configs import CONFIGS, REFERENCE, policy_for, unavailable_reason
 from benchmarks.e2e.records import RECORDS, Recorder, latest, merge_records, prior_records, read_records
 from benchmarks.e2e.serve import bench_serve_command, run_serve, serve_command
 from benchmarks.e2e.worker import log
@@ -159,7 +159,8 @@ def versions() -> dict[str, Any]:
 def summarize(a: Namespace, meta: dict, t_start: float) -> dict:
     """Merge earlier runs' records with this run's, compute ratios and targets, write the summary."""
     now = read_records(Path(a.out) / RECORDS)
-    records = merge_records(prior_records(a.prior_records), now, a.dtypes, a.serve)
+    records = merge_records(prior_records(a.prior_records), now, a.dtypes, a.serve,
+                            a.contexts + a.ttft_contexts)
     ctxs = sorted({r["context"] for r in records if "context" in r} | set(a.contexts + a.ttft_contexts),
                   reverse=True)
     ratios = report.compute_ratios(records, ctxs)
@@ -241,6 +242,11 @@ def run(a: Namespace) -> int:
         ref = dict(e["max_batch"])
         log(f"reference batches from {e['prior']}: {ref}")
     for i, name in enumerate(a.dtypes):
+        why = unavailable_reason(CONFIGS[name])
+        if why:
+            Recorder(out / RECORDS, config=name).write("skip", what="engine", reason=why)
+            log(f"{name}: skipped ({why})")
+            continue
         if budget.limited and budget.left(reserve_serve=True) < a.min_config_s:
             Recorder(out / RECORDS, config=name).write("skip", what="engine", reason="budget")
             log(f"{name}: skipped (budget)")

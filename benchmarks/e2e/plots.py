@@ -1,9 +1,12 @@
-"""PNG plots of a summary: KV capacity per configuration; decode throughput against context."""
+"""PNG plots of a summary: KV capacity per configuration; decode throughput against context;
+TTFT and the decode ratio to fp8 against context."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from benchmarks.e2e.report import FP8_CONFIGS, compute_ratios
 
 
 def title_suffix(summary: dict) -> str:
@@ -15,9 +18,11 @@ def title_suffix(summary: dict) -> str:
 
 
 def plot_summary(summary_path: Path, plot_dir: Path) -> list[Path]:
-    """``e2e_capacity.png`` (KV tokens of the newest engine record of each configuration) and
+    """``e2e_capacity.png`` (KV tokens of the newest engine record of each configuration),
     ``e2e_decode.png`` (decode tokens/s at fp8's largest batch and at each configuration's own
-    largest batch). Returns the files written (none for a summary without such records)."""
+    largest batch, against context) and ``e2e_context.png`` (TTFT, and decode tokens/s over the
+    faster fp8's at fp8's largest batch and at the configuration's own, against context). Returns
+    the files written (none for a summary without such records)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -64,4 +69,37 @@ def plot_summary(summary_path: Path, plot_dir: Path) -> list[Path]:
         out.append(plot_dir / "e2e_decode.png")
         fig.savefig(out[-1], dpi=120)
         plt.close(fig)
+    ttft = [r for r in recs if r["kind"] == "ttft"]
+    if ttft:
+        out.append(_plot_context(plt, recs, ttft, suffix, plot_dir / "e2e_context.png"))
     return out
+
+
+def _plot_context(plt, recs: list[dict], ttft: list[dict], suffix: str, path: Path) -> Path:
+    """TTFT per configuration and the decode ratios of :func:`compute_ratios` against context."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig.suptitle("Cost growth with context" + suffix, fontsize=10)
+    for name in dict.fromkeys(r["config"] for r in ttft):
+        pts = sorted({r["context"]: r["ttft_s"] for r in ttft if r["config"] == name}.items())
+        axes[0].plot([c for c, _ in pts], [t for _, t in pts], marker="o", label=name)
+    axes[0].set_ylabel("TTFT (s), one request, idle engine")
+    ratios = compute_ratios(recs, sorted({r["context"] for r in recs if "context" in r}))["decode_vs_fp8"]
+    names = dict.fromkeys(r["config"] for r in recs if r["kind"] == "decode" and r["config"] not in FP8_CONFIGS)
+    for name in names:
+        for key, style, what in ((name, "-", "fp8's batch"), (f"{name}_at_own_max_batch", "--", "own batch")):
+            pts = sorted((int(c), row[key] if key == name else row[key]["vs_best_fp8"])
+                         for c, row in ratios.items() if row.get(key) is not None)
+            if pts:
+                axes[1].plot([c for c, _ in pts], [v for _, v in pts], style, marker="o",
+                             label=f"{name}, {what}")
+    axes[1].axhline(1.0, color="grey", linewidth=0.8)
+    axes[1].set_ylabel("decode tokens/s / fp8's")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("prompt tokens")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -60,16 +60,26 @@ def prior_records(paths: Iterable[str | Path]) -> list[dict]:
 
 
 def merge_records(prior: list[dict], now: list[dict], measured_now: Iterable[str],
-                  served_now: Iterable[str] = ()) -> list[dict]:
+                  served_now: Iterable[str] = (), contexts_now: Optional[Iterable[int]] = None
+                  ) -> list[dict]:
     """Earlier runs' records, then this run's.
 
     An engine configuration measured again now (in ``measured_now`` or with an engine record in
-    ``now``) drops its earlier engine-side records; its earlier ``bench_serve`` records stay
-    unless it is served again now (``served_now``).
+    ``now``) drops its earlier engine-side records: all of them, or with ``contexts_now`` only
+    those of a context measured now and those without a context (a run at 128k keeps the same
+    configuration's 8k records of an earlier run). Its earlier ``bench_serve`` records stay unless
+    it is served again now (``served_now``).
     """
     fresh = {r.get("config") for r in now if r["kind"] == "engine"} | set(measured_now)
     served = set(served_now)
+    ctxs = None if contexts_now is None else set(contexts_now)
+
+    def replaced(r: dict) -> bool:
+        if r.get("config") not in fresh:
+            return False
+        return ctxs is None or "context" not in r or r["context"] in ctxs
+
     old = [r for r in prior
            if (r["kind"] == "bench_serve" and r.get("config") not in served)
-           or (r["kind"] != "bench_serve" and r.get("config") not in fresh)]
+           or (r["kind"] != "bench_serve" and not replaced(r))]
     return old + now

@@ -35,34 +35,49 @@ LATENCY_FIELD = re.compile(r"^(mean|median|std|p[0-9.]+)_[a-z0-9]+_ms$")
 VLLM_CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
-def serve_command(a: Namespace, cfg: BenchConfig, hybrid: bool = False) -> list[str]:
+def serve_command(a: Namespace, cfg: BenchConfig, hybrid: bool = False,
+                  prefix_caching: bool = False) -> list[str]:
     """``vllm serve`` of one configuration on 127.0.0.1:``a.port`` (``hybrid``: the model has
-    sliding-window layers, :func:`~benchmarks.e2e.configs.backend_for`)."""
+    sliding-window layers, :func:`~benchmarks.e2e.configs.backend_for`; ``prefix_caching``:
+    vLLM's prefix cache on, as ``vllm serve`` has it by default)."""
     cmd = VLLM_CLI + ["serve", a.model, "--port", str(a.port), "--host", "127.0.0.1",
                       "--load-format", "dummy", "--kv-cache-dtype", cfg.kv_cache_dtype,
                       "--max-model-len", str(a.max_model_len), "--gpu-memory-utilization",
-                      str(a.gpu_mem), "--no-enable-prefix-caching", "--seed", "0"]
+                      str(a.gpu_mem), "--enable-prefix-caching" if prefix_caching
+                      else "--no-enable-prefix-caching", "--seed", "0"]
     backend = backend_for(cfg, hybrid)
     if backend and not a.cpu:
         cmd += ["--attention-backend", backend]
+    if cfg.skip_layers:
+        cmd += ["--kv-cache-dtype-skip-layers",
+                *cfg.skipped(ModelShape.from_model_dir(a.model).num_layers)]
     if a.max_num_batched_tokens:
         cmd += ["--max-num-batched-tokens", str(a.max_num_batched_tokens)]
+    if a.max_num_seqs:
+        cmd += ["--max-num-seqs", str(a.max_num_seqs)]
     if a.eager:
         cmd += ["--enforce-eager"]
     return cmd
 
 
+def bench_serve_base(port: int, model: str, result_dir: Path, result_name: str, label: str) -> list[str]:
+    """``vllm bench serve`` against 127.0.0.1:``port`` without its dataset flags: ``ignore_eos``,
+    TTFT / TPOT / ITL / end-to-end percentiles 50 and 99, the result JSON saved as
+    ``result_dir/result_name``."""
+    return VLLM_CLI + [
+        "bench", "serve", "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
+        "--model", model, "--ignore-eos", "--percentile-metrics", PERCENTILE_METRICS,
+        "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(Path(result_dir).resolve()),
+        "--result-filename", result_name, "--label", label, "--disable-tqdm"]
+
+
 def bench_serve_command(a: Namespace, cfg: BenchConfig, result_name: str) -> list[str]:
     """``vllm bench serve`` with random prompts of ``serve_prompt_len`` tokens, ``ignore_eos``."""
-    cmd = VLLM_CLI + [
-        "bench", "serve", "--backend", "vllm", "--base-url", f"http://127.0.0.1:{a.port}",
-        "--model", a.model, "--dataset-name", "random",
+    cmd = bench_serve_base(a.port, a.model, Path(a.out), result_name, cfg.name) + [
+        "--dataset-name", "random",
         "--random-input-len", str(a.serve_prompt_len), "--random-output-len", str(a.serve_output_len),
         "--num-prompts", str(a.serve_requests), "--max-concurrency", str(a.clients),
-        "--request-rate", str(a.request_rate), "--ignore-eos", "--seed", "0",
-        "--percentile-metrics", PERCENTILE_METRICS, "--metric-percentiles", "50,99",
-        "--save-result", "--result-dir", str(Path(a.out).resolve()), "--result-filename", result_name,
-        "--label", cfg.name, "--disable-tqdm"]
+        "--request-rate", str(a.request_rate), "--seed", "0"]
     return cmd + shlex.split(a.bench_serve_args or "")
 
 

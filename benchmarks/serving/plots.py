@@ -1,0 +1,77 @@
+"""PNG plots of a serving summary (matplotlib): the chat and shared-prefix workloads against
+concurrency, and the rate search's p99 TPOT against the request rate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.e2e.plots import title_suffix
+
+#: (field, axis label) of the three panels of a workload figure
+PANELS = (("output_throughput", "output tokens/s"), ("p50_ttft_ms", "TTFT p50 (ms)"),
+          ("p99_tpot_ms", "TPOT p99 (ms)"))
+
+
+def _series(runs: list[dict], workload: str) -> dict[str, list[dict]]:
+    """config (and prefix length) -> runs of ``workload`` sorted by concurrency."""
+    out: dict[str, list[dict]] = {}
+    for r in runs:
+        if r["workload"] == workload and r.get("concurrency"):
+            key = r["config"] + (f", prefix {r['prefix_len']}" if r.get("prefix_len") else "")
+            out.setdefault(key, []).append(r)
+    return {k: sorted(v, key=lambda r: r["concurrency"]) for k, v in out.items()}
+
+
+def plot_summary(summary_path: Path, plot_dir: Path) -> list[Path]:
+    """``serving_chat.png``, ``serving_prefix.png`` (output tok/s, TTFT p50, TPOT p99 against
+    max concurrency) and ``serving_rate.png`` (each probe's p99 TPOT against its rate, the
+    objective as a line); only those the summary has data for. Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = json.loads(Path(summary_path).read_text())
+    suffix = title_suffix(summary)
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for workload, title in (("chat", "Long-context chat"), ("prefix", "Shared prefixes")):
+        series = _series(summary["runs"], workload)
+        if not series:
+            continue
+        fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+        fig.suptitle(title + suffix, fontsize=10)
+        for ax, (field, label) in zip(axes, PANELS):
+            for name, rs in series.items():
+                pts = [(r["concurrency"], r[field]) for r in rs if r.get(field) is not None]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(bottom=0)
+            ax.set_xlabel("max concurrency")
+            ax.set_ylabel(label)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(plot_dir / f"serving_{workload}.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    probes = [r for r in summary["runs"] if r["workload"] == "rate" and r.get("p99_tpot_ms") is not None]
+    if probes:
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        for name in dict.fromkeys(r["config"] for r in probes):
+            pts = sorted((r["rate"], r["p99_tpot_ms"]) for r in probes if r["config"] == name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        obj = next(iter(summary["rate_search"].values()), {}).get("objective", {})
+        if obj.get("p99_tpot_ms"):
+            ax.axhline(obj["p99_tpot_ms"], color="grey", linestyle="--", label="objective")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("request rate (requests/s, Poisson)")
+        ax.set_ylabel("TPOT p99 (ms)")
+        ax.set_title("Request rate against the latency objective" + suffix, fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(plot_dir / "serving_rate.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    return written

@@ -1,0 +1,102 @@
+"""Summary tables of a serving run: one row per configuration and run, ratios to the reference
+(fp8 where it ran, else the first configuration), the rate search's answer per configuration,
+and the markdown the run prints and writes."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from benchmarks.e2e.report import ratio
+
+#: (record field, column title) of the per-run table
+COLUMNS = (("output_throughput", "output tok/s"), ("request_throughput", "req/s"),
+           ("p50_ttft_ms", "TTFT p50 ms"), ("p99_ttft_ms", "TTFT p99 ms"),
+           ("p50_tpot_ms", "TPOT p50 ms"), ("p99_tpot_ms", "TPOT p99 ms"))
+#: (ratio name, record field) against the reference at the same run
+RATIOS = (("output_tok_s_vs_ref", "output_throughput"), ("ttft_p50_vs_ref", "p50_ttft_ms"),
+          ("tpot_p99_vs_ref", "p99_tpot_ms"))
+PREFERRED_REFERENCE = "fp8"
+
+
+def merge(prior: list[dict], now: list[dict]) -> list[dict]:
+    """Earlier runs' records, then this run's: a record of this run replaces the earlier ones of
+    the same configuration, kind and label (a run of one concurrency level keeps the others)."""
+    def key(r: dict) -> tuple:
+        return r.get("config"), r["kind"], r.get("label")
+
+    fresh = {key(r) for r in now}
+    return [r for r in prior if key(r) not in fresh] + now
+
+
+def reference(records: list[dict]) -> Optional[str]:
+    names = list(dict.fromkeys(r["config"] for r in records if r["kind"] == "bench"))
+    return PREFERRED_REFERENCE if PREFERRED_REFERENCE in names else (names[0] if names else None)
+
+
+def tables(records: list[dict]) -> dict[str, Any]:
+    """``reference``, ``runs`` (newest result per configuration and label, with ratios) and
+    ``rate_search`` (per configuration: highest rate within the objective, vs the reference,
+    and TTFT p50 at that rate)."""
+    ref = reference(records)
+    latest = {(r["config"], r["label"]): r for r in records if r["kind"] == "bench"}
+    runs = []
+    for (cfg, label), r in latest.items():
+        row = dict(config=cfg, label=label, workload=r["workload"],
+                   **{k: r.get(k) for k in ("concurrency", "prefix_len", "rate", "completed",
+                                            "failed", "preemptions", "wall_s")},
+                   **{k: r.get(k) for k, _ in COLUMNS})
+        base = latest.get((ref, label))
+        for name, field in RATIOS:
+            row[name] = ratio(r.get(field), base.get(field)) if base else None
+        runs.append(row)
+    searches = {r["config"]: r for r in records if r["kind"] == "rate_search"}
+    rates: dict[str, Any] = {}
+    for cfg, s in searches.items():
+        at = [r for (c, _), r in latest.items() if c == cfg and r["workload"] == "rate"
+              and r.get("rate") == s["max_rate"]]
+        rates[cfg] = dict(max_rate=s["max_rate"], lowest_failing_rate=s["lowest_failing_rate"],
+                          probes=s["probes"], objective=s["objective"],
+                          p50_ttft_ms_at_max_rate=at[-1].get("p50_ttft_ms") if at else None,
+                          p99_tpot_ms_at_max_rate=at[-1].get("p99_tpot_ms") if at else None)
+    for cfg, row in rates.items():
+        base = rates.get(ref)
+        row["max_rate_vs_ref"] = ratio(row["max_rate"], base["max_rate"]) if base else None
+        row["ttft_p50_vs_ref"] = ratio(row["p50_ttft_ms_at_max_rate"],
+                                       base["p50_ttft_ms_at_max_rate"]) if base else None
+    return dict(reference=ref, runs=runs, rate_search=rates)
+
+
+def _cell(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
+    return str(x)
+
+
+def markdown(summary: dict) -> str:
+    """The tables of :func:`tables` (and skips / errors) as markdown."""
+    ref = summary.get("reference")
+    head = ["run", "config"] + [t for _, t in COLUMNS] + ["preemptions"] + [
+        f"{n.split('_vs_')[0]} / {ref}" for n, _ in RATIOS]
+    lines = [f"Serving: `vllm bench serve` against `vllm serve` (reference {ref})", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(summary["runs"], key=lambda r: (r["workload"], r["label"], r["config"] != ref)):
+        cells = [r["label"], r["config"]] + [r[k] for k, _ in COLUMNS] + [r["preemptions"]] + [
+            r[n] for n, _ in RATIOS]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    if summary["rate_search"]:
+        lines += ["", "| config | highest rate within the objective (req/s) | lowest failing | probes | "
+                  f"vs {ref} | TTFT p50 ms there | TTFT p50 vs {ref} |", "|---|---|---|---|---|---|---|"]
+        for cfg, s in summary["rate_search"].items():
+            cells = [cfg, s["max_rate"], s["lowest_failing_rate"], s["probes"], s["max_rate_vs_ref"],
+                     s["p50_ttft_ms_at_max_rate"], s["ttft_p50_vs_ref"]]
+            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        obj = next(iter(summary["rate_search"].values()))["objective"]
+        lines.append(f"\nObjective: p99 TPOT <= {obj['p99_tpot_ms']} ms"
+                     + (f", p99 TTFT <= {obj['p99_ttft_ms']} ms" if obj.get("p99_ttft_ms") else ""))
+    notes = [r for r in summary["records"] if r["kind"] in ("skip", "error")]
+    if notes:
+        lines += [""] + [f"- {r['config']} {r['kind']}: {r.get('label', r.get('what', ''))} "
+                         f"{r.get('reason', r.get('error', ''))}" for r in notes]
+    return "\n".join(lines) + "\n"
