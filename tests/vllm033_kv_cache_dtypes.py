@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Test fixture: vLLM 0.33.0's custom KV-cache dtype registry, verbatim from ``vllm/config/cache.py``.
+"""Test fixture: vLLM 0.33.0's custom KV-cache dtype registry, verbatim from ``vllm/config/cache.py``
+(vLLM 0.34.0's is the same code, byte for byte, and the same ``CacheDType`` literal).
 
 Only the part the plugin calls is vendored (``KV_CACHE_DTYPES``, ``KVCacheDTypeHandler``,
 ``register_kv_cache_dtype``, ``get_kv_cache_dtype_handler``, ``is_known_kv_cache_dtype``), so the
