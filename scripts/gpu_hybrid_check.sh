@@ -18,7 +18,7 @@
 # Environment: OUT (default out/hybrid), ARCHS (default "gpt_oss gemma3 qwen3_next mistral";
 # also gemma3_swa_mix: Gemma 3 with sliding layers of mixed formats; none: skip the LLM()
 # checks), SERVE (1), SERVE_ARCHS (default gpt_oss), CHECK_TIMEOUT (seconds for the LLM()
-# checks, 390), CHECK_ARGS (more gpu_hybrid_check.py arguments, e.g. --dtype float32), PORT, SERVE_TIMEOUT_S, SERVE_ARGS (scripts/serve_check.sh),
+# checks, 390), CHECK_ARGS (more gpu_hybrid_check.py arguments, e.g. --dtype float32), PORT, SERVE_TIMEOUT_S, SERVE_ARGS (serve_check in scripts/gpu_env.sh),
 # VLLM_BUNDLE / VLLM_SITE / PYTHON (scripts/gpu_env.sh). Without a CUDA GPU the served models
 # keep their CPU head dims (vllm_nvfp4.testing.hybrid_models).
 # Writes hybrid_h200.json, hybrid_check.log, serve_<arch>.log, serve_check.txt, gpu.txt to OUT;
@@ -26,7 +26,6 @@
 set -uo pipefail
 OUT=${OUT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/out/hybrid}
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
-source "$(dirname "${BASH_SOURCE[0]}")/serve_check.sh"
 cd "$REPO"
 
 rc_llm=skipped

@@ -16,7 +16,6 @@
 set -uo pipefail
 OUT=${OUT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/out/integration}
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
-source "$(dirname "${BASH_SOURCE[0]}")/serve_check.sh"
 cd "$REPO"
 MODEL_DIR=${MODEL_DIR:-/tmp/nvfp4-tiny-h128}
 
