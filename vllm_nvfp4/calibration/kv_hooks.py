@@ -74,7 +74,7 @@ from vllm_nvfp4.formats import (
     nvfp4_dequantize_folded,
     nvfp4_quantize,
 )
-from vllm_nvfp4.key_transform import permute_channels, stored_keys
+from vllm_nvfp4.key_transform import permute_channels, sink_shift, stored_keys
 from vllm_nvfp4.rotation import rotate, rotation_matrix, unrotate
 from vllm_nvfp4.policy import KVPolicy, LayerType, PolicyError, layer_types_from_config
 
@@ -106,7 +106,7 @@ def _head_scale(scale: ScaleArg, num_heads: int, extra_dims: int) -> torch.Tenso
 
 def fake_quantize(
     x: torch.Tensor, fmt: str, scale: ScaleArg, nonfinite: NonFinite = "propagate",
-    nvfp4_decoding: str = "exact",
+    nvfp4_decoding: str = "exact", dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """Quantize and dequantize ``x [..., kv_heads, seq, head_dim]`` as the cache stores it.
 
@@ -117,9 +117,11 @@ def fake_quantize(
         scale: a positive float, or one per KV head (sequence or tensor ``[kv_heads]``).
         nonfinite: passed to the formats reference (``"propagate"`` = the kernels' behaviour).
         nvfp4_decoding: a key of :data:`NVFP4_DECODINGS` (NVFP4 only).
+        dtype: the dtype of the result (default ``x.dtype``).
     Returns:
-        Tensor of ``x.shape`` and ``x.dtype``: FP32 dequantization cast to ``x.dtype``.
+        Tensor of ``x.shape``: FP32 dequantization cast to ``dtype``.
     """
+    dtype = x.dtype if dtype is None else dtype
     fmt = check_kv_format(fmt)
     _check_decoding(nvfp4_decoding)
     if x.dim() < 3:
@@ -127,10 +129,10 @@ def fake_quantize(
     heads = x.shape[-3]
     if fmt is KVFormat.FP8:
         s = _head_scale(scale, heads, extra_dims=2).to(x.device)
-        return fp8_dequantize(fp8_quantize(x, s, nonfinite=nonfinite), s, dtype=x.dtype)
+        return fp8_dequantize(fp8_quantize(x, s, nonfinite=nonfinite), s, dtype=dtype)
     g = _head_scale(scale, heads, extra_dims=1).to(x.device)
     packed, block_scales = nvfp4_quantize(x, g, nonfinite=nonfinite)
-    return NVFP4_DECODINGS[nvfp4_decoding](packed, block_scales, g, dtype=x.dtype)
+    return NVFP4_DECODINGS[nvfp4_decoding](packed, block_scales, g, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------- observation
@@ -205,6 +207,7 @@ class _LayerQuant:
     k_smooth: Optional[torch.Tensor] = None  # FP32 [kv_heads, head_dim]
     k_center: Optional[torch.Tensor] = None  # FP32 [kv_heads, head_dim]
     k_perm: Optional[torch.Tensor] = None  # int64 [kv_heads, head_dim]
+    k_sink: Optional[torch.Tensor] = None  # bool [kv_heads]: position 0 stored uncentered
 
     @property
     def transforms_k(self) -> bool:
@@ -229,7 +232,33 @@ def _layer_quants(policy: KVPolicy) -> list[Optional[_LayerQuant]]:
         smooth, center = (None if rows is None else torch.tensor(rows, dtype=torch.float32)
                           for rows in (lp.k_smooth, lp.k_center))
         perm = None if lp.k_perm is None else torch.tensor(lp.k_perm, dtype=torch.int64)
-        out.append(_LayerQuant(lp.k, lp.v, scales[0], scales[1], smooth, center, perm))
+        sink = None if center is None else lp.sink_heads(center.shape[0])
+        out.append(_LayerQuant(lp.k, lp.v, scales[0], scales[1], smooth, center, perm,
+                               None if sink is None else torch.tensor(sink)))
+    return out
+
+
+def with_uncentered_sink(stored: torch.Tensor, raw_key: torch.Tensor, fmt: str, scale: ScaleArg,
+                         center: torch.Tensor, smooth: Optional[torch.Tensor],
+                         perm: Optional[torch.Tensor], heads: torch.Tensor,
+                         nonfinite: NonFinite = "propagate",
+                         nvfp4_decoding: str = "exact") -> torch.Tensor:
+    """``stored`` (the read-back of the centered keys ``[batch, kv_heads, seq, head_dim]``, seq
+    from position 0) with position 0 of the KV heads ``heads`` (bool ``[kv_heads]``) as the
+    serving cache holds it (policy ``k_sink_uncentered``): ``raw_key`` (the keys before the K
+    transforms, same shape) at position 0 stored as ``K[perm] / lam`` in ``fmt`` with ``scale``,
+    decoded in FP32, minus :func:`~vllm_nvfp4.key_transform.sink_shift`, cast to
+    ``stored.dtype``. ``center``/``smooth``/``perm`` ``[kv_heads, head_dim]`` (permuted order)."""
+    if stored.shape[-2] == 0:
+        return stored
+    dev = raw_key.device
+    lam, p = (None if t is None else t.to(dev)[:, None, :] for t in (smooth, perm))
+    first = fake_quantize(stored_keys(raw_key[..., :1, :], None, lam, p), fmt, scale, nonfinite,
+                          nvfp4_decoding, dtype=torch.float32)
+    shift = sink_shift(center.to(dev), None if smooth is None else smooth.to(dev))
+    first = (first - shift[:, None, :]).to(stored.dtype)
+    out = stored.clone()
+    out[..., :1, :] = torch.where(heads.to(dev)[:, None, None], first, stored[..., :1, :])
     return out
 
 
@@ -431,6 +460,10 @@ def _make_wrapper(base_name: str) -> Callable[..., Any]:
                                        state.nvfp4_decoding)
                 heads = state.head_overrides or {}
                 stored = _with_head_formats(stored, key, heads.get((layer, "k")), state)
+                if lq.k_sink is not None:
+                    stored = with_uncentered_sink(stored, raw_key, lq.k_fmt, lq.k_scale,
+                                                  lq.k_center, lq.k_smooth, lq.k_perm, lq.k_sink,
+                                                  state.nonfinite, state.nvfp4_decoding)
                 sink = state.key_sink
                 if sink is not None and lq.k_fmt == KVFormat.NVFP4 and sink.covers(layer):
                     stored = sink.apply(stored, raw_key, lq, state.nonfinite)

@@ -96,6 +96,22 @@ def _fold_sinks(sinks_ptr, qh, take, m_i, l_i):
 
 
 @triton.jit
+def _key0_logit_shift(q_cols, col_ok, key0_shift_ptr, h, softmax_scale, covers_key0,
+                      D: tl.constexpr, M: tl.constexpr):
+    """Per query column (``q_cols [M]`` row pointers, ``col_ok`` masks padding), what the logit
+    of the uncentered key at position 0 loses: ``q . key0_shift[h]`` (FP32, the query in its own
+    dtype read as FP32) times ``softmax_scale * log2(e)``, the kernels' logit units; zeros unless
+    ``covers_key0`` (a program whose keys start at position 0)."""
+    out = tl.zeros([M], dtype=tl.float32)
+    if covers_key0:
+        d = tl.arange(0, D)
+        q = tl.load(q_cols[:, None] + d[None, :], mask=col_ok[:, None], other=0.0).to(tl.float32)
+        mu = tl.load(key0_shift_ptr + h * D + d)
+        out = tl.sum(q * mu[None, :], axis=1) * (softmax_scale * LOG2E)
+    return out
+
+
+@triton.jit
 def _split_range(seq_len, window, split, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr,
                  USE_WINDOW: tl.constexpr):
     """Token range ``[t_begin, t_end)`` of one split-KV program of a decode query at
@@ -432,17 +448,22 @@ def _zero_accumulators(V_FMT: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
 def _attend_keys(
     qs, q_pos, accs, m_i, l_i,
     cache_ptr, stride_blk, bt_row, h, t_begin, t_full, t_end,
-    qk_scale, softcap, window,
+    qk_scale, softcap, window, shift0,
     K_FMT: tl.constexpr, V_FMT: tl.constexpr,
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
     HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PARTS: tl.constexpr,
-    LAZY: tl.constexpr, STAGES: tl.constexpr,
+    LAZY: tl.constexpr, STAGES: tl.constexpr, SHIFT0: tl.constexpr,
 ):
     """:func:`_attend_tiles` over the keys ``[t_begin, t_end)``: the whole tiles of ``[t_begin,
     t_full)`` that every query column sees entirely (no mask, no bounds checks), then the rest
     masked (the sequence end, the causal diagonal, the window).
+
+    ``SHIFT0``: the key at position 0 is stored uncentered, and its logits get ``shift0 [M]``
+    subtracted (:func:`_key0_logit_shift`). Only a range from ``t_begin == 0`` holds it: its first
+    whole tile runs on its own with the correction, the other whole tiles as without it (the
+    masked rest corrects where it holds position 0).
 
     ``HOIST_Q``: the score tiles start from ``sum_c 0 . q_c`` (zeros, computed once before the
     loops) instead of constant zeros, which makes Triton convert the query operands to the MMA
@@ -460,29 +481,38 @@ def _attend_keys(
                 s0 = _dot_f(tl.zeros([PARTS, TILE_N, W], dtype=KT), qs[c], s0, F32)
             else:
                 s0 = _dot_f(tl.zeros([TILE_N, W], dtype=KT), qs[c], s0, F32)
+    lo = t_begin
+    if SHIFT0:  # position 0's whole tile, if this range starts there
+        peel_end = tl.where(t_begin == 0, tl.minimum(t_full, TILE_N), t_begin)
+        accs, m_i, l_i = _attend_tiles(
+            qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_begin, peel_end,
+            t_end, qk_scale, softcap, window, shift0, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA,
+            V_SCALE, D, BLOCK, TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, False, FOLD_K,
+            FOLD_V, PARTS, LAZY, STAGES, True)
+        lo = peel_end
     accs, m_i, l_i = _attend_tiles(
-        qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_begin, t_full, t_end,
-        qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
-        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, False, FOLD_K, FOLD_V, PARTS, LAZY,
-        STAGES)
+        qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, lo, t_full, t_end,
+        qk_scale, softcap, window, shift0, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D,
+        BLOCK, TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, False, FOLD_K, FOLD_V, PARTS,
+        LAZY, STAGES, False)
     return _attend_tiles(
         qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_full, t_end, t_end,
-        qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
-        TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, True, FOLD_K, FOLD_V, PARTS, LAZY,
-        STAGES)
+        qk_scale, softcap, window, shift0, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D,
+        BLOCK, TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, True, FOLD_K, FOLD_V, PARTS,
+        LAZY, STAGES, SHIFT0)
 
 
 @triton.jit
 def _attend_tiles(
     qs, s0, q_pos, accs, m_i, l_i,
     cache_ptr, stride_blk, bt_row, h, lo, hi, t_end,
-    qk_scale, softcap, window,
+    qk_scale, softcap, window, shift0,
     K_FMT: tl.constexpr, V_FMT: tl.constexpr,
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
     MASKED: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PARTS: tl.constexpr,
-    LAZY: tl.constexpr, STAGES: tl.constexpr,
+    LAZY: tl.constexpr, STAGES: tl.constexpr, SHIFT0: tl.constexpr,
 ):
     """Online-softmax attention with the KEYS on the MMA M dimension and the ``M`` query columns
     (``qs`` from :func:`_load_query_parts`, positions ``q_pos [M]``) on N, over the keys
@@ -504,11 +534,13 @@ def _attend_tiles(
     rows are copied asynchronously (``tl.range`` with ``STAGES`` software-pipeline stages) and
     decoded by unary inline asm in the MMA operand registers. Logits in log2 units: ``qk_scale``
     includes log2(e) (and the K dequant factor); with soft-cap, ``softcap`` is the cap and
-    ``qk_scale`` excludes log2(e)."""
+    ``qk_scale`` excludes log2(e). ``SHIFT0``: ``shift0 [M]`` is subtracted from the logits of
+    the key at position 0 (:func:`_attend_keys`)."""
     C: tl.constexpr = D // 16
     # the masked tail is one tile (a few on a prefill's diagonal), so it is not pipelined - unless
-    # a sliding window masks every tile
-    LOOP_STAGES: tl.constexpr = 1 if MASKED and not USE_WINDOW else STAGES
+    # a sliding window masks every tile; nor is position 0's whole tile run on its own (SHIFT0)
+    LOOP_STAGES: tl.constexpr = 1 if (MASKED and not USE_WINDOW) or (SHIFT0 and not MASKED) \
+        else STAGES
     for t0 in tl.range(lo, hi, TILE_N, num_stages=LOOP_STAGES):
         toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK,
                                             TILE_N, MASKED)
@@ -540,6 +572,8 @@ def _attend_tiles(
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * LOG2E
         else:
             s = s * qk_scale
+        if SHIFT0:  # the uncentered key at position 0 (no soft-cap with it: ops checks)
+            s = tl.where((toks == 0)[:, None], s - shift0[None, :], s)
         if MASKED:
             mask = valid[:, None]
             if CAUSAL:
@@ -609,7 +643,7 @@ def _store_output(accs, scale, o_cols, col_ok, V_FMT: tl.constexpr, D: tl.conste
 
 @triton.jit
 def _decode_kernel(
-    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
+    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, key0_shift_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr,
     part_o_ptr, part_ml_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_bt,
@@ -620,23 +654,28 @@ def _decode_kernel(
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
     F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,
-    PARTS: tl.constexpr, LAZY: tl.constexpr, STAGES: tl.constexpr,
+    PARTS: tl.constexpr, LAZY: tl.constexpr, STAGES: tl.constexpr, USE_KEY0: tl.constexpr,
 ):
     """Decode through :func:`_attend_keys`: the ``BG`` query columns are the GQA group of one
     KV head (padded, >= 8). Grid ``(seqs, kv_heads, splits)``; with splits, FP32 partials
-    ``(o, m, l)`` for :func:`_reduce_kernel`. Sinks: :func:`_fold_sinks`."""
+    ``(o, m, l)`` for :func:`_reduce_kernel`. Sinks: :func:`_fold_sinks`. ``USE_KEY0``: the
+    key at position 0 is stored uncentered (:func:`_key0_logit_shift`)."""
     seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_full, t_end = _decode_program(
         seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window, K_FMT, V_FMT,
         G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP)
-    qs = _load_query_parts(query_ptr + tok * stride_qt + qh * stride_qh, row_ok, K_FMT, D, F32,
-                           PARTS)
+    q_cols = query_ptr + tok * stride_qt + qh * stride_qh
+    qs = _load_query_parts(q_cols, row_ok, K_FMT, D, F32, PARTS)
+    shift0 = tl.zeros([BG], dtype=tl.float32)
+    if USE_KEY0:
+        shift0 = _key0_logit_shift(q_cols, row_ok, key0_shift_ptr, h, softmax_scale,
+                                   t_begin == 0, D, BG)
     accs, m_i, l_i = _attend_keys(
         qs, tl.zeros([BG], dtype=tl.int32) + seq_len - 1, _zero_accumulators(V_FMT, D, BG, PARTS),
         tl.full([BG], float("-inf"), tl.float32), tl.zeros([BG], dtype=tl.float32),
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
-        qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
-        TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V, PARTS, LAZY,
-        STAGES)
+        qk_scale, softcap, window, shift0, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D,
+        BLOCK, TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V, PARTS,
+        LAZY, STAGES, USE_KEY0)
     if USE_SINKS:  # into the first split's partial only
         first_split = tl.full([BG], split, tl.int32) == 0
         m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok & first_split, m_i, l_i)
@@ -711,7 +750,7 @@ def _prefill_program(seq_lens_ptr, qsl_ptr, num_seqs, window, G: tl.constexpr,
 
 @triton.jit
 def _prefill_kernel(
-    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
+    query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, key0_shift_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_bt,
     softmax_scale, softcap, window,
@@ -721,11 +760,12 @@ def _prefill_kernel(
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
     F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,
-    PARTS: tl.constexpr, LAZY: tl.constexpr, STAGES: tl.constexpr,
+    PARTS: tl.constexpr, LAZY: tl.constexpr, STAGES: tl.constexpr, USE_KEY0: tl.constexpr,
 ):
     """Prefill through :func:`_attend_keys` (keys on the MMA M dimension, the program's
     ``BLOCK_Q * G_PAD`` query rows as columns, causal); grid ``(query blocks + seqs,
-    kv_heads)``, see :func:`_prefill_program`. Sinks: :func:`_fold_sinks`."""
+    kv_heads)``, see :func:`_prefill_program`. Sinks: :func:`_fold_sinks`. ``USE_KEY0``: as in
+    :func:`_decode_kernel`."""
     seq, h, active, tok, qh, row_ok, q_pos, t_begin, t_full, t_end = _prefill_program(
         seq_lens_ptr, qsl_ptr, num_seqs, window, G, G_PAD, BLOCK_Q, TILE_N, USE_WINDOW)
     if not active:
@@ -733,15 +773,19 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     qk_scale, vf = _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT,
                                             V_FMT, USE_SOFTCAP)
-    qs = _load_query_parts(query_ptr + tok * stride_qt + qh * stride_qh, row_ok, K_FMT, D, F32,
-                           PARTS)
+    q_cols = query_ptr + tok * stride_qt + qh * stride_qh
+    qs = _load_query_parts(q_cols, row_ok, K_FMT, D, F32, PARTS)
+    shift0 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_KEY0:
+        shift0 = _key0_logit_shift(q_cols, row_ok, key0_shift_ptr, h, softmax_scale,
+                                   t_begin == 0, D, BLOCK_M)
     accs, m_i, l_i = _attend_keys(
         qs, q_pos, _zero_accumulators(V_FMT, D, BLOCK_M, PARTS),
         tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
-        qk_scale, softcap, window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK,
-        TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V, PARTS, LAZY,
-        STAGES)
+        qk_scale, softcap, window, shift0, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D,
+        BLOCK, TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V,
+        PARTS, LAZY, STAGES, USE_KEY0)
     if USE_SINKS:
         m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok, m_i, l_i)
         vf = vf * keep
@@ -977,6 +1021,7 @@ def paged_attention(
     sliding_window: Optional[int] = None,
     logits_soft_cap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
+    key0_shift: Optional[torch.Tensor] = None,
     launch: Optional[LaunchShape] = None,
 ) -> torch.Tensor:
     """Launch decode (``max_query_len == 1``) or prefill kernels; arguments as in
@@ -991,6 +1036,7 @@ def paged_attention(
     window = int(sliding_window or 0)
     g_pad = triton.next_power_of_2(g)
     sink_arg = k_scale if sinks is None else sinks  # never read without sinks (USE_SINKS)
+    key0_arg = k_scale if key0_shift is None else key0_shift  # never read without (USE_KEY0)
     common_args = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                    cache.stride(0), block_table.stride(0), softmax_scale, softcap, window)
     shape = launch or launch_defaults(layout, decode)
@@ -1017,12 +1063,12 @@ def paged_attention(
         else:
             part_o = part_ml = out  # unused
         _decode_kernel[(num_seqs, layout.num_kv_heads, splits)](
-            query, out, cache, k_scale, v_scale, sink_arg, block_table, seq_lens, query_start_loc,
-            part_o, part_ml, *common_args,
+            query, out, cache, k_scale, v_scale, sink_arg, key0_arg, block_table, seq_lens,
+            query_start_loc, part_o, part_ml, *common_args,
             HQ=hq, G=g, BG=bg, TILE_N=tn, NUM_SPLITS=splits, **meta,
             HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales, FOLD_V=shape.fold_v_scales,
             PARTS=shape.dim_parts, LAZY=shape.lazy_rescale, STAGES=stages,
-            num_warps=warps, num_stages=stages,
+            USE_KEY0=key0_shift is not None, num_warps=warps, num_stages=stages,
             **({"maxnreg": maxnreg} if maxnreg else {}),
         )
         if splits > 1:
@@ -1037,12 +1083,12 @@ def paged_attention(
     stages = shape.num_stages or DEFAULT_STAGES
     grid = (query.shape[0] // block_q + num_seqs, layout.num_kv_heads)
     _prefill_kernel[grid](
-        query, out, cache, k_scale, v_scale, sink_arg, block_table, seq_lens, query_start_loc,
-        num_seqs,
+        query, out, cache, k_scale, v_scale, sink_arg, key0_arg, block_table, seq_lens,
+        query_start_loc, num_seqs,
         *common_args,
         G=g, G_PAD=g_pad, BLOCK_Q=block_q, TILE_N=tn, **meta,
         HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales, FOLD_V=shape.fold_v_scales,
         PARTS=shape.dim_parts, LAZY=shape.lazy_rescale, STAGES=stages,
-        num_warps=warps, num_stages=stages,
+        USE_KEY0=key0_shift is not None, num_warps=warps, num_stages=stages,
     )
     return out
