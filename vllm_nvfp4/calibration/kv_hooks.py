@@ -140,8 +140,10 @@ class KVObserver:
     """Running per-layer, per-KV-head amax of K and V (FP32 tensors ``[kv_heads]``), and per K
     channel (``[kv_heads, head_dim]``): amax (the input of K smoothing), max, min and sum (K
     centering: the mean and the amax of ``K - mean``), sum of squares (the channel RMS that
-    orders a K channel permutation). Indexed by decoder layer; ``kv_layers``
-    (default: all) are the layers that hold a KV cache and must be observed."""
+    orders a K channel permutation); and of the first key of every sequence (position 0: each
+    observed sequence must start there) the per-channel max and min (whether the sink key fits
+    the K range uncentered). Indexed by decoder layer; ``kv_layers`` (default: all) are the
+    layers that hold a KV cache and must be observed."""
 
     def __init__(self, num_layers: int, kv_layers: Optional[Sequence[int]] = None) -> None:
         self.num_layers = num_layers
@@ -153,6 +155,8 @@ class KVObserver:
         self.k_channel_min: list[Optional[torch.Tensor]] = [None] * num_layers
         self.k_channel_sum: list[Optional[torch.Tensor]] = [None] * num_layers  # FP64
         self.k_channel_sumsq: list[Optional[torch.Tensor]] = [None] * num_layers  # FP64
+        self.k_first_max: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.k_first_min: list[Optional[torch.Tensor]] = [None] * num_layers
         self.tokens: list[int] = [0] * num_layers
 
     def k_channel_mean(self, layer: int) -> torch.Tensor:
@@ -172,8 +176,16 @@ class KVObserver:
         mu = self.k_channel_mean(layer)
         return torch.maximum(self.k_channel_max[layer] - mu, mu - self.k_channel_min[layer])  # type: ignore[operator]
 
+    def k_first_amax(self, layer: int, smooth: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Largest ``|K_0 / lam|`` of each KV head over the observed first keys (uncentered),
+        FP32 ``[kv_heads]``; ``smooth`` (``lam [kv_heads, head_dim]``, channel order as
+        observed) or None."""
+        top = torch.maximum(self.k_first_max[layer].abs(), self.k_first_min[layer].abs())  # type: ignore[union-attr]
+        return (top if smooth is None else top / smooth).amax(dim=1)
+
     def observe(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Fold in ``key``/``value [batch, kv_heads, seq, head_dim]`` of ``layer``."""
+        """Fold in ``key``/``value [batch, kv_heads, seq, head_dim]`` of ``layer`` (each of the
+        ``batch`` sequences from position 0)."""
         for name, t in (("k_amax", key), ("v_amax", value)):
             t32 = t.detach().float()
             if not bool(torch.isfinite(t32).all()):
@@ -186,7 +198,9 @@ class KVObserver:
                  "k_channel_max": (k32.amax(dim=(0, 2)), torch.maximum),
                  "k_channel_min": (k32.amin(dim=(0, 2)), torch.minimum),
                  "k_channel_sum": (k32.double().sum(dim=(0, 2)), torch.add),
-                 "k_channel_sumsq": (k32.double().square().sum(dim=(0, 2)), torch.add)}
+                 "k_channel_sumsq": (k32.double().square().sum(dim=(0, 2)), torch.add),
+                 "k_first_max": (k32[:, :, 0].amax(dim=0), torch.maximum),
+                 "k_first_min": (k32[:, :, 0].amin(dim=0), torch.minimum)}
         for name, (val, fold) in stats.items():  # each [kv_heads, head_dim]
             prev = getattr(self, name)[layer]
             getattr(self, name)[layer] = val.cpu() if prev is None else fold(prev, val.cpu())
