@@ -64,7 +64,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import torch
 
     from vllm_nvfp4.calibration.evaluator import Evaluator
-    from vllm_nvfp4.calibration.kv_hooks import KVRotation
+    from studies.kv_options import KVRotation
     from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy
     from vllm_nvfp4.calibration.selection import fp8_slots_for_budget
     from vllm_nvfp4.calibration.sensitivity import all_format, downgrade, upgrade
@@ -92,7 +92,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def calibrated(rotation: Optional[KVRotation]) -> KVPolicy:
         """All-FP8 with scales and K centering calibrated on the (rotated) K/V."""
-        obs = observe_amax(model, calib, layers, kv_layers=info.kv_layers, rotation=rotation)
+        obs = observe_amax(model, calib, layers, kv_layers=info.kv_layers,
+                           options=() if rotation is None else (rotation,))
         return scaled_policy(fp8_formats, obs, False, {}, None, True)
 
     plain = calibrated(None)
@@ -117,14 +118,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for kind in a.kinds.split(","):
             for v, fmts in ((False, ("nvfp4",)), (True, ("nvfp4", "fp8"))):
                 rot, scaled = rotated(kind, v)
-                ev.rotation = rot
+                ev.options = (rot,)
                 for fmt in fmts:
                     name = f"all_{fmt}_{kind}_{'kv' if v else 'k'}"
                     m = ev.measure(all_format(scaled, fmt)).to_dict()
                     m.update(_recovery(m, out["all_fp8"], out["all_nvfp4"]))
                     out[name] = m
                     print(_row(name, m) + f"  gap recovery {m['top1_gap_recovery']:.0%}", flush=True)
-                ev.rotation = None
+                ev.options = ()
         summary = {"model": str(a.model), "text": str(a.text), "window": w,
                    "heldout_windows": a.heldout_windows, "heldout_skip": a.heldout_skip,
                    "k_center": True, "configs": out}
@@ -135,7 +136,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tag = f"{a.sweep_kind}_{a.sweep_rotate}"
     if a.step == "sweep":
         windows = torch.tensor(head[w:w * (1 + a.analysis_windows)]).view(a.analysis_windows, w)
-        ev = Evaluator(model, windows, rotation=rot)
+        ev = Evaluator(model, windows, options=(rot,))
         ev.reference()
         base = all_format(scaled, "fp8")
         result: dict[str, Any] = {"kind": a.sweep_kind, "rotated": a.sweep_rotate, "base": ev.set_baseline(base).to_dict(),
@@ -170,7 +171,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p = all_format(plain if rotation is None else scaled, "nvfp4")
         for s in slots:
             p = upgrade(p, int(s[:-1]), s[-1])
-        ev.rotation = rotation
+        ev.options = () if rotation is None else (rotation,)
         m = ev.measure(p).to_dict()
         m.update(_recovery(m, f8, n4), slots=slots, policy=p.to_compact(),
                  fraction_of_fp8=round(p.fraction_of_fp8(), 6))
@@ -185,7 +186,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _per_layer(a: argparse.Namespace, ev: Any, plain: Any, scaled: Any, n: int, f8: dict[str, Any],
                n4: dict[str, Any], tag: str, skip: str) -> int:
     """The ``perlayer`` step (module doc): per-layer choice of K rotation from the two sweeps."""
-    from vllm_nvfp4.calibration.kv_hooks import KVRotation
+    from studies.kv_options import KVRotation
     from vllm_nvfp4.calibration.sensitivity import all_format, upgrade
     from vllm_nvfp4.policy import KVPolicy
 
@@ -204,7 +205,7 @@ def _per_layer(a: argparse.Namespace, ev: Any, plain: Any, scaled: Any, n: int, 
     fp8_slots = [s for s in sorted(score, key=lambda s: -score[s])[:n] if score[s] > 0]
     mixed = KVPolicy(tuple(r if i in chosen else p for i, (r, p) in
                            enumerate(zip(scaled.layers, plain.layers))), source="calibration")
-    ev.rotation = KVRotation(a.sweep_kind, frozenset(chosen), frozenset())
+    ev.options = (KVRotation(a.sweep_kind, frozenset(chosen), frozenset()),)
     out: dict[str, Any] = {}
     nv = all_format(mixed, "nvfp4")
     mix = nv

@@ -35,7 +35,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from vllm_nvfp4.calibration.kv_hooks import KVObserver, KVRotation, kv_cache_quantization
+from vllm_nvfp4.calibration.kv_hooks import KVObserver, KVOption, kv_cache_quantization
 from vllm_nvfp4.calibration.modeling import input_device
 from vllm_nvfp4.calibration.progress import progress
 from vllm_nvfp4.formats import fp8_scale_from_amax, nvfp4_global_scale
@@ -47,13 +47,13 @@ logger = logging.getLogger(__name__)
 @torch.no_grad()
 def observe_amax(model: torch.nn.Module, windows: torch.Tensor, num_layers: int,
                  desc: str = "calibrate", kv_layers: Optional[Sequence[int]] = None,
-                 rotation: Optional[KVRotation] = None) -> KVObserver:
+                 options: Sequence[KVOption] = ()) -> KVObserver:
     """Run ``windows [n, T]`` one at a time and return the per-layer, per-head K/V amax
     (``num_layers`` decoder layers, of which ``kv_layers`` (default: all) hold a KV cache),
-    of the rotated K/V where ``rotation`` rotates them."""
+    of the K/V as ``options`` change them (e.g. a study's rotation, ``studies/kv_options.py``)."""
     observer = KVObserver(num_layers, kv_layers)
     device = input_device(model)
-    with kv_cache_quantization(model, observer=observer, rotation=rotation):
+    with kv_cache_quantization(model, observer=observer, options=options):
         for row in progress(windows, desc=desc, unit="window"):
             model(row.unsqueeze(0).to(device), use_cache=False)
     missing = observer.missing_layers()
