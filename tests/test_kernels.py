@@ -24,6 +24,7 @@ from paged_cases import (  # noqa: E402
 )
 from vllm_nvfp4 import ops  # noqa: E402
 from vllm_nvfp4.kernels import attention as attn_kernels  # noqa: E402
+from vllm_nvfp4.kernels import launch as launch_kernels  # noqa: E402
 from vllm_nvfp4.layout import KVPageLayout, allocate_cache  # noqa: E402
 from vllm_nvfp4.paged_torch import attend_one_sequence  # noqa: E402
 
@@ -279,7 +280,7 @@ def test_decode_splits_for_few_programs(monkeypatch, seqs, kv_heads, ctx, tile_n
     """On an H200's 132 SMs (1-warp programs, fill target 1056): 8 splits at most while they
     give at least half the target, else as many as keep 1024 keys per split or as fill the
     target with >= 128 keys per split."""
-    monkeypatch.setattr(attn_kernels, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(launch_kernels, "_num_sms", lambda device: 132)
     got = attn_kernels.decode_splits(seqs, kv_heads, ctx, tile_n, torch.device("cpu"), 1)
     assert got == want
 
@@ -292,7 +293,7 @@ def test_decode_register_cap_head_dim_512(monkeypatch, seqs, ctx, want_splits):
     sequences: 512 -> 1024 programs, 132: 528 -> 1056; never more splits than tiles), and is capped at 128
     registers where its grid holds more than four programs per SM; a cap the launch shape sets
     wins; head-dim parts off: no cap, no doubling."""
-    monkeypatch.setattr(attn_kernels, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(launch_kernels, "_num_sms", lambda device: 132)
     cpu = torch.device("cpu")
     shape = attn_kernels.launch_defaults(KVPageLayout(4, 512, 16, "nvfp4", "nvfp4"), True)
     splits = attn_kernels.decode_splits(seqs, 4, ctx, shape.tile_n, cpu, shape.num_warps,
@@ -316,7 +317,7 @@ def test_decode_register_cap_short_splits(monkeypatch, seqs, ctx, want):
     """NVFP4 K and V at head_dim 128, 32 q / 8 KV heads, 132 SMs: 184 registers where each split
     holds at most 1024 keys (4k contexts at 8 splits), uncapped at 8k (4 splits of 2048 keys) and 32k (4096 keys per
     split); FP8 K and V and head_dim 256 never take the short-split cap."""
-    monkeypatch.setattr(attn_kernels, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(launch_kernels, "_num_sms", lambda device: 132)
     cpu = torch.device("cpu")
     for kf, vf, d, cap in (("nvfp4", "nvfp4", 128, want), ("fp8", "fp8", 128, None),
                            ("nvfp4", "nvfp4", 256, None)):
@@ -333,7 +334,7 @@ def test_decode_stages_long_splits(monkeypatch, seqs, ctx, want):
     stages (a second copy buffer) where each split holds at least 1024 keys (64 x 4k: 4 splits
     of 1024), 3 where it holds fewer (16 x 4k: 8 splits of 512); an FP8 K and head_dim 256
     always 3; a launch shape's ``num_stages`` wins."""
-    monkeypatch.setattr(attn_kernels, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(launch_kernels, "_num_sms", lambda device: 132)
     cpu = torch.device("cpu")
     for kf, vf, d, stages in (("nvfp4", "nvfp4", 128, want), ("nvfp4", "fp8", 128, want),
                               ("fp8", "nvfp4", 128, 3), ("fp8", "fp8", 128, 3),
