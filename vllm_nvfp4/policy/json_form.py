@@ -12,7 +12,8 @@
 
 ``"type"`` may be left out for full attention (policies of dense models written before the types
 existed read unchanged); ``"sinks": true`` marks a layer with attention sinks. The scale,
-channel and per-head flag fields (``"k_sink_uncentered"``) are those of :class:`~vllm_nvfp4.policy.layer_policy.LayerPolicy`. Files are
+channel and per-head flag fields (``"k_sink_uncentered"``) are those of
+:class:`~vllm_nvfp4.policy.layer_policy.LayerPolicy`. Files are
 written by :func:`vllm_nvfp4.compact_json.dumps` (one line per vector).
 """
 
