@@ -13,6 +13,10 @@ Writes JSON and prints a table last.
     python3 benchmarks/bench_variants.py --before /tmp/attention_before.py --out $OUT/v.json
     python3 benchmarks/bench_variants.py --before /tmp/attention_before.py --head-dim 256 \
         --shapes 16x32768 64x8192 --variants no_fold_k s32 --out $OUT/v256.json
+
+``--key0-shift`` adds the row ``key0``: the current default with the sink key's logit
+correction on (a random ``key0_shift [kv_heads, head_dim]``, as a layer whose policy stores the
+sink key uncentered passes it); its output differs from BEFORE's by that correction.
 """
 
 from __future__ import annotations
@@ -114,9 +118,10 @@ def load_module(path: str):
     return mod
 
 
-def timed(mod, lay, b, cache, out, smoke=False, **cfg) -> float:
+def timed(mod, lay, b, cache, out, smoke=False, key0_shift=None, **cfg) -> float:
     """Time ``mod.paged_attention``; ``cfg`` replaces fields of the current module's default
-    launch shape (empty: the module's own default, so a BEFORE module of any API works)."""
+    launch shape (empty: the module's own default, so a BEFORE module of any API works);
+    ``key0_shift``: the sink key's correction (current module only)."""
     ks = torch.full((bd.HKV,), 0.01, device=cache.device)
     vs = torch.full((bd.HKV,), 0.02, device=cache.device)
     launch = {}
@@ -126,6 +131,8 @@ def timed(mod, lay, b, cache, out, smoke=False, **cfg) -> float:
 
     if bd.SINKS is not None:
         launch["sinks"] = bd.SINKS
+    if key0_shift is not None:
+        launch["key0_shift"] = key0_shift
 
     def fn():
         mod.paged_attention(b.query, cache, lay, ks, vs, b.block_table, b.seq_lens, b.qsl,
@@ -152,6 +159,8 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=bd.HKV)
     ap.add_argument("--head-dim", type=int, default=bd.D)
     ap.add_argument("--sinks", action="store_true", help="attention sinks in every kernel")
+    ap.add_argument("--key0-shift", action="store_true",
+                    help="also time the current default with the sink key's logit correction")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shape, no timing")
     args = ap.parse_args()
     unknown = [v for v in args.variants if all(variant_config(v, k) is None for k in VARIANTS)]
@@ -180,6 +189,9 @@ def main() -> None:
             out = torch.empty_like(b.query)
             nbytes = bd.kv_bytes(b, lay.bytes_per_token // bd.HKV)
             runs = [("before", old_mod, {}), ("new", new_mod, {})]
+            if args.key0_shift:
+                shift = torch.randn(bd.HKV, bd.D, generator=gen).to(dev)
+                runs.append(("key0", new_mod, {"key0_shift": shift}))
             kind = "prefill" if prefill else "decode"
             runs += [(v, new_mod, variant_config(v, kind)) for v in args.variants
                      if variant_config(v, kind) is not None]
@@ -187,7 +199,8 @@ def main() -> None:
             for label, mod, cfg in runs:
                 rec = {"kv_dtype": name, "batch": batch, "context": ctx, "variant": label,
                        "q_len": b.q_len,
-                       "config": cfg, "kv_bytes": nbytes}
+                       "config": {k: v for k, v in cfg.items() if k != "key0_shift"},
+                       "kv_bytes": nbytes}
                 try:
                     rec["us"] = timed(mod, lay, b, cache, out, args.smoke, **cfg)
                     rec["tb_s"] = nbytes / rec["us"] / 1e6

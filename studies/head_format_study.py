@@ -6,7 +6,7 @@
 
 STEP ``sweep``: from calibrated all-FP8 (K centering, as ``analyze --k-center``), every K/V
 slot of a layer moved alone to NVFP4 (what ``analyze`` measures), and every single KV head of
-every slot moved alone (:class:`~vllm_nvfp4.calibration.kv_hooks.HeadFormats`), KL / delta NLL /
+every slot moved alone (:class:`~studies.kv_options.HeadFormats`), KL / delta NLL /
 top-1 on the analysis windows, written to ``DIR/sweep.json``. STEP ``heldout`` (after it): at
 ``--budget``, the layer slots and, separately, the head slots of largest KL increase kept in
 FP8 (a head slot costs a ``1/kv_heads`` share of a layer slot's bytes, so the budget holds
@@ -38,7 +38,7 @@ def _largest(sweep: dict[str, Any], n: int) -> list[str]:
 
 def _head_formats(slots: Sequence[str], fmt: str) -> Any:
     """:class:`HeadFormats` with head slots ``"<layer><k|v><head>"`` (e.g. ``14k2``) in ``fmt``."""
-    from vllm_nvfp4.calibration.kv_hooks import HeadFormats
+    from studies.kv_options import HeadFormats
 
     heads: dict[tuple[int, str], dict[int, str]] = {}
     for s in slots:
@@ -78,9 +78,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for kv in ("k", "v"):
                 layer_slots[f"{i}{kv}"] = ev.measure(downgrade(fp8, i, kv), bar).to_dict()
                 for h in range(kv_heads):
-                    ev.head_formats = _head_formats([f"{i}{kv}{h}"], "nvfp4")
+                    ev.options = (_head_formats([f"{i}{kv}{h}"], "nvfp4"),)
                     head_slots[f"{i}{kv}{h}"] = ev.measure(fp8, bar).to_dict()
-                    ev.head_formats = None
+                    ev.options = ()
         result = {"kv_heads": kv_heads, "layers": {"base": base, "slots": layer_slots},
                   "heads": {"base": base, "slots": head_slots}}
         (a.out / "sweep.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -101,7 +101,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = {"layer_mix": (layer_mix, None, layer_pick),
             "head_mix": (nv, _head_formats(head_pick, "fp8"), head_pick)}
     for name, (policy, heads, picked) in rows.items():
-        ev.head_formats = heads
+        ev.options = () if heads is None else (heads,)
         m = ev.measure(policy).to_dict()
         m.update(recovery(m, out["all_fp8"], out["all_nvfp4"]), fp8_slots=picked)
         out[name] = m

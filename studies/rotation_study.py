@@ -8,7 +8,7 @@
 
 STEP ``heldout``: on held-out windows, against the unquantized cache: calibrated all-FP8,
 calibrated all-NVFP4, and for each rotation kind all-NVFP4 with K rotated and with K and V
-rotated (:mod:`vllm_nvfp4.rotation`; scales and K centering calibrated on the rotated vectors),
+rotated (:mod:`studies.rotation`; scales and K centering calibrated on the rotated vectors),
 plus all-FP8 with K and V rotated; writes ``DIR/heldout.json`` (``heldout_skipN.json``).
 STEP ``sweep``: ``analyze``'s default sweep (from all-FP8, each K/V slot alone to NVFP4) with
 every layer's K (``--sweep-rotate k``) or K and V (``kv``) rotated by ``--sweep-kind``, on the
@@ -49,12 +49,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import torch
 
     from vllm_nvfp4.calibration.evaluator import Evaluator
-    from vllm_nvfp4.calibration.kv_hooks import KVRotation
+    from studies.kv_options import KVRotation
     from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy
     from vllm_nvfp4.calibration.selection import fp8_slots_for_budget
     from vllm_nvfp4.calibration.sensitivity import all_format, downgrade
     from vllm_nvfp4.policy import KVPolicy
-    from vllm_nvfp4.rotation import ROTATIONS
+    from studies.rotation import ROTATIONS
 
     ap = study_parser(__doc__, ("heldout", "sweep", "mix", "perlayer"))
     ap.add_argument("--heldout-skip", type=int, default=0)
@@ -77,7 +77,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def calibrated(rotation: Optional[KVRotation]) -> KVPolicy:
         """All-FP8 with scales and K centering calibrated on the (rotated) K/V."""
-        obs = observe_amax(model, calib, layers, kv_layers=info.kv_layers, rotation=rotation)
+        obs = observe_amax(model, calib, layers, kv_layers=info.kv_layers,
+                           options=() if rotation is None else (rotation,))
         return scaled_policy(fp8_formats, obs, False, {}, None, True)
 
     plain = calibrated(None)
@@ -102,14 +103,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for kind in a.kinds.split(","):
             for v, fmts in ((False, ("nvfp4",)), (True, ("nvfp4", "fp8"))):
                 rot, scaled = rotated(kind, v)
-                ev.rotation = rot
+                ev.options = (rot,)
                 for fmt in fmts:
                     name = f"all_{fmt}_{kind}_{'kv' if v else 'k'}"
                     m = ev.measure(all_format(scaled, fmt)).to_dict()
                     m.update(recovery(m, out["all_fp8"], out["all_nvfp4"]))
                     out[name] = m
                     print(row(name, m) + f"  gap recovery {m['top1_gap_recovery']:.0%}", flush=True)
-                ev.rotation = None
+                ev.options = ()
         summary = {"model": str(a.model), "text": str(a.text), "window": w,
                    "heldout_windows": a.heldout_windows, "heldout_skip": a.heldout_skip,
                    "k_center": True, "configs": out}
@@ -120,7 +121,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tag = f"{a.sweep_kind}_{a.sweep_rotate}"
     if a.step == "sweep":
         windows = torch.tensor(head[w:w * (1 + a.analysis_windows)]).view(a.analysis_windows, w)
-        ev = Evaluator(model, windows, rotation=rot)
+        ev = Evaluator(model, windows, options=(rot,))
         ev.reference()
         base = all_format(scaled, "fp8")
         result: dict[str, Any] = {"kind": a.sweep_kind, "rotated": a.sweep_rotate, "base": ev.set_baseline(base).to_dict(),
@@ -153,7 +154,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                        ("plain_sweep_unrotated", a.plain_sweep, None)):
         slots = by_kl(json.loads(sweep_file.read_text()))
         p = with_fp8_slots(all_format(plain if rotation is None else scaled, "nvfp4"), slots)
-        ev.rotation = rotation
+        ev.options = () if rotation is None else (rotation,)
         m = ev.measure(p).to_dict()
         m.update(recovery(m, f8, n4), slots=slots, policy=p.to_compact(),
                  fraction_of_fp8=round(p.fraction_of_fp8(), 6))
@@ -168,7 +169,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _per_layer(a: argparse.Namespace, ev: Any, plain: Any, scaled: Any, n: int, f8: dict[str, Any],
                n4: dict[str, Any], tag: str, skip: str) -> int:
     """The ``perlayer`` step (module doc): per-layer choice of K rotation from the two sweeps."""
-    from vllm_nvfp4.calibration.kv_hooks import KVRotation
+    from studies.kv_options import KVRotation
     from vllm_nvfp4.calibration.sensitivity import all_format
     from vllm_nvfp4.policy import KVPolicy
 
@@ -187,7 +188,7 @@ def _per_layer(a: argparse.Namespace, ev: Any, plain: Any, scaled: Any, n: int, 
     fp8_slots = [s for s in sorted(score, key=lambda s: -score[s])[:n] if score[s] > 0]
     mixed = KVPolicy(tuple(r if i in chosen else p for i, (r, p) in
                            enumerate(zip(scaled.layers, plain.layers))), source="calibration")
-    ev.rotation = KVRotation(a.sweep_kind, frozenset(chosen), frozenset())
+    ev.options = (KVRotation(a.sweep_kind, frozenset(chosen), frozenset()),)
     out: dict[str, Any] = {}
     nv = all_format(mixed, "nvfp4")
     mix = with_fp8_slots(nv, fp8_slots)

@@ -6,7 +6,7 @@
 
 On held-out windows, against the unquantized cache: calibrated all-FP8 and all-NVFP4 (K
 centering on), then all-NVFP4 with each ``--sinks`` entry ``STORE:N`` (the first N keys of every
-window stored as :class:`~vllm_nvfp4.calibration.kv_hooks.KeySink` ``STORE`` says: ``fp8``,
+window stored as :class:`~studies.kv_options.KeySink` ``STORE`` says: ``fp8``,
 ``exact``, or ``uncentered`` = NVFP4 before K centering, no extra bytes). With ``--fp8-slots``
 (e.g. the slots a ``tune`` policy keeps in FP8) the same for that mix. ``uncentered-fit:N`` is
 ``uncentered`` only in the layers where the calibration window's first key fits the NVFP4 range
@@ -33,9 +33,9 @@ FIT_STORE = "uncentered-fit"
 
 
 def parse_sink(text: str, fitting_layers: Optional[frozenset[int]] = None) -> Any:
-    """``STORE:N`` -> :class:`~vllm_nvfp4.calibration.kv_hooks.KeySink` (``uncentered-fit``:
+    """``STORE:N`` -> :class:`~studies.kv_options.KeySink` (``uncentered-fit``:
     ``uncentered`` in ``fitting_layers``); ``SystemExit`` naming the valid form otherwise."""
-    from vllm_nvfp4.calibration.kv_hooks import KeySink
+    from studies.kv_options import KeySink
 
     store, _, n = text.partition(":")
     try:
@@ -136,7 +136,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(row("all_fp8", out["all_fp8"]), flush=True)
     for base_name, policy in bases.items():
         for sink, sink_text in [(None, ""), *zip(sinks, a.sinks)]:
-            ev.key_sink = sink
+            ev.options = () if sink is None else (sink,)
             name = base_name + (f" + sink {sink_text}" if sink else "")
             m = ev.measure(policy).to_dict()
             m.update(fraction_of_fp8=round(policy.fraction_of_fp8(), 6))

@@ -71,6 +71,22 @@ def test_calibrate_k_center_and_analyze_refuses_flags_next_to_scales(tmp_path: P
     assert rc == 2 and "--k-center shape the calibration, which --scales replaces" in _err(capsys)
 
 
+def test_calibrate_sink_key_option(tmp_path: Path, tiny_model_dir: Path, data: Path, capsys):
+    """calibrate --k-center --k-sink-uncentered flags heads whose first key fits (recorded in the
+    provenance); without K centering the option is refused; without the option no layer is
+    flagged."""
+    out = tmp_path / "policy.json"
+    base = ["-q", "calibrate", str(tiny_model_dir), "--data", str(data), "--out", str(out), *WIN]
+    assert main([*base, "--k-center"]) == 0
+    assert all(lp.k_sink_uncentered is None for lp in KVPolicy.load(out).layers)
+    assert main([*base, "--k-center", "--k-sink-uncentered", "--force"]) == 0
+    policy = KVPolicy.load(out)
+    assert policy.provenance["k_sink_uncentered"] is True
+    assert any(lp.k_sink_uncentered is not None for lp in policy.layers)
+    assert main([*base, "--k-sink-uncentered", "--force"]) == 2
+    assert "--k-sink-uncentered stores the sink key without the K centering offsets" in _err(capsys)
+
+
 @pytest.mark.parametrize("args, message", [
     (["calibrate", "/nonexistent/model", "--data", "x.txt", "--out", "p.json"], "not a model directory"),
     (["select", "/nonexistent/report", "--budget", "0.62", "--out", "{tmp}/p.json"], "run `vllm-nvfp4 analyze"),

@@ -86,27 +86,37 @@ def bf16_sinks(sinks: torch.Tensor) -> torch.Tensor:
     return sinks.to(torch.bfloat16).float()
 
 
-def split_vs_whole(batch, scale, window, sinks, attention, max_rows, **attention_kwargs):
+def split_vs_whole(batch, scale, window, sinks, attention, max_rows, key0_shift=None,
+                   **attention_kwargs):
     """``(got, want)``: the first request decoded paged + the rest through dense prefill groups
-    (planned with the window), against paged attention over the whole batch."""
+    (planned with the window), against paged attention over the whole batch; ``key0_shift``: the
+    sink key stored uncentered, in every path."""
     lay = batch.layout
     paged = (batch.cache, lay, batch.k_scale, batch.v_scale)
     want = torch.empty_like(batch.query)
     ops.paged_attention(batch.query, *paged, batch.block_table, batch.seq_lens,
                         batch.query_start_loc, batch.max_query_len, batch.max_seq_len, scale, want,
-                        sliding_window=window, sinks=sinks)
+                        sliding_window=window, sinks=sinks, key0_shift=key0_shift)
     got = torch.full_like(batch.query, float("nan"))
     ops.paged_attention(batch.query[:1], *paged, batch.block_table[:1], batch.seq_lens[:1],
                         batch.query_start_loc[:2], 1, batch.max_seq_len, scale, got[:1],
-                        sliding_window=window, sinks=sinks)
+                        sliding_window=window, sinks=sinks, key0_shift=key0_shift)
     groups = plan_prefill_groups(batch.query_start_loc.cpu(), batch.seq_lens.cpu(), 1, max_rows,
                                  batch.query.device, sliding_window=window)
     if window is not None:
         assert any(g.kv_starts is not None for g in groups)
     for group in groups:
         dense_prefill(batch.query, got, *paged, batch.block_table, batch.seq_lens, group, scale,
-                      None, attention, sliding_window=window, sinks=sinks, **attention_kwargs)
+                      None, attention, sliding_window=window, sinks=sinks, key0_shift=key0_shift,
+                      **attention_kwargs)
     return got, want
+
+
+def random_key0_shift(lay: KVPageLayout, seed: int, device: str = "cpu") -> torch.Tensor:
+    """A non-zero ``key0_shift [H, D]`` of the keys' size, the last head 0 (stored centered)."""
+    shift = torch.randn(lay.num_kv_heads, lay.head_dim, generator=torch.Generator().manual_seed(seed))
+    shift[-1] = 0.0
+    return (2.0 * shift).to(device)
 
 
 @pytest.mark.parametrize("kf,vf", [("nvfp4", "fp8"), ("fp8", "nvfp4")])
@@ -121,11 +131,27 @@ def test_window_and_sinks_match_paged_attention(kf, vf, window, sinks):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kf,vf,window", [("nvfp4", "fp8", None), ("fp8", "nvfp4", 11)])
+def test_uncentered_sink_key_matches_paged_attention(kf, vf, window):
+    """With ``key0_shift`` the dense prefill (position 0's dense key shifted, not with a window
+    start past it) gives the paged attention's output, which the shift changes."""
+    lay = KVPageLayout(2, 64, 16, kf, vf)
+    batch = make_batch(lay, [(40, 1), (57, 9), (20, 20), (70, 3)], num_q_heads=8, seed=8)
+    shift = random_key0_shift(lay, 3)
+    got, want = split_vs_whole(batch, 0.2, window, None, torch_varlen, 80, key0_shift=shift)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    _, plain = split_vs_whole(batch, 0.2, window, None, torch_varlen, 80)
+    assert (plain - want).abs().max() > 1e-2
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("window,sinks", [(None, False), (128, True), (1024, False)])
-def test_flash_attention_window_and_sinks_on_cuda(window, sinks):
+@pytest.mark.parametrize("window,sinks,key0", [(None, False, False), (128, True, False),
+                                               (1024, False, False), (None, False, True),
+                                               (128, False, True)])
+def test_flash_attention_window_and_sinks_on_cuda(window, sinks, key0):
     """The real vLLM FlashAttention (FA3 on Hopper) through the dense path, bf16, against the
-    paged kernels: sliding window (visible keys only) and sinks (``s_aux``, FA3)."""
+    paged kernels: sliding window (visible keys only), sinks (``s_aux``, FA3) and the sink key
+    stored uncentered (``key0_shift``)."""
     from vllm_nvfp4.integration.dense_prefill import dense_prefill_supports, flash_varlen
 
     if flash_varlen() is None or not dense_prefill_supports(64, sinks):
@@ -135,6 +161,8 @@ def test_flash_attention_window_and_sinks_on_cuda(window, sinks):
     batch = make_batch(lay, [(3000, 1), (2500, 700), (1500, 1500)], 64, q_dtype=torch.bfloat16,
                        kv_dtype=torch.bfloat16, device="cuda", seed=4, write_backend="triton")
     s_aux = bf16_sinks(random_sinks(64, seed=5, device="cuda")) if sinks else None
-    got, want = split_vs_whole(batch, 0.125, window, s_aux, attention, 8192, fa_version=version)
+    shift = random_key0_shift(lay, 6, "cuda") if key0 else None
+    got, want = split_vs_whole(batch, 0.125, window, s_aux, attention, 8192, key0_shift=shift,
+                               fa_version=version)
     rel = (got.float() - want.float()).norm() / want.float().norm()
     assert torch.isfinite(got).all() and rel < 1e-2, f"relative error {rel:.2e}"

@@ -1,5 +1,5 @@
 """Per-head formats of the reference path: single KV heads of a K or V slot stored in the other
-format (:class:`~vllm_nvfp4.calibration.kv_hooks.HeadFormats`), everything else as the policy
+format (:class:`~studies.kv_options.HeadFormats`), everything else as the policy
 stores it."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_nvfp4.calibration.kv_hooks import HeadFormats, fake_quantize, kv_cache_quantization
+from studies.kv_options import HeadFormats
+from vllm_nvfp4.calibration.kv_hooks import fake_quantize, kv_cache_quantization
 from vllm_nvfp4.calibration.sensitivity import upgrade
 from vllm_nvfp4.policy import KVPolicy
 
@@ -37,7 +38,7 @@ def test_one_fp8_head_matches_the_hand_written_forward():
 
     with torch.no_grad():
         manual, _ = _manual_forward(model, ids, mixed_heads)
-        with kv_cache_quantization(model, policy, head_formats=HeadFormats({(0, "k"): {1: "fp8"}})):
+        with kv_cache_quantization(model, policy, options=[HeadFormats({(0, "k"): {1: "fp8"}})]):
             hooked = model(ids, use_cache=False).logits.float()
     torch.testing.assert_close(hooked, manual, atol=2e-5, rtol=2e-5)
     assert (hooked - _logits(model, ids, policy)).abs().max() > 1e-4  # the head's format changed
@@ -49,7 +50,7 @@ def test_every_head_overridden_equals_the_slot_in_that_format(kv):
     ids = _ids()
     policy = _nvfp4_with_fp8_scales(model, ids)
     every = HeadFormats({(1, kv): {0: "fp8", 1: "fp8"}})
-    with torch.no_grad(), kv_cache_quantization(model, policy, head_formats=every):
+    with torch.no_grad(), kv_cache_quantization(model, policy, options=[every]):
         hooked = model(ids, use_cache=False).logits.float()
     assert torch.equal(hooked, _logits(model, ids, upgrade(policy, 1, kv)))
 
@@ -65,11 +66,11 @@ def test_evaluator_resumes_at_the_first_overridden_layer():
     heads = HeadFormats({(1, "k"): {0: "fp8"}})
     full = Evaluator(model, ids, reuse_prefix=False)
     full.reference()
-    full.head_formats = heads
+    full.options = (heads,)
     reused = Evaluator(model, ids)
     reused.reference()
     base = reused.set_baseline(policy)
-    reused.head_formats = heads
+    reused.options = (heads,)
     assert reused.first_difference(policy) == 1
     with pytest.raises(ValueError, match="a baseline is the policy alone"):
         reused.set_baseline(policy)
@@ -88,13 +89,13 @@ def test_bad_head_formats_are_clear_errors():
     with pytest.raises(ValueError):
         HeadFormats({(0, "k"): {0: "int4"}})
     with pytest.raises(ValueError, match="the model has 2 KV heads"):
-        with kv_cache_quantization(model, policy, head_formats=HeadFormats({(0, "k"): {2: "fp8"}})):
+        with kv_cache_quantization(model, policy, options=[HeadFormats({(0, "k"): {2: "fp8"}})]):
             pass
     with pytest.raises(ValueError, match="the policy has 1 layers"):
-        with kv_cache_quantization(model, policy, head_formats=HeadFormats({(1, "v"): {0: "fp8"}})):
+        with kv_cache_quantization(model, policy, options=[HeadFormats({(1, "v"): {0: "fp8"}})]):
             pass
     with pytest.raises(ValueError, match="needs a policy"):
-        with kv_cache_quantization(model, None, head_formats=HeadFormats({(0, "k"): {0: "fp8"}})):
+        with kv_cache_quantization(model, None, options=[HeadFormats({(0, "k"): {0: "fp8"}})]):
             pass
 
 

@@ -45,8 +45,9 @@ KV_BYTES = int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) << 30  # conftest sets 1 Gi
 def _policy_dict(model_dir: Path) -> dict:
     """A calibrated, mixed policy: per-head and scalar scales, K and V formats apart, K
     smoothing on layer 2, K centering on layers 1 and 2, the K channel permutation on layers 2
-    (with centering and smoothing, given in permuted order) and 3 (so the log-prob comparison
-    covers them end to end)."""
+    (with centering and smoothing, given in permuted order) and 3, the sink key stored
+    uncentered on layer 1 (FP8 K) and on layer 2's first KV head (NVFP4 K) (so the log-prob
+    comparison covers them end to end)."""
     from transformers import AutoModelForCausalLM
 
     from vllm_nvfp4.calibration.kv_hooks import KVObserver, kv_cache_quantization
@@ -78,6 +79,8 @@ def _policy_dict(model_dir: Path) -> dict:
             for name in ("k_center", "k_smooth"):
                 if name in entry:
                     entry[name] = torch.tensor(entry[name]).gather(1, order).tolist()
+        if i in (1, 2):
+            entry["k_sink_uncentered"] = True if i == 1 else [True, False]
         for kv, fmt, amax in (("k", kf, k_amax), ("v", vf, observer.v_amax[i])):
             amax = amax * 1.25  # headroom for unseen prompts
             if fmt == "fp8":
@@ -129,6 +132,7 @@ def _worker_report(worker: Any) -> dict:
         layers[name] = {"impl": type(impl).__name__, "page_bytes": impl.layout.page_bytes,
                         "formats": (impl.layout.k_format, impl.layout.v_format),
                         "k_scale": impl.k_scale.tolist(), "v_scale": impl.v_scale.tolist(),
+                        "key0_shift": None if impl.key0_shift is None else impl.key0_shift.tolist(),
                         "cache_shape": tuple(layer.kv_cache.shape),
                         "query_quant": layer.query_quant is not None}
     return {"groups": groups, "num_blocks": config.num_blocks, "layers": layers}
@@ -231,6 +235,33 @@ def test_prompt_logprobs_match_the_quantized_reference(runs):
         gap = (got - _reference_logprobs(runs["model_dir"], prompts, other)).abs().mean()
         assert err.mean() < 0.1 * gap, (
             f"mean error {err.mean():.3e} vs matched policy is not << {gap:.3e} vs policy {other}")
+
+
+def test_the_uncentered_sink_key_is_in_force(runs):
+    """The flagged layers bind ``key0_shift`` (mu / lam for the flagged heads, 0 for the other),
+    and vLLM's prompt log-probs sit much closer to the reference with the sink key stored
+    uncentered than to the same policy with it centered."""
+    from vllm_nvfp4.key_transform import sink_shift
+    from vllm_nvfp4.policy import KVPolicy
+
+    policy = KVPolicy.from_dict(runs["policy"])
+    for name, layer in runs["main"]["report"]["layers"].items():
+        row = policy.layers[int(name.split(".")[2])]
+        if row.k_sink_uncentered is None:
+            assert layer["key0_shift"] is None
+            continue
+        lam = None if row.k_smooth is None else torch.tensor(row.k_smooth)
+        want = sink_shift(torch.tensor(row.k_center), lam)
+        want[~torch.tensor(row.sink_heads(2))] = 0.0
+        assert torch.equal(torch.tensor(layer["key0_shift"]), want), name
+    centered = KVPolicy.from_dict(runs["policy"])
+    for i in (1, 2):
+        centered = centered.with_layer(i, k_sink_uncentered=None)
+    prompts = runs["prompts"]["logprob"]
+    got = runs["vllm_logprobs"]
+    err = (got - _reference_logprobs(runs["model_dir"], prompts, policy)).abs().mean()
+    gap = (got - _reference_logprobs(runs["model_dir"], prompts, centered)).abs().mean()
+    assert err < 0.2 * gap, f"mean error {err:.3e} vs matched policy, {gap:.3e} vs the sink centered"
 
 
 def test_decode_logprobs_match_the_quantized_reference(runs):

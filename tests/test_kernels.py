@@ -24,6 +24,7 @@ from paged_cases import (  # noqa: E402
 )
 from vllm_nvfp4 import ops  # noqa: E402
 from vllm_nvfp4.kernels import attention as attn_kernels  # noqa: E402
+from vllm_nvfp4.kernels import launch as launch_kernels  # noqa: E402
 from vllm_nvfp4.layout import KVPageLayout, allocate_cache  # noqa: E402
 from vllm_nvfp4.paged_torch import attend_one_sequence  # noqa: E402
 
@@ -40,15 +41,17 @@ SCALE = 37 if CUDA else 1
 WRITE = "triton" if CUDA else "torch"
 
 
-def fast_reference(batch, softmax_scale, window=None, cap=None, sinks=None):
+def fast_reference(batch, softmax_scale, window=None, cap=None, sinks=None, key0_shift=None):
     """Float64 attention on formats-roundtripped K/V (vectorised; checked against the per-token
-    loop reference in test_paged_torch)."""
+    loop reference in test_paged_torch); ``key0_shift [H, D]`` subtracted from position 0's key."""
     sinks = None if sinks is None else sinks.cpu().double()
     outs = []
     q = batch.query.cpu().double()
     row = 0
     for (l, q_len), k, v in zip(batch.seqs, batch.keys, batch.values):
         kd = roundtrip(k, batch.layout.k_format, batch.k_scale)
+        if key0_shift is not None:
+            kd[0] -= key0_shift.cpu().double()
         vd = roundtrip(v, batch.layout.v_format, batch.v_scale)
         outs.append(attend_one_sequence(q[row : row + q_len], kd, vd, softmax_scale, window, cap,
                                         sinks))
@@ -277,7 +280,7 @@ def test_decode_splits_for_few_programs(monkeypatch, seqs, kv_heads, ctx, tile_n
     """On an H200's 132 SMs (1-warp programs, fill target 1056): 8 splits at most while they
     give at least half the target, else as many as keep 1024 keys per split or as fill the
     target with >= 128 keys per split."""
-    monkeypatch.setattr(attn_kernels, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(launch_kernels, "_num_sms", lambda device: 132)
     got = attn_kernels.decode_splits(seqs, kv_heads, ctx, tile_n, torch.device("cpu"), 1)
     assert got == want
 
@@ -290,7 +293,7 @@ def test_decode_register_cap_head_dim_512(monkeypatch, seqs, ctx, want_splits):
     sequences: 512 -> 1024 programs, 132: 528 -> 1056; never more splits than tiles), and is capped at 128
     registers where its grid holds more than four programs per SM; a cap the launch shape sets
     wins; head-dim parts off: no cap, no doubling."""
-    monkeypatch.setattr(attn_kernels, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(launch_kernels, "_num_sms", lambda device: 132)
     cpu = torch.device("cpu")
     shape = attn_kernels.launch_defaults(KVPageLayout(4, 512, 16, "nvfp4", "nvfp4"), True)
     splits = attn_kernels.decode_splits(seqs, 4, ctx, shape.tile_n, cpu, shape.num_warps,
@@ -314,7 +317,7 @@ def test_decode_register_cap_short_splits(monkeypatch, seqs, ctx, want):
     """NVFP4 K and V at head_dim 128, 32 q / 8 KV heads, 132 SMs: 184 registers where each split
     holds at most 1024 keys (4k contexts at 8 splits), uncapped at 8k (4 splits of 2048 keys) and 32k (4096 keys per
     split); FP8 K and V and head_dim 256 never take the short-split cap."""
-    monkeypatch.setattr(attn_kernels, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(launch_kernels, "_num_sms", lambda device: 132)
     cpu = torch.device("cpu")
     for kf, vf, d, cap in (("nvfp4", "nvfp4", 128, want), ("fp8", "fp8", 128, None),
                            ("nvfp4", "nvfp4", 256, None)):
@@ -331,7 +334,7 @@ def test_decode_stages_long_splits(monkeypatch, seqs, ctx, want):
     stages (a second copy buffer) where each split holds at least 1024 keys (64 x 4k: 4 splits
     of 1024), 3 where it holds fewer (16 x 4k: 8 splits of 512); an FP8 K and head_dim 256
     always 3; a launch shape's ``num_stages`` wins."""
-    monkeypatch.setattr(attn_kernels, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(launch_kernels, "_num_sms", lambda device: 132)
     cpu = torch.device("cpu")
     for kf, vf, d, stages in (("nvfp4", "nvfp4", 128, want), ("nvfp4", "fp8", 128, want),
                               ("fp8", "nvfp4", 128, 3), ("fp8", "fp8", 128, 3),
@@ -706,3 +709,99 @@ def test_dequantize_kv_rounds_once_to_half_precision():
     ops.dequantize_kv(batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
                       batch.seq_lens, cu, 70, kb, vb, backend="triton")
     assert torch.equal(kb, k32.bfloat16()) and torch.equal(vb, v32.bfloat16())
+
+
+# ---------------------------------------------------------------- the sink key stored uncentered
+def _key0_shift(lay: KVPageLayout, seed: int) -> torch.Tensor:
+    """A random non-zero ``key0_shift [H, D]`` of the keys' size (the last head 0: stored
+    centered)."""
+    gen = torch.Generator().manual_seed(seed)
+    shift = torch.randn(lay.num_kv_heads, lay.head_dim, generator=gen) * 2.0
+    if lay.num_kv_heads > 1:
+        shift[-1] = 0.0
+    return shift.to(DEV)
+
+
+@pytest.mark.parametrize("kind,window,kf,vf", [
+    ("decode", None, "nvfp4", "nvfp4"), ("decode", 40 * SCALE, "fp8", "nvfp4"),
+    ("prefill", None, "nvfp4", "fp8"), ("prefill", 30 * SCALE, "fp8", "fp8")])
+def test_key0_shift_matches_float64_and_the_torch_path(kind, window, kf, vf):
+    """With ``key0_shift`` (the sink key stored uncentered) the kernels give position 0 the logit
+    of ``k0 - shift``: against float64 on that key and against the torch path, decode (split,
+    a one-token sequence, a window that hides position 0 from the long ones) and prefill (chunks
+    from position 0 and later, whole tiles and partial ones); far from the result without it."""
+    lay = KVPageLayout(3, 128, 16, kf, vf)
+    seqs = ([(37 * SCALE + 5, 1), (1, 1), (20 * SCALE + 3, 1), (64 * SCALE + 1, 1)]
+            if kind == "decode" else
+            [(23 * SCALE, 23 * SCALE), (41 * SCALE, 9), (70 * SCALE + 3, 70 * SCALE + 3), (2, 2)])
+    batch = make_batch(lay, seqs, 6, device=DEV, seed=11 + len(kind), write_backend=WRITE)
+    shift = _key0_shift(lay, 5)
+    decode = kind == "decode"
+    out = torch.empty_like(batch.query)
+    attn_kernels.paged_attention(
+        batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+        batch.seq_lens, batch.query_start_loc, batch.max_query_len, batch.max_seq_len, 0.1, out,
+        window, key0_shift=shift,
+        launch=_launch(lay, decode, num_splits=2 if decode else None, tile_n=16))
+    want = fast_reference(batch, 0.1, window, key0_shift=shift)
+    tol = 2e-3 if CUDA else 1e-5
+    assert_close_rel(out, want, tol)
+    torch_out = torch.empty_like(batch.query)
+    ops.paged_attention(batch.query, batch.cache, lay, batch.k_scale, batch.v_scale,
+                        batch.block_table, batch.seq_lens, batch.query_start_loc,
+                        batch.max_query_len, batch.max_seq_len, 0.1, torch_out, window,
+                        backend="torch", key0_shift=shift)
+    assert_close_rel(torch_out, want, 1e-5)
+    assert_close_rel(out, torch_out.double().cpu(), tol)
+    unshifted = fast_reference(batch, 0.1, window)
+    assert (unshifted - want).norm() / want.norm() > 100 * tol
+
+
+@pytest.mark.parametrize("kf,vf", [("nvfp4", "nvfp4"), ("nvfp4", "fp8")])
+def test_key0_shift_in_the_default_decode_launch(kf, vf):
+    """The production launch shape (pipelined stages, folded scales, splits from the heuristic)
+    with the correction, against float64."""
+    lay = KVPageLayout(2, 128, 16, kf, vf)
+    batch = make_batch(lay, [(300 * SCALE + 7, 1), (3, 1), (64 * SCALE, 1)], 8, device=DEV,
+                       seed=23, write_backend=WRITE)
+    shift = _key0_shift(lay, 6)
+    out = torch.empty_like(batch.query)
+    attn_kernels.paged_attention(
+        batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+        batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.1, out, key0_shift=shift)
+    assert_close_rel(out, fast_reference(batch, 0.1, key0_shift=shift), 2e-3 if CUDA else 1e-5)
+
+
+@pytest.mark.parametrize("kf,vf", [("nvfp4", "fp8"), ("fp8", "nvfp4")])
+def test_dequantize_kv_key0_shift_bit_exact(kf, vf):
+    """Dense K with ``key0_shift``: bit for bit the torch path's, position 0 of each sequence
+    shifted (its FP32 decoding minus the shift) and nothing else; a window start past position 0
+    shifts nothing; V never."""
+    lay = KVPageLayout(2, 64, 16, kf, vf)
+    batch = make_batch(lay, [(45 * SCALE, 3), (1, 1), (40 * SCALE + 3, 5)], 2, device=DEV,
+                       seed=3, write_backend=WRITE)
+    shift = _key0_shift(lay, 7)
+    lens = batch.seq_lens.cpu()
+    for starts in (None, torch.tensor([0, 0, 17 * SCALE], dtype=torch.int32)):
+        keys = lens if starts is None else lens - starts
+        cu = torch.zeros(4, dtype=torch.int32)
+        cu[1:] = keys.cumsum(0)
+        outs = {}
+        for backend, key0 in (("triton", shift), ("torch", shift), ("plain", None)):
+            k = torch.full((int(cu[-1]), 2, 64), 1234.5, device=DEV)
+            v = torch.full_like(k, 1234.5)
+            ops.dequantize_kv(batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+                              batch.seq_lens, cu.to(DEV), int(keys.max()), k, v,
+                              seq_starts=None if starts is None else starts.to(DEV),
+                              backend="torch" if backend == "plain" else backend, key0_shift=key0)
+            outs[backend] = (k.cpu(), v.cpu())
+        for got, want in zip(outs["triton"], outs["torch"]):
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        plain_k = outs["plain"][0]
+        first = torch.zeros(int(cu[-1]), dtype=torch.bool)
+        for s in range(3):
+            if starts is None or int(starts[s]) == 0:
+                first[int(cu[s])] = True
+        assert torch.equal(outs["torch"][0][first], plain_k[first] - shift.cpu())
+        assert torch.equal(outs["torch"][0][~first], plain_k[~first])
+        assert torch.equal(outs["torch"][1], outs["plain"][1])

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_nvfp4.calibration.kv_hooks import KeySink, _LayerQuant, fake_quantize, kv_cache_quantization
+from studies.kv_options import KeySink
+from vllm_nvfp4.calibration.kv_hooks import LayerQuant, fake_quantize, kv_cache_quantization
 from vllm_nvfp4.policy import KVPolicy
 
 from tests.test_kv_hooks import _calibrated, _ids, _logits, _manual_forward, tiny_model
@@ -17,7 +18,7 @@ def _keys_and_quant(center: bool):
     key = torch.randn(1, 2, 9, 32, generator=g) * 3 + 2
     gs = torch.tensor([0.004, 0.002])  # NVFP4 global scale per KV head
     mu = torch.randn(2, 32, generator=g) if center else None
-    return key, _LayerQuant("nvfp4", "nvfp4", gs, gs, None, mu)
+    return key, LayerQuant("nvfp4", "nvfp4", gs, gs, None, mu)
 
 
 @pytest.mark.parametrize("center", [False, True])
@@ -73,7 +74,7 @@ def test_hooked_forward_stores_the_sink_keys_in_fp8(k_fmt):
 
     with torch.no_grad():
         manual, _ = _manual_forward(model, ids, sunk)
-        with kv_cache_quantization(model, policy, key_sink=KeySink(4)):
+        with kv_cache_quantization(model, policy, options=[KeySink(4)]):
             hooked = model(ids, use_cache=False).logits.float()
     torch.testing.assert_close(hooked, manual, atol=2e-5, rtol=2e-5)
     plain = _logits(model, ids, policy)
@@ -89,10 +90,10 @@ def test_evaluator_scores_with_the_sink():
     model = tiny_model(num_layers=2)
     ids = _ids(n=40)
     policy = _calibrated(model, ids, "nvfp4")
-    ev = Evaluator(model, ids, reuse_prefix=False, key_sink=KeySink(40, "exact"))
+    ev = Evaluator(model, ids, reuse_prefix=False, options=[KeySink(40, "exact")])
     ev.reference()
     exact_keys = ev.measure(policy).kl
-    ev.key_sink = None
+    ev.options = ()
     assert ev.measure(policy).kl > exact_keys  # unquantized keys: less damage
 
 
@@ -112,9 +113,9 @@ def test_sink_applies_only_to_its_layers():
     policy = _calibrated(model, ids, "nvfp4")
     with torch.no_grad():
         plain = _logits(model, ids, policy)
-        with kv_cache_quantization(model, policy, key_sink=KeySink(4, "fp8", frozenset())):
+        with kv_cache_quantization(model, policy, options=[KeySink(4, "fp8", frozenset())]):
             none = model(ids, use_cache=False).logits.float()
-        with kv_cache_quantization(model, policy, key_sink=KeySink(4, "fp8", frozenset({1}))):
+        with kv_cache_quantization(model, policy, options=[KeySink(4, "fp8", frozenset({1}))]):
             last = model(ids, use_cache=False).logits.float()
     assert torch.equal(none, plain)
     assert (last - plain).abs().max() > 1e-4

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_nvfp4.calibration.kv_hooks import KVObserver, KVRotation, fake_quantize, kv_cache_quantization
+from studies.kv_options import KVRotation
+from vllm_nvfp4.calibration.kv_hooks import KVObserver, fake_quantize, kv_cache_quantization
 from vllm_nvfp4.policy import KVPolicy
-from vllm_nvfp4.rotation import ROTATIONS, rotate, rotation_matrix, unrotate
+from studies.rotation import ROTATIONS, rotate, rotation_matrix, unrotate
 
 from tests.test_kv_hooks import _calibrated, _ids, _logits, _manual_forward, tiny_model
 
@@ -58,7 +59,7 @@ def test_rotation_without_quantization_leaves_the_model_unchanged():
     rot = KVRotation.every_layer("random_hadamard", 2)
     with torch.no_grad():
         plain = model(ids, use_cache=False).logits
-        with kv_cache_quantization(model, rotation=rot) as state:
+        with kv_cache_quantization(model, options=[rot]) as state:
             rotated = model(ids, use_cache=False).logits
     assert state.calls == 2
     torch.testing.assert_close(rotated, plain, atol=2e-5, rtol=2e-5)
@@ -85,7 +86,7 @@ def test_rotated_nvfp4_stores_quant_of_rotated_kv(kind, rotate_v):
     with torch.no_grad():
         manual, keys = _manual_forward(model, ids, rotated)
         obs = KVObserver(1)
-        with kv_cache_quantization(model, policy, observer=obs, rotation=rot):
+        with kv_cache_quantization(model, policy, observer=obs, options=[rot]):
             hooked = model(ids, use_cache=False).logits.float()
     torch.testing.assert_close(hooked, manual, atol=2e-5, rtol=2e-5)
     assert (hooked - _logits(model, ids, policy)).abs().max() > 1e-3  # rotation changed the bytes
@@ -103,19 +104,19 @@ def test_calibration_and_evaluator_see_the_rotation():
     ids = _ids(n=40)
     rot = KVRotation.every_layer("hadamard", 2, k=True, v=False)
     r = rotation_matrix("hadamard", 32)
-    plain_obs, rot_obs = observe_amax(model, ids, 2), observe_amax(model, ids, 2, rotation=rot)
+    plain_obs, rot_obs = observe_amax(model, ids, 2), observe_amax(model, ids, 2, options=[rot])
     with torch.no_grad():
         _, keys = _manual_forward(model, ids, lambda i, k, v: (k, v))
     torch.testing.assert_close(rot_obs.k_amax[1], rotate(keys[1], r).abs().amax(dim=(0, 2, 3)))
     torch.testing.assert_close(rot_obs.v_amax[1], plain_obs.v_amax[1])  # V not rotated
     policy = scaled_policy(KVPolicy.from_compact("*:nvfp4", 2), rot_obs, k_center=True)
-    ev = Evaluator(model, ids, reuse_prefix=False, rotation=rot)
+    ev = Evaluator(model, ids, reuse_prefix=False, options=[rot])
     ev.reference()
     got = ev.measure(policy)
     with torch.no_grad():
         ref = reference_from_logits(model(ids, use_cache=False).logits[0], ids[0])
-        with kv_cache_quantization(model, policy, rotation=rot):
+        with kv_cache_quantization(model, policy, options=[rot]):
             kl, _, _ = per_token_damage(model(ids, use_cache=False).logits[0], ref)
     assert got.kl == pytest.approx(float(kl.double().mean()), rel=1e-9)
-    ev.rotation = None
+    ev.options = ()
     assert ev.measure(policy).kl != pytest.approx(got.kl, rel=1e-3)  # unrotated: other damage

@@ -6,7 +6,9 @@ speculation equal the non-speculative greedy outputs with the same cache format 
 log-probs of the generated tokens closely); drafts are proposed, accepted and rejected; the
 draft's own layers (``draft_model.*``, EAGLE's ``model.layers.4``) get the draft rule (FP8 K/V)
 and, with an all-FP8 target policy, a draft with the target's weights is accepted almost always
-(its cache is read back correctly); ngram acceptance is compared with vLLM's fp8 cache.
+(its cache is read back correctly); ngram acceptance is compared with vLLM's fp8 cache. The
+target runs the default rule's formats with K centering and the sink key stored uncentered on
+every layer (a verify step is never position 0; the prompt's first key is).
 
 The model is the tiny random Llama made repetitive (tied LM head, residual branches doubled), so
 its greedy text has runs that ngram drafts can hit and miss.
@@ -97,6 +99,28 @@ def _layer_formats(worker: Any) -> dict[str, tuple[str, str, int]]:
             and getattr(layer.impl, "layout", None) is not None}
 
 
+def _centered_sink_policy(model_dir: Path, path: Path) -> Path:
+    """The default rule's formats (default scales) with every layer's K centered on its mean
+    over one random prompt and its sink key stored uncentered."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_nvfp4.calibration.kv_hooks import KVObserver, kv_cache_quantization
+    from vllm_nvfp4.policy import default_policy
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    n = model.config.num_hidden_layers
+    observer = KVObserver(n)
+    ids = torch.randint(5, 4000, (1, 96), generator=torch.Generator().manual_seed(1))
+    with kv_cache_quantization(model, None, observer), torch.no_grad():
+        model(ids)
+    policy = default_policy(n)
+    for i in range(n):
+        policy = policy.with_layer(i, k_center=tuple(map(tuple, observer.k_channel_mean(i).tolist())),
+                                   k_sink_uncentered=True)
+    path.write_text(json.dumps(policy.to_dict()))
+    return path
+
+
 def _all_fp8_policy(path: Path, num_layers: int) -> Path:
     policy = {"format": "vllm-nvfp4-policy", "version": 1, "num_layers": num_layers,
               "layers": [{"index": i, "k": "fp8", "v": "fp8"} for i in range(num_layers)]}
@@ -118,6 +142,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         draft_model = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": NUM_SPEC}
         eagle = {"method": "eagle", "model": str(echo_eagle(model, root / "eagle")),
                  "num_speculative_tokens": NUM_SPEC}
+        env.setenv("VLLM_NVFP4_POLICY", str(_centered_sink_policy(model, root / "sink.json")))
         out = {
             "base": _run(model, "nvfp4_mixed"),
             "ngram": _run_isolated(model, "nvfp4_mixed", ngram),

@@ -82,6 +82,11 @@ def _model_args(p: argparse.ArgumentParser, default_windows: int, k_center_defau
                        help="K centering: store K minus each channel's calibration mean (exact for "
                             "attention without a logits soft-cap; for models whose keys carry a large "
                             "constant part, e.g. Qwen2.5's K bias)")
+    p.add_argument("--k-sink-uncentered", action=argparse.BooleanOptionalAction, default=None,
+                   help="with K centering, store the first key of every sequence (the attention "
+                        "sink) uncentered in the layers where the calibration text's first key "
+                        "fits the K range: no extra bytes, the readers correct its logit "
+                        f"(default: {'on with centering' if k_center_default else 'off'})")
     p.add_argument("--k-permute", action="store_true",
                    help="K channel permutation: store each KV head's K channels in order of their "
                         "calibration RMS, so each NVFP4 block holds channels of similar magnitude "
@@ -202,6 +207,16 @@ def _check_data(paths: Sequence[Path]) -> None:
         read_text(p)  # raises DataError naming the file and the line
 
 
+def _sink_key(a: argparse.Namespace) -> bool:
+    """``--k-sink-uncentered``: on with K centering unless turned off (``tune``), off unless
+    asked for (``calibrate``, ``analyze``); asked for without centering is an error."""
+    if a.k_sink_uncentered and not a.k_center:
+        raise UsageError("--k-sink-uncentered stores the sink key without the K centering offsets; "
+                         "it needs K centering (--k-center, on by default in tune)")
+    return a.k_center if a.k_sink_uncentered is None and a.command == "tune" else bool(
+        a.k_sink_uncentered)
+
+
 def cmd_calibrate(a: argparse.Namespace) -> int:
     from vllm_nvfp4.calibration.commands import run_calibrate
 
@@ -209,7 +224,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     _check_data(a.data)
     _check_writable_file(a.out, a.force, "--out")
     policy = run_calibrate(a.model, a.data, a.policy, a.window, a.windows, a.per_head, a.dtype,
-                           a.k_smooth, a.k_center, a.device, a.k_permute)
+                           a.k_smooth, a.k_center, a.device, a.k_permute, _sink_key(a))
     policy.save(a.out, overwrite=a.force)
     print(f"wrote {a.out}: {policy.to_compact()} ({policy.fraction_of_fp8():.4f}x FP8 bytes)")
     return 0
@@ -226,7 +241,8 @@ def cmd_analyze(a: argparse.Namespace) -> int:
     if (a.out / REPORT_FILE).exists() and not a.force:
         raise UsageError(f"--out {a.out} already holds a report; refusing to overwrite it (use --force)")
     given = [flag for flag, on in (("--per-head", a.per_head), ("--k-smooth", a.k_smooth),
-                                   ("--k-center", a.k_center), ("--k-permute", a.k_permute)) if on]
+                                   ("--k-center", a.k_center), ("--k-permute", a.k_permute),
+                                   ("--k-sink-uncentered", a.k_sink_uncentered)) if on]
     if a.scales is not None and given:
         raise UsageError(f"{' '.join(given)} shape the calibration, which --scales replaces: pass "
                          f"them to `vllm-nvfp4 calibrate` instead (the policy carries them)")
@@ -235,7 +251,8 @@ def cmd_analyze(a: argparse.Namespace) -> int:
         scales.check_model(num_layers)  # KV heads and head_dim are checked once the model is loaded
     report = analyze(a.model, a.data, a.out, a.window, a.windows, a.calib_windows, scales,
                      a.per_head, a.dtype, reuse_prefix=not a.no_prefix_reuse, k_smooth=a.k_smooth,
-                     k_center=a.k_center, device=a.device, base=a.base, k_permute=a.k_permute)
+                     k_center=a.k_center, device=a.device, base=a.base, k_permute=a.k_permute,
+                     k_sink_uncentered=_sink_key(a))
     for stale in a.out.glob("selection-*.json"):  # belong to the previous analysis
         stale.unlink()
     paths = render(a.out)
@@ -317,6 +334,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
     result = run_tune(a.model, a.data, report_dir, slots, budget=a.budget, window=a.window,
                       windows=a.windows, calib_windows=a.calib_windows, per_head=a.per_head,
                       dtype=a.dtype, k_smooth=a.k_smooth, k_center=a.k_center,
+                      k_sink_uncentered=_sink_key(a),
                       k_permute=a.k_permute, metric=a.metric,
                       base=a.base,
                       measure=not a.no_measure, measure_windows=a.measure_windows, device=a.device)

@@ -33,3 +33,12 @@ def stored_keys(key: torch.Tensor, center: Optional[torch.Tensor] = None,
     if smooth is not None:
         k = k / smooth
     return k.to(key.dtype)
+
+
+def sink_shift(center: torch.Tensor, smooth: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """What the readers subtract from the decoded key at position 0 where it is stored
+    uncentered (``K[perm] / lam``, policy ``k_sink_uncentered``): ``mu / lam`` (``mu`` without
+    smoothing) in FP32, ``[kv_heads, head_dim]`` like ``center``; ``q . (k0 / lam - mu / lam)``
+    with the query times ``lam`` is then the centered logit ``q . (k0 - mu)``."""
+    mu = center.float()
+    return mu if smooth is None else mu / smooth.float()

@@ -80,6 +80,16 @@ def _check_triton_head_dim(layout: KVPageLayout) -> None:
         )
 
 
+def _check_key0_shift(t: torch.Tensor, layout: KVPageLayout, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+        raise TypeError(f"key0_shift must be a float32 tensor [num_kv_heads, head_dim], "
+                        f"got {getattr(t, 'dtype', t)}")
+    if tuple(t.shape) != (layout.num_kv_heads, layout.head_dim) or t.device != device \
+            or not t.is_contiguous():
+        raise ValueError(f"key0_shift must be contiguous, of shape ({layout.num_kv_heads}, "
+                         f"{layout.head_dim}) on {device}, got {tuple(t.shape)} on {t.device}")
+
+
 def _check_int32(tensors: tuple[tuple[str, torch.Tensor, int], ...], device: torch.device,
                  beside: str) -> None:
     """Each ``(name, tensor, rank)`` an int32 tensor of that rank on ``device``, where ``beside``
@@ -145,12 +155,16 @@ class LayerOps:
         sinks: ``[num_q_heads]`` fp32/bf16/fp16 per-head sink logits, or None (see
             :func:`paged_attention`).
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (module doc).
+        key0_shift: float32 ``[num_kv_heads, head_dim]`` on the cache's device, or None: the
+            layer stores the key at position 0 of each sequence uncentered, and attention gives
+            it the logit of ``k0 - key0_shift`` (:func:`vllm_nvfp4.key_transform.sink_shift`;
+            rows of 0 for heads stored centered). Not with a logits soft-cap.
     """
 
     def __init__(self, cache: torch.Tensor, layout: KVPageLayout, k_scale: torch.Tensor,
                  v_scale: torch.Tensor, sliding_window: Optional[int] = None,
                  logits_soft_cap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
-                 backend: Backend = "auto") -> None:
+                 backend: Backend = "auto", key0_shift: Optional[torch.Tensor] = None) -> None:
         layout.check_cache(cache)
         self.device = cache.device
         _check_scales(layout, self.device, k_scale=k_scale, v_scale=v_scale)
@@ -167,6 +181,12 @@ class LayerOps:
                                  f"on {self.device}, got {tuple(sinks.shape)} on {sinks.device}")
             if sinks.stride(0) != 1:
                 raise ValueError(f"sinks must be contiguous, got stride {sinks.stride(0)}")
+        if key0_shift is not None:
+            _check_key0_shift(key0_shift, layout, self.device)
+            if logits_soft_cap:
+                raise ValueError("key0_shift (the sink key stored uncentered) needs logits that "
+                                 "shift with q . mu, which a logits soft-cap does not allow")
+        self.key0_shift = key0_shift
         self.backend = _backend(self.device, backend)
         if self.backend == "triton":
             _check_triton_head_dim(layout)
@@ -258,7 +278,7 @@ class LayerOps:
         args = (
             query, self.cache, self.layout, self.k_scale, self.v_scale, block_table, seq_lens,
             query_start_loc, int(max_query_len), int(max_seq_len), float(softmax_scale), out,
-            self.sliding_window, self.logits_soft_cap, self.sinks,
+            self.sliding_window, self.logits_soft_cap, self.sinks, self.key0_shift,
         )
         if self.backend == "torch":
             return paged_torch.paged_attention(*args)
@@ -316,6 +336,7 @@ def paged_attention(
     logits_soft_cap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     backend: Backend = "auto",
+    key0_shift: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal paged attention of a batch of sequences, K/V read from the quantized cache:
     :meth:`LayerOps.attend`, every argument checked (the layer's as in :class:`LayerOps`).
@@ -324,10 +345,11 @@ def paged_attention(
     logit (gpt-oss; vLLM's ``sinks`` / FlashAttention's ``s_aux``). It joins the softmax as one
     more logit without a value: ``out = sum_j e^(l_j - m) v_j / (sum_j e^(l_j - m) +
     e^(sink - m))``, ``m`` the max over the real logits ``l_j`` (scaled, soft-capped, masked) and
-    the sink; the sink itself is neither scaled nor capped. Returns ``out``.
+    the sink; the sink itself is neither scaled nor capped. ``key0_shift``: see
+    :class:`LayerOps`. Returns ``out``.
     """
     return LayerOps(cache, layout, k_scale, v_scale, sliding_window, logits_soft_cap, sinks,
-                    backend).attend(query, block_table, seq_lens, query_start_loc, max_query_len,
+                    backend, key0_shift).attend(query, block_table, seq_lens, query_start_loc, max_query_len,
                                     max_seq_len, softmax_scale, out)
 
 
@@ -345,6 +367,7 @@ def dequantize_kv(
     first_seq: int = 0,
     seq_starts: Optional[torch.Tensor] = None,
     backend: Backend = "auto",
+    key0_shift: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense K/V of sequences: positions ``[a_i, seq_lens[s])`` of sequence ``s = first_seq + i``
     go to rows ``cu_seqlens[i] + pos - a_i`` of ``k_out``/``v_out``; ``a_i = seq_starts[i]``
@@ -359,8 +382,9 @@ def dequantize_kv(
         seq_starts: int32 ``[n]`` with ``0 <= a_i <= seq_lens[s]``, or None (contents unchecked).
         k_out, v_out: ``[>= cu_seqlens[-1], num_kv_heads, head_dim]`` bf16/fp16/fp32,
             ``stride(-1) == 1``.
-    Values are the FP32 dequantization (per-head scales applied) rounded once to the output
-    dtype, equal to :func:`vllm_nvfp4.paged_torch.read_kv_from_cache`. Returns ``(k_out, v_out)``.
+    Values are the FP32 dequantization (per-head scales applied; ``key0_shift``, as in
+    :class:`LayerOps`, subtracted from position 0's key) rounded once to the output dtype, equal
+    to :func:`vllm_nvfp4.paged_torch.read_kv_from_cache`. Returns ``(k_out, v_out)``.
     """
     layout.check_cache(cache)
     _check_heads("k_out", k_out, layout, ATTN_DTYPES)
@@ -375,6 +399,8 @@ def dequantize_kv(
         raise ValueError(f"k_out/v_out must have {layout.num_kv_heads} KV heads, got "
                          f"{tuple(k_out.shape)} / {tuple(v_out.shape)}")
     _check_scales(layout, cache.device, k_scale=k_scale, v_scale=v_scale)
+    if key0_shift is not None:
+        _check_key0_shift(key0_shift, layout, cache.device)
     if seq_starts is not None and (seq_starts.dtype != torch.int32 or tuple(seq_starts.shape) != (
             end - first_seq,) or seq_starts.device != cache.device):
         raise ValueError(f"seq_starts must be int32 [{end - first_seq}] on {cache.device}, got "
@@ -384,7 +410,8 @@ def dequantize_kv(
         firsts = [0] * len(lens) if seq_starts is None else seq_starts.tolist()
         for i, (row, n, a) in enumerate(zip(rows, lens, firsts)):
             ids = block_table[first_seq + i, : -(-n // layout.block_size)]
-            k, v = paged_torch.read_kv_from_cache(cache, layout, ids, k_scale, v_scale, n)
+            k, v = paged_torch.read_kv_from_cache(cache, layout, ids, k_scale, v_scale, n,
+                                                  key0_shift)
             k_out[row:row + n - a] = k[a:]
             v_out[row:row + n - a] = v[a:]
         return k_out, v_out
@@ -392,5 +419,6 @@ def dequantize_kv(
     from vllm_nvfp4.kernels import dequant
 
     dequant.dequantize_kv(cache, layout, k_scale, v_scale, block_table, seq_lens, cu_seqlens,
-                          int(max_seq_len), k_out, v_out, int(first_seq), seq_starts)
+                          int(max_seq_len), k_out, v_out, int(first_seq), seq_starts,
+                          key0_shift=key0_shift)
     return k_out, v_out

@@ -87,6 +87,7 @@ def dequantize_tokens(
     block_ids: torch.Tensor,
     scale: torch.Tensor,
     seq_lens: Optional[torch.Tensor] = None,
+    key0_shift: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Dequantize K or V of ``S`` sequences' blocks ``block_ids [S, n]``: FP32 ``[S, H, n * B, D]``.
 
@@ -95,6 +96,9 @@ def dequantize_tokens(
     per-head ``scale [H]`` (same FP32 products in the same order; NVFP4 nibbles are decoded a byte
     at a time through a table built from :func:`e2m1_value`). With ``seq_lens [S]``, tokens at
     ``t >= seq_lens[s]`` are exactly 0, whatever stale bytes (NaN included) their slots hold.
+    ``key0_shift`` (FP32 ``[H, D]``; the blocks must start at the sequences' first block) is
+    subtracted from token 0 of every sequence that has one: the sink key stored uncentered
+    (:func:`vllm_nvfp4.key_transform.sink_shift`; 0 for heads stored centered).
     """
     n_seq, n_blk = block_ids.shape
     h, b, d = layout.num_kv_heads, layout.block_size, layout.head_dim
@@ -113,12 +117,25 @@ def dequantize_tokens(
             sc.masked_fill_(stale, 0)
     per_head = scale.view(1, -1, 1, 1)
     if sc is None:
-        return data.view(torch.float8_e4m3fn).float() * per_head
+        x = data.view(torch.float8_e4m3fn).float() * per_head
+        return x if key0_shift is None else _shift_first_keys(x, key0_shift, seq_lens)
     vals = _e2m1_byte_table(data.device).index_select(0, data.flatten().int()).view(torch.float32)
     vals = vals.view(n_seq, h, length, d)[..., _nibble_position(d, data.device)]  # element order
     se = sc.view(torch.float8_e4m3fn).float() * per_head  # [S, H, n * B, D/16]
     x = vals.view(n_seq, h, length, d // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE) * se.unsqueeze(-1)
-    return x.view(n_seq, h, length, d)
+    x = x.view(n_seq, h, length, d)
+    return x if key0_shift is None else _shift_first_keys(x, key0_shift, seq_lens)
+
+
+def _shift_first_keys(k: torch.Tensor, key0_shift: torch.Tensor,
+                      seq_lens: Optional[torch.Tensor]) -> torch.Tensor:
+    """``k [S, H, L, D]`` (FP32, token 0 = position 0) with ``key0_shift [H, D]`` subtracted from
+    token 0 of each sequence with at least one token (all without ``seq_lens``)."""
+    first = k[:, :, 0, :] - key0_shift
+    if seq_lens is not None:
+        first = torch.where((seq_lens > 0).view(-1, 1, 1), first, k[:, :, 0, :])
+    k[:, :, 0, :] = first
+    return k
 
 
 def read_kv_from_cache(
@@ -128,16 +145,20 @@ def read_kv_from_cache(
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
     num_tokens: Optional[int] = None,
+    key0_shift: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantized ``(K, V)``, each FP32 ``[num_tokens, H, D]``, of one sequence's blocks ``[n]``.
+    """Dequantized ``(K, V)``, each FP32 ``[num_tokens, H, D]``, of one sequence's blocks ``[n]``
+    (from its first block).
 
-    ``num_tokens`` (default ``n * block_size``) keeps the first tokens.
+    ``num_tokens`` (default ``n * block_size``) keeps the first tokens; ``key0_shift``: see
+    :func:`dequantize_tokens`.
     """
-    def plane(which: KV, scale: torch.Tensor) -> torch.Tensor:
-        x = dequantize_tokens(cache, layout, which, block_ids.view(1, -1), scale)[0].transpose(0, 1)
+    def plane(which: KV, scale: torch.Tensor, shift: Optional[torch.Tensor]) -> torch.Tensor:
+        x = dequantize_tokens(cache, layout, which, block_ids.view(1, -1), scale,
+                              key0_shift=shift)[0].transpose(0, 1)
         return x if num_tokens is None else x[:num_tokens]
 
-    return plane("k", k_scale), plane("v", v_scale)
+    return plane("k", k_scale, key0_shift), plane("v", v_scale, None)
 
 
 def _attend(
@@ -228,6 +249,7 @@ def _attend_paged(
     logits_soft_cap: Optional[float],
     sinks: Optional[torch.Tensor],
     query_chunk: Optional[int] = None,
+    key0_shift: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``query [S, Q, Hq, D]`` at positions ``q_pos [S, Q]`` of sequences with blocks ``block_ids
     [S, n]`` (covering ``seq_lens [S]`` tokens) -> FP32 ``[S, Q, Hq, D]``.
@@ -236,9 +258,9 @@ def _attend_paged(
     past a sequence's length are exact zeros and masked. With ``query_chunk`` the query rows are
     attended ``query_chunk`` at a time, each chunk against the keys up to its last position
     (``q_pos`` increasing along Q), so the FP32 logits never exceed ``[S, Hq, query_chunk, L]``;
-    every row's result is the same.
+    every row's result is the same. ``key0_shift``: see :func:`dequantize_tokens`.
     """
-    k = dequantize_tokens(cache, layout, "k", block_ids, k_scale, seq_lens)
+    k = dequantize_tokens(cache, layout, "k", block_ids, k_scale, seq_lens, key0_shift)
     v = dequantize_tokens(cache, layout, "v", block_ids, v_scale, seq_lens)
     if sliding_window is not None:
         # Blocks wholly below every query's window may be ones vLLM already freed (their table
@@ -275,6 +297,7 @@ def paged_attention(
     sliding_window: Optional[int] = None,
     logits_soft_cap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
+    key0_shift: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Paged causal attention reading K/V from the quantized cache (FP32 math). Writes ``out``.
 
@@ -294,7 +317,8 @@ def paged_attention(
         in_use = torch.arange(n_blk, device=lens.device).view(1, -1) < ((lens + bs - 1) // bs).view(-1, 1)
         ids = torch.where(in_use, block_table[single, :n_blk].long(), 0)  # padding -> block 0, zeroed
         o = _attend_paged(query[rows].unsqueeze(1), (lens - 1).view(-1, 1), cache, layout, k_scale,
-                          v_scale, ids, lens, softmax_scale, sliding_window, logits_soft_cap, sinks)
+                          v_scale, ids, lens, softmax_scale, sliding_window, logits_soft_cap, sinks,
+                          key0_shift=key0_shift)
         out[rows] = o.squeeze(1).to(out.dtype)
     starts, lens_list = query_start_loc.tolist(), seq_lens.tolist()
     for s in torch.nonzero(q_lens > 1).flatten().tolist():  # prefill / chunked prefill: one by one
@@ -302,6 +326,6 @@ def paged_attention(
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device).view(1, -1)
         o = _attend_paged(query[start:end].unsqueeze(0), q_pos, cache, layout, k_scale, v_scale,
                           block_table[s:s + 1, :-(-seq_len // bs)], seq_lens[s:s + 1], softmax_scale,
-                          sliding_window, logits_soft_cap, sinks, PREFILL_QUERY_CHUNK)
+                          sliding_window, logits_soft_cap, sinks, PREFILL_QUERY_CHUNK, key0_shift)
         out[start:end] = o[0].to(out.dtype)
     return out

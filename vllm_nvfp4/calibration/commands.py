@@ -40,7 +40,8 @@ def _tool(command: str) -> dict[str, str]:
 def run_calibrate(model_dir: Path, data: Sequence[Path], formats: Optional[str] = None,
                   window: int = 2048, windows: int = 4, per_head: bool = False,
                   dtype: str = "bfloat16", k_smooth: Optional[float] = None,
-                  k_center: bool = False, device: str = "cpu", k_permute: bool = False) -> KVPolicy:
+                  k_center: bool = False, device: str = "cpu", k_permute: bool = False,
+                  k_sink_uncentered: bool = False) -> KVPolicy:
     """Calibrate K/V scales on ``windows`` windows; formats from the compact ``formats`` string
     (default rule when ``None``). Returns the policy with scales and provenance (not saved)."""
     model, tokenizer, info = load_model(model_dir, dtype, device, window, 0)
@@ -53,8 +54,10 @@ def run_calibrate(model_dir: Path, data: Sequence[Path], formats: Optional[str] 
             "data": toks.describe(), "formats_from": "--policy" if formats else "default rule",
             "scales": "per KV head" if per_head else "per layer",
             "k_smooth_alpha": k_smooth, "k_center": k_center, "k_permute": k_permute,
+            "k_sink_uncentered": k_sink_uncentered,
             "conventions": {"fp8_scale": "amax/448", "nvfp4_global_scale": "amax/2688"}}
-    return scaled_policy(fmt, observer, per_head, prov, k_smooth, k_center, k_permute)
+    return scaled_policy(fmt, observer, per_head, prov, k_smooth, k_center, k_permute,
+                         k_sink_uncentered)
 
 
 def _check_same_inputs(report: dict[str, Any]) -> None:
@@ -179,6 +182,7 @@ def run_tune(model_dir: Path, data: Sequence[Path], report_dir: Path, fp8_slots:
              budget: Optional[float] = None, window: int = 2048, windows: int = 2,
              calib_windows: int = 1, per_head: bool = False, dtype: str = "bfloat16",
              k_smooth: Optional[float] = None, k_center: bool = True, k_permute: bool = False,
+             k_sink_uncentered: bool = True,
              metric: str = "kl",
              measure: bool = True, measure_windows: Optional[int] = None,
              device: str = "cpu", base: str = DEFAULT_BASE) -> TuneResult:
@@ -190,11 +194,12 @@ def run_tune(model_dir: Path, data: Sequence[Path], report_dir: Path, fp8_slots:
     start = time.time()
     notes = []
     if k_center and soft_capped(Path(model_dir)):
-        k_center = False
+        k_center = k_sink_uncentered = False
         notes.append("note: the model soft-caps its attention logits; K centering is off")
     with single_bar("tune", unit="step"):
         report = analyze(model_dir, data, report_dir, window, windows, calib_windows,
                          per_head=per_head, dtype=dtype, k_smooth=k_smooth, k_center=k_center,
+                         k_sink_uncentered=k_sink_uncentered and k_center,
                          k_permute=k_permute,
                          device=device, base=base)
         for stale in Path(report_dir).glob("selection-*.json"):  # of an earlier analysis

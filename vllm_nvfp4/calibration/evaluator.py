@@ -14,12 +14,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 
-from vllm_nvfp4.calibration.kv_hooks import (HeadFormats, KeySink, KVRotation, attention_modules,
-                                             kv_cache_quantization)
+from vllm_nvfp4.calibration.kv_hooks import KVOption, attention_modules, kv_cache_quantization
 from vllm_nvfp4.calibration.modeling import input_device
 from vllm_nvfp4.calibration.metrics import Metrics, Reference, per_token_damage, reference_from_logits, summarize
 from vllm_nvfp4.policy import KVPolicy
@@ -51,21 +50,18 @@ class Evaluator:
     """Scores policies against a reference forward on ``windows [n, T]`` (token ids).
 
     Call :meth:`reference` first (policy ``None``: unquantized model dtype), optionally
-    :meth:`set_baseline` to enable prefix reuse, then :meth:`measure` per policy. ``rotation``
-    (set it between measurements; prefix reuse assumes it stays) rotates K/V of the quantized
-    forwards (:class:`~vllm_nvfp4.calibration.kv_hooks.KVRotation`); ``key_sink``, the same way,
-    keeps each window's first keys in FP8 in NVFP4-K layers
-    (:class:`~vllm_nvfp4.calibration.kv_hooks.KeySink`); ``head_formats``, set before a
-    :meth:`measure`, stores single KV heads in the other format
-    (:class:`~vllm_nvfp4.calibration.kv_hooks.HeadFormats`; prefix reuse starts at its first layer).
+    :meth:`set_baseline` to enable prefix reuse, then :meth:`measure` per policy. ``options``
+    (:class:`~vllm_nvfp4.calibration.kv_hooks.KVOption`, e.g. the study options of
+    ``studies/kv_options.py``) change what the quantized forwards store; set them between
+    measurements. Prefix reuse assumes the options without a ``first_layer`` stay as they were
+    for the baseline, and starts at the ``first_layer`` of the others (options set per
+    measurement, e.g. per-head formats).
     """
 
     def __init__(self, model: torch.nn.Module, windows: torch.Tensor, reuse_prefix: bool = True,
-                 rotation: Optional[KVRotation] = None, key_sink: Optional[KeySink] = None) -> None:
+                 options: Sequence[KVOption] = ()) -> None:
         self.model = model
-        self.rotation = rotation
-        self.key_sink = key_sink
-        self.head_formats: Optional[HeadFormats] = None
+        self.options: tuple[KVOption, ...] = tuple(options)
         self.windows = windows.to(input_device(model))
         self.refs: list[Reference] = []
         self.layers = _decoder_layers(model) if reuse_prefix else None
@@ -81,8 +77,7 @@ class Evaluator:
         """Logits ``[T, vocab]`` of window ``w`` under ``policy``, from layer ``start`` on."""
         self.forwards += 1
         ids = self.windows[w].unsqueeze(0)
-        with (kv_cache_quantization(self.model, policy, rotation=self.rotation, key_sink=self.key_sink,
-                                    head_formats=self.head_formats)
+        with (kv_cache_quantization(self.model, policy, options=self.options)
               if policy is not None
               else contextlib.nullcontext()):
             if start == 0:
@@ -134,9 +129,10 @@ class Evaluator:
     def set_baseline(self, policy: KVPolicy, desc_progress: Optional[object] = None) -> Metrics:
         """Measure ``policy`` and record its per-layer inputs for prefix reuse."""
         self._need_reference()
-        if self.head_formats is not None:
-            raise ValueError("set_baseline with head_formats set: a baseline is the policy alone "
-                             "(set head_formats = None first, then before each measure)")
+        if self._option_start() is not None:
+            raise ValueError("set_baseline with a per-measurement option set (one with a "
+                             "first_layer, e.g. HeadFormats): a baseline is the policy alone (drop "
+                             "it from options first, then set it before each measure)")
         t0 = time.time()
         kls, nlls, agree = [], [], []
         self.captured = []
@@ -168,8 +164,8 @@ class Evaluator:
             self.captured = []
 
     def first_difference(self, policy: KVPolicy) -> int:
-        """Index of the first layer where ``policy`` (or :attr:`head_formats`) differs from the
-        baseline (0 without one)."""
+        """Index of the first layer where ``policy`` (or a per-measurement option, its
+        ``first_layer``) differs from the baseline (0 without one)."""
         if self.baseline is None or self.layers is None or not self.captured:
             return 0
         first = len(policy.layers)
@@ -177,8 +173,12 @@ class Evaluator:
             if a != b:
                 first = i
                 break
-        heads = None if self.head_formats is None else self.head_formats.first_layer
-        return first if heads is None else min(first, heads)
+        start = self._option_start()
+        return first if start is None else min(first, start)
+
+    def _option_start(self) -> Optional[int]:
+        """The lowest ``first_layer`` of the options (None: none has one)."""
+        return min((o.first_layer for o in self.options if o.first_layer is not None), default=None)
 
     def measure(self, policy: Optional[KVPolicy], desc_progress: Optional[object] = None) -> Metrics:
         """Damage of ``policy`` against the reference (prefix reuse when it applies).

@@ -29,24 +29,17 @@ What "as served" means (vLLM 0.32 semantics)
 * Non-finite K/V follow the kernels (``nonfinite="propagate"``): a bad 16-block decodes to NaN, a
   bad FP8 element stays NaN or saturates; nothing else is touched.
 
-Rotation
---------
-Pass a :class:`KVRotation` to store chosen layers' K and/or V rotated along head_dim
-(:mod:`vllm_nvfp4.rotation`; the query rotated alike, the output rotated back): an accuracy
-experiment of the reference path, not something the serving integration does.
-
-Key sink
---------
-Pass a :class:`KeySink` to store the first keys of every sequence (the attention-sink tokens)
-another way in layers whose K is NVFP4 (FP8, unquantized, or NVFP4 before K centering): an
-accuracy experiment of the reference path, not something the serving integration does.
-
-Head formats
+The sink key
 ------------
-Pass a :class:`HeadFormats` to store single KV heads of a K or V slot in the other format (FP8
-heads in an NVFP4 slot or the reverse), each with the layer's scale for that format: an accuracy
-experiment of the reference path (per-head format selection), which the paged cache does not
-serve - its pages hold one format for a layer's K and one for its V.
+A policy layer with ``k_sink_uncentered`` stores the key at position 0 of every sequence (the
+attention sink) as the serving cache does: quantized before K centering, ``mu / lam`` subtracted
+after decoding (:func:`with_uncentered_sink`).
+
+Study options
+-------------
+Pass :class:`KVOption` objects (``options``) for what the serving cache does not store: the
+repository's ``studies/kv_options.py`` holds rotations along head_dim, per-head formats and other
+sink-key stores, as accuracy experiments of the reference path.
 
 Observe mode
 ------------
@@ -59,12 +52,11 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
 from vllm_nvfp4.formats import (
-    E2M1_MAX,
     NonFinite,
     KVFormat,
     check_kv_format,
@@ -74,8 +66,7 @@ from vllm_nvfp4.formats import (
     nvfp4_dequantize_folded,
     nvfp4_quantize,
 )
-from vllm_nvfp4.key_transform import permute_channels, stored_keys
-from vllm_nvfp4.rotation import rotate, rotation_matrix, unrotate
+from vllm_nvfp4.key_transform import permute_channels, sink_shift, stored_keys
 from vllm_nvfp4.policy import KVPolicy, LayerType, PolicyError, layer_types_from_config
 
 HOOK_PREFIX = "vllm_nvfp4_kv|"
@@ -106,7 +97,7 @@ def _head_scale(scale: ScaleArg, num_heads: int, extra_dims: int) -> torch.Tenso
 
 def fake_quantize(
     x: torch.Tensor, fmt: str, scale: ScaleArg, nonfinite: NonFinite = "propagate",
-    nvfp4_decoding: str = "exact",
+    nvfp4_decoding: str = "exact", dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """Quantize and dequantize ``x [..., kv_heads, seq, head_dim]`` as the cache stores it.
 
@@ -117,9 +108,11 @@ def fake_quantize(
         scale: a positive float, or one per KV head (sequence or tensor ``[kv_heads]``).
         nonfinite: passed to the formats reference (``"propagate"`` = the kernels' behaviour).
         nvfp4_decoding: a key of :data:`NVFP4_DECODINGS` (NVFP4 only).
+        dtype: the dtype of the result (default ``x.dtype``).
     Returns:
-        Tensor of ``x.shape`` and ``x.dtype``: FP32 dequantization cast to ``x.dtype``.
+        Tensor of ``x.shape``: FP32 dequantization cast to ``dtype``.
     """
+    dtype = x.dtype if dtype is None else dtype
     fmt = check_kv_format(fmt)
     _check_decoding(nvfp4_decoding)
     if x.dim() < 3:
@@ -127,10 +120,10 @@ def fake_quantize(
     heads = x.shape[-3]
     if fmt is KVFormat.FP8:
         s = _head_scale(scale, heads, extra_dims=2).to(x.device)
-        return fp8_dequantize(fp8_quantize(x, s, nonfinite=nonfinite), s, dtype=x.dtype)
+        return fp8_dequantize(fp8_quantize(x, s, nonfinite=nonfinite), s, dtype=dtype)
     g = _head_scale(scale, heads, extra_dims=1).to(x.device)
     packed, block_scales = nvfp4_quantize(x, g, nonfinite=nonfinite)
-    return NVFP4_DECODINGS[nvfp4_decoding](packed, block_scales, g, dtype=x.dtype)
+    return NVFP4_DECODINGS[nvfp4_decoding](packed, block_scales, g, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------- observation
@@ -138,8 +131,10 @@ class KVObserver:
     """Running per-layer, per-KV-head amax of K and V (FP32 tensors ``[kv_heads]``), and per K
     channel (``[kv_heads, head_dim]``): amax (the input of K smoothing), max, min and sum (K
     centering: the mean and the amax of ``K - mean``), sum of squares (the channel RMS that
-    orders a K channel permutation). Indexed by decoder layer; ``kv_layers``
-    (default: all) are the layers that hold a KV cache and must be observed."""
+    orders a K channel permutation); and of the first key of every sequence (position 0: each
+    observed sequence must start there) the per-channel max and min (whether the sink key fits
+    the K range uncentered). Indexed by decoder layer; ``kv_layers`` (default: all) are the
+    layers that hold a KV cache and must be observed."""
 
     def __init__(self, num_layers: int, kv_layers: Optional[Sequence[int]] = None) -> None:
         self.num_layers = num_layers
@@ -151,6 +146,8 @@ class KVObserver:
         self.k_channel_min: list[Optional[torch.Tensor]] = [None] * num_layers
         self.k_channel_sum: list[Optional[torch.Tensor]] = [None] * num_layers  # FP64
         self.k_channel_sumsq: list[Optional[torch.Tensor]] = [None] * num_layers  # FP64
+        self.k_first_max: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.k_first_min: list[Optional[torch.Tensor]] = [None] * num_layers
         self.tokens: list[int] = [0] * num_layers
 
     def k_channel_mean(self, layer: int) -> torch.Tensor:
@@ -170,8 +167,16 @@ class KVObserver:
         mu = self.k_channel_mean(layer)
         return torch.maximum(self.k_channel_max[layer] - mu, mu - self.k_channel_min[layer])  # type: ignore[operator]
 
+    def k_first_amax(self, layer: int, smooth: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Largest ``|K_0 / lam|`` of each KV head over the observed first keys (uncentered),
+        FP32 ``[kv_heads]``; ``smooth`` (``lam [kv_heads, head_dim]``, channel order as
+        observed) or None."""
+        top = torch.maximum(self.k_first_max[layer].abs(), self.k_first_min[layer].abs())  # type: ignore[union-attr]
+        return (top if smooth is None else top / smooth).amax(dim=1)
+
     def observe(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Fold in ``key``/``value [batch, kv_heads, seq, head_dim]`` of ``layer``."""
+        """Fold in ``key``/``value [batch, kv_heads, seq, head_dim]`` of ``layer`` (each of the
+        ``batch`` sequences from position 0)."""
         for name, t in (("k_amax", key), ("v_amax", value)):
             t32 = t.detach().float()
             if not bool(torch.isfinite(t32).all()):
@@ -184,7 +189,9 @@ class KVObserver:
                  "k_channel_max": (k32.amax(dim=(0, 2)), torch.maximum),
                  "k_channel_min": (k32.amin(dim=(0, 2)), torch.minimum),
                  "k_channel_sum": (k32.double().sum(dim=(0, 2)), torch.add),
-                 "k_channel_sumsq": (k32.double().square().sum(dim=(0, 2)), torch.add)}
+                 "k_channel_sumsq": (k32.double().square().sum(dim=(0, 2)), torch.add),
+                 "k_first_max": (k32[:, :, 0].amax(dim=0), torch.maximum),
+                 "k_first_min": (k32[:, :, 0].amin(dim=0), torch.minimum)}
         for name, (val, fold) in stats.items():  # each [kv_heads, head_dim]
             prev = getattr(self, name)[layer]
             getattr(self, name)[layer] = val.cpu() if prev is None else fold(prev, val.cpu())
@@ -197,7 +204,9 @@ class KVObserver:
 
 # ---------------------------------------------------------------------------- per-layer state
 @dataclass(frozen=True)
-class _LayerQuant:
+class LayerQuant:
+    """One layer's formats, scales and K transforms as the hook stores them."""
+
     k_fmt: str
     v_fmt: str
     k_scale: ScaleArg
@@ -205,6 +214,7 @@ class _LayerQuant:
     k_smooth: Optional[torch.Tensor] = None  # FP32 [kv_heads, head_dim]
     k_center: Optional[torch.Tensor] = None  # FP32 [kv_heads, head_dim]
     k_perm: Optional[torch.Tensor] = None  # int64 [kv_heads, head_dim]
+    k_sink: Optional[torch.Tensor] = None  # bool [kv_heads]: position 0 stored uncentered
 
     @property
     def transforms_k(self) -> bool:
@@ -212,10 +222,10 @@ class _LayerQuant:
         return self.k_smooth is not None or self.k_center is not None or self.k_perm is not None
 
 
-def _layer_quants(policy: KVPolicy) -> list[Optional[_LayerQuant]]:
+def _layer_quants(policy: KVPolicy) -> list[Optional[LayerQuant]]:
     """Per decoder layer, its formats and the scale its format uses (defaults where missing);
     None for a layer without KV cache."""
-    out: list[Optional[_LayerQuant]] = []
+    out: list[Optional[LayerQuant]] = []
     for lp in policy.layers:
         if not lp.layer_type.holds_kv:
             out.append(None)
@@ -229,7 +239,33 @@ def _layer_quants(policy: KVPolicy) -> list[Optional[_LayerQuant]]:
         smooth, center = (None if rows is None else torch.tensor(rows, dtype=torch.float32)
                           for rows in (lp.k_smooth, lp.k_center))
         perm = None if lp.k_perm is None else torch.tensor(lp.k_perm, dtype=torch.int64)
-        out.append(_LayerQuant(lp.k, lp.v, scales[0], scales[1], smooth, center, perm))
+        sink = None if center is None else lp.sink_heads(center.shape[0])
+        out.append(LayerQuant(lp.k, lp.v, scales[0], scales[1], smooth, center, perm,
+                               None if sink is None else torch.tensor(sink)))
+    return out
+
+
+def with_uncentered_sink(stored: torch.Tensor, raw_key: torch.Tensor, fmt: str, scale: ScaleArg,
+                         center: torch.Tensor, smooth: Optional[torch.Tensor],
+                         perm: Optional[torch.Tensor], heads: torch.Tensor,
+                         nonfinite: NonFinite = "propagate",
+                         nvfp4_decoding: str = "exact") -> torch.Tensor:
+    """``stored`` (the read-back of the centered keys ``[batch, kv_heads, seq, head_dim]``, seq
+    from position 0) with position 0 of the KV heads ``heads`` (bool ``[kv_heads]``) as the
+    serving cache holds it (policy ``k_sink_uncentered``): ``raw_key`` (the keys before the K
+    transforms, same shape) at position 0 stored as ``K[perm] / lam`` in ``fmt`` with ``scale``,
+    decoded in FP32, minus :func:`~vllm_nvfp4.key_transform.sink_shift`, cast to
+    ``stored.dtype``. ``center``/``smooth``/``perm`` ``[kv_heads, head_dim]`` (permuted order)."""
+    if stored.shape[-2] == 0:
+        return stored
+    dev = raw_key.device
+    lam, p = (None if t is None else t.to(dev)[:, None, :] for t in (smooth, perm))
+    first = fake_quantize(stored_keys(raw_key[..., :1, :], None, lam, p), fmt, scale, nonfinite,
+                          nvfp4_decoding, dtype=torch.float32)
+    shift = sink_shift(center.to(dev), None if smooth is None else smooth.to(dev))
+    first = (first - shift[:, None, :]).to(stored.dtype)
+    out = stored.clone()
+    out[..., :1, :] = torch.where(heads.to(dev)[:, None, None], first, stored[..., :1, :])
     return out
 
 
@@ -254,150 +290,54 @@ def transform_qk(query: torch.Tensor, key: torch.Tensor, lam: Optional[torch.Ten
     return query, key
 
 
-@dataclass(frozen=True)
-class KVRotation:
-    """Which layers' K and V the cache stores rotated (:mod:`vllm_nvfp4.rotation`, ``kind``).
+class KVOption:
+    """A change of what the hooked attention stores beyond the policy, for accuracy studies (the
+    options in the repository's ``studies/kv_options.py``: rotations, per-head formats, sink-key
+    stores the cache does not serve). Each hook point's default leaves its tensors as they are;
+    transformers' layout throughout (``[batch, heads, seq, head_dim]``, the sequence from
+    position 0)."""
 
-    A rotated K also rotates the query (``q . k`` unchanged); a rotated V rotates the attention
-    output back. Rotation comes first: observation, K centering/smoothing and quantization all
-    see the rotated vectors (centering commutes with it: ``R k - R mu = R (k - mu)``)."""
-
-    kind: str
-    k_layers: frozenset[int]
-    v_layers: frozenset[int]
-
-    @classmethod
-    def every_layer(cls, kind: str, num_layers: int, k: bool = True, v: bool = True) -> "KVRotation":
-        """``kind`` on K (``k``) and/or V (``v``) of every layer."""
-        layers = frozenset(range(num_layers))
-        return cls(kind, layers if k else frozenset(), layers if v else frozenset())
-
-
-#: how :class:`KeySink` stores the sink keys: FP8 at 6x the NVFP4 global scale, unquantized, or NVFP4
-#: of the key before K centering (the center subtracted after decoding)
-KEY_SINK_STORES = ("fp8", "exact", "uncentered")
-
-
-@dataclass(frozen=True)
-class KeySink:
-    """The first ``tokens`` keys of every sequence stored another way (``store``, one of
-    :data:`KEY_SINK_STORES`) in the layers whose K is NVFP4. ``fp8`` uses the layer's NVFP4 global
-    scale x 6 (amax/448 where the global scale is amax/2688); ``uncentered`` quantizes
-    ``K / lam`` to NVFP4 with the layer's global scale and subtracts ``mu / lam`` after decoding,
-    which stores no extra bytes (K centering, :mod:`vllm_nvfp4.key_transform`, makes the sink
-    key, small before centering, one of the largest after it). ``layers``: the decoder layers it
-    applies to (None: every NVFP4-K layer)."""
-
-    tokens: int
-    store: str = "fp8"
-    layers: Optional[frozenset[int]] = None
-
-    def covers(self, layer: int) -> bool:
-        """Whether the sink applies to decoder layer ``layer`` (its K must be NVFP4 as well)."""
-        return self.layers is None or layer in self.layers
-
-    def __post_init__(self) -> None:
-        if self.tokens < 1:
-            raise ValueError(f"KeySink needs tokens >= 1, got {self.tokens}")
-        if self.store not in KEY_SINK_STORES:
-            raise ValueError(f"KeySink store must be one of {', '.join(KEY_SINK_STORES)}, got {self.store!r}")
-
-    def apply(self, stored: torch.Tensor, raw_key: torch.Tensor, quant: "_LayerQuant",
-              nonfinite: NonFinite) -> torch.Tensor:
-        """``stored`` (the NVFP4 read-back of the transformed keys, ``[batch, kv_heads, seq,
-        head_dim]``) with its first ``tokens`` positions stored as ``store`` says; ``raw_key``:
-        the keys before K centering and smoothing, same shape."""
-        n = min(self.tokens, raw_key.shape[-2])
-        raw = raw_key[..., :n, :]
-        mu, lam, perm = (None if t is None else t.to(raw.device)[:, None, :]
-                         for t in (quant.k_center, quant.k_smooth, quant.k_perm))
-        if self.store == "uncentered":
-            head = fake_quantize(stored_keys(raw, None, lam, perm), "nvfp4", quant.k_scale,
-                                 nonfinite).float()
-            if mu is not None:
-                head = head - (mu if lam is None else mu / lam)
-        else:
-            head = stored_keys(raw, mu, lam, perm)
-            if self.store == "fp8":
-                fp8_scale = torch.as_tensor(quant.k_scale, dtype=torch.float32) * E2M1_MAX
-                head = fake_quantize(head, "fp8", fp8_scale, nonfinite)
-        out = stored.clone()
-        out[..., :n, :] = head.to(out.dtype)
-        return out
-
-
-#: one overridden KV head: its index, its format and the scale of that format
-HeadOverride = tuple[int, KVFormat, ScaleArg]
-
-
-@dataclass(frozen=True)
-class HeadFormats:
-    """Single KV heads stored in another format than their slot's: ``heads[(layer, "k" or
-    "v")][head]`` is ``"fp8"`` or ``"nvfp4"``; every other head keeps the policy's format. A head's
-    scale is its layer's for that format (the policy keeps an FP8 scale and an NVFP4 global scale
-    per slot, :func:`~vllm_nvfp4.calibration.sensitivity.all_format`; missing: the format's default)."""
-
-    heads: Mapping[tuple[int, str], Mapping[int, str]]
-
-    def __post_init__(self) -> None:
-        for (layer, kv), per_head in self.heads.items():
-            if kv not in ("k", "v") or not isinstance(layer, int) or layer < 0:
-                raise ValueError(f"HeadFormats key must be (layer >= 0, 'k' or 'v'), got {(layer, kv)!r}")
-            for head, fmt in per_head.items():
-                check_kv_format(fmt)
-                if not isinstance(head, int) or head < 0:
-                    raise ValueError(f"HeadFormats: layer {layer} {kv}: head must be an int >= 0, got {head!r}")
+    def bind(self, policy: Optional[KVPolicy], num_kv_heads: int) -> "KVOption":
+        """The option as it runs with ``policy`` (checked against it: a clear error where it does
+        not fit); default: itself."""
+        return self
 
     @property
     def first_layer(self) -> Optional[int]:
-        """The lowest layer with an overridden head (None: none)."""
-        return min((layer for (layer, _), per_head in self.heads.items() if per_head), default=None)
+        """The lowest layer the option changes, for an option set per measurement (the
+        :class:`~vllm_nvfp4.calibration.evaluator.Evaluator` resumes there); None: it stays the
+        same for the baseline and every measurement."""
+        return None
 
-    def overrides(self, policy: KVPolicy, num_kv_heads: int) -> dict[tuple[int, str], list[HeadOverride]]:
-        """``{(layer, kv): [(head, format, that head's scale)]}`` resolved against ``policy``."""
-        out: dict[tuple[int, str], list[HeadOverride]] = {}
-        for (layer, kv), per_head in self.heads.items():
-            if layer >= policy.num_layers:
-                raise ValueError(f"HeadFormats: layer {layer}: the policy has {policy.num_layers} layers")
-            lp = policy.layers[layer]
-            if not lp.layer_type.holds_kv:
-                raise ValueError(f"HeadFormats: layer {layer} has no KV cache")
-            for head, fmt in sorted(per_head.items()):
-                if head >= num_kv_heads:
-                    raise ValueError(f"HeadFormats: layer {layer} {kv} head {head}: the model has "
-                                     f"{num_kv_heads} KV heads")
-                fmt = check_kv_format(fmt)
-                scale = getattr(lp, f"{kv}_scale" if fmt is KVFormat.FP8 else f"{kv}_global_scale")
-                scale = fmt.default_scale if scale is None else scale
-                if isinstance(scale, (tuple, list)):
-                    scale = scale[head]
-                out.setdefault((layer, kv), []).append((head, fmt, scale))
+    def inputs(self, layer: int, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Query, key and value of ``layer`` before observation and quantization."""
+        return query, key, value
+
+    def output(self, layer: int, out: torch.Tensor) -> torch.Tensor:
+        """The attention output ``[batch, seq, heads, head_dim]`` of ``layer``."""
         return out
 
-
-def _with_head_formats(stored: torch.Tensor, x: torch.Tensor,
-                       overrides: Optional[list[HeadOverride]], state: "_HookState") -> torch.Tensor:
-    """``stored [b, kv_heads, s, d]`` with the overridden heads re-quantized from ``x`` (the same
-    tensor before quantization) in their own format."""
-    if not overrides:
+    def stored_key(self, layer: int, stored: torch.Tensor, key: torch.Tensor, raw_key: torch.Tensor,
+                   quant: "LayerQuant", nonfinite: NonFinite, nvfp4_decoding: str) -> torch.Tensor:
+        """The keys ``layer`` attends: ``stored`` (the cache's read-back of ``key``, the keys
+        after the policy's K transforms; ``raw_key`` before them)."""
         return stored
-    out = stored.clone()
-    for head, fmt, scale in overrides:
-        out[:, head:head + 1] = fake_quantize(x[:, head:head + 1], fmt, scale, state.nonfinite,
-                                              state.nvfp4_decoding).to(out.dtype)
-    return out
+
+    def stored_value(self, layer: int, stored: torch.Tensor, value: torch.Tensor,
+                     quant: "LayerQuant", nonfinite: NonFinite, nvfp4_decoding: str) -> torch.Tensor:
+        """The values ``layer`` attends: ``stored`` (the cache's read-back of ``value``)."""
+        return stored
 
 
 @dataclass
 class _HookState:
     base: str
-    quants: Optional[list[_LayerQuant]]
+    quants: Optional[list[LayerQuant]]
     observer: Optional[KVObserver]
     nonfinite: NonFinite
-    rotation: Optional[KVRotation] = None
     nvfp4_decoding: str = "exact"
-    key_sink: Optional[KeySink] = None
-    head_overrides: Optional[dict[tuple[int, str], list[HeadOverride]]] = None
+    options: tuple[KVOption, ...] = ()
     calls: int = 0
 
 
@@ -410,38 +350,36 @@ def _make_wrapper(base_name: str) -> Callable[..., Any]:
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, attention_mask: Optional[torch.Tensor], **kwargs: Any) -> Any:
         state = _ACTIVE.get(id(module.config))
-        if state is not None:
-            layer = module.layer_idx
-            state.calls += 1
-            rot = state.rotation
-            matrix = None if rot is None else rotation_matrix(rot.kind, key.shape[-1])
-            if rot is not None and layer in rot.k_layers:
-                query, key = rotate(query, matrix), rotate(key, matrix)
-            rotate_v = rot is not None and layer in rot.v_layers
-            if rotate_v:
-                value = rotate(value, matrix)
-            if state.observer is not None:
-                state.observer.observe(layer, key, value)
-            if state.quants is not None:
-                lq = state.quants[layer]
-                raw_key = key
-                if lq.transforms_k:
-                    query, key = transform_qk(query, key, lq.k_smooth, lq.k_center, lq.k_perm)
-                stored = fake_quantize(key, lq.k_fmt, lq.k_scale, state.nonfinite,
-                                       state.nvfp4_decoding)
-                heads = state.head_overrides or {}
-                stored = _with_head_formats(stored, key, heads.get((layer, "k")), state)
-                sink = state.key_sink
-                if sink is not None and lq.k_fmt == KVFormat.NVFP4 and sink.covers(layer):
-                    stored = sink.apply(stored, raw_key, lq, state.nonfinite)
-                key = stored.to(query.dtype)
-                value = _with_head_formats(
-                    fake_quantize(value, lq.v_fmt, lq.v_scale, state.nonfinite, state.nvfp4_decoding),
-                    value, heads.get((layer, "v")), state).to(query.dtype)
-            if rotate_v:  # output [batch, seq, heads, head_dim], rotated back
-                out, weights = _attend(base_name, module, query, key, value, attention_mask, **kwargs)
-                return unrotate(out, matrix), weights
-        return _attend(base_name, module, query, key, value, attention_mask, **kwargs)
+        if state is None:
+            return _attend(base_name, module, query, key, value, attention_mask, **kwargs)
+        layer = module.layer_idx
+        state.calls += 1
+        for opt in state.options:
+            query, key, value = opt.inputs(layer, query, key, value)
+        if state.observer is not None:
+            state.observer.observe(layer, key, value)
+        if state.quants is not None:
+            lq = state.quants[layer]
+            raw_key = key
+            if lq.transforms_k:
+                query, key = transform_qk(query, key, lq.k_smooth, lq.k_center, lq.k_perm)
+            stored = fake_quantize(key, lq.k_fmt, lq.k_scale, state.nonfinite, state.nvfp4_decoding)
+            if lq.k_sink is not None:
+                stored = with_uncentered_sink(stored, raw_key, lq.k_fmt, lq.k_scale, lq.k_center,
+                                              lq.k_smooth, lq.k_perm, lq.k_sink, state.nonfinite,
+                                              state.nvfp4_decoding)
+            stored_v = fake_quantize(value, lq.v_fmt, lq.v_scale, state.nonfinite,
+                                     state.nvfp4_decoding)
+            for opt in state.options:
+                stored = opt.stored_key(layer, stored, key, raw_key, lq, state.nonfinite,
+                                        state.nvfp4_decoding)
+                stored_v = opt.stored_value(layer, stored_v, value, lq, state.nonfinite,
+                                            state.nvfp4_decoding)
+            key, value = stored.to(query.dtype), stored_v.to(query.dtype)
+        out, weights = _attend(base_name, module, query, key, value, attention_mask, **kwargs)
+        for opt in reversed(state.options):
+            out = opt.output(layer, out)
+        return out, weights
 
     attention.__name__ = f"vllm_nvfp4_kv_{base_name}"
     return attention
@@ -525,18 +463,14 @@ def kv_cache_quantization(
     policy: Optional[KVPolicy] = None,
     observer: Optional[KVObserver] = None,
     nonfinite: NonFinite = "propagate",
-    rotation: Optional[KVRotation] = None,
     nvfp4_decoding: str = "exact",
-    key_sink: Optional[KeySink] = None,
-    head_formats: Optional[HeadFormats] = None,
+    options: Sequence[KVOption] = (),
 ) -> Iterator[_HookState]:
     """Within the block, ``model`` runs with K/V fake-quantized per ``policy`` and/or observed.
 
-    ``policy=None`` leaves K/V untouched (pure observation or a BF16 reference). ``rotation``:
-    the layers whose K/V are rotated before observation and quantization (:class:`KVRotation`).
-    ``nvfp4_decoding``: how NVFP4 layers are read back (:data:`NVFP4_DECODINGS`). ``key_sink``:
-    the first keys of each sequence stored another way in NVFP4-K layers (:class:`KeySink`).
-    ``head_formats``: single KV heads in the other format (:class:`HeadFormats`; needs ``policy``). Raises
+    ``policy=None`` leaves K/V untouched (pure observation or a BF16 reference).
+    ``nvfp4_decoding``: how NVFP4 layers are read back (:data:`NVFP4_DECODINGS`). ``options``:
+    study changes beyond the policy (:class:`KVOption`), applied in order (outputs in reverse). Raises
     :class:`~vllm_nvfp4.policy.PolicyError` if the policy does not fit the model and
     ``RuntimeError`` for models it cannot hook. Yields the hook state (``.calls`` counts the
     attention calls that went through the hook, a check that the model is supported).
@@ -560,14 +494,10 @@ def kv_cache_quantization(
     if base not in _BASE_IMPLEMENTATIONS:
         raise RuntimeError(f"attention implementation {base!r} is not supported; load with sdpa or eager")
     _check_decoding(nvfp4_decoding)
-    overrides = None
-    if head_formats is not None:
-        if policy is None:
-            raise ValueError("head_formats needs a policy (the formats and scales of the other heads)")
-        overrides = head_formats.overrides(policy, cfg.num_key_value_heads)
+    bound = tuple(opt.bind(policy, cfg.num_key_value_heads) for opt in options)
     register_hooks()
-    state = _HookState(base, _layer_quants(policy) if policy is not None else None, observer, nonfinite,
-                       rotation, nvfp4_decoding, key_sink, overrides)
+    state = _HookState(base, _layer_quants(policy) if policy is not None else None, observer,
+                       nonfinite, nvfp4_decoding, bound)
     keys = {id(m.config) for m in mods}
     with _LOCK:
         if any(k in _ACTIVE for k in keys):

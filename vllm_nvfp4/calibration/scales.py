@@ -15,6 +15,12 @@ K centering (``k_center``): ``mu_c`` = the mean of each K channel over the calib
 the cache stores ``K - mu`` (softmax-invariant, :mod:`vllm_nvfp4.policy.layer_policy`), so ``a_c`` above
 becomes the largest ``|K_c - mu_c|`` for the smoothing factors and the K scales.
 
+Sink key (``k_sink_uncentered``, with centering): per KV head, whether the first key of the
+calibration sequences (position 0: the tokenizer's BOS where it adds one, as served prompts
+start) fits the K range the scales were calibrated for without centering (``max_c |K_0c| / lam_c``
+at most the amax behind the layer's K scale); where it does, the policy stores that key
+uncentered (:mod:`vllm_nvfp4.policy.layer_policy`).
+
 K channel permutation (``k_permute``): per KV head, the channels in order of falling RMS (of
 ``K - mu`` with centering), so each 16-value NVFP4 block holds channels of similar magnitude; the
 offsets and smoothing factors are written in that order, and the K scales, which depend only on
@@ -29,7 +35,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from vllm_nvfp4.calibration.kv_hooks import KVObserver, KVRotation, kv_cache_quantization
+from vllm_nvfp4.calibration.kv_hooks import KVObserver, KVOption, kv_cache_quantization
 from vllm_nvfp4.calibration.modeling import input_device
 from vllm_nvfp4.calibration.progress import progress
 from vllm_nvfp4.formats import fp8_scale_from_amax, nvfp4_global_scale
@@ -41,13 +47,13 @@ logger = logging.getLogger(__name__)
 @torch.no_grad()
 def observe_amax(model: torch.nn.Module, windows: torch.Tensor, num_layers: int,
                  desc: str = "calibrate", kv_layers: Optional[Sequence[int]] = None,
-                 rotation: Optional[KVRotation] = None) -> KVObserver:
+                 options: Sequence[KVOption] = ()) -> KVObserver:
     """Run ``windows [n, T]`` one at a time and return the per-layer, per-head K/V amax
     (``num_layers`` decoder layers, of which ``kv_layers`` (default: all) hold a KV cache),
-    of the rotated K/V where ``rotation`` rotates them."""
+    of the K/V as ``options`` change them (e.g. a study's rotation, ``studies/kv_options.py``)."""
     observer = KVObserver(num_layers, kv_layers)
     device = input_device(model)
-    with kv_cache_quantization(model, observer=observer, rotation=rotation):
+    with kv_cache_quantization(model, observer=observer, options=options):
         for row in progress(windows, desc=desc, unit="window"):
             model(row.unsqueeze(0).to(device), use_cache=False)
     missing = observer.missing_layers()
@@ -91,10 +97,14 @@ def channel_permutation(channel_rms: torch.Tensor) -> torch.Tensor:
 def scaled_policy(formats: KVPolicy, observer: KVObserver, per_head: bool = False,
                   provenance: Optional[Mapping[str, Any]] = None,
                   k_smooth_alpha: Optional[float] = None, k_center: bool = False,
-                  k_permute: bool = False) -> KVPolicy:
+                  k_permute: bool = False, k_sink_uncentered: bool = False) -> KVPolicy:
     """``formats`` (formats only) with calibrated scales from ``observer`` for every layer, K
     centering offsets when ``k_center``, K smoothing factors when ``k_smooth_alpha`` is given,
-    a K channel permutation when ``k_permute`` (module doc)."""
+    a K channel permutation when ``k_permute``, the sink key uncentered where it fits when
+    ``k_sink_uncentered`` (needs ``k_center``; module doc)."""
+    if k_sink_uncentered and not k_center:
+        raise ValueError("k_sink_uncentered stores the sink key without the K centering offsets; "
+                         "it needs k_center")
     if formats.num_layers != observer.num_layers:
         raise ValueError(f"formats cover {formats.num_layers} layers, amax {observer.num_layers}")
     layers = []
@@ -102,7 +112,7 @@ def scaled_policy(formats: KVPolicy, observer: KVObserver, per_head: bool = Fals
         if not lp.layer_type.holds_kv:
             layers.append(lp)
             continue
-        k_amax, smooth, center, perm = observer.k_amax[i], None, None, None
+        k_amax, smooth, center, perm, lam = observer.k_amax[i], None, None, None, None
         channel_amax = observer.k_channel_amax[i]
         order = channel_permutation(observer.k_channel_rms(i, k_center)) if k_permute else None
 
@@ -118,14 +128,24 @@ def scaled_policy(formats: KVPolicy, observer: KVObserver, per_head: bool = Fals
             smooth = _rows(ordered(lam))
         if order is not None:
             perm = tuple(tuple(int(c) for c in row) for row in order)
+        sink = _sink_fits(observer.k_first_amax(i, lam), k_amax, per_head) if k_sink_uncentered else None
         k8, k4 = _scales(k_amax, per_head)  # type: ignore[arg-type]
         v8, v4 = _scales(observer.v_amax[i], per_head)  # type: ignore[arg-type]
         if None in (k8, v8):
             logger.warning("layer %d: K or V was all zeros during calibration; keeping default scales", i)
         layers.append(LayerPolicy(lp.k, lp.v, k_scale=k8, v_scale=v8, k_global_scale=k4,
                                   v_global_scale=v4, k_smooth=smooth, k_center=center,
-                                  k_perm=perm, layer_type=lp.layer_type))
+                                  k_perm=perm, k_sink_uncentered=sink, layer_type=lp.layer_type))
     return KVPolicy(tuple(layers), provenance=dict(provenance or {}), source="calibration")
+
+
+def _sink_fits(first_amax: torch.Tensor, k_amax: torch.Tensor, per_head: bool) -> Any:
+    """The ``k_sink_uncentered`` entry: per KV head whether the uncentered first key's amax
+    (``first_amax [kv_heads]``) stays within the K range the scales come from (``k_amax`` per
+    head, or its max with one scale per layer): True (all), a per-head tuple, or None (none)."""
+    limit = k_amax if per_head else k_amax.max()
+    fits = [bool(f) for f in first_amax <= limit]
+    return True if all(fits) else (tuple(fits) if any(fits) else None)
 
 
 def amax_table(observer: KVObserver) -> list[dict[str, list[float]]]:

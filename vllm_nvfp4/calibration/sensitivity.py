@@ -77,6 +77,7 @@ def analyze(
     device: str = "cpu",
     base: str = DEFAULT_BASE,
     k_permute: bool = False,
+    k_sink_uncentered: bool = False,
 ) -> dict[str, Any]:
     """Run the sensitivity analysis and write ``out_dir/sensitivity.json`` (+ ``scales.json``).
 
@@ -89,6 +90,8 @@ def analyze(
         k_smooth: with calibration, the K smoothing exponent (None: no smoothing).
         k_center: with calibration, K centering (store K minus its channel means).
         k_permute: with calibration, the K channel permutation (channels by falling RMS).
+        k_sink_uncentered: with calibration and ``k_center``, the sink key stored uncentered
+            where it fits (:func:`~vllm_nvfp4.calibration.scales.scaled_policy`).
         device: ``cpu``, ``cuda`` (every visible GPU), ``cuda:N`` or ``auto``
             (:func:`~vllm_nvfp4.calibration.modeling.load_model`).
         base: ``"fp8"`` (every slot moved to NVFP4 alone from all-FP8) or ``"nvfp4"`` (every
@@ -106,7 +109,7 @@ def analyze(
         observer = observe_amax(model, toks.calib, info.num_layers, kv_layers=info.kv_layers)
         formats = KVPolicy.from_compact("*:fp8", info.num_layers, layer_types=info.layer_types)
         scaled = scaled_policy(formats, observer, per_head, {"calibrated_on": toks.describe()},
-                               k_smooth, k_center, k_permute)
+                               k_smooth, k_center, k_permute, k_sink_uncentered)
         amax = amax_table(observer)
     else:
         scales.check_model(info.num_layers, info.num_kv_heads, layer_types=info.layer_types)
@@ -154,6 +157,7 @@ def analyze(
         "data": toks.describe(),
         "settings": {"window": window, "windows": windows, "calib_windows": n_calib,
                      "per_head": per_head, "k_smooth": k_smooth, "k_center": k_center,
+                     "k_sink_uncentered": k_sink_uncentered,
                      "k_permute": k_permute, "base": base,
                      "scales_from": "calibration" if scales is None else scales.source,
                      "prefix_reuse": ev.layers is not None, "forwards": ev.forwards,

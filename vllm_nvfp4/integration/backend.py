@@ -147,6 +147,24 @@ class Nvfp4MixedMetadata:
     decode_max_query_len: int = 1  # launch bounds of those decodes
     decode_max_seq_len: int = 0
     prefill_groups: tuple[PrefillGroup, ...] = ()
+    # bool [>= num_actual_tokens]: the tokens at position 0 of their sequence (None: no layer of
+    # this KV-cache group stores its sink key uncentered); a view of a persistent buffer
+    first_keys: Optional[torch.Tensor] = None
+
+
+def mark_first_keys(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int,
+                    counts: torch.Tensor, marks: torch.Tensor) -> torch.Tensor:
+    """``marks`` (bool ``[N]``) True exactly at the tokens whose absolute position is 0: the
+    first query token of each request whose context before this step is empty (``seq_lens[s]
+    == q_len > 0``; not a chunk after the first, not a prefix-cache hit, not a decode). Reads
+    device tensors only (no host sync: CUDA-graph capturable); ``counts`` (int32 ``[N + 1]``,
+    scratch) takes the requests' first rows, ``query_start_loc[s] <= num tokens <= N``."""
+    starts = query_start_loc[:num_reqs]
+    q_lens = query_start_loc[1:num_reqs + 1] - starts
+    fresh = (seq_lens[:num_reqs] == q_lens) & (q_lens > 0)
+    counts.zero_()
+    counts.index_put_((starts.long(),), fresh.to(torch.int32), accumulate=True)
+    return torch.gt(counts[:marks.shape[0]], 0, out=marks)
 
 
 class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
@@ -170,10 +188,19 @@ class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
         self._scratch_rows = scratch_rows(vllm_config)
         self._max_model_len = vllm_config.model_config.max_model_len
         forward_context = vllm_config.compilation_config.static_forward_context
+        uncentered_sinks = False
         for name in layer_names:
             layer = forward_context[name]
             index, row, layout = layer_plan(vllm_config, layer)
             layer.impl.bind(name, index, row, layout, vllm_config, device)
+            uncentered_sinks |= layer.impl.key0_shift is not None
+        # where some layer stores its sink key uncentered, which tokens sit at position 0
+        # (persistent: captured CUDA graphs read them)
+        self._first_key_buffers: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        if uncentered_sinks:
+            n = vllm_config.scheduler_config.max_num_batched_tokens
+            self._first_key_buffers = (torch.zeros(n + 1, dtype=torch.int32, device=device),
+                                       torch.zeros(n, dtype=torch.bool, device=device))
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> Nvfp4MixedMetadata:
@@ -191,6 +218,9 @@ class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
             block_table=m.block_table_tensor,
             slot_mapping=m.slot_mapping,
         )
+        if self._first_key_buffers is not None:
+            meta.first_keys = mark_first_keys(m.query_start_loc, m.seq_lens, m.num_reqs,
+                                              *self._first_key_buffers)
         threshold = self.reorder_batch_threshold
         if not self._dense_prefill or m.max_query_len <= threshold:
             return meta
@@ -275,6 +305,10 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         self.k_center: Optional[torch.Tensor] = None  # float32 [num_kv_heads, D]: cache holds K - it
         self.k_perm: Optional[torch.Tensor] = None  # int64 [num_kv_heads, D]: cache holds K[..., it]
         self.q_perm: Optional[torch.Tensor] = None  # int64 [num_heads, D]: queries permuted alike
+        # the sink key stored uncentered (policy k_sink_uncentered), float32 [num_kv_heads, D]:
+        # position 0 holds K - k0_center, and readers subtract key0_shift from its decoding
+        self.k0_center: Optional[torch.Tensor] = None
+        self.key0_shift: Optional[torch.Tensor] = None
         self._ops: Optional[ops.LayerOps] = None  # checked once per layer and cache tensor
         self._ops_of: Optional[torch.Tensor] = None
         config = get_current_vllm_config_or_none()  # set while vLLM builds the model's layers
@@ -304,6 +338,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
                 f"query by q . mu; the model's logits soft-cap ({self.logits_soft_cap}) is not "
                 f"shift-invariant. Calibrate without --k-center for this model")
         dropped = [n for n in CHANNEL_FIELDS if getattr(row, n) is None and getattr(self, n) is not None]
+        if row.k_sink_uncentered is None and self.key0_shift is not None:
+            dropped.append("k_sink_uncentered")
         if dropped:
             raise RuntimeError(f"{layer_name}: rebinding cannot drop {dropped[0]}")
         if index is not None and not _warned_default_scales and (
@@ -340,7 +376,7 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         if self._ops_of is not kv_cache:
             self._ops = ops.LayerOps(page_view(kv_cache, self.layout), self.layout, self.k_scale,
                                      self.v_scale, self.sliding_window, self.logits_soft_cap,
-                                     self.sink_logits)
+                                     self.sink_logits, key0_shift=self.key0_shift)
             self._ops_of = kv_cache
         return self._ops
 
@@ -351,9 +387,31 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
             return  # profiling run before the KV cache exists
         n = min(key.shape[0], slot_mapping.shape[0])
         key = key[:n]
-        if self.k_smooth is not None or self.k_center is not None or self.k_perm is not None:
+        if self.key0_shift is not None and n:  # position 0 stored without mu (k0_center)
+            first = self._first_keys(n)
+            center = torch.where(first[:, None, None], self.k0_center, self.k_center)
+            key = stored_keys(key, center, self.k_smooth, self.k_perm)
+        elif self.k_smooth is not None or self.k_center is not None or self.k_perm is not None:
             key = stored_keys(key, self.k_center, self.k_smooth, self.k_perm)
         self._layer_ops(kv_cache).write(key, value[:n], slot_mapping[:n])
+
+    def _first_keys(self, n: int) -> torch.Tensor:
+        """bool ``[n]``: which of this step's ``n`` written tokens sit at position 0, from the
+        step's metadata (:func:`mark_first_keys`)."""
+        from vllm.forward_context import get_forward_context
+
+        meta = get_forward_context().attn_metadata
+        if isinstance(meta, list):  # speculative decoding: [0] holds the target model's
+            meta = meta[0]
+        if isinstance(meta, dict):
+            meta = meta.get(self.layer_name)
+        marks = getattr(meta, "first_keys", None)
+        if marks is None or marks.shape[0] < n:
+            raise RuntimeError(
+                f"{self.layer_name}: the layer stores its sink key uncentered, but this step's "
+                f"attention metadata ({type(meta).__name__}) does not say which of its {n} tokens "
+                "sit at position 0")
+        return marks[:n]
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Optional[Nvfp4MixedMetadata],
@@ -391,5 +449,5 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
             dense_prefill(query, output, layer_ops.cache, self.layout, self.k_scale, self.v_scale,
                           m.block_table, m.seq_lens, group, self.scale, self.logits_soft_cap,
                           attention, sliding_window=self.sliding_window, sinks=self.sink_logits,
-                          fa_version=fa_version)
+                          key0_shift=self.key0_shift, fa_version=fa_version)
         return output

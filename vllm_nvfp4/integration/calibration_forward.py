@@ -17,11 +17,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from vllm_nvfp4.calibration.kv_hooks import KVObserver, fake_quantize, transform_qk
+from vllm_nvfp4.calibration.kv_hooks import (KVObserver, fake_quantize, transform_qk,
+                                             with_uncentered_sink)
 from vllm_nvfp4.calibration.metrics import kl_divergence
 from vllm_nvfp4.integration.calibration_states import StateLayers
 from vllm_nvfp4.integration.model import layer_index
-from vllm_nvfp4.integration.rank_params import rank_row_values
+from vllm_nvfp4.integration.rank_params import rank_heads, rank_row_values
 from vllm_nvfp4.paged_torch import attend_one_sequence
 from vllm_nvfp4.policy import KVPolicy
 
@@ -33,7 +34,8 @@ LOGIT_ROWS = 256  # positions per logits chunk: the extra memory is 2 x LOGIT_RO
 class SlotPerturbation:
     """One slot stored as the cache would store it on this rank: ``kv`` ("k" or "v") of policy
     row ``row`` in ``fmt`` with ``scale [kv_heads]`` (FP32) and, for K, the K centering offsets
-    and smoothing factors ``[kv_heads, head_dim]`` of this rank's heads (None: none)."""
+    and smoothing factors ``[kv_heads, head_dim]`` of this rank's heads (None: none), and which
+    of them store the sink key uncentered (bool ``[kv_heads]``, None: none)."""
 
     row: int
     kv: str
@@ -41,6 +43,7 @@ class SlotPerturbation:
     scale: torch.Tensor
     k_center: Optional[torch.Tensor] = None
     k_smooth: Optional[torch.Tensor] = None
+    k_sink: Optional[torch.Tensor] = None
 
     @classmethod
     def of(cls, policy: KVPolicy, row: int, kv: str, fmt: str, layer_name: str, impl: Any,
@@ -51,12 +54,16 @@ class SlotPerturbation:
         from vllm.distributed import get_tensor_model_parallel_rank
 
         tp = vllm_config.parallel_config.tensor_parallel_size
-        values = rank_row_values(policy.with_layer(row, **{kv: fmt}).layers[row], layer_name,
-                                 vllm_config.model_config.get_total_num_kv_heads(),
-                                 impl.num_kv_heads, impl.num_heads, impl.head_size,
-                                 get_tensor_model_parallel_rank() if tp > 1 else 0, tp)
+        rank = get_tensor_model_parallel_rank() if tp > 1 else 0
+        total = vllm_config.model_config.get_total_num_kv_heads()
+        row_policy = policy.with_layer(row, **{kv: fmt}).layers[row]
+        values = rank_row_values(row_policy, layer_name, total, impl.num_kv_heads, impl.num_heads,
+                                 impl.head_size, rank, tp)
         rows = {n: torch.tensor(values[n], dtype=torch.float32) if kv == "k" and n in values
                 else None for n in ("k_center", "k_smooth")}
+        sink = row_policy.sink_heads(total) if kv == "k" else None
+        if sink is not None:
+            rows["k_sink"] = torch.tensor(rank_heads(sink, total, impl.num_kv_heads, rank, tp))
         return cls(row, kv, fmt, torch.tensor(values[f"{kv}_scale"], dtype=torch.float32), **rows)
 
     def apply(self, query: torch.Tensor, key: torch.Tensor,
@@ -65,9 +72,14 @@ class SlotPerturbation:
         them with this slot quantized (K centered / smoothed first, the query smoothed back)."""
         if self.kv == "v":
             return query, key, fake_quantize(value, self.fmt, self.scale)
+        raw_key = key
         if self.k_center is not None or self.k_smooth is not None:
             query, key = transform_qk(query, key, self.k_smooth, self.k_center)
-        return query, fake_quantize(key, self.fmt, self.scale).to(query.dtype), value
+        stored = fake_quantize(key, self.fmt, self.scale)
+        if self.k_sink is not None:  # the sink key stored uncentered, as served
+            stored = with_uncentered_sink(stored, raw_key, self.fmt, self.scale, self.k_center,
+                                          self.k_smooth, None, self.k_sink)
+        return query, stored.to(query.dtype), value
 
 
 @dataclass

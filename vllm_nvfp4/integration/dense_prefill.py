@@ -164,20 +164,22 @@ def dense_prefill(query: torch.Tensor, out: torch.Tensor, pages: torch.Tensor,
                   block_table: torch.Tensor, seq_lens: torch.Tensor, group: PrefillGroup,
                   softmax_scale: float, logits_soft_cap: Optional[float],
                   attention: Callable[..., Any], sliding_window: Optional[int] = None,
-                  sinks: Optional[torch.Tensor] = None, **attention_kwargs: Any) -> None:
+                  sinks: Optional[torch.Tensor] = None, key0_shift: Optional[torch.Tensor] = None,
+                  **attention_kwargs: Any) -> None:
     """Causal attention of ``query [tokens, q_heads, D]`` (the whole batch) for one group's
     tokens into ``out`` (same shape), K/V dequantized from ``pages`` into dense scratch.
 
     ``attention`` is a FlashAttention-style ``flash_attn_varlen_func``; ``sliding_window``
     (keys ``p > pos - w``) becomes its ``window_size``, ``sinks [q_heads]`` (FP32 logits, see
-    :func:`vllm_nvfp4.ops.paged_attention`) its ``s_aux``."""
+    :func:`vllm_nvfp4.ops.paged_attention`) its ``s_aux``; ``key0_shift`` (the sink key stored
+    uncentered, :class:`vllm_nvfp4.ops.LayerOps`) is subtracted from position 0's dense key."""
     toks = slice(group.tok_begin, group.tok_end)
     shape = (group.total_kv, layout.num_kv_heads, layout.head_dim)
     k = torch.empty(shape, dtype=query.dtype, device=query.device)
     v = torch.empty(shape, dtype=query.dtype, device=query.device)
     ops.dequantize_kv(pages, layout, k_scale, v_scale, block_table, seq_lens, group.cu_seqlens_k,
                       group.max_seq_len, k, v, first_seq=group.req_begin,
-                      seq_starts=group.kv_starts)
+                      seq_starts=group.kv_starts, key0_shift=key0_shift)
     if sliding_window is not None:
         attention_kwargs["window_size"] = (sliding_window - 1, 0)
     if sinks is not None:  # FA3 takes s_aux in bf16 only (gpt-oss stores its sinks in bf16)

@@ -39,7 +39,10 @@ vLLM APIs the backend *uses* without patching them (they must keep working acros
 ``AttentionBackend`` / ``AttentionMetadataBuilder`` / ``AttentionImpl``, ``CommonAttentionMetadata``
 and ``split_decodes_and_prefills`` (v1/attention), the builder's
 ``_init_reorder_batch_threshold(1, supports_spec_as_decode=True)`` (decodes first; a speculative
-verify step counts as a decode), and for prefill on CUDA ``vllm.vllm_flash_attn.flash_attn_varlen_func`` with
+verify step counts as a decode), ``forward_context.get_forward_context().attn_metadata`` in
+``do_kv_cache_update`` (this step's metadata by layer name: which tokens sit at position 0, for
+layers that store the sink key uncentered), and for prefill on CUDA
+``vllm.vllm_flash_attn.flash_attn_varlen_func`` with
 ``fa_utils.get_flash_attn_version`` (``dense_prefill.py``); for the start-up calibration
 (``startup_calibration.py``) ``Executor.collective_rpc`` with a function, the model runner's
 ``get_model()`` / ``vllm_config`` / ``device``, ``forward_context.set_forward_context`` (attention

@@ -3,14 +3,18 @@
 Per-KV-head lists (scales, K smoothing factors, K centering offsets, K channel permutations) are
 split across the ranks when there are at least as many KV heads as ranks, else each rank gets the
 one KV head it replicates. The results are the lists the impl copies into its persistent tensors (channel
-indices of :data:`INDEX_FIELDS` as int64, the rest FP32).
+indices of :data:`INDEX_FIELDS` as int64, the rest FP32). A layer whose sink key is stored
+uncentered (``k_sink_uncentered``) also gets what position 0 is written and read with.
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence, TypeVar
 
+import torch
+
 from vllm_nvfp4.formats import KVFormat
+from vllm_nvfp4.key_transform import sink_shift
 from vllm_nvfp4.policy import CHANNEL_FIELDS, LayerPolicy, Scale
 
 T = TypeVar("T")
@@ -42,7 +46,11 @@ def rank_row_values(row: LayerPolicy, layer_name: str, total_heads: int, num_kv_
     """The impl's per-layer tensors of ``row`` on this rank, by attribute name, as lists:
     ``k_scale``/``v_scale`` ``[num_kv_heads]``; where the row has them, ``k_smooth``/``k_center``/
     ``k_perm`` ``[num_kv_heads][head_size]`` and ``q_smooth``/``q_perm`` ``[num_heads][head_size]``
-    (each query head takes the rows of its KV head)."""
+    (each query head takes the rows of its KV head); with ``k_sink_uncentered``, ``k0_center``
+    (the center position 0 is stored with: 0 for the flagged heads, ``k_center`` for the others)
+    and ``key0_shift`` (what readers subtract from position 0's decoded key:
+    :func:`~vllm_nvfp4.key_transform.sink_shift` for the flagged heads, 0 for the others),
+    ``[num_kv_heads][head_size]`` FP32 values."""
     values: dict[str, list] = {
         f"{kv}_scale": rank_scales(row.quant_scale(kv), row.format_of(kv), total_heads,
                                    num_kv_heads, tp_rank, tp_size) for kv in ("k", "v")}
@@ -55,6 +63,13 @@ def rank_row_values(row: LayerPolicy, layer_name: str, total_heads: int, num_kv_
             raise RuntimeError(f"{layer_name}: the policy's {name} has {len(rows[0])} values "
                                f"per head, the layer's head size is {head_size}")
         values[name] = rows
+    sink = row.sink_heads(total_heads)
+    if sink is not None:
+        flagged = torch.tensor(rank_heads(sink, total_heads, num_kv_heads, tp_rank, tp_size))[:, None]
+        mu = torch.tensor(values["k_center"], dtype=torch.float32)
+        lam = torch.tensor(values["k_smooth"], dtype=torch.float32) if "k_smooth" in values else None
+        values["k0_center"] = torch.where(flagged, 0.0, mu).tolist()
+        values["key0_shift"] = torch.where(flagged, sink_shift(mu, lam), 0.0).tolist()
     group = num_heads // num_kv_heads
     for k_name, q_name in (("k_smooth", "q_smooth"), ("k_perm", "q_perm")):
         if k_name in values:

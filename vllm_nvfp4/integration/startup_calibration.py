@@ -19,8 +19,10 @@ capture (the formats chosen here size the pages):
    over the TP group's CPU group, so every rank builds the same whole-model policy.
 3. Scales: the default layer rule with calibrated scales (FP8 ``amax/448``, NVFP4
    ``amax/2688``, one per layer) and K centering offsets (not for models with a logits
-   soft-cap), exactly :func:`~vllm_nvfp4.calibration.scales.scaled_policy` as ``calibrate
-   --k-center`` writes it.
+   soft-cap), the sink key uncentered where the text's first key (after the tokenizer's BOS,
+   as served prompts start) fits the K range, exactly
+   :func:`~vllm_nvfp4.calibration.scales.scaled_policy` as ``calibrate --k-center
+   --k-sink-uncentered`` writes it.
 4. Formats (start-up sensitivity, ``analyze`` + ``select`` in vLLM; the candidates and the
    choice in :mod:`.startup_selection`): on the first :data:`SENSITIVITY_TOKENS` tokens of the
    text, the model runs once exactly and once per candidate slot (the K or the V of a
@@ -117,8 +119,9 @@ TARGET_TOKENS = 4096  # calibration tokens in all (fewer if the text is shorter)
 SENSITIVITY_TOKENS = 2048
 PROGRESS_SECONDS = 10.0  # a progress line at most this often during the sensitivity forwards
 #: bump when the statistics or the policy built from them change (3: NVFP4 block scales by
-#: lowest error, so the measured damage and the chosen slots differ)
-RECIPE_VERSION = 3
+#: lowest error, so the measured damage and the chosen slots differ; 4: the sink key stored
+#: uncentered where it fits, in the policy and in the sensitivity forwards)
+RECIPE_VERSION = 4
 #: the title of the one start-up statement of the policy an engine runs (its per-layer table)
 IN_FORCE = "KV policy in force"
 
@@ -163,7 +166,8 @@ def planned(vllm_config: Any) -> bool:
 class Recipe:
     """How much text is run: ``windows`` sequences of ``window`` tokens, ``per_forward`` of them
     per model forward; K centering unless the model has a logits soft-cap; with ``select``, the
-    formats from the sensitivity forwards on the first ``sensitivity_windows`` windows."""
+    formats from the sensitivity forwards on the first ``sensitivity_windows`` windows. With
+    centering the sink key is stored uncentered where it fits (``k_sink_uncentered``)."""
 
     window: int
     windows: int
@@ -174,7 +178,7 @@ class Recipe:
 
     def describe(self) -> dict[str, Any]:
         out = {"window": self.window, "windows": self.windows, "k_center": self.k_center,
-               "per_head": False, "version": RECIPE_VERSION,
+               "k_sink_uncentered": self.k_center, "per_head": False, "version": RECIPE_VERSION,
                "formats": "sensitivity" if self.select else "default rule"}
         if self.select:
             out.update(sensitivity_windows=self.sensitivity_windows, metric=METRIC,
@@ -204,7 +208,8 @@ def _our_layers(vllm_config: Any, num_layers: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- tensor parallel
-_HEAD_FIELDS = ("k_amax", "v_amax", "k_channel_amax", "k_channel_max", "k_channel_min", "k_channel_sum")
+_HEAD_FIELDS = ("k_amax", "v_amax", "k_channel_amax", "k_channel_max", "k_channel_min", "k_channel_sum",
+                "k_first_max", "k_first_min")
 
 
 def gather_heads(local: KVObserver, total_heads: int) -> KVObserver:
@@ -390,7 +395,7 @@ def _calibrate(runner: Any, layers: dict[str, Any], states: Optional[StateLayers
                       "conventions": {"fp8_scale": "amax/448", "nvfp4_global_scale": "amax/2688"}}
         rule = default_policy(shape.num_layers, shape.layer_types or None)
         scaled = scaled_policy(rule, observer, per_head=False, provenance=provenance,
-                               k_center=recipe.k_center)
+                               k_center=recipe.k_center, k_sink_uncentered=recipe.k_center)
         if recipe.select:
             return _select(runner, layers, windows, recipe, scaled, provenance, rank0, states)
         return KVPolicy(scaled.layers, provenance, source="start-up calibration")

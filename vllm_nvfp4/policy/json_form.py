@@ -11,8 +11,9 @@
      "provenance": {...free-form: tool version, model hash, data, metrics...}}
 
 ``"type"`` may be left out for full attention (policies of dense models written before the types
-existed read unchanged); ``"sinks": true`` marks a layer with attention sinks. The scale and
-channel fields are those of :class:`~vllm_nvfp4.policy.layer_policy.LayerPolicy`. Files are
+existed read unchanged); ``"sinks": true`` marks a layer with attention sinks. The scale,
+channel and per-head flag fields (``"k_sink_uncentered"``) are those of
+:class:`~vllm_nvfp4.policy.layer_policy.LayerPolicy`. Files are
 written by :func:`vllm_nvfp4.json_text.dumps` (one line per vector).
 """
 
@@ -26,7 +27,7 @@ from typing import Any, Mapping, Sequence, Union
 from vllm_nvfp4 import json_text
 from vllm_nvfp4.formats import KV_FORMATS, KVFormat
 from vllm_nvfp4.policy.errors import PolicyError
-from vllm_nvfp4.policy.layer_policy import CHANNEL_FIELDS, SCALE_FIELDS, LayerPolicy
+from vllm_nvfp4.policy.layer_policy import CHANNEL_FIELDS, HEAD_FLAG_FIELDS, SCALE_FIELDS, LayerPolicy
 from vllm_nvfp4.policy.layer_types import LayerType
 
 POLICY_FORMAT = "vllm-nvfp4-policy"
@@ -74,7 +75,8 @@ def _layers_from_dict(data: Any, source: str) -> tuple[tuple[LayerPolicy, ...], 
             raise PolicyError(f"{where}: must be an object")
         if entry.get("index", pos) != pos:
             raise PolicyError(f"{where}: index {entry.get('index')} out of order (expected {pos})")
-        unknown = set(entry) - {"index", *TYPE_FIELDS, "k", "v", *SCALE_FIELDS, *CHANNEL_FIELDS}
+        unknown = set(entry) - {"index", *TYPE_FIELDS, "k", "v", *SCALE_FIELDS, *CHANNEL_FIELDS,
+                                *HEAD_FLAG_FIELDS}
         if unknown:
             raise PolicyError(f"{where}: unknown keys {sorted(unknown)}")
         try:

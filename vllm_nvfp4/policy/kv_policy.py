@@ -17,7 +17,8 @@ from vllm_nvfp4.formats import KVFormat, bytes_per_head
 from vllm_nvfp4.policy.compact import format_compact, parse_compact
 from vllm_nvfp4.policy.errors import PolicyError
 from vllm_nvfp4.policy.json_form import layers_from_dict, policy_to_dict, read_policy_file, write_policy_file
-from vllm_nvfp4.policy.layer_policy import CHANNEL_FIELDS, SCALE_FIELDS, LayerPolicy, Scale
+from vllm_nvfp4.policy.layer_policy import (CHANNEL_FIELDS, HEAD_FLAG_FIELDS, SCALE_FIELDS,
+                                             LayerPolicy, Scale)
 from vllm_nvfp4.policy.layer_types import FULL_ATTENTION, LayerType, check_layer_count, format_types
 
 
@@ -115,7 +116,7 @@ class KVPolicy:
         if num_kv_heads is None:
             return
         for i, lp in enumerate(self.layers):
-            for name in (*SCALE_FIELDS, *CHANNEL_FIELDS):
+            for name in (*SCALE_FIELDS, *CHANNEL_FIELDS, *HEAD_FLAG_FIELDS):
                 val = getattr(lp, name)
                 if isinstance(val, tuple) and len(val) != num_kv_heads:
                     raise PolicyError(

@@ -21,6 +21,12 @@ Optional ``k_perm``: per KV head, a permutation of ``range(head_dim)``: the cach
 ``q . k`` is exact. Calibration orders the channels by their RMS, so each 16-value NVFP4 block
 holds channels of similar magnitude and one block scale fits all of them. The permutation comes
 first: ``k_center`` and ``k_smooth`` are given in the permuted channel order.
+
+Optional ``k_sink_uncentered`` (with ``k_center``): ``true``, or one flag per KV head: the key at
+position 0 of every sequence (the attention sink) is stored without ``mu`` (``K[perm] / lam``),
+where calibration found it to fit the layer's K range; centering makes that key one of the
+largest, so it loses the most precision centered. The readers subtract ``mu / lam`` from it after
+decoding, which gives it the logit ``q . (k - mu)`` of every other key: no extra bytes.
 """
 
 from __future__ import annotations
@@ -38,10 +44,13 @@ DEFAULT_NVFP4_GLOBAL_SCALE = KVFormat.NVFP4.default_scale
 SCALE_FIELDS = ("k_scale", "v_scale", "k_global_scale", "v_global_scale")
 #: per KV head and channel: K smoothing factors, K centering offsets, K channel permutation
 CHANNEL_FIELDS = ("k_smooth", "k_center", "k_perm")
+#: per KV head flags (a bool for all heads, or one per head): the sink key stored uncentered
+HEAD_FLAG_FIELDS = ("k_sink_uncentered",)
 
 Scale = Union[float, tuple[float, ...]]
 Smooth = tuple[tuple[float, ...], ...]  # [kv_heads][head_dim]
 Permutation = tuple[tuple[int, ...], ...]  # [kv_heads][head_dim]
+HeadFlags = Union[bool, tuple[bool, ...]]  # all KV heads, or [kv_heads]
 
 
 def _check_scale(value: Any, where: str) -> Optional[Scale]:
@@ -100,6 +109,20 @@ def _check_permutation(value: Any) -> Optional[Permutation]:
     return tuple(heads)
 
 
+def _check_head_flags(value: Any, name: str) -> Optional[HeadFlags]:
+    """``true``/``false`` or a non-empty list of them (one per KV head); ``false`` and a list of
+    ``false`` read as None (the field's absence)."""
+    if value is None:
+        return None
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not values or not all(isinstance(v, bool) for v in values):
+        raise PolicyError(f"{name}: {name} must be true/false or a non-empty list of them "
+                          f"(one per KV head), got {value!r}")
+    if not any(values):
+        return None
+    return tuple(values) if isinstance(value, (list, tuple)) else True
+
+
 @dataclass(frozen=True)
 class LayerPolicy:
     """Formats and (optional) calibrated scales of one decoder layer's K and V.
@@ -115,13 +138,15 @@ class LayerPolicy:
     k_smooth: Optional[Smooth] = None
     k_center: Optional[Smooth] = None
     k_perm: Optional[Permutation] = None
+    k_sink_uncentered: Optional[HeadFlags] = None
     layer_type: LayerType = FULL_ATTENTION
 
     def __post_init__(self) -> None:
         if not isinstance(self.layer_type, LayerType):
             raise PolicyError(f"layer_type must be a LayerType, got {self.layer_type!r}")
         if not self.layer_type.holds_kv:
-            extra = [n for n in ("k", "v", *SCALE_FIELDS, *CHANNEL_FIELDS) if getattr(self, n) is not None]
+            extra = [n for n in ("k", "v", *SCALE_FIELDS, *CHANNEL_FIELDS, *HEAD_FLAG_FIELDS)
+                     if getattr(self, n) is not None]
             if extra:
                 raise PolicyError(f"a layer without KV cache (type none) takes no {', '.join(extra)}")
             return
@@ -135,6 +160,21 @@ class LayerPolicy:
         object.__setattr__(self, "k_smooth", _check_channels(self.k_smooth, "k_smooth", True))
         object.__setattr__(self, "k_center", _check_channels(self.k_center, "k_center", False))
         object.__setattr__(self, "k_perm", _check_permutation(self.k_perm))
+        sink = _check_head_flags(self.k_sink_uncentered, "k_sink_uncentered")
+        object.__setattr__(self, "k_sink_uncentered", sink)
+        if sink is not None and self.k_center is None:
+            raise PolicyError("k_sink_uncentered: storing the sink key uncentered needs k_center "
+                              "(the offsets the readers subtract); drop it or add k_center")
+        if isinstance(sink, tuple) and self.k_center is not None and len(sink) != len(self.k_center):
+            raise PolicyError(f"k_sink_uncentered: {len(sink)} per-head flags, k_center has "
+                              f"{len(self.k_center)} KV heads")
+
+    def sink_heads(self, num_kv_heads: int) -> Optional[tuple[bool, ...]]:
+        """Per KV head, whether its sink key is stored uncentered (None: no head's is)."""
+        flags = self.k_sink_uncentered
+        if flags is None:
+            return None
+        return (True,) * num_kv_heads if flags is True else flags
 
     def format_of(self, kv: str) -> KVFormat:
         """Format of ``"k"`` or ``"v"``."""

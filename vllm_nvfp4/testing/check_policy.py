@@ -1,5 +1,6 @@
 """The calibrated mixed policy of the GPU checks' tiny fp16 Llama: every format pair, K smoothing
-and K centering each on some layer, so one engine exercises every cache path."""
+and K centering (with the sink key stored uncentered) each on some layer, so one engine
+exercises every cache path."""
 
 from __future__ import annotations
 
@@ -14,14 +15,16 @@ from vllm_nvfp4.policy import KVPolicy
 POLICY = "0:fp8,1:k=fp8,v=nvfp4,2:k=nvfp4,v=fp8,3-6:nvfp4,7:fp8"
 #: layers whose keys are stored smoothed (K / lam, queries x lam; one NVFP4, one FP8 layer)
 SMOOTHED_LAYERS = (2, 7)
-#: layers whose keys are stored centered (K - mu, mu = the calibration mean; FP8 K, NVFP4 K)
+#: layers whose keys are stored centered (K - mu, mu = the calibration mean; FP8 K, NVFP4 K),
+#: each with its sink key (position 0) stored uncentered (``k_sink_uncentered``)
 CENTERED_LAYERS = (1, 3)
 
 
 def calibrated_policy(model_dir: Path, device: str) -> dict[str, Any]:
     """The JSON policy of :data:`POLICY`'s formats for the 8-layer model in ``model_dir``, scales
     from the K/V amax (x1.25) of one random 512-token prompt run in fp16 on ``device``, K
-    smoothing (exponent 0.5) on :data:`SMOOTHED_LAYERS`, K centering on :data:`CENTERED_LAYERS`."""
+    smoothing (exponent 0.5) on :data:`SMOOTHED_LAYERS`, K centering and the sink key uncentered
+    on :data:`CENTERED_LAYERS`."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -41,6 +44,7 @@ def calibrated_policy(model_dir: Path, device: str) -> dict[str, Any]:
         if i in CENTERED_LAYERS:
             k_amax = observer.k_centered_channel_amax(i).amax(dim=1)
             changes["k_center"] = tuple(tuple(float(x) for x in row) for row in observer.k_channel_mean(i))
+            changes["k_sink_uncentered"] = True
         for kv, amax in (("k", k_amax), ("v", observer.v_amax[i])):
             amax = amax.float().cpu() * 1.25
             if row.format_of(kv) is KVFormat.FP8:

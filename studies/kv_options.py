@@ -1,0 +1,203 @@
+"""Study-only options of the reference path: what the fake-quantized cache of
+:mod:`vllm_nvfp4.calibration.kv_hooks` can store beyond what the serving cache stores.
+
+Each is a :class:`~vllm_nvfp4.calibration.kv_hooks.KVOption`, passed to
+``kv_cache_quantization(..., options=[...])`` or set on an
+:class:`~vllm_nvfp4.calibration.evaluator.Evaluator` (``options``):
+
+* :class:`KVRotation` - chosen layers' K and/or V stored rotated along head_dim
+  (:mod:`studies.rotation`; the query rotated alike, the output rotated back);
+* :class:`KeySink` - the first keys of every sequence stored another way in NVFP4-K layers (FP8,
+  unquantized, or NVFP4 before K centering for more than the one key the policy's
+  ``k_sink_uncentered`` serves);
+* :class:`HeadFormats` - single KV heads of a K or V slot in the other format (the paged cache
+  holds one format per slot).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+
+from vllm_nvfp4.calibration.kv_hooks import KVOption, LayerQuant, ScaleArg, fake_quantize
+from vllm_nvfp4.formats import E2M1_MAX, KVFormat, NonFinite, check_kv_format
+from vllm_nvfp4.key_transform import stored_keys
+from vllm_nvfp4.policy import KVPolicy
+from studies.rotation import rotate, rotation_matrix, unrotate
+
+
+@dataclass(frozen=True)
+class KVRotation(KVOption):
+    """Which layers' K and V the cache stores rotated (:mod:`studies.rotation`, ``kind``).
+
+    A rotated K also rotates the query (``q . k`` unchanged); a rotated V rotates the attention
+    output back. Rotation comes first: observation, K centering/smoothing and quantization all
+    see the rotated vectors (centering commutes with it: ``R k - R mu = R (k - mu)``)."""
+
+    kind: str
+    k_layers: frozenset[int]
+    v_layers: frozenset[int]
+
+    @classmethod
+    def every_layer(cls, kind: str, num_layers: int, k: bool = True, v: bool = True) -> "KVRotation":
+        """``kind`` on K (``k``) and/or V (``v``) of every layer."""
+        layers = frozenset(range(num_layers))
+        return cls(kind, layers if k else frozenset(), layers if v else frozenset())
+
+    def inputs(self, layer: int, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        matrix = rotation_matrix(self.kind, key.shape[-1])
+        if layer in self.k_layers:
+            query, key = rotate(query, matrix), rotate(key, matrix)
+        if layer in self.v_layers:
+            value = rotate(value, matrix)
+        return query, key, value
+
+    def output(self, layer: int, out: torch.Tensor) -> torch.Tensor:
+        if layer not in self.v_layers:
+            return out
+        return unrotate(out, rotation_matrix(self.kind, out.shape[-1]))
+
+
+#: how :class:`KeySink` stores the sink keys: FP8 at 6x the NVFP4 global scale, unquantized, or NVFP4
+#: of the key before K centering (the center subtracted after decoding)
+KEY_SINK_STORES = ("fp8", "exact", "uncentered")
+
+
+@dataclass(frozen=True)
+class KeySink(KVOption):
+    """The first ``tokens`` keys of every sequence stored another way (``store``, one of
+    :data:`KEY_SINK_STORES`) in the layers whose K is NVFP4. ``fp8`` uses the layer's NVFP4 global
+    scale x 6 (amax/448 where the global scale is amax/2688); ``uncentered`` quantizes
+    ``K / lam`` to NVFP4 with the layer's global scale and subtracts ``mu / lam`` after decoding,
+    which stores no extra bytes (K centering, :mod:`vllm_nvfp4.key_transform`, makes the sink
+    key, small before centering, one of the largest after it; the policy's
+    ``k_sink_uncentered`` serves it for the first key). ``layers``: the decoder layers it
+    applies to (None: every NVFP4-K layer)."""
+
+    tokens: int
+    store: str = "fp8"
+    layers: Optional[frozenset[int]] = None
+
+    def covers(self, layer: int) -> bool:
+        """Whether the sink applies to decoder layer ``layer`` (its K must be NVFP4 as well)."""
+        return self.layers is None or layer in self.layers
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1:
+            raise ValueError(f"KeySink needs tokens >= 1, got {self.tokens}")
+        if self.store not in KEY_SINK_STORES:
+            raise ValueError(f"KeySink store must be one of {', '.join(KEY_SINK_STORES)}, got {self.store!r}")
+
+    def stored_key(self, layer: int, stored: torch.Tensor, key: torch.Tensor, raw_key: torch.Tensor,
+                   quant: LayerQuant, nonfinite: NonFinite, nvfp4_decoding: str) -> torch.Tensor:
+        if quant.k_fmt != KVFormat.NVFP4 or not self.covers(layer):
+            return stored
+        return self.apply(stored, raw_key, quant, nonfinite)
+
+    def apply(self, stored: torch.Tensor, raw_key: torch.Tensor, quant: LayerQuant,
+              nonfinite: NonFinite) -> torch.Tensor:
+        """``stored`` (the NVFP4 read-back of the transformed keys, ``[batch, kv_heads, seq,
+        head_dim]``) with its first ``tokens`` positions stored as ``store`` says; ``raw_key``:
+        the keys before K centering and smoothing, same shape."""
+        n = min(self.tokens, raw_key.shape[-2])
+        raw = raw_key[..., :n, :]
+        mu, lam, perm = (None if t is None else t.to(raw.device)[:, None, :]
+                         for t in (quant.k_center, quant.k_smooth, quant.k_perm))
+        if self.store == "uncentered":
+            head = fake_quantize(stored_keys(raw, None, lam, perm), "nvfp4", quant.k_scale,
+                                 nonfinite).float()
+            if mu is not None:
+                head = head - (mu if lam is None else mu / lam)
+        else:
+            head = stored_keys(raw, mu, lam, perm)
+            if self.store == "fp8":
+                fp8_scale = torch.as_tensor(quant.k_scale, dtype=torch.float32) * E2M1_MAX
+                head = fake_quantize(head, "fp8", fp8_scale, nonfinite)
+        out = stored.clone()
+        out[..., :n, :] = head.to(out.dtype)
+        return out
+
+
+#: one overridden KV head: its index, its format and the scale of that format
+HeadOverride = tuple[int, KVFormat, ScaleArg]
+
+
+@dataclass(frozen=True)
+class HeadFormats(KVOption):
+    """Single KV heads stored in another format than their slot's: ``heads[(layer, "k" or
+    "v")][head]`` is ``"fp8"`` or ``"nvfp4"``; every other head keeps the policy's format. A head's
+    scale is its layer's for that format (the policy keeps an FP8 scale and an NVFP4 global scale
+    per slot, :func:`~vllm_nvfp4.calibration.sensitivity.all_format`; missing: the format's
+    default). Set per measurement (:attr:`first_layer`); needs a policy."""
+
+    heads: Mapping[tuple[int, str], Mapping[int, str]]
+
+    def __post_init__(self) -> None:
+        for (layer, kv), per_head in self.heads.items():
+            if kv not in ("k", "v") or not isinstance(layer, int) or layer < 0:
+                raise ValueError(f"HeadFormats key must be (layer >= 0, 'k' or 'v'), got {(layer, kv)!r}")
+            for head, fmt in per_head.items():
+                check_kv_format(fmt)
+                if not isinstance(head, int) or head < 0:
+                    raise ValueError(f"HeadFormats: layer {layer} {kv}: head must be an int >= 0, got {head!r}")
+
+    @property
+    def first_layer(self) -> Optional[int]:
+        """The lowest layer with an overridden head (None: none)."""
+        return min((layer for (layer, _), per_head in self.heads.items() if per_head), default=None)
+
+    def bind(self, policy: Optional[KVPolicy], num_kv_heads: int) -> "KVOption":
+        if policy is None:
+            raise ValueError("head_formats needs a policy (the formats and scales of the other heads)")
+        return _BoundHeadFormats(self.overrides(policy, num_kv_heads))
+
+    def overrides(self, policy: KVPolicy, num_kv_heads: int) -> dict[tuple[int, str], list[HeadOverride]]:
+        """``{(layer, kv): [(head, format, that head's scale)]}`` resolved against ``policy``."""
+        out: dict[tuple[int, str], list[HeadOverride]] = {}
+        for (layer, kv), per_head in self.heads.items():
+            if layer >= policy.num_layers:
+                raise ValueError(f"HeadFormats: layer {layer}: the policy has {policy.num_layers} layers")
+            lp = policy.layers[layer]
+            if not lp.layer_type.holds_kv:
+                raise ValueError(f"HeadFormats: layer {layer} has no KV cache")
+            for head, fmt in sorted(per_head.items()):
+                if head >= num_kv_heads:
+                    raise ValueError(f"HeadFormats: layer {layer} {kv} head {head}: the model has "
+                                     f"{num_kv_heads} KV heads")
+                fmt = check_kv_format(fmt)
+                scale = getattr(lp, f"{kv}_scale" if fmt is KVFormat.FP8 else f"{kv}_global_scale")
+                scale = fmt.default_scale if scale is None else scale
+                if isinstance(scale, (tuple, list)):
+                    scale = scale[head]
+                out.setdefault((layer, kv), []).append((head, fmt, scale))
+        return out
+
+
+@dataclass(frozen=True)
+class _BoundHeadFormats(KVOption):
+    """:class:`HeadFormats` resolved against a policy: the overridden heads re-quantized from the
+    tensor before quantization (K after the policy's K transforms) in their own format."""
+
+    overrides: Mapping[tuple[int, str], list[HeadOverride]]
+
+    def _requantize(self, layer: int, kv: str, stored: torch.Tensor, x: torch.Tensor,
+                    nonfinite: NonFinite, nvfp4_decoding: str) -> torch.Tensor:
+        heads = self.overrides.get((layer, kv))
+        if not heads:
+            return stored
+        out = stored.clone()
+        for head, fmt, scale in heads:
+            out[:, head:head + 1] = fake_quantize(x[:, head:head + 1], fmt, scale, nonfinite,
+                                                  nvfp4_decoding).to(out.dtype)
+        return out
+
+    def stored_key(self, layer: int, stored: torch.Tensor, key: torch.Tensor, raw_key: torch.Tensor,
+                   quant: LayerQuant, nonfinite: NonFinite, nvfp4_decoding: str) -> torch.Tensor:
+        return self._requantize(layer, "k", stored, key, nonfinite, nvfp4_decoding)
+
+    def stored_value(self, layer: int, stored: torch.Tensor, value: torch.Tensor,
+                     quant: LayerQuant, nonfinite: NonFinite, nvfp4_decoding: str) -> torch.Tensor:
+        return self._requantize(layer, "v", stored, value, nonfinite, nvfp4_decoding)

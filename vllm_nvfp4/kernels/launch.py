@@ -1,0 +1,215 @@
+"""Launch shapes of the paged-attention kernels (:mod:`vllm_nvfp4.kernels.attention`): tiles,
+warps, decode splits, pipeline stages and register caps per layout, chosen by timing on Hopper,
+and :class:`LaunchShape`, which fixes them for benchmarks and tests.
+
+Every choice derives from host ints (shapes, ``max_seq_len``), never from tensor contents, so a
+decode launch is CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from vllm_nvfp4.formats import KVFormat
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int,
+                  device: torch.device, num_warps: int = 1, dim_parts: int = 1) -> int:
+    """Split count (a power of 2) from host ints only: the larger of (a) enough programs to fill
+    the GPU, ``8 * SMs / num_warps``, but at most 8 splits (beyond that the partial writes and
+    the reduce cost more than the extra occupancy gains) - unless 8 splits still leave fewer
+    than half that many programs (few sequences x few KV heads), then as many as keep >= 1024
+    keys per split or as fill the GPU with >= 128 keys per split, whichever is more (H200, 16
+    sequences, 1 warp: 32 splits against 8 took 0.66x / 0.56x the time at head_dim 256 x 2 KV
+    heads, 4k / 8k keys, and 16 splits 0.81x at head_dim 512 x 4 KV heads, 4k) - and (b) at
+    most ~4096 keys per split; never more splits than tiles, at most 64. With the head dim in
+    parts (``dim_parts > 1``, two-warp programs), twice that where the doubled grid still fits
+    the SMs at :func:`decode_register_cap`'s 128 registers, eight programs per SM (H200, head_dim
+    512, 32 q / 4 KV heads, 16 x 32k: 16 splits 495.6 us against 8 splits 539.4, our FP8 520.0;
+    16 x 4k 83.6 against 84.4)."""
+    target = 8 * _num_sms(device) // num_warps
+    max_splits = min(max(1, -(-max_seq_len // tile_n)), 64)
+    programs = num_seqs * num_kv_heads
+    if 2 * programs * 8 >= target:
+        fill_cap = 8
+    else:
+        filling = 1
+        while programs * filling * 2 <= target and max_seq_len // (filling * 2) >= 128:
+            filling *= 2
+        fill_cap = max(8, max_seq_len // 1024, filling)
+    splits = 1
+    while splits * 2 <= max_splits and (
+        (programs * splits < target and splits * 2 <= fill_cap)
+        or max_seq_len > 4096 * splits
+    ):
+        splits *= 2
+    if dim_parts > 1 and splits * 2 <= max_splits and programs * splits * 2 <= 8 * _num_sms(device):
+        splits *= 2
+    return splits
+
+
+#: splits of at most this many keys take ``LaunchShape.short_split_maxnreg``
+SHORT_SPLIT_KEYS = 1024
+#: splits of at least this many keys take ``LaunchShape.long_split_stages``
+LONG_SPLIT_KEYS = 1024
+#: the tile loop's software-pipeline stages unless a launch shape sets others. Triton 3.6 spends
+#: one stage on the block-table load that the K/V addresses depend on, so 3 stages copy the next
+#: tile into the single buffer only after this one is used (no overlap within a program)
+DEFAULT_STAGES = 3
+#: stages that give the K/V copies a second buffer: the next tile's copy runs during this tile's
+#: math (sm_90 compile: 10.5 -> 20.0 KB shared memory per 64-key NVFP4 program). H200, 32 q /
+#: 8 KV heads, head_dim 128, one process: NVFP4 K and V 64 x 32k 754.7 -> 709.3 us, 16 x 32k
+#: 203.9 -> 191.3, 64 x 4k 119.1 -> 115.9, but 16 x 4k (512 keys per split) 43.1 -> 44.1; NVFP4
+#: K / FP8 V 64 x 32k 854.8 -> 814.5; slower with an FP8 K (FP8 / FP8 16 x 32k 258.8 -> 291.5)
+PIPELINED_STAGES = 5
+
+
+def decode_stages(shape: "LaunchShape", keys_per_split: int) -> int:
+    """The decode tile loop's pipeline stages for splits of at most ``keys_per_split`` keys:
+    ``shape.num_stages``; unset, ``shape.long_split_stages`` where a split holds at least
+    :data:`LONG_SPLIT_KEYS` keys; else :data:`DEFAULT_STAGES`."""
+    if shape.num_stages:
+        return shape.num_stages
+    if shape.long_split_stages and keys_per_split >= LONG_SPLIT_KEYS:
+        return shape.long_split_stages
+    return DEFAULT_STAGES
+
+
+def decode_register_cap(shape: "LaunchShape", programs: int, keys_per_split: int,
+                        device: torch.device) -> Optional[int]:
+    """The decode kernel's register cap per thread for a grid of ``programs`` splits of at most
+    ``keys_per_split`` keys each: ``shape.maxnreg``; unset, with the head dim in parts
+    (``dim_parts > 1``), 128 where the grid holds more programs than fit the SMs uncapped (the
+    head_dim-512 NVFP4 decode takes 216 registers: four two-warp programs per SM; capped, it
+    spills a few and eight fit; H200, 32 q / 4 KV heads: capped 64 x 4k 293 -> 260 us and
+    64 x 32k 2152 -> 1887 us; with fewer programs than fit uncapped the spills only cost,
+    16 x 4k 84 -> 92 us, 16 x 32k 554 -> 610 us at 8 splits, which :func:`decode_splits` doubles
+    there); else ``shape.short_split_maxnreg`` where a
+    split holds at most 1024 keys."""
+    if shape.maxnreg:
+        return shape.maxnreg
+    if shape.dim_parts > 1:
+        return 128 if programs > 4 * _num_sms(device) else None
+    if keys_per_split <= SHORT_SPLIT_KEYS:
+        return shape.short_split_maxnreg
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchShape:
+    """How :func:`paged_attention` launches its kernels (default: :func:`launch_defaults`).
+
+    ``tile_n``: keys per tile (at least the block size is used); ``num_warps``: warps per program;
+    ``query_rows``: prefill rows (query tokens x padded GQA group) per program, a power of 2.
+    The rest stay ``None`` in production and are fixed by benchmarks and tests: ``num_splits``,
+    the decode split count (default :func:`decode_splits`); ``num_stages``, the software-pipeline
+    stages of the whole-tile loop (``tl.range``; default :func:`decode_stages` in decode,
+    :data:`DEFAULT_STAGES` in prefill); ``long_split_stages``, the stages where each decode split
+    holds at least :data:`LONG_SPLIT_KEYS` keys;
+    ``maxnreg``, the decode kernel's register cap per thread (Triton's ``maxnreg``; default
+    :func:`decode_register_cap`); ``short_split_maxnreg``, the cap where each decode split holds
+    at most :data:`SHORT_SPLIT_KEYS` keys (a short loop gains more from the registers ptxas then
+    spends on scheduling than from more programs per SM).
+    Code variants of the attention core (:func:`_attend_keys`): ``hoist_query`` converts the
+    query operands to the MMA layout once before the tile loop; ``fold_k_scales`` multiplies
+    each NVFP4 K plane by its block scales in fp16 (exact) so that one chained dot replaces a
+    dot and a scaled fp32 sum per chunk; ``fold_v_scales`` does the same for the NVFP4 V planes
+    (instead of scaling P per chunk, which converts each scaled P through shared memory);
+    ``dim_parts`` (a power of 2, at most ``num_warps``, dividing head_dim / 64) cuts the head
+    dim into parts, each taken by its own warps: every operand gets a leading part dimension
+    (batched MMAs, one part per warp), the parts' partial scores are summed across the warps
+    once per tile, and each warp holds only its part's output accumulators;
+    ``lazy_rescale`` rescales the output accumulators only in tiles that raise the running max
+    of some query column (exact: the same products, skipped where the factor is 1).
+    """
+
+    tile_n: int
+    num_warps: int
+    query_rows: int = 16
+    num_splits: Optional[int] = None
+    num_stages: Optional[int] = None
+    maxnreg: Optional[int] = None
+    short_split_maxnreg: Optional[int] = None
+    long_split_stages: Optional[int] = None
+    hoist_query: bool = False
+    fold_k_scales: bool = False
+    fold_v_scales: bool = False
+    dim_parts: int = 1
+    lazy_rescale: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+        if self.query_rows < 1 or self.query_rows & (self.query_rows - 1):
+            raise ValueError(f"query_rows must be a power of 2, got {self.query_rows}")
+        parts = self.dim_parts
+        if parts < 1 or parts & (parts - 1) or parts > self.num_warps:
+            raise ValueError(f"dim_parts must be a power of 2 <= num_warps, got {parts}")
+
+
+def _launch_defaults_512(layout, decode: bool) -> LaunchShape:
+    """Head_dim 512 (Gemma 4's global layers): the output accumulators alone take 128 registers
+    per thread in one warp. Decode, NVFP4 K and V (timed on the H200): 16 keys x 2 warps, the
+    head dim in 2 parts (one per warp: 64 accumulator registers each, no spill uncapped), K and
+    V block scales folded, lazy rescale, and the register cap of :func:`decode_register_cap`
+    where the grid is large: 0.92-0.95x our FP8's time at 16 x 4k, 64 x 4k and 64 x 32k, and
+    0.95x at 16 x 32k with the doubled splits of :func:`decode_splits` (one warp of 16 keys
+    before, 57 registers spilled: 1.11-1.22x). Chosen by the
+    sm_90 compile check (``benchmarks/compile_sm90.py --head-dim 512 --group 8``), not timed:
+    FP8 / FP8 64 keys x 4 warps (no spill), FP8 / NVFP4 pairs 16 keys x 1 warp (head-dim parts
+    compile to more instructions there). Prefill: FP8 / FP8 32 keys x 4 warps x 16 rows (no spill); NVFP4 K /
+    FP8 V 16 keys x 2 warps x 8 rows (no spill); an NVFP4 V 16 keys x 1 warp x 8 rows."""
+    fp8_k, fp8_v = layout.k_format is KVFormat.FP8, layout.v_format is KVFormat.FP8
+    if decode:
+        if not fp8_k and not fp8_v:
+            return LaunchShape(16, 2, dim_parts=2, fold_k_scales=True, fold_v_scales=True,
+                               lazy_rescale=True)
+        return LaunchShape(64, 4) if fp8_k and fp8_v else LaunchShape(16, 1)
+    if fp8_v:
+        return LaunchShape(32, 4, 16) if fp8_k else LaunchShape(16, 2, 8)
+    return LaunchShape(16, 1, 8)
+
+
+def launch_defaults(layout, decode: bool) -> LaunchShape:
+    """The launch shape of ``layout`` (decode or prefill), chosen by timing on Hopper.
+
+    Decode: 64 keys per tile, 1 warp, or 2 for FP8 K and V; with an NVFP4 plane 32 keys at
+    head_dim 256 (64 exceed the register file; FP8 / FP8 at head_dim 256 keeps 64 keys x 2 warps,
+    which compiles for sm_90 without spills where 32 keys x 1 warp spills). Code variants where
+    they were faster at every shape timed: NVFP4 K and V fold the K block scales into the K
+    planes; an NVFP4 V at head_dim <= 128 folds its block scales into the V planes (H200, 32 q /
+    8 KV heads, NVFP4 K and V, two runs: 16 x 32k 221.1 -> 202.2 / 201.4 us, 64 x 4k 124.5 ->
+    118.1 / 118.2, 16 x 4k 43.0 -> 42.4 / 42.5, 64 x 32k 806.5 -> 793.2 / 789.9; FP8 K: 1-4%);
+    an NVFP4 K with an FP8 V (head_dim <= 128) and FP8 K and V at head_dim 256 hoist the query
+    operands. NVFP4 K and V at head_dim <= 128 cap registers at 184 where a split
+    holds <= 1024 keys (H200, 32 q / 8 KV heads, one process: 64 x 4k 148.2 -> 124.2 us, 16 x 4k
+    43.2 -> 42.8 us at 512 keys per split; uncapped the kernel takes 168 registers and 64 x 32k,
+    4096 keys per split, runs 797.0 us against 834.8 capped). An NVFP4 K at head_dim <= 128
+    pipelines splits of at least 1024 keys with :data:`PIPELINED_STAGES` stages. Prefill: 64
+    keys (32 at head_dim 256); with an FP8 V 2 warps x 32 query rows, else 1 warp x 16 rows.
+    Head_dim 512: :func:`_launch_defaults_512`."""
+    if layout.head_dim > 256:
+        return _launch_defaults_512(layout, decode)
+    tile = 32 if layout.head_dim >= 256 else 64
+    if not decode:
+        return LaunchShape(tile, 2, 32) if layout.v_format is KVFormat.FP8 else LaunchShape(tile, 1, 16)
+    fp8_k, fp8_v = layout.k_format is KVFormat.FP8, layout.v_format is KVFormat.FP8
+    if fp8_k and fp8_v:
+        return LaunchShape(64, 2, hoist_query=layout.head_dim >= 256)
+    fold_v = not fp8_v and layout.head_dim <= 128
+    long_stages = PIPELINED_STAGES if not fp8_k and layout.head_dim <= 128 else None
+    if not fp8_k and not fp8_v:
+        return LaunchShape(tile, 1, fold_k_scales=True, fold_v_scales=fold_v,
+                           short_split_maxnreg=184 if layout.head_dim <= 128 else None,
+                           long_split_stages=long_stages)
+    return LaunchShape(tile, 1, hoist_query=not fp8_k and layout.head_dim <= 128,
+                       fold_v_scales=fold_v, long_split_stages=long_stages)
