@@ -10,24 +10,16 @@ wrapper receives ``key``/``value`` of shape ``[batch, kv_heads, seq, head_dim]``
 *before* the GQA head repetition - exactly the tensors vLLM writes into its cache - and the layer
 index from ``module.layer_idx`` (Llama, Qwen2, Mistral and every model built the same way).
 
-What "as served" means (vLLM 0.32 semantics)
---------------------------------------------
-* Every K and V head vector of every token is quantized once from the model dtype (bf16) with
-  :mod:`vllm_nvfp4.formats` - FP8: ``fp8_quantize(x, scale)``; NVFP4:
-  ``nvfp4_quantize(x, global_scale)`` - using the layer's format and its scale from the
-  :class:`~vllm_nvfp4.policy.KVPolicy` (a float, or one per KV head). Missing scales use
-  :attr:`~vllm_nvfp4.formats.KVFormat.default_scale`,
-  like the serving integration.
-* Dequantization is done in FP32 and the result is cast to the query dtype (the model dtype), as
-  vLLM's Triton attention does (``(data.to(fp32) * scale).to(Q.dtype)`` in
-  ``triton_unified_attention._cast_kv_tile``). The attention itself then runs in the model dtype.
-* In vLLM the *current* tokens' K/V are also read back from the cache (write first, then attend),
-  so quantizing every K/V the attention sees - including the prompt's own - matches prefill.
-* With a ``DynamicCache`` transformers stores the *unquantized* K/V and this wrapper quantizes the
-  whole history at each step. Quantization is per head vector with static scales, so every token
-  still gets exactly the bytes it would have been written with; only compute is repeated.
-* Non-finite K/V follow the kernels (``nonfinite="propagate"``): a bad 16-block decodes to NaN, a
-  bad FP8 element stays NaN or saturates; nothing else is touched.
+What "as served" means
+----------------------
+* Every K and V head vector is quantized once from the model dtype with :mod:`vllm_nvfp4.formats`
+  (``fp8_quantize`` / ``nvfp4_quantize``) in the layer's format with its policy scale (missing
+  scales: :attr:`~vllm_nvfp4.formats.KVFormat.default_scale`, as in serving), dequantized in FP32
+  and cast to the query dtype, as the Triton attention reads it.
+* The prompt's own K/V are quantized too (vLLM writes, then attends). With a ``DynamicCache`` the
+  whole history is re-quantized each step: static scales give every token the bytes it was
+  written with; only compute is repeated.
+* Non-finite K/V follow the kernels (``nonfinite="propagate"``): a bad 16-block decodes to NaN.
 
 The sink key
 ------------

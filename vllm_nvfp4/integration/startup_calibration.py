@@ -1,67 +1,35 @@
 """Start-up calibration: a model served without a policy calibrates its K/V scales and picks
-its FP8 slots before serving.
+its FP8 slots before serving (docs/CALIBRATION.md, "Zero-config start").
 
-When ``kv_cache_dtype=nvfp4_mixed``, ``$VLLM_NVFP4_POLICY`` is unset and the model directory has
-no ``nvfp4_policy.json`` (the default layer rule is in force), every worker runs the loaded model
-IN vLLM over the package's calibration text (:mod:`vllm_nvfp4.calibration.builtin_text`) once,
-after the model is loaded and before memory profiling, KV-cache allocation, warm-up and CUDA-graph
-capture (the formats chosen here size the pages):
+With ``kv_cache_dtype=nvfp4_mixed`` and no policy (no ``$VLLM_NVFP4_POLICY``, no
+``nvfp4_policy.json``), every worker runs the loaded model in vLLM over the built-in text
+(:mod:`vllm_nvfp4.calibration.builtin_text`) after loading and before memory profiling, KV-cache
+allocation and CUDA-graph capture (the formats chosen here size the pages):
 
-1. Each attention layer of ours gets a
-   :class:`~vllm_nvfp4.integration.calibration_forward.CalibrationBatch` as its attention metadata: the
-   impl hands it the post-RoPE K and V of its heads (the tensors the cache would store), which it
-   records (:class:`~vllm_nvfp4.calibration.kv_hooks.KVObserver`: amax, channel means) and then
-   attends exactly (causal, with the layer's sliding window, attention sinks and soft-cap;
-   nothing quantized), so every later layer sees the unquantized model's hidden states - the
-   same statistics ``vllm-nvfp4 calibrate`` collects with transformers. No cache page is
-   written (no slot mapping).
-2. Under tensor parallelism each rank observes its own KV heads; the statistics are gathered
-   over the TP group's CPU group, so every rank builds the same whole-model policy.
-3. Scales: the default layer rule with calibrated scales (FP8 ``amax/448``, NVFP4
-   ``amax/2688``, one per layer) and K centering offsets (not for models with a logits
-   soft-cap), the sink key uncentered where the text's first key (after the tokenizer's BOS,
-   as served prompts start) fits the K range, exactly
-   :func:`~vllm_nvfp4.calibration.scales.scaled_policy` as ``calibrate --k-center
-   --k-sink-uncentered`` writes it.
-4. Formats (start-up sensitivity, ``analyze`` + ``select`` in vLLM; the candidates and the
-   choice in :mod:`.startup_selection`): on the first :data:`SENSITIVITY_TOKENS` tokens of the
-   text, the model runs once exactly and once per candidate slot (the K or the V of a
-   full-attention layer) with only that slot stored in NVFP4 (its calibrated scale, K centered
-   as served; :func:`~vllm_nvfp4.calibration.kv_hooks.fake_quantize`), every other layer exact;
-   a slot's damage is the mean next-token KL of the final logits against the exact forward
-   (:func:`~vllm_nvfp4.calibration.metrics.kl_divergence`,
-   :data:`~vllm_nvfp4.integration.calibration_forward.LOGIT_ROWS` positions at a time). The
-   slots of largest damage stay FP8
-   (:func:`~vllm_nvfp4.integration.startup_selection.sensitivity_policy`).
-   Under TP the logits are on rank 0: it ranks the slots and broadcasts the choice.
-5. The policy replaces the default rule for this engine
-   (:func:`~vllm_nvfp4.integration.model.set_startup_policy`) before the KV-cache specs are
-   taken; it is cached (:mod:`vllm_nvfp4.calibration.startup_cache`, rank 0 writes) and reused by
-   the next start of the same model, weights, dtype, text and recipe.
-6. :func:`calibrate_engine` logs it as the engine's one ``KV policy in force`` statement (with
-   its per-layer table); an engine with a given policy, or one that does not calibrate, states
-   its policy the same way, once.
+1. Each of our attention layers gets a
+   :class:`~vllm_nvfp4.integration.calibration_forward.CalibrationBatch` as metadata: it records
+   the post-RoPE K/V (:class:`~vllm_nvfp4.calibration.kv_hooks.KVObserver`) and attends exactly,
+   so later layers see the unquantized hidden states. No cache page is written. Under TP the
+   statistics are gathered over the TP CPU group: every rank builds the same policy.
+2. Scales as ``calibrate --k-center --k-sink-uncentered`` writes them
+   (:func:`~vllm_nvfp4.calibration.scales.scaled_policy`; no K centering under a logits soft-cap;
+   the sink key uncentered where the first key after the BOS fits the K range).
+3. Formats (:mod:`.startup_selection`): on :data:`SENSITIVITY_TOKENS` tokens the model runs
+   once exactly and once per full-attention K or V slot stored alone in NVFP4; the slots of
+   largest next-token KL stay FP8. Under TP rank 0 ranks them and broadcasts the choice.
+4. The policy replaces the default rule for this engine
+   (:func:`~vllm_nvfp4.integration.model.set_startup_policy`), is cached
+   (:mod:`vllm_nvfp4.calibration.startup_cache`) for the next start of the same model, weights,
+   dtype, text and recipe, and :func:`calibrate_engine` logs it as the engine's one
+   ``KV policy in force`` statement; an engine with a given policy states its policy the same way.
 
-``VLLM_NVFP4_STARTUP_CALIBRATION`` (:data:`STARTUP_MODES`): unset / ``1`` scales and formats as
-above; ``scales`` the default rule's formats with calibrated scales (no sensitivity forwards);
-``0`` off (the default rule keeps scale 1.0 / 1/6, with a warning). Skipped with a warning under
-pipeline parallelism and for models with state layers other than Gated DeltaNet (Mamba, Mamba2,
-MiniMax's linear attention; calibrate offline with ``vllm-nvfp4 calibrate`` / ``tune``).
-
-M-RoPE models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) calibrate on the text alone, with the
-``[num_dims, tokens]`` positions vLLM gives text tokens
-(:func:`~vllm_nvfp4.integration.calibration_forward.text_positions`); the sensitivity forwards
-resume in their language model's decoder stack.
-
-Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5): every forward above also
-gives each GDN layer vLLM's own pure-prefill metadata and temporary zeroed states, restoring the
-layer's own afterwards (:mod:`.calibration_states`); the policy rows of those layers carry no
-formats and no scales. Any error there falls back to the default rule's scales with a warning;
-the engine still starts. Under TP the ranks agree on the outcome over the CPU group
-(:func:`agree_outcome`) after binding the GDN states, before any forward, and after the
-calibration, so they fall back together and never build different policies. A rank that fails
-inside a forward leaves the others in that forward's collective until the process group's
-timeout, as any failed vLLM forward does.
+``VLLM_NVFP4_STARTUP_CALIBRATION`` (:data:`STARTUP_MODES`): unset / ``1`` as above, ``scales``
+the default rule's formats with calibrated scales, ``0`` off. Skipped with a warning under
+pipeline parallelism and for state layers other than Gated DeltaNet. M-RoPE models calibrate on
+text positions (:func:`~vllm_nvfp4.integration.calibration_forward.text_positions`). Gated
+DeltaNet layers get vLLM's pure-prefill metadata and temporary states (:mod:`.calibration_states`);
+an error there falls back to the default rule's scales with a warning, and under TP the ranks
+agree on the outcome (:func:`agree_outcome`) so they fall back together.
 """
 
 from __future__ import annotations
