@@ -2,13 +2,11 @@
 
 How it hooks in
 ---------------
-transformers 5 dispatches every attention layer through ``ALL_ATTENTION_FUNCTIONS`` by the name in
-``config._attn_implementation``. This module registers two wrapped implementations,
+transformers 5 dispatches attention through ``ALL_ATTENTION_FUNCTIONS``; this module registers
 ``vllm_nvfp4_kv|sdpa`` and ``vllm_nvfp4_kv|eager``, and :func:`kv_cache_quantization` switches a
-model to the one matching its current implementation for the duration of a ``with`` block. The
-wrapper receives ``key``/``value`` of shape ``[batch, kv_heads, seq, head_dim]`` *after* RoPE and
-*before* the GQA head repetition - exactly the tensors vLLM writes into its cache - and the layer
-index from ``module.layer_idx`` (Llama, Qwen2, Mistral and every model built the same way).
+model to them inside a ``with`` block. The wrapper gets ``key``/``value``
+``[batch, kv_heads, seq, head_dim]`` after RoPE and before GQA repetition - the tensors vLLM
+caches - and the layer index from ``module.layer_idx``.
 
 What "as served" means
 ----------------------

@@ -23,13 +23,10 @@ allocation and CUDA-graph capture (the formats chosen here size the pages):
    dtype, text and recipe, and :func:`calibrate_engine` logs it as the engine's one
    ``KV policy in force`` statement; an engine with a given policy states its policy the same way.
 
-``VLLM_NVFP4_STARTUP_CALIBRATION`` (:data:`STARTUP_MODES`): unset / ``1`` as above, ``scales``
-the default rule's formats with calibrated scales, ``0`` off. Skipped with a warning under
-pipeline parallelism and for state layers other than Gated DeltaNet. M-RoPE models calibrate on
-text positions (:func:`~vllm_nvfp4.integration.calibration_forward.text_positions`). Gated
-DeltaNet layers get vLLM's pure-prefill metadata and temporary states (:mod:`.calibration_states`);
-an error there falls back to the default rule's scales with a warning, and under TP the ranks
-agree on the outcome (:func:`agree_outcome`) so they fall back together.
+Modes: :data:`STARTUP_MODES`. Skipped under pipeline parallelism and for state layers other than
+Gated DeltaNet, whose layers get vLLM's prefill metadata and temporary states
+(:mod:`.calibration_states`); a failure falls back to the default rule's scales on every TP rank
+together (:func:`agree_outcome`).
 """
 
 from __future__ import annotations
