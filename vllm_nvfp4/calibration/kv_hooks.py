@@ -27,14 +27,9 @@ after decoding (:func:`with_uncentered_sink`).
 
 Study options
 -------------
-Pass :class:`KVOption` objects (``options``) for what the serving cache does not store: the
-repository's ``studies/kv_options.py`` holds rotations along head_dim, per-head formats and other
-sink-key stores, as accuracy experiments of the reference path.
-
-Observe mode
-------------
-Pass a :class:`KVObserver` to record the running per-layer, per-KV-head ``amax`` of K and V (the
-input of calibration). Observation sees the unquantized K/V; it can be combined with a policy.
+:class:`KVOption` objects (``options``) add what the serving cache does not store (the
+repository's ``studies/kv_options.py``: rotations, per-head formats, other sink-key stores). A
+:class:`KVObserver` records the per-layer, per-KV-head ``amax`` of the unquantized K and V.
 """
 
 from __future__ import annotations

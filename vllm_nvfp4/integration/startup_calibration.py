@@ -44,23 +44,14 @@ import torch
 from vllm_nvfp4.calibration.builtin_text import BUILTIN_TEXT, builtin_text_sha256
 from vllm_nvfp4.calibration.kv_hooks import KVObserver
 from vllm_nvfp4.calibration.selection import DEFAULT_BUDGET
-from vllm_nvfp4.calibration.startup_cache import (
-    cache_key,
-    cache_path,
-    load_cached,
-    save_cached,
-    weights_fingerprint,
-)
+from vllm_nvfp4.calibration.startup_cache import (cache_key, cache_path, load_cached, save_cached,
+                                                  weights_fingerprint)
 from vllm_nvfp4.env_vars import STARTUP_CALIBRATION_ENV
 from vllm_nvfp4.policy import POLICY_ENV, POLICY_FILENAME, KVPolicy, default_policy
 
 from vllm_nvfp4.integration.dtype import is_ours
 from vllm_nvfp4.integration.calibration_forward import observe_in_vllm, slot_damage
-from vllm_nvfp4.integration.calibration_states import (
-    StateLayers,
-    state_layers,
-    unsupported_state_layers,
-)
+from vllm_nvfp4.integration.calibration_states import StateLayers, state_layers, unsupported_state_layers
 from vllm_nvfp4.integration.model import is_draft_layer, model_policy, set_startup_policy
 from vllm_nvfp4.integration.startup_selection import (
     METRIC,
