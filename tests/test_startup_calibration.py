@@ -56,7 +56,8 @@ def _bound(worker: Any) -> dict:
     ctx = worker.model_runner.compilation_config.static_forward_context
     return {name: {"k_scale": layer.impl.k_scale.tolist(), "v_scale": layer.impl.v_scale.tolist(),
                    "k_center": None if layer.impl.k_center is None else layer.impl.k_center.tolist(),
-                   "formats": (layer.impl.layout.k_format.value, layer.impl.layout.v_format.value)}
+                   "formats": (layer.impl.layout.k_format.value, layer.impl.layout.v_format.value),
+                   "key0_shift": None if layer.impl.key0_shift is None else layer.impl.key0_shift.tolist()}
             for name, layer in ctx.items() if hasattr(getattr(layer, "impl", None), "layout")}
 
 
@@ -160,8 +161,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def _calibrate_like(model_dir: Path, cache_file: Path) -> Any:
-    """``vllm-nvfp4 calibrate --k-center`` (transformers, float32) with the text and windows the
-    start-up calibration recorded in ``cache_file``."""
+    """``vllm-nvfp4 calibrate --k-center --k-sink-uncentered`` (transformers, float32) with the
+    text and windows the start-up calibration recorded in ``cache_file``."""
     from vllm_nvfp4.calibration.builtin_text import BUILTIN_TEXT
     from vllm_nvfp4.calibration.commands import run_calibrate
 
@@ -169,7 +170,8 @@ def _calibrate_like(model_dir: Path, cache_file: Path) -> Any:
     data = cached["provenance"]["data"]
     assert cached["provenance"]["tokens"] == data["window_tokens"] * data["calib_windows"] >= 2048
     return run_calibrate(model_dir, [BUILTIN_TEXT], None, window=data["window_tokens"],
-                         windows=data["calib_windows"], dtype="float32", k_center=True)
+                         windows=data["calib_windows"], dtype="float32", k_center=True,
+                         k_sink_uncentered=True)
 
 
 def _served_formats(ref: Any, served: Any) -> Any:
@@ -201,6 +203,12 @@ def test_flag_only_engine_binds_the_scales_of_calibrate(runs):
     assert sum(lp.format_of(kv) == "fp8" for lp in served.layers for kv in "kv") == 4  # the rule's 4
     ref = _served_formats(ref, served)  # each slot's scale for the format the selection gave it
     _assert_bound_equals(runs["first"], ref, heads=2, rel=2e-4, atol=2e-5)
+    # the sink key uncentered where calibrate finds its first key fits (on some layers, not all)
+    flags = [lp.k_sink_uncentered for lp in served.layers]
+    assert flags == [lp.k_sink_uncentered for lp in ref.layers] and any(flags)
+    for i, row in enumerate(served.layers):
+        assert (runs["first"][f"model.layers.{i}.self_attn.attn"]["key0_shift"] is None) == (
+            row.k_sink_uncentered is None)
     for i, row in enumerate(ref.layers):
         bound = runs["first"][f"model.layers.{i}.self_attn.attn"]
         assert bound["k_scale"] != pytest.approx([1.0 if row.k == "fp8" else 1 / 6] * 2, rel=0.05)
