@@ -1,36 +1,19 @@
 """Triton paged attention over a :class:`~vllm_nvfp4.layout.KVPageLayout` cache, dequantizing inline.
 
-One attention core, :func:`_attend_keys`, run by a decode and a prefill kernel: the keys sit
-on the MMA M dimension and the query columns (a decode token's GQA group padded to 8, or a
-prefill program's query tokens x heads) on N. NVFP4 elements are never multiplied by their
-block scale: the cache's chunk-planar order (:mod:`vllm_nvfp4.layout`) makes each
-16-element chunk one plane of 16 consecutive 16-bit words, so one k=16 MMA per chunk
-gives that chunk's partial scores, scaled per token by the chunk's block scale (and V's scale
-goes into P per chunk). The four planes of a word are decoded by one unary inline asm of the raw
-words (9 integer ops per four f16x2 registers), which lets Triton copy the raw K/V words and
-the token-major scale rows asynchronously into shared memory and decode them in the MMA operand
-registers. An FP8 K or V takes the same route: its 16-bit words split
-into the even and odd elements' byte planes (one native conversion each), one dot per plane and
-tile.
+One attention core, :func:`_attend_keys`, run by a decode and a prefill kernel: keys on the MMA M
+dimension, query columns (a decode token's GQA group padded to 8, or a prefill program's query
+tokens x heads) on N. NVFP4 elements are never multiplied by their block scale: each 16-element
+chunk is one plane of 16-bit words (:mod:`vllm_nvfp4.layout`), one k=16 MMA per chunk, scaled per
+token by the chunk's scale. Words are decoded by one inline asm (9 integer ops per four f16x2
+registers) in the MMA operand registers after asynchronous copies; an FP8 K or V splits its words
+into two byte planes (one native conversion each). E2M1 code ``n`` becomes fp16 by bit placement,
+``(n & 8) << 12 | (n & 7) << 9`` == e2m1(n) * 2^-14; g and 2^14 (FP8: the layer scale) go into
+the softmax / output scale.
 
-Decode grid ``(seqs, kv_heads, splits)``: one program takes the query heads of one KV head over
-one contiguous share of the context (flash-decoding); with ``splits > 1`` it writes a partial
-``(o, m, l)`` per split and ``_reduce_kernel`` merges them. Prefill programs take ``BLOCK_Q``
-query tokens x the GQA group of one KV head (prefill, chunked prefill, prefix hits, mixed
-batches), causal (+ window).
-
-Dequantization. FP8: E4M3 -> fp16 (native conversion, sm_89+; exact); the layer scale is
-folded into the softmax scale (K) or the output (V). NVFP4: an E2M1 code ``n`` becomes fp16 by bit
-placement alone, ``(n & 8) << 12 | (n & 7) << 9`` == e2m1(n) * 2^-14 (subnormal code 1
-included); the global scale g and 2^14 go into the softmax scale / output scale. The
-interpreter runs the same bit placement in Triton integer ops.
-
-Launch shapes: :mod:`vllm_nvfp4.kernels.launch` (:func:`~vllm_nvfp4.kernels.launch.launch_defaults`,
-``decode_splits``, ``decode_stages``, ``decode_register_cap``; :class:`LaunchShape` fixes them for
-benchmarks and tests).
-
-All launch parameters derive from host ints (shapes, ``max_query_len``, ``max_seq_len``), never
-from tensor contents, so the decode path is CUDA-graph capturable.
+Decode grid ``(seqs, kv_heads, splits)`` (flash-decoding; ``_reduce_kernel`` merges split
+partials); prefill programs take ``BLOCK_Q`` query tokens x one KV head's GQA group, causal
+(+ window). Launch shapes: :mod:`vllm_nvfp4.kernels.launch`. Every launch parameter derives from
+host ints, never tensor contents, so the decode path is CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -45,7 +28,6 @@ from vllm_nvfp4.kernels.constants import E2M1_F16_UNSCALE, FMT_FP8, LOG2E, forma
 from vllm_nvfp4.kernels.e2m1_bytes import e2m1_f16_scaled_f32, unpack_e2m1_pair
 from vllm_nvfp4.kernels.launch import (DEFAULT_STAGES, LaunchShape, decode_register_cap,
                                        decode_splits, decode_stages, launch_defaults)
-
 
 
 @triton.jit
@@ -83,12 +65,9 @@ def _logit_and_output_scales(k_scale_ptr, v_scale_ptr, h, softmax_scale, K_FMT: 
 
 @triton.jit
 def _fold_sinks(sinks_ptr, qh, take, m_i, l_i):
-    """Fold the attention sinks of the query heads ``qh [M]`` (where ``take``) into a finished
-    online softmax ``(m_i, l_i)`` (log2 units): the sink is one more logit without a value, so
-    ``m = max(m_i, sink)``, ``l = l_i * keep + exp2(sink - m)``; returns ``(m, l, keep)`` with
-    ``keep = exp2(m_i - m)`` the factor of the accumulated values. Applied once after the tile
-    loop, which stays the same with and without sinks; a decode split other than the first takes
-    no sink (``take`` False: ``(m_i, l_i, 1)``), its partial merges with the first's."""
+    """Fold the sinks of the query heads ``qh [M]`` (where ``take``; a decode split other than the
+    first takes none) into a finished online softmax ``(m_i, l_i)`` (log2 units), a logit without
+    a value: returns ``(max(m_i, sink), l_i * keep + exp2(sink - m), keep = exp2(m_i - m))``."""
     sink = tl.load(sinks_ptr + qh, mask=take, other=float("-inf")).to(tl.float32) * LOG2E
     m = tl.maximum(m_i, sink)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -218,11 +197,9 @@ _E4M3_PLANES_ASM = tl.constexpr(
 
 @triton.jit
 def _fp8_planes(x, F32: tl.constexpr):
-    """E4M3 pairs in uint16 words ``x`` (any shape) -> ``(even, odd)``: the elements of the low
-    and of the high bytes as fp16 (fp32 when ``F32``), exact. One pure inline asm of the loaded
-    words, so (as for :func:`_planes`) Triton copies the raw words asynchronously and converts them
-    in the MMA operand registers - a whole-tile ``.to(float16)`` of the bytes instead reads them
-    from shared memory one byte per instruction."""
+    """E4M3 pairs in uint16 words ``x`` (any shape) -> ``(even, odd)``: low and high bytes as fp16
+    (fp32 when ``F32``), exact. One pure inline asm of the loaded words, so (as for :func:`_planes`)
+    the raw words are copied asynchronously and converted in the MMA operand registers."""
     if F32:  # the interpreter
         lo = (x & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         hi = (x >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -280,13 +257,10 @@ def _bit_reversed(c, n):
 def _tile_scales(cache_ptr, stride_blk, bt_row, t0, t_end, h, SCALE: tl.constexpr,
                  C: tl.constexpr, BLOCK: tl.constexpr, N: tl.constexpr,
                  MASKED: tl.constexpr, ZERO_PAST_END: tl.constexpr):
-    """FP32 block scales of the ``N`` tokens from ``t0``: a tuple of ``C`` vectors ``[N]`` (chunk
-    order). In a ``MASKED`` tile (one that may reach ``t_end``), with ``ZERO_PAST_END``, 0 for
-    tokens at or past ``t_end`` (their slots may hold any stale byte, and a NaN scale would turn
-    p = 0 into NaN). One load of the ``BLOCK * C`` contiguous bytes of the token-major scale
-    plane per block (so the pipeliner copies it asynchronously; a thread then reads a token's
-    ``C`` scales from shared memory at once), split into chunks by halving (which leaves them in
-    bit-reversed order, undone when returned)."""
+    """FP32 block scales of the ``N`` tokens from ``t0``: ``C`` vectors ``[N]`` in chunk order; in a
+    ``MASKED`` tile with ``ZERO_PAST_END``, 0 at or past ``t_end`` (stale bytes there could make
+    p = 0 NaN). One load of the scale plane's ``BLOCK * C`` contiguous bytes per block (copied
+    asynchronously), split into chunks by halving (bit-reversed order, undone when returned)."""
     NB: tl.constexpr = N // BLOCK
     nb = tl.arange(0, NB)
     if MASKED:  # past the sequence: block 0 (a real block: the scale load below stays in bounds)
@@ -457,19 +431,11 @@ def _attend_keys(
     HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PARTS: tl.constexpr,
     LAZY: tl.constexpr, STAGES: tl.constexpr, SHIFT0: tl.constexpr,
 ):
-    """:func:`_attend_tiles` over the keys ``[t_begin, t_end)``: the whole tiles of ``[t_begin,
-    t_full)`` that every query column sees entirely (no mask, no bounds checks), then the rest
-    masked (the sequence end, the causal diagonal, the window).
-
-    ``SHIFT0``: the key at position 0 is stored uncentered, and its logits get ``shift0 [M]``
-    subtracted (:func:`_key0_logit_shift`). Only a range from ``t_begin == 0`` holds it: its first
-    whole tile runs on its own with the correction, the other whole tiles as without it (the
-    masked rest corrects where it holds position 0).
-
-    ``HOIST_Q``: the score tiles start from ``sum_c 0 . q_c`` (zeros, computed once before the
-    loops) instead of constant zeros, which makes Triton convert the query operands to the MMA
-    layout once rather than in every tile. ``FOLD_K``, ``FOLD_V``, ``PARTS``, ``LAZY``,
-    ``STAGES``: see :func:`_attend_tiles`."""
+    """:func:`_attend_tiles` over keys ``[t_begin, t_end)``: the whole tiles of ``[t_begin,
+    t_full)`` unmasked, then the rest masked. ``SHIFT0`` (the key at position 0 stored
+    uncentered): a range from ``t_begin == 0`` runs its first tile alone with the correction.
+    ``HOIST_Q``: the score tiles start from ``0 . q_c`` computed once, so the query operands are
+    converted to the MMA layout once. Other flags: :func:`_attend_tiles`."""
     W: tl.constexpr = D // 2 // PARTS if K_FMT == FMT_FP8 else 16
     KT: tl.constexpr = tl.float32 if F32 else tl.float16
     if PARTS > 1:
@@ -515,28 +481,16 @@ def _attend_tiles(
     MASKED: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PARTS: tl.constexpr,
     LAZY: tl.constexpr, STAGES: tl.constexpr, SHIFT0: tl.constexpr,
 ):
-    """Online-softmax attention with the KEYS on the MMA M dimension and the ``M`` query columns
-    (``qs`` from :func:`_load_query_parts`, positions ``q_pos [M]``) on N, over the keys
-    ``[lo, hi)`` of one sequence (``MASKED``: masking tokens at or past ``t_end``, causal and
-    window; else every token of every tile is visible to every column). NVFP4 block scales are
-    applied per 16-element chunk, never per element: each chunk ``c`` is one plane of 16
-    words (the cache's chunk-planar order, :mod:`vllm_nvfp4.layout`), so
-    ``s^T [TILE_N, M] = sum_c sk_c * (K_c [TILE_N, 16] . q_c^T [16, M])`` with ``sk_c [TILE_N]``
-    the tokens' block scales, and ``acc_c^T [16, M] += V_c^T [16, TILE_N] . (sv_c * p)``. With
-    ``FOLD_K`` the K planes are scaled instead, ``s^T = sum_c (sk_c * K_c) . q_c^T`` as one chained
-    dot: the fp16 product of an ``e2m1 * 2^-14`` plane and an E4M3 scale is exact (a multiple of
-    2^-24 with at most 6 significant bits, at most 6 * 448 * 2^-14); with ``FOLD_V`` likewise
-    ``acc_c^T += (sv_c * V_c^T) . p``. ``PARTS > 1`` (:func:`_part_cols`): each operand has a
-    leading part dimension, one part per warp (batched MMAs), and ``s^T`` is the sum of the
-    parts' partial scores. ``LAZY``: the accumulators are rescaled only in a tile that raises
-    some column's running max. An FP8
-    K or V is one dot per byte plane and tile (:func:`_fp8_planes`: even and odd columns of
-    ``K . q^T``, ``V^T . p``). The raw K/V words and whole scale
-    rows are copied asynchronously (``tl.range`` with ``STAGES`` software-pipeline stages) and
-    decoded by unary inline asm in the MMA operand registers. Logits in log2 units: ``qk_scale``
-    includes log2(e) (and the K dequant factor); with soft-cap, ``softcap`` is the cap and
-    ``qk_scale`` excludes log2(e). ``SHIFT0``: ``shift0 [M]`` is subtracted from the logits of
-    the key at position 0 (:func:`_attend_keys`)."""
+    """Online-softmax attention, keys on the MMA M dimension and the ``M`` query columns (``qs``,
+    positions ``q_pos [M]``) on N, over keys ``[lo, hi)`` of one sequence (``MASKED``: tokens at
+    or past ``t_end``, causal and window masked). Per chunk ``c``:
+    ``s^T = sum_c sk_c * (K_c . q_c^T)`` and ``acc_c^T += V_c^T . (sv_c * p)``; ``FOLD_K`` /
+    ``FOLD_V`` scale the planes instead (the fp16 product of an ``e2m1 * 2^-14`` plane and an E4M3
+    scale is exact). ``PARTS > 1``: one operand part per warp (:func:`_part_cols`). ``LAZY``:
+    rescale only when a column's max rises. FP8 planes: :func:`_fp8_planes`. ``STAGES``: software
+    pipeline stages of the raw-word copies. Logits in log2 units (``qk_scale`` includes log2(e)
+    but not with a soft-cap ``softcap``). ``SHIFT0``: ``shift0 [M]`` is subtracted from the logits
+    of the key at position 0 (:func:`_attend_keys`)."""
     C: tl.constexpr = D // 16
     # the masked tail is one tile (a few on a prefill's diagonal), so it is not pipelined - unless
     # a sliding window masks every tile; nor is position 0's whole tile run on its own (SHIFT0)
