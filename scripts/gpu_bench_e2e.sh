@@ -5,7 +5,8 @@
 #   bash scripts/gpu_bench_e2e.sh --dtypes fp8,nvfp4-mixed --contexts 32k
 #   bash scripts/gpu_bench_e2e.sh --dtypes none --serve fp8,nvfp4-mixed
 #
-# Environment: OUT (result folder, default out/e2e), BUDGET_S (optional: wall-clock seconds for
+# Environment: MODULE (default benchmarks.e2e; scripts/gpu_serving.sh runs benchmarks.serving
+# and its soak through this script), OUT (result folder, default out/e2e), BUDGET_S (optional: wall-clock seconds for
 # everything this script does; the benchmark gets what is left minus 30 s for its summary),
 # VLLM_BUNDLE / VLLM_SITE / PYTHON (see scripts/gpu_env.sh). The arguments are those of
 # `python -m benchmarks.e2e --help`; the output is described in benchmarks/e2e/__init__.py.
@@ -18,11 +19,12 @@ cd "$REPO"
 BUDGET_ARGS=()
 if [ -n "${BUDGET_S:-}" ]; then
   LEFT=$((BUDGET_S - (SECONDS - T0) - 30))
-  [ "$LEFT" -gt 120 ] || die "only ${LEFT}s of BUDGET_S=$BUDGET_S left for the benchmark"
+  [ "$LEFT" -gt 120 ] || die "only ${LEFT}s of BUDGET_S=$BUDGET_S left for the run"
   BUDGET_ARGS=(--budget-s "$LEFT")
 fi
-say "python -m benchmarks.e2e --out $OUT ${BUDGET_ARGS[*]} $*"
-"$PYTHON" -m benchmarks.e2e --out "$OUT" "${BUDGET_ARGS[@]}" "$@"
+MODULE=${MODULE:-benchmarks.e2e}
+say "python -m $MODULE --out $OUT ${BUDGET_ARGS[*]} $*"
+"$PYTHON" -m "$MODULE" --out "$OUT" "${BUDGET_ARGS[@]}" "$@"
 rc=$?
 say "finished, rc $rc; files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
 exit $rc

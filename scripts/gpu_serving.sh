@@ -32,7 +32,6 @@
 # for everything this script does; the run gets what is left minus 30 s for its summary),
 # VLLM_BUNDLE / VLLM_SITE / PYTHON (see scripts/gpu_env.sh).
 set -uo pipefail
-T0=$SECONDS
 MODE=${1:-}
 case $MODE in
   bench) MODULE=benchmarks.serving ;;
@@ -41,18 +40,5 @@ case $MODE in
      exit 2 ;;
 esac
 shift
-OUT=${OUT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/out/serving}
-source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
-exec > >(tee -a "$OUT/run.log") 2>&1
-cd "$REPO"
-BUDGET_ARGS=()
-if [ -n "${BUDGET_S:-}" ]; then
-  LEFT=$((BUDGET_S - (SECONDS - T0) - 30))
-  [ "$LEFT" -gt 120 ] || die "only ${LEFT}s of BUDGET_S=$BUDGET_S left for the run"
-  BUDGET_ARGS=(--budget-s "$LEFT")
-fi
-say "python -m $MODULE --out $OUT ${BUDGET_ARGS[*]} $*"
-"$PYTHON" -m "$MODULE" --out "$OUT" "${BUDGET_ARGS[@]}" "$@"
-rc=$?
-say "finished, rc $rc; files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
-exit $rc
+OUT=${OUT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/out/serving} MODULE=$MODULE \
+  exec bash "$(dirname "${BASH_SOURCE[0]}")/gpu_bench_e2e.sh" "$@"

@@ -118,18 +118,21 @@ CPU_TINY = dict(preset="tiny", contexts=[64], steps=4, warm_steps=1, ttft_reps=1
                 dtypes=["auto", "nvfp4-mixed"])
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_common(ap: argparse.ArgumentParser, argv: Optional[list[str]],
+                 cpu_tiny: dict) -> argparse.Namespace:
+    """Parse ``argv`` with ``ap`` and apply what both benchmark CLIs share: ``--out`` required
+    (unless ``--plot``), ``--cpu-tiny``'s defaults (``cpu_tiny``; flags given explicitly win),
+    and the CPU build's KV space and memory fraction."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    ap = build_parser()
     a = ap.parse_args(argv)
     a.argv = argv
     if a.plot:
         return a
     if not a.out:
         ap.error("--out is required")
-    if a.cpu_tiny:  # smoke-run defaults; flags given explicitly still win
+    if a.cpu_tiny:
         given = {t.split("=")[0] for t in argv if t.startswith("--")}
-        for k, v in CPU_TINY.items():
+        for k, v in cpu_tiny.items():
             if "--" + k.replace("_", "-") not in given:
                 setattr(a, k, v)
         a.cpu = a.eager = True
@@ -137,6 +140,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the CPU worker needs a size
         if not any(t.startswith("--gpu-mem") for t in argv):
             a.gpu_mem = 0.3  # on CPU: the fraction of RAM vLLM checks is free
+    return a
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    ap = build_parser()
+    a = parse_common(ap, argv, CPU_TINY)
+    if a.plot:
+        return a
     a.targets = None if a.targets in ("", "none") else a.targets
     if a.model_dir is None:
         a.model_dir = f"/tmp/vllm-nvfp4-models/{a.preset}-random"

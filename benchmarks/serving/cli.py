@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from pathlib import Path
 from typing import Optional
 
 import benchmarks.serving as package
-from benchmarks.e2e.cli import DTYPES, _checked
+from benchmarks.e2e.cli import DTYPES, _checked, parse_common
 from benchmarks.e2e.configs import CONFIGS, parse_dtypes
 from benchmarks.serving.workloads import WORKLOADS, longest_request, parse_ints, parse_range, parse_tokens
 from vllm_nvfp4.testing.weightless import PRESETS
@@ -107,24 +105,10 @@ CPU_TINY = dict(preset="tiny", configs=["auto", "nvfp4-mixed"], chat_input=parse
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    argv = sys.argv[1:] if argv is None else list(argv)
     ap = build_parser()
-    a = ap.parse_args(argv)
-    a.argv = argv
+    a = parse_common(ap, argv, CPU_TINY)
     if a.plot:
         return a
-    if not a.out:
-        ap.error("--out is required")
-    if a.cpu_tiny:  # smoke-run defaults; flags given explicitly still win
-        given = {t.split("=")[0] for t in argv if t.startswith("--")}
-        for k, v in CPU_TINY.items():
-            if "--" + k.replace("_", "-") not in given:
-                setattr(a, k, v)
-        a.cpu = a.eager = True
-    if a.cpu:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        if not any(t.startswith("--gpu-mem") for t in argv):
-            a.gpu_mem = 0.3
     if not a.configs:
         ap.error("--configs is empty")
     if a.prefix_num_prefixes <= 0 or a.max_probes <= 0 or a.probe_s <= 0 or a.min_prompts <= 0:
