@@ -99,6 +99,9 @@ class Worker:
         mb = {str(c): max_batch(blocks, own, c + self.a.headroom, self.in_flight, self.a.max_batch)
               for c in self.contexts()}
         if self.cfg.skip_layers:  # vLLM pads the skipped layers' pages: take its own report
+            if getattr(cc, "kv_cache_size_tokens", None) is None:
+                raise RuntimeError(f"{self.cfg.name}: this vLLM reports no kv_cache_size_tokens "
+                                   "(vLLM >= 0.34 does); capacity with skipped layers needs it")
             cap = int(cc.kv_cache_size_tokens)
             seqs = float(cc.kv_cache_max_concurrency) * self.a.max_model_len
             mb = {str(c): min(self.a.max_batch, int(seqs // (c + self.a.headroom)))
