@@ -336,6 +336,26 @@ def test_kernel_split_of_a_generated_trace(tmp_path, gz):
     assert per_step["gemm"] == pytest.approx(33.0 * 170 / 660, abs=1e-3)
 
 
+def test_idle_gaps_of_a_generated_trace():
+    k = lambda name, ts, dur: dict(ph="X", cat="kernel", name=name, ts=ts, dur=dur)  # noqa: E731
+    events = [k("a", 0.0, 10.0), k("b", 5.0, 10.0),  # overlapping: busy 0-15
+              k("c", 115.0, 5.0),  # 100 us gap after b
+              dict(ph="X", cat="gpu_memcpy", name="Memcpy HtoD", ts=130.0, dur=10.0),  # 10 us gap
+              k("d", 140.0, 10.0),
+              dict(ph="X", cat="cuda_runtime", name="cudaStreamSynchronize", ts=10.0, dur=95.0),
+              dict(ph="X", cat="cpu_op", name="aten::copy_", ts=60.0, dur=100.0),
+              dict(ph="X", cat="cpu_op", name="elsewhere", ts=200.0, dur=5.0)]
+    got = trace.idle_gaps(events, iterations=2, min_gap_us=20.0, top=2)
+    assert got["idle_us"] == 110.0 and got["idle_ms_per_iteration"] == 0.055
+    assert got["busy_ms_per_iteration"] == pytest.approx((15 + 5 + 10 + 10) / 2 / 1000)
+    assert got["gaps"] == 1
+    first, second = got["largest"]
+    assert (first["us"], first["after"], first["before"]) == (100.0, "b", "c")
+    assert first["host"] == [("cudaStreamSynchronize", 90.0), ("aten::copy_", 55.0)]
+    assert (second["us"], second["after"], second["before"]) == (10.0, "c", "Memcpy HtoD")
+    assert second["host"] == [("aten::copy_", 10.0)]
+
+
 # ---------------------------------------------------------------- vllm bench serve
 
 def test_bench_serve_command_parses_with_vllms_own_parser():

@@ -1,7 +1,8 @@
-"""Kernel split of a decode step from a torch-profiler (Chrome) trace.
+"""Kernel split and GPU idle time of decode steps from a torch-profiler (Chrome) trace.
 
 GPU kernel time is summed per category - attention, KV write, GEMM, other - from the kernels'
-names; vLLM's ``bench`` tools report whole-step times only.
+names; vLLM's ``bench`` tools report whole-step times only. :func:`idle_gaps` finds where the GPU
+waits between kernels and which host calls ran meanwhile.
 """
 
 from __future__ import annotations
@@ -84,3 +85,47 @@ def wait_for_trace(pdir: Path, before: set[Path], timeout: float) -> Path:
             return max(new, key=lambda p: p.stat().st_mtime)
         time.sleep(0.5)
     raise TimeoutError(f"no profiler trace appeared in {pdir}")
+
+
+#: trace categories of GPU work (busy time) and of host work shown next to an idle gap
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation", "python_function")
+
+
+def idle_gaps(events: list[dict], iterations: int, min_gap_us: float = 20.0, top: int = 8
+              ) -> dict[str, Any]:
+    """GPU idle time between the first and the last GPU event of the trace.
+
+    Returns ``idle_us`` (all gaps), ``idle_ms_per_iteration`` (divided by ``iterations``),
+    ``busy_ms_per_iteration``, ``gaps`` (how many are >= ``min_gap_us``) and ``largest``: the
+    ``top`` longest gaps, each with the kernels before and after it and the host events that
+    overlap it most (name, microseconds of overlap), longest first.
+    """
+    gpu = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), str(e.get("name", "")))
+                 for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES)
+    host = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), str(e.get("name", "")))
+            for e in events if e.get("ph") == "X" and e.get("cat") in HOST_CATEGORIES]
+    gaps: list[tuple[float, float, str, str]] = []
+    busy = idle = 0.0
+    end, last = None, ""
+    for start, stop, name in gpu:
+        if end is not None and start > end:
+            idle += start - end
+            gaps.append((start - end, end, last, name))
+        busy += max(0.0, stop - max(start, end if end is not None else start))
+        if end is None or stop >= end:
+            end, last = stop, name
+    largest = []
+    for length, at, before, after in sorted(gaps, reverse=True)[:top]:
+        overlap: dict[str, float] = {}
+        for hs, he, hname in host:
+            o = min(he, at + length) - max(hs, at)
+            if o > 0:
+                overlap[hname] = overlap.get(hname, 0.0) + o
+        ranked = sorted(overlap.items(), key=lambda kv: -kv[1])[:6]
+        largest.append({"us": round(length, 1), "after": before[:70], "before": after[:70],
+                        "host": [(n[:70], round(o, 1)) for n, o in ranked]})
+    n = max(iterations, 1)
+    return {"idle_us": round(idle, 1), "idle_ms_per_iteration": round(idle / n / 1000, 3),
+            "busy_ms_per_iteration": round(busy / n / 1000, 3),
+            "gaps": sum(g[0] >= min_gap_us for g in gaps), "largest": largest}

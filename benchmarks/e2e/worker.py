@@ -59,7 +59,7 @@ def engine_kwargs(a: Namespace, kv_cache_dtype: str, attention_backend: Optional
     if a.profile and not a.cpu:
         kw["profiler_config"] = dict(
             profiler="torch", torch_profiler_dir=str(Path(a.profile_dir).resolve()),
-            torch_profiler_activities=["CUDA"], torch_profiler_with_stack=False,
+            torch_profiler_activities=["CPU", "CUDA"], torch_profiler_with_stack=False,
             torch_profiler_use_gzip=False, ignore_frontend=True)
     return kw
 
@@ -213,7 +213,8 @@ class Worker:
             self.rec.write("profile", context=context, batch=batch, iterations=n, kernel_us_total=us,
                            fraction=frac, tpot_ms=tpot_ms, ms_per_step=per_step,
                            kernel_ms_per_iteration=round(us["total"] / n / 1000, 3),
-                           top_kernels=trace.top_kernels(events), trace=str(path))
+                           top_kernels=trace.top_kernels(events), idle=trace.idle_gaps(events, n),
+                           trace=str(path))
             log(f"{self.cfg.name}: profile ctx {context} batch {batch}: fractions {frac}")
         except Exception as e:  # the split is a bonus: never lose the run for it
             self.rec.write("error", what="profile", error=repr(e))
