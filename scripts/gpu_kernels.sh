@@ -7,7 +7,7 @@
 #
 # variants: our kernels only, against BEFORE (an older attention.py, default
 # benchmarks/_before_attention.py, e.g. from `git show COMMIT:vllm_nvfp4/kernels/attention.py`,
-# labelled BEFORE_LABEL), then the kernel tests.
+# labelled BEFORE_LABEL), then the kernel tests (TESTS=0: timing only).
 # Environment: OUT (default out/kernels), TESTS_TIMEOUT_S (900), TEST_WORKERS (pytest-xdist
 # workers, default one per core), VARIANTS_TIMEOUT_S (900),
 # VLLM_BUNDLE / VLLM_SITE / PYTHON (see scripts/gpu_env.sh). Logs and JSON go to OUT.
@@ -32,7 +32,7 @@ case $what in
       --before "${BEFORE:-benchmarks/_before_attention.py}" --before-label "${BEFORE_LABEL:-before}" \
       --out "$OUT/decode_variants.json" "$@" > "$OUT/variants.log" 2>&1
     say "bench_variants rc $?"
-    kernel_tests tests/test_kernels.py
+    [ "${TESTS:-1}" = 0 ] || kernel_tests tests/test_kernels.py
     sed -n '/==== variants/,$p' "$OUT/variants.log"
     exit 0 ;;
   *) die "unknown mode $what (all, tests, bench, variants)" ;;
