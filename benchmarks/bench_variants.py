@@ -14,9 +14,10 @@ Writes JSON and prints a table last.
     python3 benchmarks/bench_variants.py --before /tmp/attention_before.py --head-dim 256 \
         --shapes 16x32768 64x8192 --variants no_fold_k s32 --out $OUT/v256.json
 
-``--key0-shift`` adds the row ``key0``: the current default with the sink key's logit
-correction on (a random ``key0_shift [kv_heads, head_dim]``, as a layer whose policy stores the
-sink key uncentered passes it); its output differs from BEFORE's by that correction.
+``--key0-shift`` adds the rows ``key0`` and ``key0_loop``: the current default with the sink
+key's logit correction on (a random ``key0_shift [kv_heads, head_dim]``, as a layer whose policy
+stores the sink key uncentered passes it), position 0's tile run alone or corrected in the
+pipelined loop (``LaunchShape.key0_in_loop``); their output differs from BEFORE's by the correction.
 """
 
 from __future__ import annotations
@@ -192,6 +193,7 @@ def main() -> None:
             if args.key0_shift:
                 shift = torch.randn(bd.HKV, bd.D, generator=gen).to(dev)
                 runs.append(("key0", new_mod, {"key0_shift": shift}))
+                runs.append(("key0_loop", new_mod, {"key0_shift": shift, "key0_in_loop": True}))
             kind = "prefill" if prefill else "decode"
             runs += [(v, new_mod, variant_config(v, kind)) for v in args.variants
                      if variant_config(v, kind) is not None]

@@ -758,6 +758,35 @@ def test_key0_shift_matches_float64_and_the_torch_path(kind, window, kf, vf):
     assert (unshifted - want).norm() / want.norm() > 100 * tol
 
 
+@pytest.mark.parametrize("kind,window,kf,vf", [
+    ("decode", None, "nvfp4", "nvfp4"), ("decode", 30 * SCALE, "fp8", "nvfp4"),
+    ("prefill", None, "nvfp4", "fp8")])
+def test_key0_in_loop_equals_the_peeled_tile(kind, window, kf, vf):
+    """``key0_in_loop`` (the correction inside the pipelined tile loop) gives the peeled first
+    tile's result (the same arithmetic, tiles in the same order), and the correction itself."""
+    lay = KVPageLayout(2, 128, 16, kf, vf)
+    seqs = ([(90 * SCALE + 7, 1), (5, 1), (33 * SCALE, 1)] if kind == "decode" else
+            [(40 * SCALE, 40 * SCALE), (50 * SCALE + 3, 11)])
+    batch = make_batch(lay, seqs, 4, device=DEV, seed=31, write_backend=WRITE)
+    shift = _key0_shift(lay, 8)
+    decode = kind == "decode"
+    outs = []
+    for in_loop in (False, True):
+        out = torch.empty_like(batch.query)
+        attn_kernels.paged_attention(
+            batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+            batch.seq_lens, batch.query_start_loc, batch.max_query_len, batch.max_seq_len, 0.1,
+            out, window, key0_shift=shift,
+            launch=_launch(lay, decode, num_splits=3 if decode else None, key0_in_loop=in_loop))
+        outs.append(out)
+    if CUDA:  # the pipelined loop may order the FP32 sums differently
+        assert_close_rel(outs[1], outs[0].double().cpu(), 1e-5)
+    else:
+        assert torch.equal(outs[0], outs[1])
+    assert_close_rel(outs[1], fast_reference(batch, 0.1, window, key0_shift=shift),
+                     2e-3 if CUDA else 1e-5)
+
+
 @pytest.mark.parametrize("kf,vf", [("nvfp4", "nvfp4"), ("nvfp4", "fp8")])
 def test_key0_shift_in_the_default_decode_launch(kf, vf):
     """The production launch shape (pipelined stages, folded scales, splits from the heuristic)

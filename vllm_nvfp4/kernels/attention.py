@@ -78,10 +78,9 @@ def _fold_sinks(sinks_ptr, qh, take, m_i, l_i):
 @triton.jit
 def _key0_logit_shift(q_cols, col_ok, key0_shift_ptr, h, softmax_scale, covers_key0,
                       D: tl.constexpr, M: tl.constexpr):
-    """Per query column (``q_cols [M]`` row pointers, ``col_ok`` masks padding), what the logit
-    of the uncentered key at position 0 loses: ``q . key0_shift[h]`` (FP32, the query in its own
-    dtype read as FP32) times ``softmax_scale * log2(e)``, the kernels' logit units; zeros unless
-    ``covers_key0`` (a program whose keys start at position 0)."""
+    """Per query column (``q_cols [M]`` row pointers, ``col_ok`` masks padding), what the logit of
+    the uncentered key at position 0 (stored so by the policy) loses: ``q . key0_shift[h]`` (FP32)
+    x ``softmax_scale * log2(e)``; zeros unless ``covers_key0`` (keys from position 0)."""
     out = tl.zeros([M], dtype=tl.float32)
     if covers_key0:
         d = tl.arange(0, D)
@@ -429,11 +428,12 @@ def _attend_keys(
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
     HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PARTS: tl.constexpr,
-    LAZY: tl.constexpr, STAGES: tl.constexpr, SHIFT0: tl.constexpr,
+    LAZY: tl.constexpr, STAGES: tl.constexpr, SHIFT0: tl.constexpr, KEY0_IN_LOOP: tl.constexpr,
 ):
     """:func:`_attend_tiles` over keys ``[t_begin, t_end)``: the whole tiles of ``[t_begin,
     t_full)`` unmasked, then the rest masked. ``SHIFT0`` (the key at position 0 stored
-    uncentered): a range from ``t_begin == 0`` runs its first tile alone with the correction.
+    uncentered): a range from ``t_begin == 0`` runs its first tile alone (unpipelined) with the
+    correction, or, ``KEY0_IN_LOOP``, every whole tile checks for position 0.
     ``HOIST_Q``: the score tiles start from ``0 . q_c`` computed once, so the query operands are
     converted to the MMA layout once. Other flags: :func:`_attend_tiles`."""
     W: tl.constexpr = D // 2 // PARTS if K_FMT == FMT_FP8 else 16
@@ -449,19 +449,19 @@ def _attend_keys(
             else:
                 s0 = _dot_f(tl.zeros([TILE_N, W], dtype=KT), qs[c], s0, F32)
     lo = t_begin
-    if SHIFT0:  # position 0's whole tile, if this range starts there
+    if SHIFT0 and not KEY0_IN_LOOP:  # position 0's whole tile, if this range starts there
         peel_end = tl.where(t_begin == 0, tl.minimum(t_full, TILE_N), t_begin)
         accs, m_i, l_i = _attend_tiles(
             qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_begin, peel_end,
             t_end, qk_scale, softcap, window, shift0, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA,
             V_SCALE, D, BLOCK, TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, False, FOLD_K,
-            FOLD_V, PARTS, LAZY, STAGES, True)
+            FOLD_V, PARTS, LAZY, 1, True)
         lo = peel_end
     accs, m_i, l_i = _attend_tiles(
         qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, lo, t_full, t_end,
         qk_scale, softcap, window, shift0, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D,
         BLOCK, TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, False, FOLD_K, FOLD_V, PARTS,
-        LAZY, STAGES, False)
+        LAZY, STAGES, SHIFT0 and KEY0_IN_LOOP)
     return _attend_tiles(
         qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_full, t_end, t_end,
         qk_scale, softcap, window, shift0, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D,
@@ -493,9 +493,8 @@ def _attend_tiles(
     of the key at position 0 (:func:`_attend_keys`)."""
     C: tl.constexpr = D // 16
     # the masked tail is one tile (a few on a prefill's diagonal), so it is not pipelined - unless
-    # a sliding window masks every tile; nor is position 0's whole tile run on its own (SHIFT0)
-    LOOP_STAGES: tl.constexpr = 1 if (MASKED and not USE_WINDOW) or (SHIFT0 and not MASKED) \
-        else STAGES
+    # a sliding window masks every tile
+    LOOP_STAGES: tl.constexpr = 1 if MASKED and not USE_WINDOW else STAGES
     for t0 in tl.range(lo, hi, TILE_N, num_stages=LOOP_STAGES):
         toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, t0, t_end, BLOCK,
                                             TILE_N, MASKED)
@@ -610,11 +609,11 @@ def _decode_kernel(
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
     F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,
     PARTS: tl.constexpr, LAZY: tl.constexpr, STAGES: tl.constexpr, USE_KEY0: tl.constexpr,
+    KEY0_IN_LOOP: tl.constexpr,
 ):
-    """Decode through :func:`_attend_keys`: the ``BG`` query columns are the GQA group of one
-    KV head (padded, >= 8). Grid ``(seqs, kv_heads, splits)``; with splits, FP32 partials
-    ``(o, m, l)`` for :func:`_reduce_kernel`. Sinks: :func:`_fold_sinks`. ``USE_KEY0``: the
-    key at position 0 is stored uncentered (:func:`_key0_logit_shift`)."""
+    """Decode through :func:`_attend_keys`: the ``BG`` query columns are one KV head's GQA group
+    (padded, >= 8). Grid ``(seqs, kv_heads, splits)``; with splits, FP32 partials ``(o, m, l)``
+    for :func:`_reduce_kernel`. Sinks: :func:`_fold_sinks`; ``USE_KEY0``: :func:`_key0_logit_shift`."""
     seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_full, t_end = _decode_program(
         seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window, K_FMT, V_FMT,
         G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP)
@@ -630,7 +629,7 @@ def _decode_kernel(
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, shift0, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D,
         BLOCK, TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V, PARTS,
-        LAZY, STAGES, USE_KEY0)
+        LAZY, STAGES, USE_KEY0, KEY0_IN_LOOP)
     if USE_SINKS:  # into the first split's partial only
         first_split = tl.full([BG], split, tl.int32) == 0
         m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok & first_split, m_i, l_i)
@@ -716,11 +715,10 @@ def _prefill_kernel(
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
     F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,
     PARTS: tl.constexpr, LAZY: tl.constexpr, STAGES: tl.constexpr, USE_KEY0: tl.constexpr,
+    KEY0_IN_LOOP: tl.constexpr,
 ):
-    """Prefill through :func:`_attend_keys` (keys on the MMA M dimension, the program's
-    ``BLOCK_Q * G_PAD`` query rows as columns, causal); grid ``(query blocks + seqs,
-    kv_heads)``, see :func:`_prefill_program`. Sinks: :func:`_fold_sinks`. ``USE_KEY0``: as in
-    :func:`_decode_kernel`."""
+    """Prefill through :func:`_attend_keys` (the program's ``BLOCK_Q * G_PAD`` query rows as
+    columns, causal); grid ``(query blocks + seqs, kv_heads)`` (:func:`_prefill_program`)."""
     seq, h, active, tok, qh, row_ok, q_pos, t_begin, t_full, t_end = _prefill_program(
         seq_lens_ptr, qsl_ptr, num_seqs, window, G, G_PAD, BLOCK_Q, TILE_N, USE_WINDOW)
     if not active:
@@ -740,7 +738,7 @@ def _prefill_kernel(
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, shift0, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D,
         BLOCK, TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V,
-        PARTS, LAZY, STAGES, USE_KEY0)
+        PARTS, LAZY, STAGES, USE_KEY0, KEY0_IN_LOOP)
     if USE_SINKS:
         m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok, m_i, l_i)
         vf = vf * keep
@@ -824,7 +822,8 @@ def paged_attention(
             HQ=hq, G=g, BG=bg, TILE_N=tn, NUM_SPLITS=splits, **meta,
             HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales, FOLD_V=shape.fold_v_scales,
             PARTS=shape.dim_parts, LAZY=shape.lazy_rescale, STAGES=stages,
-            USE_KEY0=key0_shift is not None, num_warps=warps, num_stages=stages,
+            USE_KEY0=key0_shift is not None, KEY0_IN_LOOP=shape.key0_in_loop,
+            num_warps=warps, num_stages=stages,
             **({"maxnreg": maxnreg} if maxnreg else {}),
         )
         if splits > 1:
@@ -845,6 +844,7 @@ def paged_attention(
         G=g, G_PAD=g_pad, BLOCK_Q=block_q, TILE_N=tn, **meta,
         HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales, FOLD_V=shape.fold_v_scales,
         PARTS=shape.dim_parts, LAZY=shape.lazy_rescale, STAGES=stages,
-        USE_KEY0=key0_shift is not None, num_warps=warps, num_stages=stages,
+        USE_KEY0=key0_shift is not None, KEY0_IN_LOOP=shape.key0_in_loop,
+            num_warps=warps, num_stages=stages,
     )
     return out

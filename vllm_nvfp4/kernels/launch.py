@@ -129,7 +129,9 @@ class LaunchShape:
     (batched MMAs, one part per warp), the parts' partial scores are summed across the warps
     once per tile, and each warp holds only its part's output accumulators;
     ``lazy_rescale`` rescales the output accumulators only in tiles that raise the running max
-    of some query column (exact: the same products, skipped where the factor is 1).
+    of some query column (exact: the same products, skipped where the factor is 1);
+    ``key0_in_loop`` (with ``key0_shift``) corrects the key at position 0 in every whole tile of
+    the pipelined loop instead of running position 0's tile alone first (the same arithmetic).
     """
 
     tile_n: int
@@ -145,6 +147,7 @@ class LaunchShape:
     fold_v_scales: bool = False
     dim_parts: int = 1
     lazy_rescale: bool = False
+    key0_in_loop: bool = False
 
     def __post_init__(self) -> None:
         if self.num_splits is not None and self.num_splits < 1:
