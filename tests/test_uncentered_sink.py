@@ -150,3 +150,26 @@ def test_calibration_flags_the_heads_whose_first_key_fits():
     obs2 = KVObserver(1)
     obs2.observe(0, key, key)
     assert scaled_policy(formats, obs2, k_center=True, k_sink_uncentered=True).layers[0].k_sink_uncentered is None
+
+
+def test_layers_with_learned_sinks_are_never_centered():
+    """Centering shifts every key's logit by q . mu but not a learned sink logit: a policy row
+    with k_center on a sinks layer is refused with what to fix, and calibration with k_center
+    centers only the layers without sinks (so none of a sinks layer's keys is flagged)."""
+    from vllm_nvfp4.policy import LayerType
+
+    sinks = LayerType("full", sinks=True)
+    with pytest.raises(PolicyError, match="learned attention sinks.*drop k_center"):
+        LayerPolicy("nvfp4", "nvfp4", k_center=[[0.5] * D] * H, layer_type=sinks)
+    gen = torch.Generator().manual_seed(3)
+    obs = KVObserver(2)
+    for i in range(2):
+        key = torch.randn(2, H, 40, D, generator=gen) + 5.0
+        key[:, :, 0] = torch.randn(2, H, D, generator=gen) * 0.5
+        obs.observe(i, key, torch.randn(2, H, 40, D, generator=gen))
+    formats = KVPolicy.from_compact("*:nvfp4", 2, layer_types=[LayerType("full"), sinks])
+    got = scaled_policy(formats, obs, k_center=True, k_sink_uncentered=True)
+    plain, with_sinks = got.layers
+    assert plain.k_center is not None and plain.k_sink_uncentered is not None
+    assert with_sinks.k_center is None and with_sinks.k_sink_uncentered is None
+    assert with_sinks.k_global_scale == scaled_policy(formats, obs).layers[1].k_global_scale

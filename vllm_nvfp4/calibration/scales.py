@@ -12,8 +12,9 @@ magnitude are divided down (the query is multiplied back, :mod:`vllm_nvfp4.polic
 are then calibrated on ``K / lam`` (its amax per head is ``max_c a_c / lam_c``).
 
 K centering (``k_center``): ``mu_c`` = the mean of each K channel over the calibration tokens;
-the cache stores ``K - mu`` (softmax-invariant, :mod:`vllm_nvfp4.policy.layer_policy`), so ``a_c`` above
-becomes the largest ``|K_c - mu_c|`` for the smoothing factors and the K scales.
+the cache stores ``K - mu`` (softmax-invariant, :mod:`vllm_nvfp4.policy.layer_policy`; not with
+learned attention sinks, whose layers stay uncentered), so ``a_c`` above becomes the largest
+``|K_c - mu_c|`` for the smoothing factors and the K scales.
 
 Sink key (``k_sink_uncentered``, with centering): per KV head, whether the first key of the
 calibration sequences (position 0: the tokenizer's BOS where it adds one, as served prompts
@@ -101,7 +102,8 @@ def scaled_policy(formats: KVPolicy, observer: KVObserver, per_head: bool = Fals
     """``formats`` (formats only) with calibrated scales from ``observer`` for every layer, K
     centering offsets when ``k_center``, K smoothing factors when ``k_smooth_alpha`` is given,
     a K channel permutation when ``k_permute``, the sink key uncentered where it fits when
-    ``k_sink_uncentered`` (needs ``k_center``; module doc)."""
+    ``k_sink_uncentered`` (needs ``k_center``; module doc). Layers with learned attention sinks
+    are never centered (their softmax would change: :class:`LayerPolicy` refuses it)."""
     if k_sink_uncentered and not k_center:
         raise ValueError("k_sink_uncentered stores the sink key without the K centering offsets; "
                          "it needs k_center")
@@ -114,11 +116,12 @@ def scaled_policy(formats: KVPolicy, observer: KVObserver, per_head: bool = Fals
             continue
         k_amax, smooth, center, perm, lam = observer.k_amax[i], None, None, None, None
         channel_amax = observer.k_channel_amax[i]
-        order = channel_permutation(observer.k_channel_rms(i, k_center)) if k_permute else None
+        centered = k_center and not lp.layer_type.sinks  # not softmax-invariant with sinks
+        order = channel_permutation(observer.k_channel_rms(i, centered)) if k_permute else None
 
         def ordered(t: torch.Tensor) -> torch.Tensor:
             return t if order is None else t.gather(1, order)
-        if k_center:
+        if centered:
             channel_amax = observer.k_centered_channel_amax(i)
             k_amax = channel_amax.amax(dim=1)
             center = _rows(ordered(observer.k_channel_mean(i)))
@@ -128,7 +131,8 @@ def scaled_policy(formats: KVPolicy, observer: KVObserver, per_head: bool = Fals
             smooth = _rows(ordered(lam))
         if order is not None:
             perm = tuple(tuple(int(c) for c in row) for row in order)
-        sink = _sink_fits(observer.k_first_amax(i, lam), k_amax, per_head) if k_sink_uncentered else None
+        sink = (_sink_fits(observer.k_first_amax(i, lam), k_amax, per_head)
+                if k_sink_uncentered and centered else None)
         k8, k4 = _scales(k_amax, per_head)  # type: ignore[arg-type]
         v8, v4 = _scales(observer.v_amax[i], per_head)  # type: ignore[arg-type]
         if None in (k8, v8):

@@ -14,7 +14,8 @@ Optional ``k_center``: per KV head, ``head_dim`` finite offsets ``mu`` (the cali
 each post-RoPE K channel): the cache stores ``K - mu`` (then ``/ lam`` if smoothed; scales
 calibrated on that), which moves every logit of a query by the same ``q . mu``, so softmax and the
 attention output are unchanged before quantization, while a channel's constant part (Qwen2's K
-bias) no longer spends the format's resolution. Not valid with a logits soft-cap.
+bias) no longer spends the format's resolution. Not valid with a logits soft-cap, nor with learned
+attention sinks (a logit without a key, which the shift misses).
 
 Optional ``k_perm``: per KV head, a permutation of ``range(head_dim)``: the cache stores channel
 ``k_perm[h][j]`` of K at position ``j`` and every query of head ``h`` is permuted alike, so
@@ -160,6 +161,10 @@ class LayerPolicy:
         object.__setattr__(self, "k_smooth", _check_channels(self.k_smooth, "k_smooth", True))
         object.__setattr__(self, "k_center", _check_channels(self.k_center, "k_center", False))
         object.__setattr__(self, "k_perm", _check_permutation(self.k_perm))
+        if self.k_center is not None and self.layer_type.sinks:
+            raise PolicyError("k_center on a layer with learned attention sinks: centering shifts "
+                              "every key's logit by q . mu but not the sink logit, so the softmax "
+                              "changes; drop k_center from this layer")
         sink = _check_head_flags(self.k_sink_uncentered, "k_sink_uncentered")
         object.__setattr__(self, "k_sink_uncentered", sink)
         if sink is not None and self.k_center is None:
