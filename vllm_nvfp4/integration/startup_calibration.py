@@ -76,8 +76,9 @@ SENSITIVITY_TOKENS = 2048
 PROGRESS_SECONDS = 10.0  # a progress line at most this often during the sensitivity forwards
 #: bump when the statistics or the policy built from them change (3: NVFP4 block scales by
 #: lowest error, so the measured damage and the chosen slots differ; 4: the sink key stored
-#: uncentered where it fits, in the policy and in the sensitivity forwards)
-RECIPE_VERSION = 4
+#: uncentered where it fits, in the policy and in the sensitivity forwards; 5: layers with
+#: learned attention sinks no longer K-centered)
+RECIPE_VERSION = 5
 #: the title of the one start-up statement of the policy an engine runs (its per-layer table)
 IN_FORCE = "KV policy in force"
 

@@ -845,6 +845,6 @@ def paged_attention(
         HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales, FOLD_V=shape.fold_v_scales,
         PARTS=shape.dim_parts, LAZY=shape.lazy_rescale, STAGES=stages,
         USE_KEY0=key0_shift is not None, KEY0_IN_LOOP=shape.key0_in_loop,
-            num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages,
     )
     return out
