@@ -7,9 +7,12 @@ and fp8 KV with an fp8 query as vLLM runs it). Timing: each call captured in a C
 replays timed by ``triton.testing.do_bench`` (median, L2 flushed between runs, after warm-up).
 Writes one JSON file (records + copy bandwidth + versions) and prints a table. Other shapes
 (hybrid models): ``--q-heads/--kv-heads/--head-dim``, ``--sinks`` (random per-head sink logits
-for every kernel, vLLM's ``sinks`` / FA3's ``s_aux``).
+for every kernel, vLLM's ``sinks`` / FA3's ``s_aux``), ``--block-size`` (vLLM 0.34's default is 64).
+``--flashinfer`` adds FlashInfer's decode on NVFP4 and FP8 pages, as vLLM's own ``nvfp4`` runs it
+(:mod:`benchmarks.flashinfer_decode`).
 
     python3 benchmarks/bench_decode.py --out results/DATE-decode-kernels-GPU/decode_h200.json
+    python3 benchmarks/bench_decode.py --block-size 64 --flashinfer --no-prefill --out X.json
     python3 benchmarks/bench_decode.py --q-heads 16 --kv-heads 2 --head-dim 256 --sinks --out X.json
     python3 benchmarks/bench_decode.py --smoke     # CPU + TRITON_INTERPRET, tiny shapes, no timing
 """
@@ -34,6 +37,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.flashinfer_decode import flashinfer_peers  # noqa: E402
 from vllm_nvfp4.kernels import attention as kattn  # noqa: E402
 from vllm_nvfp4.layout import KVPageLayout, allocate_cache  # noqa: E402
 
@@ -42,13 +46,17 @@ SOFTMAX_SCALE = 1.0 / math.sqrt(D)
 SINKS: "torch.Tensor | None" = None  # fp32 [HQ] on the device with --sinks
 
 
-def set_shape(q_heads: int, kv_heads: int, head_dim: int, sinks: bool, device: str) -> None:
-    """Set the benchmark's head shape (module constants, read by every kernel call here)."""
-    global HQ, HKV, D, SOFTMAX_SCALE, SINKS
+def set_shape(q_heads: int, kv_heads: int, head_dim: int, sinks: bool, device: str,
+              block_size: int = BS) -> None:
+    """Set the benchmark's head shape and block size (module constants, read by every kernel
+    call here)."""
+    global HQ, HKV, D, SOFTMAX_SCALE, SINKS, BS
     if q_heads % kv_heads or head_dim % 64:
         raise SystemExit(f"--q-heads {q_heads} must be a multiple of --kv-heads {kv_heads} and "
                          f"--head-dim {head_dim} a multiple of 64")
-    HQ, HKV, D = q_heads, kv_heads, head_dim
+    if block_size < 1 or block_size & (block_size - 1):
+        raise SystemExit(f"--block-size {block_size} must be a power of two")
+    HQ, HKV, D, BS = q_heads, kv_heads, head_dim, block_size
     SOFTMAX_SCALE = 1.0 / math.sqrt(D)
     gen = torch.Generator().manual_seed(1)
     SINKS = (torch.randn(HQ, generator=gen) * 2).to(device) if sinks else None
@@ -250,6 +258,9 @@ def bench_shape(batch: int, ctx: int, q_len: int, args, gen) -> list[dict]:
         del cache
     if not args.no_peers:
         recs += vllm_peers(b, args.smoke)
+    if args.flashinfer and q_len == 1 and not args.smoke:
+        recs += flashinfer_peers(b.block_table, ctx, b.query, HKV, BS, SOFTMAX_SCALE,
+                                 lambda fn: timer(fn, False), {"nvfp4": D * 9 / 8, "fp8": 2 * D})
     for r in recs:
         r.update(batch=batch, context=ctx, q_len=q_len)
         if "us" in r:
@@ -323,9 +334,12 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=HKV)
     ap.add_argument("--head-dim", type=int, default=D)
     ap.add_argument("--sinks", action="store_true", help="attention sinks in every kernel")
+    ap.add_argument("--block-size", type=int, default=BS, help="tokens per KV block (page)")
+    ap.add_argument("--flashinfer", action="store_true",
+                    help="also FlashInfer's decode on NVFP4 / FP8 pages (vLLM's own nvfp4 kernel)")
     args = ap.parse_args()
     set_shape(args.q_heads, args.kv_heads, args.head_dim, args.sinks,
-              "cpu" if args.smoke else "cuda")
+              "cpu" if args.smoke else "cuda", args.block_size)
     if args.smoke:
         args.batches, args.contexts, args.prefill = [2], [64], [2, 32]
         args.splits, args.tiles = [1, 2], [16, 32]
