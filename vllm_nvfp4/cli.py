@@ -86,7 +86,9 @@ def _model_args(p: argparse.ArgumentParser, default_windows: int, k_center_defau
                    help="with K centering, store the first key of every sequence (the attention "
                         "sink) uncentered in the layers where the calibration text's first key "
                         "fits the K range: no extra bytes, the readers correct its logit "
-                        f"(default: {'on with centering' if k_center_default else 'off'})")
+                        "(default: " + ("with centering, the selected policy is measured with "
+                                        "and without it and the better kept" if k_center_default
+                                        else "off") + ")")
     p.add_argument("--k-permute", action="store_true",
                    help="K channel permutation: store each KV head's K channels in order of their "
                         "calibration RMS, so each NVFP4 block holds channels of similar magnitude "
@@ -154,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure-windows", type=_positive(int), default=None, metavar="N",
                    help="measure the selection on N windows (default: the analysis' windows)")
     p.add_argument("--no-measure", action="store_true",
-                   help="skip measuring the selected and the naive policy (one model run less)")
+                   help="skip measuring the selected and the naive policy (one model run less, "
+                        "unless the sink key is left to measurement)")
     p.add_argument("--report", type=Path, default=None, metavar="DIR",
                    help="where the analysis report goes (default MODEL/nvfp4_report)")
     p.add_argument("--force", action="store_true",
@@ -207,14 +210,16 @@ def _check_data(paths: Sequence[Path]) -> None:
         read_text(p)  # raises DataError naming the file and the line
 
 
-def _sink_key(a: argparse.Namespace) -> bool:
-    """``--k-sink-uncentered``: on with K centering unless turned off (``tune``), off unless
-    asked for (``calibrate``, ``analyze``); asked for without centering is an error."""
+def _sink_key(a: argparse.Namespace) -> Optional[bool]:
+    """``--k-sink-uncentered`` as given; not given: None with K centering in ``tune`` (chosen by
+    measurement, :func:`~vllm_nvfp4.calibration.commands.run_tune`), else off; asked for
+    without centering is an error."""
     if a.k_sink_uncentered and not a.k_center:
         raise UsageError("--k-sink-uncentered stores the sink key without the K centering offsets; "
                          "it needs K centering (--k-center, on by default in tune)")
-    return a.k_center if a.k_sink_uncentered is None and a.command == "tune" else bool(
-        a.k_sink_uncentered)
+    if a.k_sink_uncentered is None and a.command == "tune" and a.k_center:
+        return None
+    return bool(a.k_sink_uncentered)
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
@@ -224,7 +229,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     _check_data(a.data)
     _check_writable_file(a.out, a.force, "--out")
     policy = run_calibrate(a.model, a.data, a.policy, a.window, a.windows, a.per_head, a.dtype,
-                           a.k_smooth, a.k_center, a.device, a.k_permute, _sink_key(a))
+                           a.k_smooth, a.k_center, a.device, a.k_permute, bool(_sink_key(a)))
     policy.save(a.out, overwrite=a.force)
     print(f"wrote {a.out}: {policy.to_compact()} ({policy.fraction_of_fp8():.4f}x FP8 bytes)")
     return 0
@@ -252,7 +257,7 @@ def cmd_analyze(a: argparse.Namespace) -> int:
     report = analyze(a.model, a.data, a.out, a.window, a.windows, a.calib_windows, scales,
                      a.per_head, a.dtype, reuse_prefix=not a.no_prefix_reuse, k_smooth=a.k_smooth,
                      k_center=a.k_center, device=a.device, base=a.base, k_permute=a.k_permute,
-                     k_sink_uncentered=_sink_key(a))
+                     k_sink_uncentered=bool(_sink_key(a)))
     for stale in a.out.glob("selection-*.json"):  # belong to the previous analysis
         stale.unlink()
     paths = render(a.out)

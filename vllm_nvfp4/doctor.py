@@ -209,10 +209,9 @@ def startup_findings(config: Any, model_dir: Path) -> list[Finding]:
         IN_FORCE,
         cached_source,
         calibration_plan,
-        describe_recipe,
         load_tokenizer,
-        tokens_run,
     )
+    from vllm_nvfp4.integration.startup_recipe import describe_recipe, tokens_run
     from vllm_nvfp4.model_shape import ModelShape
 
     shape = ModelShape.from_vllm_config(config)

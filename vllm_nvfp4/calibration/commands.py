@@ -28,6 +28,7 @@ from vllm_nvfp4.calibration.selection import (
     select_formats,
 )
 from vllm_nvfp4.calibration.sensitivity import all_format, analyze, load_report, utc_now
+from vllm_nvfp4.calibration import sink_choice
 from vllm_nvfp4.policy import KVPolicy, default_policy
 
 logger = logging.getLogger(__name__)
@@ -73,15 +74,19 @@ def _check_same_inputs(report: dict[str, Any]) -> None:
 
 def run_select(report_dir: Path, fp8_slots: int, metric: str = "kl", measure: bool = True,
                budget: Optional[float] = None, measure_windows: Optional[int] = None,
-               device: str = "cpu") -> tuple[KVPolicy, dict[str, Any]]:
+               device: str = "cpu", sink_key: bool = False) -> tuple[KVPolicy, dict[str, Any]]:
     """Select formats for at most ``fp8_slots`` FP8 slots (:func:`select_formats`); measure them
     and the naive rule with as many FP8 slots (unless ``measure=False``); write
     ``selection-<fp8_slots>.json`` into ``report_dir``.
 
     Measurement uses the analysis' held-out windows, or the first ``measure_windows`` windows from
     the same starting point (more than the analysis used = partly fresh text; all-FP8 and
-    all-NVFP4 are then re-measured on exactly those windows). Returns
-    ``(policy with scales and provenance, selection summary)``.
+    all-NVFP4 are then re-measured on exactly those windows). ``sink_key`` (``tune`` where the
+    user did not choose): where the report's scales store some sink key uncentered, the selected
+    policy is also measured without the flags, even with ``measure=False``, and the better by
+    ``metric`` is kept (:mod:`~vllm_nvfp4.calibration.sink_choice`; ``"sink_key"`` in the
+    summary); it adds one forward per window to the measurement (with ``measure=False``: a
+    reference and two). Returns ``(policy with scales and provenance, selection summary)``.
     """
     report, scales = load_report(report_dir)
     num_layers = len(report["layers"])  # KV layers (one analysis entry each)
@@ -97,9 +102,15 @@ def run_select(report_dir: Path, fp8_slots: int, metric: str = "kl", measure: bo
                   "predicted": {m: round(predict(report, naive, m), 8) for m in ("kl", "dnll")}},
         "all_fp8": report["configs"]["all_fp8"], "all_nvfp4": report["configs"]["all_nvfp4"],
     }
+    sink_key = sink_key and sink_choice.has_sink_key(scales)
+    if measure or sink_key:
+        todo = {"selected": chosen, "naive": naive} if measure else {"selected": chosen}
+        measured = _measure(report, scales, todo, measure_windows, device,
+                            metric if sink_key else None)
+        if sink_key:
+            summary["sink_key"] = measured.pop("sink_key")
+            scales = sink_choice.chosen_policy(scales, summary["sink_key"])
     if measure:
-        measured = _measure(report, scales, {"selected": chosen, "naive": naive}, measure_windows,
-                            device)
         summary["measured_on"] = measured.pop("measured_on")
         for name in ("selected", "naive"):
             summary[name]["measured"] = measured.pop(name)
@@ -120,9 +131,13 @@ def run_select(report_dir: Path, fp8_slots: int, metric: str = "kl", measure: bo
 
 
 def _measure(report: dict[str, Any], scales: KVPolicy, policies: dict[str, KVPolicy],
-             windows: Optional[int], device: str = "cpu") -> dict[str, Any]:
+             windows: Optional[int], device: str = "cpu",
+             sink_metric: Optional[str] = None) -> dict[str, Any]:
     """Metrics of ``policies`` (formats; the report's scales) by name, plus ``measured_on``; also
-    ``all_fp8`` / ``all_nvfp4`` when the windows differ from the analysis'."""
+    ``all_fp8`` / ``all_nvfp4`` when the windows differ from the analysis'. ``sink_metric``:
+    also ``policies["selected"]`` with its sink key centered, and ``sink_key``, the choice
+    between the two by that metric (:func:`~vllm_nvfp4.calibration.sink_choice.choose`);
+    ``selected`` is then the chosen variant's metrics."""
     _check_same_inputs(report)
     s = report["settings"]
     n = windows or s["windows"]
@@ -131,6 +146,8 @@ def _measure(report: dict[str, Any], scales: KVPolicy, policies: dict[str, KVPol
     toks = load_windows([Path(f["path"]) for f in report["data"]["files"]], tokenizer,
                         s["window"], n, s["calib_windows"], info.max_positions)
     todo = {name: with_formats(scales, f) for name, f in policies.items()}
+    if sink_metric is not None:
+        todo[sink_choice.CENTERED] = sink_choice.without_sink_key(todo["selected"])
     same = n == s["windows"]
     if not same:
         todo["all_fp8"] = all_format(scales, "fp8")
@@ -143,6 +160,13 @@ def _measure(report: dict[str, Any], scales: KVPolicy, policies: dict[str, KVPol
         for name, policy in todo.items():
             bar.set_postfix_str(name)
             out[name] = ev.measure(policy, bar).to_dict()
+    if sink_metric is not None:
+        centered = out.pop(sink_choice.CENTERED)
+        out["sink_key"] = sink_choice.choose(
+            {sink_choice.UNCENTERED: out["selected"][sink_metric],
+             sink_choice.CENTERED: centered[sink_metric]}, sink_metric, windows=n)
+        if out["sink_key"]["chosen"] == sink_choice.CENTERED:
+            out["selected"] = centered
     return out
 
 
@@ -169,6 +193,9 @@ class TuneResult:
             sel, naive, nv = s["selected"]["measured"], s["naive"]["measured"], s["all_nvfp4"]
             out.append(f"measured delta NLL: selected {sel['dnll']:.5f}, naive first/last {naive['dnll']:.5f}, "
                        f"all-NVFP4 {nv['dnll']:.5f}; KL {sel['kl']:.5f}, {naive['kl']:.5f}, {nv['kl']:.5f}")
+        if "sink_key" in s:
+            out.append(f"{sink_choice.sink_line(s['sink_key'])} on the selected policy, "
+                       f"{s['sink_key']['windows']} held-out window(s)")
         out.append(f"tune took {self.seconds:.0f} s")
         return out
 
@@ -182,13 +209,16 @@ def run_tune(model_dir: Path, data: Sequence[Path], report_dir: Path, fp8_slots:
              budget: Optional[float] = None, window: int = 2048, windows: int = 2,
              calib_windows: int = 1, per_head: bool = False, dtype: str = "bfloat16",
              k_smooth: Optional[float] = None, k_center: bool = True, k_permute: bool = False,
-             k_sink_uncentered: bool = True,
+             k_sink_uncentered: Optional[bool] = None,
              metric: str = "kl",
              measure: bool = True, measure_windows: Optional[int] = None,
              device: str = "cpu", base: str = DEFAULT_BASE) -> TuneResult:
     """``analyze`` (calibrating on the first ``calib_windows`` windows, scoring the next
     ``windows``) then ``select`` for ``fp8_slots`` FP8 slots, under one progress bar; the
-    report (plots, REPORT.md) is rendered into ``report_dir``. The policy is not saved."""
+    report (plots, REPORT.md) is rendered into ``report_dir``. The policy is not saved.
+    ``k_sink_uncentered`` None (with ``k_center``): the analysis flags the sink key where it
+    fits and ``select`` keeps the flags only if the selected policy measures better with them
+    (``run_select``'s ``sink_key``); True / False: as given, nothing measured for it."""
     from vllm_nvfp4.calibration.report import render
 
     start = time.time()
@@ -196,16 +226,18 @@ def run_tune(model_dir: Path, data: Sequence[Path], report_dir: Path, fp8_slots:
     if k_center and soft_capped(Path(model_dir)):
         k_center = k_sink_uncentered = False
         notes.append("note: the model soft-caps its attention logits; K centering is off")
+    measure_sink = k_center and k_sink_uncentered is None
     with single_bar("tune", unit="step"):
         report = analyze(model_dir, data, report_dir, window, windows, calib_windows,
                          per_head=per_head, dtype=dtype, k_smooth=k_smooth, k_center=k_center,
-                         k_sink_uncentered=k_sink_uncentered and k_center,
+                         k_sink_uncentered=k_center and k_sink_uncentered is not False,
                          k_permute=k_permute,
                          device=device, base=base)
         for stale in Path(report_dir).glob("selection-*.json"):  # of an earlier analysis
             stale.unlink()
         policy, summary = run_select(report_dir, fp8_slots, metric, measure=measure, budget=budget,
-                                     measure_windows=measure_windows, device=device)
+                                     measure_windows=measure_windows, device=device,
+                                     sink_key=measure_sink)
     render(report_dir)
     policy = KVPolicy(policy.layers, {**policy.provenance, "tool": _tool("tune")}, policy.source)
     return TuneResult(policy, report, summary, time.time() - start, notes)

@@ -11,6 +11,7 @@ from typing import Any
 
 from vllm_nvfp4.calibration.report_files import check_schema, read_json
 from vllm_nvfp4.calibration.selection import NVFP4_SLOT, predicted_curve, sweep_base
+from vllm_nvfp4.calibration.sink_choice import sink_line
 
 SENSITIVITY_PNG = "sensitivity.png"
 DAMAGE_PNG = "damage_vs_bytes.png"
@@ -213,6 +214,8 @@ def markdown(report: dict[str, Any], selections: list[dict[str, Any]]) -> str:
             f"- additivity (measured / predicted from the analysis windows): selected KL {s['measured_over_predicted']['kl']}, "
             f"delta NLL {s['measured_over_predicted']['dnll']}; naive KL {n['measured_over_predicted']['kl']}, "
             f"delta NLL {n['measured_over_predicted']['dnll']}.",
+            *([f"- {sink_line(sel['sink_key'])} on the selected policy (its row: the kept one)."]
+              if "sink_key" in sel else []),
             "",
         ]
     lines += [f"![sensitivity]({SENSITIVITY_PNG})", "", f"![damage vs bytes]({DAMAGE_PNG})", "",

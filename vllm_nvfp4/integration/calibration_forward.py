@@ -1,8 +1,10 @@
 """The calibration forwards of the start-up calibration (:mod:`.startup_calibration`): the loaded
 model run IN vLLM over token windows, outside the scheduler, with a :class:`CalibrationBatch` as
 every attention layer's metadata - exact attention that records the layer's K/V
-(:func:`observe_in_vllm`), or stores one K/V slot as the cache would (:class:`SlotPerturbation`)
-to measure what NVFP4 there costs in next-token KL of the final logits (:func:`slot_damage`).
+(:func:`observe_in_vllm`), or stores some K/V slots as the cache would (:class:`SlotPerturbation`)
+to measure what that costs in next-token KL of the final logits against the exact forward
+(:class:`ExactReference`): one slot in NVFP4 (:func:`slot_damage`) or a whole policy
+(:func:`policy_damage`).
 Gated DeltaNet layers, where the model has them, get vLLM's own prefill metadata and temporary
 states (:class:`~vllm_nvfp4.integration.calibration_states.StateLayers`, bound by the caller).
 Positions are those vLLM gives text tokens: ``[tokens]``, or ``[num_dims, tokens]`` for M-RoPE
@@ -87,20 +89,20 @@ class CalibrationBatch:
     """Attention metadata of one layer (policy row ``row``) in a calibration forward:
     ``num_seqs`` sequences of ``seq_len`` tokens laid end to end. The impl calls :meth:`attend`
     instead of its cache path. ``observer`` (None: nothing recorded) records the layer's K/V;
-    ``perturb`` (None: none) quantizes one slot."""
+    the slots of ``perturb`` of this row are quantized."""
 
     observer: Optional[KVObserver]
     row: int
     num_seqs: int
     seq_len: int
-    perturb: Optional[SlotPerturbation] = None
+    perturb: tuple[SlotPerturbation, ...] = ()
 
     def attend(self, impl: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                output: torch.Tensor) -> torch.Tensor:
         """Record ``key``/``value`` ``[T, kv_heads, D]`` of ``impl``'s layer, then write causal
         attention of ``query [T, heads, D]`` into ``output [T, heads, D]``: the layer's sliding
         window, attention sinks and logits soft-cap as served (model dtype; FP32 with a soft-cap
-        or sinks), exact but for the ``perturb`` slot."""
+        or sinks), exact but for the ``perturb`` slots."""
         s, n = self.num_seqs, self.seq_len
         t = s * n
 
@@ -111,8 +113,9 @@ class CalibrationBatch:
         if self.observer is not None:
             self.observer.observe(self.row, k, v)
         q = seqs(query)
-        if self.perturb is not None and self.perturb.row == self.row:
-            q, k, v = self.perturb.apply(q, k, v)
+        for slot in self.perturb:  # K and V of one row touch different tensors: any order
+            if slot.row == self.row:
+                q, k, v = slot.apply(q, k, v)
         if impl.logits_soft_cap is None and impl.sinks is None and impl.sliding_window is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=impl.scale,
                                                  enable_gqa=True)
@@ -129,7 +132,7 @@ class CalibrationBatch:
 
 def _forward(runner: Any, rows: dict[str, int], chunk: torch.Tensor,
              observer: Optional[KVObserver] = None,
-             perturb: Optional[SlotPerturbation] = None,
+             perturb: Sequence[SlotPerturbation] = (),
              resume: Optional[tuple[int, torch.Tensor]] = None,
              states: Optional[StateLayers] = None) -> torch.Tensor:
     """The runner's model over ``chunk [S, L]`` (token ids, each sequence from position 0:
@@ -144,7 +147,7 @@ def _forward(runner: Any, rows: dict[str, int], chunk: torch.Tensor,
     s, n = chunk.shape
     ids = chunk.reshape(-1).to(device=runner.device, dtype=torch.int32)
     positions = text_positions(runner, chunk)
-    batches: dict[str, Any] = {name: CalibrationBatch(observer, row, s, n, perturb)
+    batches: dict[str, Any] = {name: CalibrationBatch(observer, row, s, n, tuple(perturb))
                                for name, row in rows.items()}
     if states is not None:
         batches.update(states.metadata(s, n))
@@ -240,60 +243,103 @@ def observe_in_vllm(runner: Any, layers: dict[str, Any], windows: torch.Tensor, 
     return observer
 
 
+class ExactReference:
+    """The exact forward of the runner's model over ``windows [n, T]`` (``per_forward`` per
+    forward; ``states``: the model's GDN layers, bound), kept to score perturbed forwards against
+    (:meth:`kl`). ``resume_layers``: where the model can resume at a layer
+    (:func:`decoder_stack`), the residual stream at those layers' inputs is recorded, once the
+    exact forward resumed at the deepest is checked to reproduce the full one."""
+
+    @torch.inference_mode()
+    def __init__(self, runner: Any, layers: dict[str, Any], windows: torch.Tensor,
+                 per_forward: int, num_layers: int, states: Optional[StateLayers] = None,
+                 resume_layers: Sequence[int] = ()) -> None:
+        self.runner, self.model, self.states = runner, runner.get_model(), states
+        self.rows = {name: layer_index(name, num_layers) for name in layers}
+        self.chunks = list(windows.split(per_forward))
+        stack = decoder_stack(self.model)
+        streams = LayerStreams(stack, sorted(set(resume_layers))) if stack is not None else None
+        try:
+            self.exact = [_forward(runner, self.rows, c, states=states) for c in self.chunks]
+        finally:
+            if streams is not None:
+                streams.close()
+        if streams is not None and not _resumes_exactly(runner, self.rows, self.chunks, self.exact,
+                                                        streams, states):
+            streams = None
+        self.streams = streams
+        # the exact forward's log-probs, computed once where memory is the host's: on a CPU the
+        # reference's lm_head and softmax are ~1/4 of a slot's work for SmolLM2-135M, and they
+        # take positions x vocab FP32 (0.4 GB for its 2048 x 49k, 1.2 GB for Qwen2.5's 152k
+        # vocabulary); on a GPU that memory would be taken before vLLM's profiling, so each
+        # measurement recomputes them
+        self.refs = [[_log_probs(self.model, r) for r in hidden.split(LOGIT_ROWS)]
+                     for hidden in self.exact] if runner.device.type == "cpu" else None
+
+    @torch.inference_mode()
+    def kl(self, perturb: Sequence[SlotPerturbation], layer: int = 0) -> Optional[float]:
+        """Mean next-token KL (nats) of the final logits with ``perturb`` against the exact
+        forward, over every position; None on ranks without logits. ``layer``: no slot of
+        ``perturb`` is before it, so the forward resumes there where its stream was recorded."""
+        total = torch.zeros((), dtype=torch.float64, device=self.runner.device)
+        count = 0
+        streams = self.streams.streams if self.streams is not None else {}
+        for i, (chunk, hidden) in enumerate(zip(self.chunks, self.exact)):
+            resume = (layer, streams[layer][i]) if layer in streams else None
+            moved = _forward(self.runner, self.rows, chunk, perturb=perturb, resume=resume,
+                             states=self.states)
+            for j, (ref_rows, q_rows) in enumerate(zip(hidden.split(LOGIT_ROWS),
+                                                       moved.split(LOGIT_ROWS))):
+                ref = self.refs[i][j] if self.refs is not None else _log_probs(self.model, ref_rows)
+                if ref is None:  # TP: the logits are gathered to rank 0
+                    continue
+                kl = kl_divergence(ref, _log_probs(self.model, q_rows))
+                total, count = total + kl.double().sum(), count + kl.numel()  # no host sync
+        return float(total) / count if count else None
+
+
 @torch.inference_mode()
 def slot_damage(runner: Any, layers: dict[str, Any], windows: torch.Tensor, per_forward: int,
                 scaled: KVPolicy, slots: Sequence[tuple[int, str]],
                 progress: Optional[Callable[[int], None]] = None,
-                states: Optional[StateLayers] = None) -> Optional[dict[tuple[int, str], float]]:
+                states: Optional[StateLayers] = None,
+                reference: Optional[ExactReference] = None) -> Optional[dict[tuple[int, str], float]]:
     """Mean next-token KL (nats) of the final logits with each slot ``(layer, "k"|"v")`` alone in
     NVFP4 (``scaled``'s scales and K centering as served, every other layer exact) against the
     exact forward, over every position of ``windows [n, T]``; None on ranks without logits.
     Where the model can resume at a layer (:func:`decoder_stack`) a slot's forward starts at its
-    layer from the exact forward's residual stream, once that resumed exact forward is checked
-    to reproduce the full one. ``progress(done)`` is called after each slot; ``states``: the
-    model's GDN layers, bound."""
-    model = runner.get_model()
-    rows = {name: layer_index(name, scaled.num_layers) for name in layers}
-    by_row = {row: name for name, row in rows.items()}
-    chunks = list(windows.split(per_forward))
-    stack = decoder_stack(model)
-    streams = LayerStreams(stack, sorted({layer for layer, _ in slots})) if stack is not None else None
-    try:
-        exact = [_forward(runner, rows, c, states=states) for c in chunks]
-    finally:
-        if streams is not None:
-            streams.close()
-    if streams is not None and not _resumes_exactly(runner, rows, chunks, exact, streams, states):
-        streams = None
-    # the exact forward's log-probs, computed once where memory is the host's: on a CPU the
-    # reference's lm_head and softmax are ~1/4 of a slot's work for SmolLM2-135M, and they take
-    # positions x vocab FP32 (0.4 GB for its 2048 x 49k, 1.2 GB for Qwen2.5's 152k vocabulary);
-    # on a GPU that memory would be taken before vLLM's profiling, so each slot recomputes them
-    refs = [[_log_probs(model, rows_) for rows_ in hidden.split(LOGIT_ROWS)] for hidden in exact] \
-        if runner.device.type == "cpu" else None
+    layer from the exact forward's residual stream (:class:`ExactReference`, made here unless
+    ``reference`` is given, recording the slots' layers). ``progress(done)`` is called after
+    each slot; ``states``: the model's GDN layers, bound."""
+    if reference is None:
+        reference = ExactReference(runner, layers, windows, per_forward, scaled.num_layers, states,
+                                   [layer for layer, _ in slots])
+    by_row = {row: name for name, row in reference.rows.items()}
     damage: Optional[dict[tuple[int, str], float]] = {}
     for done, (layer, kv) in enumerate(slots, 1):
         name = by_row[layer]
         perturb = SlotPerturbation.of(scaled, layer, kv, "nvfp4", name, layers[name].impl,
                                       runner.vllm_config)
-        total, count = torch.zeros((), dtype=torch.float64, device=runner.device), 0
-        for i, (chunk, hidden) in enumerate(zip(chunks, exact)):
-            resume = (layer, streams.streams[layer][i]) if streams and layer in streams.streams else None
-            moved = _forward(runner, rows, chunk, perturb=perturb, resume=resume, states=states)
-            for j, (ref_rows, q_rows) in enumerate(zip(hidden.split(LOGIT_ROWS),
-                                                       moved.split(LOGIT_ROWS))):
-                ref = refs[i][j] if refs is not None else _log_probs(model, ref_rows)
-                if ref is None:  # TP: the logits are gathered to rank 0
-                    continue
-                kl = kl_divergence(ref, _log_probs(model, q_rows))
-                total, count = total + kl.double().sum(), count + kl.numel()  # no host sync
-        if count == 0:
+        d = reference.kl((perturb,), layer)
+        if d is None:
             damage = None
         elif damage is not None:
-            damage[(layer, kv)] = float(total) / count
+            damage[(layer, kv)] = d
         if progress is not None:
             progress(done)
     return damage
+
+
+def policy_damage(reference: ExactReference, layers: dict[str, Any],
+                  policy: KVPolicy) -> Optional[float]:
+    """Mean next-token KL (nats) of the final logits with every K and V slot of ``layers``
+    stored as ``policy`` stores it (formats, scales, K centering, sink key) against
+    ``reference``'s exact forward; None on ranks without logits. One whole-model forward."""
+    vllm_config = reference.runner.vllm_config
+    perturb = [SlotPerturbation.of(policy, row, kv, policy.layers[row].format_of(kv).value, name,
+                                   layers[name].impl, vllm_config)
+               for name, row in reference.rows.items() for kv in ("k", "v")]
+    return reference.kl(perturb)
 
 
 def _log_probs(model: Any, hidden: torch.Tensor) -> Optional[torch.Tensor]:

@@ -13,10 +13,14 @@ allocation and CUDA-graph capture (the formats chosen here size the pages):
    statistics are gathered over the TP CPU group: every rank builds the same policy.
 2. Scales as ``calibrate --k-center --k-sink-uncentered`` writes them
    (:func:`~vllm_nvfp4.calibration.scales.scaled_policy`; no K centering under a logits soft-cap;
-   the sink key uncentered where the first key after the BOS fits the K range).
-3. Formats (:mod:`.startup_selection`): on :data:`SENSITIVITY_TOKENS` tokens the model runs
-   once exactly and once per full-attention K or V slot stored alone in NVFP4; the slots of
-   largest next-token KL stay FP8. Under TP rank 0 ranks them and broadcasts the choice.
+   the sink key flagged uncentered where the first key after the BOS fits the K range).
+3. Formats (:mod:`.startup_selection`): on :data:`~.startup_recipe.SENSITIVITY_TOKENS` tokens
+   the model runs once exactly and once per full-attention K or V slot stored alone in NVFP4;
+   the slots of largest next-token KL stay FP8. Under TP rank 0 ranks them and broadcasts the
+   choice. Then the sink key (:mod:`vllm_nvfp4.calibration.sink_choice`, where some head is
+   flagged): the policy with and without its flags, every slot as served, one forward each on
+   the same tokens against the same exact forward; the lower KL is kept (``"sink_key"`` in the
+   provenance and the log). Added cost: :data:`~.startup_recipe.SINK_KEY_FORWARDS`.
 4. The policy replaces the default rule for this engine
    (:func:`~vllm_nvfp4.integration.model.set_startup_policy`), is cached
    (:mod:`vllm_nvfp4.calibration.startup_cache`) for the next start of the same model, weights,
@@ -35,7 +39,6 @@ import logging
 import os
 import time
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -43,16 +46,19 @@ import torch
 
 from vllm_nvfp4.calibration.builtin_text import BUILTIN_TEXT, builtin_text_sha256
 from vllm_nvfp4.calibration.kv_hooks import KVObserver
-from vllm_nvfp4.calibration.selection import DEFAULT_BUDGET
+from vllm_nvfp4.calibration.sink_choice import (CENTERED, UNCENTERED, choose, chosen_policy,
+                                                has_sink_key, sink_line, without_sink_key)
 from vllm_nvfp4.calibration.startup_cache import (cache_key, cache_path, load_cached, save_cached,
                                                   weights_fingerprint)
 from vllm_nvfp4.env_vars import STARTUP_CALIBRATION_ENV
 from vllm_nvfp4.policy import POLICY_ENV, POLICY_FILENAME, KVPolicy, default_policy
 
 from vllm_nvfp4.integration.dtype import is_ours
-from vllm_nvfp4.integration.calibration_forward import observe_in_vllm, slot_damage
+from vllm_nvfp4.integration.calibration_forward import (ExactReference, observe_in_vllm,
+                                                         policy_damage, slot_damage)
 from vllm_nvfp4.integration.calibration_states import StateLayers, state_layers, unsupported_state_layers
 from vllm_nvfp4.integration.model import is_draft_layer, model_policy, set_startup_policy
+from vllm_nvfp4.integration.startup_recipe import Recipe, describe_recipe, recipe_for
 from vllm_nvfp4.integration.startup_selection import (
     METRIC,
     candidate_slots,
@@ -67,18 +73,7 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handl
 #: values of ``$VLLM_NVFP4_STARTUP_CALIBRATION`` (lower case) -> mode
 STARTUP_MODES = {"": "select", "1": "select", "on": "select", "true": "select", "yes": "select",
                  "scales": "scales", "0": "off", "off": "off", "false": "off", "no": "off"}
-MAX_WINDOW = 1024  # tokens per calibration sequence (fewer if max_model_len or the batch is smaller)
-TARGET_TOKENS = 4096  # calibration tokens in all (fewer if the text is shorter)
-#: tokens of the sensitivity forwards (the first windows of the calibration text): two 1024-token
-#: windows; on a 2-core CPU SmolLM2-135M's 61 forwards of 2048 tokens take minutes (the one-time
-#: cost of a cached result), on an H200 an 8B model's 65 a few seconds
-SENSITIVITY_TOKENS = 2048
 PROGRESS_SECONDS = 10.0  # a progress line at most this often during the sensitivity forwards
-#: bump when the statistics or the policy built from them change (3: NVFP4 block scales by
-#: lowest error, so the measured damage and the chosen slots differ; 4: the sink key stored
-#: uncentered where it fits, in the policy and in the sensitivity forwards; 5: layers with
-#: learned attention sinks no longer K-centered)
-RECIPE_VERSION = 5
 #: the title of the one start-up statement of the policy an engine runs (its per-layer table)
 IN_FORCE = "KV policy in force"
 
@@ -117,41 +112,6 @@ def skip_reason(vllm_config: Any) -> Optional[str]:
 def planned(vllm_config: Any) -> bool:
     """Whether this engine calibrates at start-up (the default scales are then provisional)."""
     return skip_reason(vllm_config) is None
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """How much text is run: ``windows`` sequences of ``window`` tokens, ``per_forward`` of them
-    per model forward; K centering unless the model has a logits soft-cap; with ``select``, the
-    formats from the sensitivity forwards on the first ``sensitivity_windows`` windows. With
-    centering the sink key is stored uncentered where it fits (``k_sink_uncentered``)."""
-
-    window: int
-    windows: int
-    per_forward: int
-    k_center: bool
-    select: bool = True
-    sensitivity_windows: int = 0
-
-    def describe(self) -> dict[str, Any]:
-        out = {"window": self.window, "windows": self.windows, "k_center": self.k_center,
-               "k_sink_uncentered": self.k_center, "per_head": False, "version": RECIPE_VERSION,
-               "formats": "sensitivity" if self.select else "default rule"}
-        if self.select:
-            out.update(sensitivity_windows=self.sensitivity_windows, metric=METRIC,
-                       budget=DEFAULT_BUDGET)
-        return out
-
-
-def recipe_for(vllm_config: Any, text_tokens: int, soft_cap: bool, select: bool = True) -> Recipe:
-    """The recipe for an engine: windows no longer than ``MAX_WINDOW``, ``max_model_len``, one
-    batch (``max_num_batched_tokens``) or the text, ``TARGET_TOKENS`` tokens in all, the first
-    ``SENSITIVITY_TOKENS`` of them (at least one window) for the sensitivity forwards."""
-    batch = vllm_config.scheduler_config.max_num_batched_tokens
-    window = min(MAX_WINDOW, vllm_config.model_config.max_model_len, batch, text_tokens)
-    windows = max(1, min(TARGET_TOKENS // window, text_tokens // window))
-    return Recipe(window, windows, max(1, batch // window), k_center=not soft_cap, select=select,
-                  sensitivity_windows=max(1, min(windows, SENSITIVITY_TOKENS // window)))
 
 
 # ---------------------------------------------------------------------------- the layers
@@ -313,29 +273,56 @@ def _progress_logger(total: int, start: float, rank0: bool) -> Callable[[int], N
 
 def _select(runner: Any, layers: dict[str, Any], windows: torch.Tensor, recipe: Recipe,
             scaled: KVPolicy, provenance: dict[str, Any], rank0: bool,
-            states: Optional[StateLayers] = None) -> KVPolicy:
-    """The start-up selection (module doc, step 4) on the first sensitivity windows; fills in
-    ``provenance`` and returns the policy."""
+            states: Optional[StateLayers] = None) -> tuple[KVPolicy, Optional[ExactReference]]:
+    """The start-up selection (module doc, step 3) on the first sensitivity windows; fills in
+    ``provenance`` and returns the policy and its exact forward (None: nothing measured)."""
     candidates, fp8_slots = fp8_slot_count(scaled.layer_types)
     if fp8_slots >= 2 * len(candidates):  # every candidate FP8: nothing to choose
         provenance["formats_from"] = "default rule (every candidate slot FP8)"
-        return KVPolicy(scaled.layers, provenance, source="start-up calibration")
+        return KVPolicy(scaled.layers, provenance, source="start-up calibration"), None
     start = time.perf_counter()
     sens = windows[:recipe.sensitivity_windows]
     slots = candidate_slots(candidates)
+    reference = ExactReference(runner, layers, sens, recipe.per_forward, scaled.num_layers,
+                               states, [layer for layer, _ in slots])
     damage = _broadcast(slot_damage(runner, layers, sens, recipe.per_forward, scaled, slots,
-                                    _progress_logger(len(slots), start, rank0), states))
+                                    _progress_logger(len(slots), start, rank0), states, reference))
     if damage is None:
         raise RuntimeError("vllm-nvfp4 start-up selection: rank 0 computed no logits; set "
                            f"{STARTUP_CALIBRATION_ENV}=scales for the default rule's formats")
     return sensitivity_policy(scaled, damage, candidates, fp8_slots, provenance,
-                              tokens=int(sens.numel()), seconds=time.perf_counter() - start)
+                              tokens=int(sens.numel()), seconds=time.perf_counter() - start), reference
+
+
+def _choose_sink_key(runner: Any, layers: dict[str, Any], windows: torch.Tensor, recipe: Recipe,
+                     policy: KVPolicy, reference: Optional[ExactReference],
+                     states: Optional[StateLayers] = None) -> KVPolicy:
+    """The sink key of ``policy`` (module doc, step 3; nothing where no head is flagged): the
+    policy with and without its flags scored by KL on the sensitivity windows against
+    ``reference`` (the selection's exact forward; None: one is run here), the better kept and
+    recorded in its provenance (``"sink_key"``). Under TP rank 0's scores decide."""
+    if not has_sink_key(policy):
+        return policy
+    start = time.perf_counter()
+    sens = windows[:recipe.sensitivity_windows]
+    if reference is None:
+        reference = ExactReference(runner, layers, sens, recipe.per_forward, policy.num_layers,
+                                   states)
+    scores = _broadcast({UNCENTERED: policy_damage(reference, layers, policy),
+                         CENTERED: policy_damage(reference, layers, without_sink_key(policy))})
+    if None in scores.values():
+        raise RuntimeError("vllm-nvfp4 start-up calibration: rank 0 computed no logits for the "
+                           "sink key's choice")
+    record = choose(scores, METRIC, tokens=int(sens.numel()),
+                    seconds=round(time.perf_counter() - start, 1))
+    return KVPolicy(chosen_policy(policy, record).layers, {**policy.provenance, "sink_key": record},
+                    source=policy.source)
 
 
 def _calibrate(runner: Any, layers: dict[str, Any], states: Optional[StateLayers],
                windows: torch.Tensor, recipe: Recipe, shape: ModelShape, parts: dict[str, Any],
                rank0: bool) -> KVPolicy:
-    """Module doc, steps 1-4 on ``windows [n, window]`` (``states``: the model's GDN layers,
+    """Module doc, steps 1-3 on ``windows [n, window]`` (``states``: the model's GDN layers,
     bound here for the forwards; None: it has none)."""
     from vllm_nvfp4.calibration.scales import scaled_policy
 
@@ -353,9 +340,13 @@ def _calibrate(runner: Any, layers: dict[str, Any], states: Optional[StateLayers
         rule = default_policy(shape.num_layers, shape.layer_types or None)
         scaled = scaled_policy(rule, observer, per_head=False, provenance=provenance,
                                k_center=recipe.k_center, k_sink_uncentered=recipe.k_center)
+        reference: Optional[ExactReference] = None
         if recipe.select:
-            return _select(runner, layers, windows, recipe, scaled, provenance, rank0, states)
-        return KVPolicy(scaled.layers, provenance, source="start-up calibration")
+            policy, reference = _select(runner, layers, windows, recipe, scaled, provenance, rank0,
+                                        states)
+        else:
+            policy = KVPolicy(scaled.layers, provenance, source="start-up calibration")
+        return _choose_sink_key(runner, layers, windows, recipe, policy, reference, states)
 
 
 def _gdn_layers(vllm_config: Any, device: torch.device) -> Optional[StateLayers] | str:
@@ -425,42 +416,9 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
     set_startup_policy(vllm_config, policy)
     return {"tokens": int(policy.provenance.get("tokens", 0)),
             "seconds": time.perf_counter() - start, "cached": cached_dict is not None,
-            "path": str(path), "formats": formats_line(policy.provenance),
+            "path": str(path), "formats": "; ".join(filter(None, (
+                formats_line(policy.provenance), sink_line(policy.provenance.get("sink_key"))))),
             "in_force": policy.describe(IN_FORCE)}
-
-
-def selection_size(recipe: Recipe, shape: ModelShape) -> tuple[int, int]:
-    """``(candidate slots, FP8 slots)`` the start-up selection measures and keeps (module doc,
-    step 4); ``(0, 0)`` when it selects nothing (``scales`` mode, or every candidate FP8)."""
-    if not recipe.select:
-        return 0, 0
-    candidates, fp8_slots = fp8_slot_count(
-        default_policy(shape.num_layers, shape.layer_types or None).layer_types)
-    slots = len(candidate_slots(candidates))
-    return (0, 0) if fp8_slots >= slots else (slots, fp8_slots)
-
-
-def tokens_run(recipe: Recipe, shape: ModelShape) -> int:
-    """Tokens a start-up calibration runs through the model: the calibration windows, then one
-    exact forward and one per candidate slot over the sensitivity windows."""
-    slots, _ = selection_size(recipe, shape)
-    return (recipe.window * recipe.windows
-            + (slots + 1 if slots else 0) * recipe.window * recipe.sensitivity_windows)
-
-
-def describe_recipe(recipe: Recipe, shape: ModelShape) -> str:
-    """What a start-up calibration with ``recipe`` runs, in words (the start-up log, ``doctor``)."""
-    what = (f"K/V scales on {recipe.window * recipe.windows} tokens of the built-in text, "
-            f"{recipe.windows} windows of {recipe.window}")
-    if not recipe.select:
-        return what + f"; the default rule's formats (${STARTUP_CALIBRATION_ENV}=scales)"
-    slots, fp8_slots = selection_size(recipe, shape)
-    if not slots:
-        return what + "; every candidate slot FP8, nothing to select"
-    return what + (f"; then {slots + 1} forwards of {recipe.window * recipe.sensitivity_windows} "
-                   f"tokens measure the {slots} candidate K/V slots, and the {fp8_slots} most "
-                   f"sensitive stay FP8 (as many as the {DEFAULT_BUDGET}x FP8-bytes budget "
-                   "allows, at least as many as the default rule has there)")
 
 
 def calibrate_engine(executor: Any) -> None:
