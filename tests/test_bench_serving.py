@@ -251,6 +251,35 @@ def test_rate_search_resumes_from_earlier_probes(tmp_path, monkeypatch):
     assert final["kind"] == "rate_search" and final["max_rate"] == 1.1892 and final["lowest_failing_rate"] == 1.4142
 
 
+def test_skip_measured_serves_only_what_prior_records_lack(tmp_path, monkeypatch, capsys):
+    """A resumed call with ``--skip-measured`` starts no server whose runs the earlier records all
+    hold (a skip record says why) and gives the others only their missing runs."""
+    prior = tmp_path / "prior.jsonl"
+    prior.write_text("\n".join(json.dumps(r) for r in (
+        _bench("auto", "chat_c2", "chat", 10.0, 80.0, 4.0, concurrency=2),
+        _bench("auto", "chat_c4", "chat", 12.0, 90.0, 8.0, concurrency=4),
+        _bench("nvfp4-mixed", "chat_c2", "chat", 15.0, 84.0, 3.0, concurrency=2))))
+    argv = ["--out", str(tmp_path / "o"), "--cpu-tiny", "--model-dir", str(tmp_path / "m"),
+            "--workloads", "chat", "--prior-records", str(prior)]
+    served = []
+
+    def fake_run(self, policy):
+        served.append((self.cfg.name, [r.label for r in orchestrate.pending_runs(self.a, "chat", self.done)]))
+
+    monkeypatch.setattr(orchestrate.ConfigRun, "run", fake_run)
+    assert orchestrate.run(parse_args(argv + ["--skip-measured"])) == 0
+    assert served == [("nvfp4-mixed", ["chat_c4"])]
+    recs = [json.loads(x) for x in (tmp_path / "o" / orchestrate.RECORDS).read_text().splitlines()]
+    assert [(r["config"], r["reason"]) for r in recs if r["kind"] == "skip"] == [
+        ("auto", "every run is in --prior-records (--skip-measured)")]
+    served.clear()
+    assert orchestrate.run(parse_args(argv)) == 0  # without the flag: every run again
+    assert served == [("auto", ["chat_c2", "chat_c4"]), ("nvfp4-mixed", ["chat_c2", "chat_c4"])]
+    with pytest.raises(SystemExit):
+        parse_args(argv[:-2] + ["--skip-measured"])
+    assert "--skip-measured leaves out what --prior-records holds" in capsys.readouterr().err
+
+
 def test_estimator_corrects_itself_with_measured_runs():
     est = orchestrate.Estimator(prefill_tok_s=10000.0, decode_tok_s=1000.0)
     run = workloads.BenchRun("chat", "x", (), 10, 20000.0, 500.0, max_concurrency=10)

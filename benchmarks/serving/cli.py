@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "recorded, a client past its configuration's deadline is killed")
     g.add_argument("--prior-records", default="", help="serving_records.jsonl files of earlier runs "
                    "(comma-separated), merged into the summary (a run measured again replaces them)")
+    g.add_argument("--skip-measured", action="store_true",
+                   help="leave out the runs (configuration and label) --prior-records already hold "
+                        "a result of, and a server none of whose runs is left (a rate search "
+                        "resumes from its earlier probes either way)")
     g.add_argument("--fresh", action="store_true", help="delete earlier records in --out first")
     g.add_argument("--dry-run", action="store_true", help="print the server and client commands and exit")
     g.add_argument("--plot", default=None, metavar="SUMMARY_JSON", help="only plot a summary, then exit")
@@ -121,6 +125,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     elif a.max_model_len < need:
         ap.error(f"--max-model-len {a.max_model_len} < the longest request of the workloads ({need})")
     a.prior_records = [p for p in a.prior_records.split(",") if p]
+    if a.skip_measured and not a.prior_records:
+        ap.error("--skip-measured leaves out what --prior-records holds: name the earlier "
+                 "serving_records.jsonl with --prior-records")
     a.out = str(Path(a.out))
     return a
 

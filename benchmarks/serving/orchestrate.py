@@ -79,11 +79,19 @@ class Estimator:
         self.correction = max(0.2, wall_s / self.raw(run))
 
 
-class ConfigRun:
-    """One configuration's server and its workloads, until ``deadline`` (Unix s)."""
+def pending_runs(a: Namespace, workload: str, done: set[str]) -> list[BenchRun]:
+    """The runs of ``workload`` (``chat`` or ``prefix``) whose labels are not in ``done``."""
+    runs = chat_runs(a) if workload == "chat" else prefix_runs(a)
+    return [r for r in runs if r.label not in done]
 
-    def __init__(self, a: Namespace, cfg: BenchConfig, deadline: float, est: Estimator) -> None:
-        self.a, self.cfg, self.deadline, self.est = a, cfg, deadline, est
+
+class ConfigRun:
+    """One configuration's server and its workloads, until ``deadline`` (Unix s); runs labelled
+    in ``done`` (measured in ``--prior-records``, with ``--skip-measured``) are left out."""
+
+    def __init__(self, a: Namespace, cfg: BenchConfig, deadline: float, est: Estimator,
+                 done: frozenset[str] = frozenset()) -> None:
+        self.a, self.cfg, self.deadline, self.est, self.done = a, cfg, deadline, est, set(done)
         self.rec = Recorder(Path(a.out) / RECORDS, config=cfg.name)
         self.log_path = Path(a.out) / f"serve_{cfg.name}.log"
 
@@ -180,8 +188,8 @@ class ConfigRun:
             self.rec.write("server", start_s=round(time.time() - t0, 1), command=shlex.join(cmd), policy=policy)
             log(f"{self.cfg.name}: /health after {time.time() - t0:.0f}s")
             steps: dict[str, Callable[[], None]] = {
-                "chat": lambda: [self.bench(r) for r in chat_runs(a)],
-                "prefix": lambda: [self.bench(r) for r in prefix_runs(a)],
+                "chat": lambda: [self.bench(r) for r in pending_runs(a, "chat", self.done)],
+                "prefix": lambda: [self.bench(r) for r in pending_runs(a, "prefix", self.done)],
                 "rate": self.rate_search}
             for w in a.workloads:
                 steps[w]()
@@ -240,9 +248,16 @@ def run(a: Namespace) -> int:
     log(f"serving: configs {a.configs}, workloads {a.workloads}, max_model_len {a.max_model_len}, "
         f"budget {a.budget_s or 'none'}")
     est = Estimator(a.est_prefill_tok_s, a.est_decode_tok_s)
+    measured = report.measured_labels(prior_records(a.prior_records)) if a.skip_measured else {}
     for i, name in enumerate(a.configs):
         cfg = CONFIGS[name]
         rec = Recorder(out / RECORDS, config=name)
+        done = frozenset(measured.get(name, ()))
+        if done and "rate" not in a.workloads and not any(
+                pending_runs(a, w, set(done)) for w in a.workloads):
+            rec.write("skip", what="serve", reason="every run is in --prior-records (--skip-measured)")
+            log(f"{name}: skipped (every run is in --prior-records)")
+            continue
         why = unavailable_reason(cfg)
         left = end - time.time()
         if why or left < a.min_config_s:
@@ -254,7 +269,7 @@ def run(a: Namespace) -> int:
         deadline = min(end - a.min_config_s * (later - 1), deadline_share(time.time(), end, [1.0] * later)) \
             if math.isfinite(end) else math.inf
         try:
-            ConfigRun(a, cfg, deadline, est).run(head["policies"][name])
+            ConfigRun(a, cfg, deadline, est, done).run(head["policies"][name])
         except Exception as exc:  # one configuration's failure must not lose the others
             rec.write("error", what="serve", error=repr(exc))
             log(f"{name}: FAILED: {exc!r}")

@@ -28,6 +28,15 @@ def merge(prior: list[dict], now: list[dict]) -> list[dict]:
     return [r for r in prior if key(r) not in fresh] + now
 
 
+def measured_labels(records: list[dict]) -> dict[str, set[str]]:
+    """Per configuration, the labels of the runs ``records`` hold a result of (``bench`` records)."""
+    out: dict[str, set[str]] = {}
+    for r in records:
+        if r["kind"] == "bench":
+            out.setdefault(r["config"], set()).add(r["label"])
+    return out
+
+
 def reference(records: list[dict]) -> Optional[str]:
     names = list(dict.fromkeys(r["config"] for r in records if r["kind"] == "bench"))
     return PREFERRED_REFERENCE if PREFERRED_REFERENCE in names else (names[0] if names else None)
