@@ -207,7 +207,7 @@ def test_flag_only_engine_binds_the_scales_of_calibrate(runs):
     ref = _served_formats(ref, served)  # each slot's scale for the format the selection gave it
     _assert_bound_equals(runs["first"], ref, heads=2, rel=2e-4, atol=2e-5)
     # the sink key uncentered where calibrate finds its first key fits (on some layers, not all)
-    # when the policy measured better so, else centered everywhere (tests/test_startup_sink_key.py)
+    # when the policy measured better so, else centered everywhere (tests/test_sink_choice.py)
     flags, fits = [lp.k_sink_uncentered for lp in served.layers], [lp.k_sink_uncentered for lp in ref.layers]
     assert any(fits) and flags == (fits if served.provenance["sink_key"]["chosen"] == "uncentered"
                                    else [None] * len(fits))
