@@ -549,7 +549,7 @@ def test_tp2_ranks_calibrate_their_heads_into_one_policy(tmp_path: Path):
 
 
 AGREE_SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json, os, sys
     from contextlib import contextmanager
     from types import SimpleNamespace
 
@@ -586,7 +586,12 @@ AGREE_SCRIPT = textwrap.dedent("""
     except sc.StartupCalibrationError as e:
         out["bind"] = str(e)
     out["entered_exited"] = [States.entered, States.exited]
-    print("RESULT " + json.dumps(out))
+    print("RESULT " + json.dumps(out), flush=True)
+    # gloo's worker threads can abort the interpreter's exit ("terminate called without an
+    # active exception") unless the group is torn down first; then leave without static teardown
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    os._exit(0)
 """)
 
 
