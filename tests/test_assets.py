@@ -102,6 +102,21 @@ def test_smollm2_directory_has_fixed_tokenizer():
     assert "quantization_config" not in cfg and cfg["dtype"] == "bfloat16"
 
 
+@pytest.mark.parametrize("name,rel,expected", [
+    ("smollm2", "SmolLM2-135M-Instruct", ((), ("<|im_start|>",))),
+    ("gemma3_270m", "gemma-3-270m", (("<bos>",),))])
+def test_served_prefixes_of_the_real_tokenizers(name: str, rel: str, expected: tuple):
+    """SmolLM2 adds no BOS and its chat requests start with ``<|im_start|>``: calibration takes
+    both first tokens; Gemma 3 adds ``<bos>`` and its template starts with it too."""
+    from transformers import AutoTokenizer
+
+    from vllm_nvfp4.calibration.data import served_prefixes
+
+    tok = AutoTokenizer.from_pretrained(str(_prepared(name, rel)))
+    got = served_prefixes(tok)
+    assert tuple(tuple(tok.convert_ids_to_tokens(list(p))) for p in got) == expected
+
+
 def test_text_assets_have_expected_shape():
     brown = _prepared("brown", "brown/brown.txt").read_text(encoding="utf-8")
     assert brown.startswith("The Fulton County Grand Jury said Friday")

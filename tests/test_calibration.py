@@ -314,7 +314,7 @@ def test_data_formats_and_errors(tmp_path: Path, tiny_model_dir: Path):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     small = tmp_path / "small.txt"
     small.write_text("a few words only")
-    with pytest.raises(DataError, match="need 256"):
+    with pytest.raises(DataError, match="need 255 after their prefixes"):
         load_windows([small], tok, 128, count=1, calib=1)
     w = load_windows([make_text(tmp_path / "t.txt", kb=20)], tok, 64, count=2, calib=1)
     assert w.calib.shape == (1, 64) and w.eval.shape == (2, 64)

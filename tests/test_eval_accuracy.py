@@ -80,7 +80,7 @@ def test_compare_paired_delta_nll_and_top1() -> None:
 class _CharTokenizer:
     """One token per character: lengths are easy to reason about."""
 
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+    def __call__(self, text: str, add_special_tokens: bool = False, verbose: bool = True) -> dict:
         return {"input_ids": [ord(c) % 256 for c in text]}
 
 
@@ -92,6 +92,17 @@ class _BosCharTokenizer(_CharTokenizer):
     def __call__(self, text: str, add_special_tokens: bool = True, verbose: bool = True) -> dict:
         ids = super().__call__(text)["input_ids"]
         return {"input_ids": [self.BOS, *ids] if add_special_tokens else ids}
+
+
+class _ChatCharTokenizer(_CharTokenizer):
+    """One token per character, no BOS, and a ChatML-like template whose first character is
+    ``\x01`` (token 1), as SmolLM2's and Qwen2.5's templates start with ``<|im_start|>``."""
+
+    chat_template = "\x01{{ role }}"
+
+    def apply_chat_template(self, messages: list, tokenize: bool, add_generation_prompt: bool) -> str:
+        assert not tokenize
+        return "".join(f"\x01{m['role']}\n{m['content']}\n" for m in messages) + "\x01assistant\n"
 
 
 def test_passkey_trials_fit_and_hold_the_key() -> None:
@@ -319,6 +330,31 @@ def test_windows_and_passkey_prompts_start_with_the_tokenizers_bos(tmp_path: Pat
     for t in passkey.build_trials(_BosCharTokenizer(), 2000, [0.1, 0.9], seed=1):
         assert t.prompt_token_ids[0] == bos and bos not in t.prompt_token_ids[1:]
         assert 1800 < len(t.token_ids) <= 2000
+
+
+def test_bos_less_chat_tokenizers_calibrate_both_first_tokens(tmp_path: Path) -> None:
+    """A tokenizer that adds no BOS but has a chat template: completions start with text, chat
+    requests with the template's first token, so windows and passkey prompts take the two in turn
+    (consecutive text after each); a template starting with the BOS adds nothing."""
+    from vllm_nvfp4.calibration.data import load_windows, served_prefixes
+
+    assert served_prefixes(_ChatCharTokenizer()) == ((), (1,))
+    assert served_prefixes(_CharTokenizer()) == ((),)
+    assert served_prefixes(_BosCharTokenizer()) == ((_BosCharTokenizer.BOS,),)
+    f = tmp_path / "t.txt"
+    text = "".join(chr(97 + i % 26) for i in range(5000))
+    f.write_text(text)
+    lw = load_windows([f], _ChatCharTokenizer(), 50, count=2, calib=2)
+    rows = [*lw.calib.tolist(), *lw.eval.tolist()]
+    assert [len(r) for r in rows] == [50] * 4 and [r[0] == 1 for r in rows] == [False, True] * 2
+    assert "".join(chr(t) for r in rows for t in (r if r[0] != 1 else r[1:])) == text[:198]
+    assert lw.describe()["prefixes"] == [[], [1]]
+    tail = tail_windows(f, _ChatCharTokenizer(), 3, 100)
+    assert [w[0] == 1 for w in tail] == [False, True, False]
+    assert "".join(chr(t) for w in tail for t in (w if w[0] != 1 else w[1:])) == text[-299:]
+    trials = passkey.build_trials(_ChatCharTokenizer(), 2000, [0.1, 0.5, 0.9], seed=1)
+    assert [t.prompt_token_ids[0] == 1 for t in trials] == [False, True, False]
+    assert all(1 not in t.prompt_token_ids[1:] and len(t.token_ids) <= 2000 for t in trials)
 
 
 def _results(mixed_dnll: float, mixed_pk: int) -> dict:

@@ -4,9 +4,9 @@ Accepted files: plain text (anything but ``.jsonl``), or JSON Lines with a ``tex
 GSM8K-style ``question`` / ``answer`` fields (rendered ``Question: ...\\nAnswer: ...``). Several
 files are concatenated in the order given, separated by blank lines. The concatenated text is
 tokenized once (no special tokens added) and cut into consecutive, non-overlapping pieces; each
-window is the tokenizer's text prefix (its BOS, for tokenizers that add one, see
-:func:`text_prefix`) followed by one piece, as a request starts. The first ``calib`` windows
-calibrate the scales, the next ``count`` are held out for evaluation.
+window is one of the :func:`served_prefixes` (what position 0 of a served request holds) followed
+by one piece, the prefixes taken in turn. The first ``calib`` windows calibrate the scales, the
+next ``count`` are held out for evaluation.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -70,6 +70,52 @@ def text_prefix(tokenizer: Any) -> list[int]:
     raise DataError(f"the tokenizer's encoding with special tokens {full} does not contain the plain one {plain}")
 
 
+def chat_first_token(tokenizer: Any) -> Optional[int]:
+    """The token a chat request starts with: the first token of the tokenizer's chat template
+    rendered (vLLM tokenizes that text without adding special tokens), or None without a template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "a"}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return int(ids[0]) if ids else None
+
+
+def served_prefixes(tokenizer: Any) -> tuple[tuple[int, ...], ...]:
+    """What served requests hold before their text, position 0 included: the tokenizer's
+    :func:`text_prefix` (completions), and the chat template's first token where chat requests
+    start with another token (for a tokenizer that adds no BOS: ``<|im_start|>`` of ChatML
+    templates). Calibration and evaluation windows take these in turn, so the first key the
+    cache stores in serving is among the calibrated ones."""
+    prefixes = [tuple(text_prefix(tokenizer))]
+    chat = chat_first_token(tokenizer)
+    if chat is not None and prefixes[0][:1] != (chat,):
+        prefixes.append((chat,))
+    return tuple(prefixes)
+
+
+def prefixed_pieces(prefixes: Sequence[Sequence[int]], ids: Sequence[int], count: int,
+                    window: int) -> list[list[int]]:
+    """``count`` windows of ``window`` tokens: window ``i`` is ``prefixes[i % len(prefixes)]``
+    followed by the next consecutive piece of ``ids`` (raises ``ValueError`` when ``ids`` is
+    shorter than :func:`text_tokens_needed`)."""
+    need = text_tokens_needed(prefixes, count, window)
+    if len(ids) < need:
+        raise ValueError(f"{need} text tokens needed, {len(ids)} given")
+    out, pos = [], 0
+    for i in range(count):
+        prefix = list(prefixes[i % len(prefixes)])
+        piece = window - len(prefix)
+        out.append(prefix + list(ids[pos:pos + piece]))
+        pos += piece
+    return out
+
+
+def text_tokens_needed(prefixes: Sequence[Sequence[int]], count: int, window: int) -> int:
+    """Text tokens that ``count`` windows of ``window`` tokens hold after their prefixes."""
+    return sum(window - len(prefixes[i % len(prefixes)]) for i in range(count))
+
+
 def _tokenize_enough(tokenizer: Any, text: str, need: int, chunk_chars: int = 1 << 18) -> list[int]:
     """Token ids of ``text``, tokenizing line-aligned chunks only until ``need`` tokens exist.
 
@@ -96,6 +142,7 @@ class TokenWindows:
     eval: torch.Tensor
     files: tuple[dict, ...]  # [{"path", "sha256", "bytes"}] provenance
     total_tokens: int  # tokens tokenized (at least what the windows need)
+    prefixes: tuple[tuple[int, ...], ...] = ((),)  # :func:`served_prefixes`, taken in turn
 
     @property
     def window_tokens(self) -> int:
@@ -105,7 +152,8 @@ class TokenWindows:
         """JSON-ready summary for reports and policy provenance."""
         return {"files": list(self.files), "window_tokens": self.window_tokens,
                 "calib_windows": int(self.calib.shape[0]), "eval_windows": int(self.eval.shape[0]),
-                "tokens_tokenized": self.total_tokens}
+                "tokens_tokenized": self.total_tokens,
+                "prefixes": [list(p) for p in self.prefixes]}
 
 
 def load_windows(
@@ -131,18 +179,17 @@ def load_windows(
         texts.append(text)
         files.append({"path": str(p), "sha256": hashlib.sha256(p.read_bytes()).hexdigest(),
                       "bytes": p.stat().st_size})
-    prefix = text_prefix(tokenizer)
-    piece = window - len(prefix)
-    need = (calib + count) * piece
+    prefixes = served_prefixes(tokenizer)
+    need = text_tokens_needed(prefixes, calib + count, window)
     ids = _tokenize_enough(tokenizer, "\n\n".join(texts), need)
     if len(ids) < need:
         raise DataError(
             f"the data holds {len(ids)} tokens, but {calib} calibration + {count} evaluation windows "
-            f"of {piece} text tokens need {need}; add data or use fewer/shorter windows"
+            f"of {window} tokens need {need} after their prefixes; add data or use fewer/shorter windows"
         )
-    t = torch.tensor(ids[:need], dtype=torch.long).view(calib + count, piece)
-    t = torch.cat([torch.tensor(prefix, dtype=torch.long).expand(calib + count, -1), t], dim=1)
-    return TokenWindows(calib=t[:calib], eval=t[calib:], files=tuple(files), total_tokens=len(ids))
+    t = torch.tensor(prefixed_pieces(prefixes, ids, calib + count, window), dtype=torch.long)
+    return TokenWindows(calib=t[:calib], eval=t[calib:], files=tuple(files), total_tokens=len(ids),
+                        prefixes=prefixes)
 
 
 def add_text_arguments(p: argparse.ArgumentParser, window: int, windows: int,

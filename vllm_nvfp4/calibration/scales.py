@@ -17,8 +17,8 @@ learned attention sinks, whose layers stay uncentered), so ``a_c`` above becomes
 ``|K_c - mu_c|`` for the smoothing factors and the K scales.
 
 Sink key (``k_sink_uncentered``, with centering): per KV head, whether the first key of the
-calibration sequences (position 0: the tokenizer's BOS where it adds one, as served prompts
-start) fits the K range the scales were calibrated for without centering (``max_c |K_0c| / lam_c``
+calibration sequences (position 0 as served requests hold it, :func:`~vllm_nvfp4.calibration.data.served_prefixes`:
+the BOS, or text and the chat template's first token in turn) fits the K range the scales were calibrated for without centering (``max_c |K_0c| / lam_c``
 at most the amax behind the layer's K scale); where it does, the policy stores that key
 uncentered (:mod:`vllm_nvfp4.policy.layer_policy`).
 

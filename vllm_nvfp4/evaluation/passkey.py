@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from vllm_nvfp4.calibration.data import text_prefix
+from vllm_nvfp4.calibration.data import served_prefixes
 from vllm_nvfp4.evaluation.logprobs import WindowScores
 
 INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. "
@@ -52,7 +52,8 @@ class PasskeyTrial:
 def build_trials(tokenizer: Any, context_tokens: int, depths: Sequence[float], seed: int = 0) -> list[PasskeyTrial]:
     """One trial per depth, prompt plus answer about ``context_tokens`` tokens (never longer).
 
-    Each prompt starts with the tokenizer's :func:`text_prefix` (its BOS, if it adds one).
+    Trial ``i`` starts with the tokenizer's ``served_prefixes()[i % len]`` (as completions or chat
+    requests start).
     """
     if context_tokens < 64:
         raise ValueError(f"passkey context must be at least 64 tokens, got {context_tokens}")
@@ -61,10 +62,11 @@ def build_trials(tokenizer: Any, context_tokens: int, depths: Sequence[float], s
     def n_tokens(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    prefix = text_prefix(tokenizer)
+    prefixes = served_prefixes(tokenizer)
     unit = n_tokens(FILLER * 8) / 8
     trials = []
-    for depth in depths:
+    for i, depth in enumerate(depths):
+        prefix = list(prefixes[i % len(prefixes)])
         if not 0.0 <= depth <= 1.0:
             raise ValueError(f"depth must lie in [0, 1], got {depth}")
         key = str(rng.randrange(10000, 100000))

@@ -10,12 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vllm_nvfp4.calibration.data import text_prefix
+from vllm_nvfp4.calibration.data import prefixed_pieces, served_prefixes, text_tokens_needed
 
 
 def tail_windows(text_path: Path, tokenizer: Any, count: int, tokens: int) -> list[list[int]]:
-    """``count`` windows of ``tokens`` token ids: the tokenizer's :func:`text_prefix` (its BOS, if it
-    adds one), then consecutive text from the end of ``text_path``.
+    """``count`` windows of ``tokens`` token ids: the tokenizer's :func:`served_prefixes` in turn,
+    each followed by consecutive text from the end of ``text_path``.
 
     Raises ``ValueError`` if the text is too short.
     """
@@ -25,9 +25,8 @@ def tail_windows(text_path: Path, tokenizer: Any, count: int, tokens: int) -> li
         text = Path(text_path).read_text(encoding="utf-8")
     except OSError as e:
         raise ValueError(f"cannot read {text_path}: {e} (prepare it: python scripts/prepare_assets.py brown)") from None
-    prefix = text_prefix(tokenizer)
-    piece = tokens - len(prefix)
-    need = count * piece
+    prefixes = served_prefixes(tokenizer)
+    need = text_tokens_needed(prefixes, count, tokens)
     chars = need * 6
     while True:
         start = max(len(text) - chars, 0)
@@ -39,6 +38,5 @@ def tail_windows(text_path: Path, tokenizer: Any, count: int, tokens: int) -> li
             break
         chars *= 2
     if len(ids) < need:
-        raise ValueError(f"{text_path} holds {len(ids)} tokens; {count} windows of {piece} text tokens need {need}")
-    ids = ids[len(ids) - need:]
-    return [prefix + list(ids[i * piece:(i + 1) * piece]) for i in range(count)]
+        raise ValueError(f"{text_path} holds {len(ids)} tokens; {count} windows of {tokens} tokens need {need} after their prefixes")
+    return prefixed_pieces(prefixes, ids[len(ids) - need:], count, tokens)

@@ -13,7 +13,7 @@ allocation and CUDA-graph capture (the formats chosen here size the pages):
    statistics are gathered over the TP CPU group: every rank builds the same policy.
 2. Scales as ``calibrate --k-center --k-sink-uncentered`` writes them
    (:func:`~vllm_nvfp4.calibration.scales.scaled_policy`; no K centering under a logits soft-cap;
-   the sink key flagged uncentered where the first key after the BOS fits the K range).
+   the sink key flagged uncentered where the first key, as served requests start, fits the K range).
 3. Formats (:mod:`.startup_selection`): on :data:`~.startup_recipe.SENSITIVITY_TOKENS` tokens
    the model runs once exactly and once per full-attention K or V slot stored alone in NVFP4;
    the slots of largest next-token KL stay FP8. Under TP rank 0 ranks them and broadcasts the

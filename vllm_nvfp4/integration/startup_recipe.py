@@ -28,8 +28,9 @@ SINK_KEY_FORWARDS = 2
 #: lowest error, so the measured damage and the chosen slots differ; 4: the sink key stored
 #: uncentered where it fits, in the policy and in the sensitivity forwards; 5: layers with
 #: learned attention sinks no longer K-centered; 6: the sink key uncentered only where the
-#: chosen policy measures better with it than centered)
-RECIPE_VERSION = 6
+#: chosen policy measures better with it than centered; 7: for tokenizers that add no BOS, every
+#: other window starts with the chat template's first token, as chat requests do)
+RECIPE_VERSION = 7
 
 
 @dataclass(frozen=True)
