@@ -45,8 +45,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
     windows = tail_windows(args.text, tokenizer, args.nll_windows, args.window_tokens) if args.nll_windows else []
-    depths = [PASSKEY_DEPTHS[i] if args.passkey_trials == len(PASSKEY_DEPTHS)
-              else round(0.1 + 0.8 * i / max(args.passkey_trials - 1, 1), 3) for i in range(args.passkey_trials)]
+    depths = (list(PASSKEY_DEPTHS) if args.passkey_trials == len(PASSKEY_DEPTHS)
+              else passkey.spread_depths(args.passkey_trials))
     trials = passkey.build_trials(tokenizer, args.passkey_context, depths) if depths else []
     longest = max([args.window_tokens if windows else 0, args.passkey_context if trials else 0, 240])
     if longest >= shape.max_positions:  # vLLM needs room for one output token after the prompt

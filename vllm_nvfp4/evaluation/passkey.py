@@ -49,6 +49,11 @@ class PasskeyTrial:
                 "answer_tokens": len(self.answer_token_ids)}
 
 
+def spread_depths(n: int) -> list[float]:
+    """``n`` needle depths spread evenly over 0.1..0.9 (three decimals; one trial: 0.1)."""
+    return [round(0.1 + 0.8 * i / max(n - 1, 1), 3) for i in range(n)]
+
+
 def build_trials(tokenizer: Any, context_tokens: int, depths: Sequence[float], seed: int = 0) -> list[PasskeyTrial]:
     """One trial per depth, prompt plus answer about ``context_tokens`` tokens (never longer).
 
