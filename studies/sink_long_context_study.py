@@ -111,14 +111,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from vllm_nvfp4.calibration.modeling import load_model
     from vllm_nvfp4.policy.kv_policy import KVPolicy
 
+    written = a.out / "sink_long_context.json"
+    if written.exists():
+        ap.error(f"{written} exists: pass another --out (a run is not overwritten)")
     policy = KVPolicy.load(a.policy)
     if all(lp.k_sink_uncentered is None for lp in policy.layers):
         ap.error(f"{a.policy} flags no sink key (k_sink_uncentered): served and centered would be the same")
     torch.manual_seed(0)
     model, tokenizer, _ = load_model(a.model, a.dtype, "cpu")
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if a.context < 64 or (positions is not None and a.context > positions):
+        ap.error(f"--context {a.context}: passkey prompts need 64 to {positions} tokens on this model")
     results = run(model, tokenizer, policy, a.context, a.trials)
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "sink_long_context.json").write_text(json.dumps(
+    written.write_text(json.dumps(
         {"model": str(a.model), "policy": str(a.policy), "context": a.context, "dtype": a.dtype,
          "configs": results}, indent=1) + "\n")
     md = table(results)

@@ -20,7 +20,9 @@ from tests.test_kv_hooks import _ids, tiny_model
 
 def test_spread_depths() -> None:
     assert passkey.spread_depths(3) == [0.1, 0.5, 0.9]
+    assert passkey.spread_depths(5) == [0.1, 0.3, 0.5, 0.7, 0.9]  # eval_accuracy's default
     assert passkey.spread_depths(1) == [0.1]
+    assert passkey.spread_depths(0) == []
     assert passkey.spread_depths(10)[1] == 0.189
 
 
@@ -66,3 +68,27 @@ def test_run_scores_every_configuration_and_the_sink_stores_differ() -> None:
     md = table(res)
     assert md.count("\n") == 2 + len(CONFIGS)
     assert "| centered | " in md and "| - |" in md
+
+
+def test_bad_input_is_a_clear_error_and_a_run_is_not_overwritten(tmp_path, capsys) -> None:
+    from studies.sink_long_context_study import main
+    from vllm_nvfp4.testing.models import build_tiny_llama
+
+    path = build_tiny_llama(num_layers=2)
+    model = tiny_model(num_layers=2)
+    pol = tmp_path / "policy.json"
+    _flagged_policy(model).save(pol)
+    plain = tmp_path / "plain.json"
+    KVPolicy.from_compact("*:nvfp4", 2).save(plain)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "sink_long_context.json").write_text("{}")
+    cases = [
+        (["--policy", str(pol), "--out", str(tmp_path / "out")], "exists"),
+        (["--policy", str(plain), "--out", str(tmp_path / "o2")], "flags no sink key"),
+        (["--policy", str(pol), "--out", str(tmp_path / "o3"), "--context", "10000000"], "--context"),
+    ]
+    for argv, msg in cases:
+        with pytest.raises(SystemExit) as e:
+            main([str(path), *argv])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert (tmp_path / "out" / "sink_long_context.json").read_text() == "{}"

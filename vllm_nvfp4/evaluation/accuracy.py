@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from vllm_nvfp4.evaluation import gsm8k, passkey
-from vllm_nvfp4.evaluation.accuracy_args import PASSKEY_DEPTHS, parse_args
+from vllm_nvfp4.evaluation.accuracy_args import parse_args
 from vllm_nvfp4.evaluation.accuracy_runs import kv_bytes, log, run_engine, run_gsm8k, versions
 from vllm_nvfp4.evaluation.engine import CPU_ENV_DEFAULTS, EngineFailed, EngineJob
 from vllm_nvfp4.evaluation.kv_configs import OURS, ConfigError, build_configs
@@ -45,8 +45,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
     windows = tail_windows(args.text, tokenizer, args.nll_windows, args.window_tokens) if args.nll_windows else []
-    depths = (list(PASSKEY_DEPTHS) if args.passkey_trials == len(PASSKEY_DEPTHS)
-              else passkey.spread_depths(args.passkey_trials))
+    depths = passkey.spread_depths(args.passkey_trials)
     trials = passkey.build_trials(tokenizer, args.passkey_context, depths) if depths else []
     longest = max([args.window_tokens if windows else 0, args.passkey_context if trials else 0, 240])
     if longest >= shape.max_positions:  # vLLM needs room for one output token after the prompt

@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 from vllm_nvfp4.evaluation.kv_configs import DEFAULT_CONFIGS
 from vllm_nvfp4.testing.assets import assets_dir
 
-PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+PASSKEY_TRIALS = 5  # default prompts; depths: passkey.spread_depths (0.1, 0.3, ..., 0.9)
 
 
 def _default_asset(name: str) -> Optional[Path]:
@@ -65,8 +65,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--nll-windows", type=int, default=8, help="teacher-forced windows (0: skip; default 8)")
     ap.add_argument("--window-tokens", type=int, default=2048, help="tokens per window (default 2048)")
     ap.add_argument("--passkey-context", type=int, default=4096, help="passkey prompt tokens (default 4096)")
-    ap.add_argument("--passkey-trials", type=int, default=len(PASSKEY_DEPTHS),
-                    help=f"passkey prompts, depths spread over 0.1..0.9 (0: skip; default {len(PASSKEY_DEPTHS)})")
+    ap.add_argument("--passkey-trials", type=int, default=PASSKEY_TRIALS,
+                    help=f"passkey prompts, depths spread over 0.1..0.9 (0: skip; default {PASSKEY_TRIALS})")
     ap.add_argument("--gsm8k-n", type=int, default=0, help="GSM8K questions per config via lm_eval (0: skip; -1: all 1319)")
     ap.add_argument("--gsm8k-n-nvfp4", type=int, default=None,
                     help="questions for the nvfp4_mixed configs (default: --gsm8k-n). On a CPU our torch decode "
