@@ -380,16 +380,19 @@ def test_soak_engine_arguments_per_pass(tmp_path):
     from vllm_nvfp4.testing.weightless import build_weightless_model
 
     model = str(build_weightless_model(tmp_path / "m", "tiny"))
-    kw = {m: worker.engine_kwargs(pass_spec(a, model, "dummy", "fp8", m, math.inf)) for m in worker.MODES}
-    assert kw["pressure"]["num_gpu_blocks_override"] == math.ceil(a.pressure_kv_tokens / 16)
-    assert kw["pressure"]["enable_prefix_caching"] and kw["pressure"]["max_num_batched_tokens"] == 4096
-    assert kw["pressure"]["attention_backend"] == "FLASH_ATTN" and "speculative_config" not in kw["pressure"]
-    assert kw["spec"]["speculative_config"]["method"] == "ngram"
-    assert kw["alone"]["max_num_seqs"] == 1 and not kw["alone"]["enable_prefix_caching"]
-    assert "num_gpu_blocks_override" not in kw["alone"] and kw["alone"]["max_num_batched_tokens"] == 4096
-    spec = pass_spec(a, model, "dummy", "nvfp4-mixed", "pressure", math.inf)
-    assert spec["policy"] == "0:fp8,*:nvfp4" and len(worker.requests_of(spec)) + len(
-        worker.requests_of(dict(spec, mode="spec"))) == len(worker.requests_of(dict(spec, mode="alone"))) == 1000
+    assert worker.engine_groups(["pressure", "spec", "alone"]) == [["pressure", "alone"], ["spec"]]
+    assert worker.engine_groups(["spec"]) == [["spec"]] and worker.engine_groups(["alone"]) == [["alone"]]
+    plain = worker.engine_kwargs(pass_spec(a, model, "dummy", "fp8", ["pressure", "alone"], math.inf))
+    spec_kw = worker.engine_kwargs(pass_spec(a, model, "dummy", "fp8", ["spec"], math.inf))
+    assert plain["num_gpu_blocks_override"] == math.ceil(a.pressure_kv_tokens / 16)
+    assert plain["enable_prefix_caching"] and plain["max_num_batched_tokens"] == 4096
+    assert plain["attention_backend"] == "FLASH_ATTN" and "speculative_config" not in plain
+    assert spec_kw["speculative_config"]["method"] == "ngram"
+    with pytest.raises(ValueError, match="spec needs its own"):
+        worker.engine_kwargs(pass_spec(a, model, "dummy", "fp8", ["pressure", "spec"], math.inf))
+    spec = pass_spec(a, model, "dummy", "nvfp4-mixed", ["pressure"], math.inf)
+    assert spec["policy"] == "0:fp8,*:nvfp4" and len(worker.requests_of(spec, "pressure")) + len(
+        worker.requests_of(spec, "spec")) == len(worker.requests_of(spec, "alone")) == 1000
     with pytest.raises(SystemExit):
         soak_args(["--out", str(tmp_path), "--pressure-kv-tokens", "1000"])
 

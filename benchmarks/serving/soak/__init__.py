@@ -19,7 +19,12 @@ pass is one offline ``LLM()`` engine in its own process (:mod:`~benchmarks.servi
   (``LLM.get_metrics()``), recorded per pass; the run's summary shows them;
 * ``spec``: the speculative requests the same way, with ``ngram`` speculation (vLLM takes one
   speculative configuration per engine, hence a pass of its own);
-* ``alone``: every request by itself (``max_num_seqs=1``), the full cache, no prefix caching.
+* ``alone``: the reference: every request by itself, the prefix cache emptied before each, on
+  the pressure pass's engine (one engine start for both).
+
+The passes run in order, every configuration's pressure and alone passes before the speculative
+ones; with ``--budget-s`` each gets all the time left (no pass starts with less than
+``MIN_PASS_S``), and the next call resumes what was cut off.
 
 Outputs are appended per request (``outputs_CONFIG_PASS.jsonl``: tokens, per token the log-prob
 and the runner-up's, finish reason), so a pass cut off by ``--budget-s`` or a time limit is

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Optional
 
 import benchmarks.serving.soak as package
-from benchmarks.e2e.budget import deadline_share
 from benchmarks.e2e.cli import DTYPES, _checked
 from benchmarks.e2e.configs import CONFIGS, parse_dtypes, policy_for, unavailable_reason
 from benchmarks.e2e.orchestrate import child_env, kill_group, versions, wait_gpu_free
@@ -30,8 +29,8 @@ from vllm_nvfp4.model_shape import ModelShape
 from vllm_nvfp4.testing.weightless import PRESETS, build_weightless_model
 
 SUMMARY, TABLE = "soak_summary.json", "soak_summary.md"
-#: relative time of the passes in a budget (the speculative pass serves a fifth of the requests)
-PASS_WEIGHTS = {"pressure": 1.0, "spec": 0.4, "alone": 1.5}
+#: no pass is started with less of the budget left: an engine start (60-120 s) plus serving time
+MIN_PASS_S = 150.0
 
 
 def parse_modes(text: str) -> list[str]:
@@ -51,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--passes", type=_checked(parse_modes), default=list(worker.MODES),
                    help="passes per configuration, in order (pressure, spec, alone); outputs already "
                         "in --out are kept and not served again")
-    g.add_argument("--budget-s", type=float, default=None, help="wall-clock budget: a pass stops "
-                   "submitting at its deadline (a later call resumes it), a stuck one is killed")
+    g.add_argument("--budget-s", type=float, default=None, help="wall-clock budget: passes run in order "
+                   "until it ends; the one running then stops submitting (a later call resumes it), "
+                   "a stuck one is killed")
     g.add_argument("--fresh", action="store_true", help="delete earlier outputs and records in --out")
     g.add_argument("--compare-only", action="store_true", help="only compare the outputs in --out")
     g = ap.add_argument_group("requests (the same set for every configuration and pass)")
@@ -141,10 +141,12 @@ def vocab_size(model: str) -> int:
     return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
 
 
-def pass_spec(a: Namespace, model: str, load_format: str, name: str, mode: str, deadline: float) -> dict:
+def pass_spec(a: Namespace, model: str, load_format: str, name: str, modes: list[str],
+              deadline: float) -> dict:
+    """The worker's spec: configuration ``name`` serving passes ``modes`` on one engine."""
     shape = ModelShape.from_model_dir(model)
     p = soak_params(a, vocab_size(model))
-    return dict(out=str(Path(a.out).resolve()), config=name, mode=mode, model=model,
+    return dict(out=str(Path(a.out).resolve()), config=name, modes=modes, model=model,
                 load_format=load_format, max_model_len=a.max_model_len, gpu_mem=a.gpu_mem,
                 chunk_tokens=a.chunk_tokens, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
                 pressure_kv_tokens=a.pressure_kv_tokens, spec_tokens=a.spec_tokens,
@@ -155,11 +157,13 @@ def pass_spec(a: Namespace, model: str, load_format: str, name: str, mode: str, 
                             prefix_len=[p.prefix_len.lo, p.prefix_len.hi]))
 
 
-def run_pass(a: Namespace, spec: dict, grace_s: float = 60.0) -> Optional[int]:
-    """One pass in its own process (a fresh engine; GPU memory back when it exits), its process
-    group killed ``grace_s`` after the pass's deadline (the worker stops itself at the deadline)."""
+def run_worker(a: Namespace, spec: dict, grace_s: float = 60.0) -> Optional[int]:
+    """The passes of ``spec`` in their own process (a fresh engine; GPU memory back when it
+    exits). Its process group (the engine core too) is killed when it exits, or ``grace_s``
+    after the deadline (the worker stops itself at the deadline)."""
     out = Path(a.out)
-    path = out / f"pass_{spec['config']}_{spec['mode']}.json"
+    label = "+".join(spec["modes"])
+    path = out / f"pass_{spec['config']}_{label}.json"
     path.write_text(json.dumps(spec, indent=1))
     cmd = [sys.executable, "-m", "benchmarks.serving.soak.worker", str(path)]
     with open(out / "soak_workers.log", "a") as lf:
@@ -175,21 +179,27 @@ def run_pass(a: Namespace, spec: dict, grace_s: float = 60.0) -> Optional[int]:
 
         timer = None if math.isinf(spec["deadline"]) else threading.Timer(
             max(30.0, spec["deadline"] - time.time() + grace_s), kill)
+        def pump() -> None:  # the worker's output; ends when every process of the group is gone
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lf.write(line)
+                if line.startswith("[bench"):
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
         if timer:
             timer.start()
-        assert proc.stdout is not None
-        for line in proc.stdout:  # ends when the worker exits or is killed
-            lf.write(line)
-            if line.startswith("[bench"):
-                sys.stdout.write(line)
-                sys.stdout.flush()
+        proc.wait()
         if timer:
             timer.cancel()
-        kill_group(proc)
+        kill_group(proc)  # an engine core the worker left behind
+        reader.join(timeout=30)
     if killed.is_set():
         Recorder(out / worker.RECORDS, config=spec["config"]).write(
-            "killed", mode=spec["mode"], reason="past its deadline")
-        log(f"soak {spec['config']} {spec['mode']}: past its deadline, killed")
+            "killed", mode=label, reason="past its deadline")
+        log(f"soak {spec['config']} {label}: past its deadline, killed")
     if not a.cpu:
         wait_gpu_free()
     return proc.returncode
@@ -210,7 +220,7 @@ def summarize(a: Namespace, model: str, head: dict) -> dict:
         res = compare.compare(reqs, alone, {m: o for m, o in tested.items() if o}, a.tie_nats)
         passes = [r for r in records if r.get("config") == name and r["kind"] == "pass"]
         res["preemptions"] = {m: sum(r["preemptions"] for r in passes if r["mode"] == m)
-                              for m in ("pressure", "spec")}
+                              for m in worker.MODES}  # the alone pass's must be 0
         res["drafted"] = sum(r["drafted"] for r in passes if r["mode"] == "spec")
         res["accepted"] = sum(r["accepted"] for r in passes if r["mode"] == "spec")
         res["crashes"] = [dict(mode=r.get("mode"), error=r.get("error"))
@@ -266,21 +276,25 @@ def main(argv: Optional[list[str]] = None) -> int:
                 args={k: str(v) for k, v in vars(a).items() if k != "argv"}, versions=versions(),
                 model=dict(path=model, load_format=load_format), method="benchmarks/serving/soak/__init__.py")
     end = time.time() + a.budget_s if a.budget_s else math.inf
-    steps = [] if a.compare_only else [(n, m) for n in a.configs for m in a.passes]
-    for i, (name, mode) in enumerate(steps):
+    # every configuration's reference and pressure passes first, then the speculative ones
+    groups = worker.engine_groups(a.passes)
+    steps = [] if a.compare_only else [(n, g) for g in groups for n in a.configs]
+    for name, modes in steps:
+        mode = "+".join(modes)
         rec = Recorder(out / worker.RECORDS, config=name)
         why = unavailable_reason(CONFIGS[name])
         if why:
             rec.write("skip", mode=mode, reason=why)
             log(f"soak {name}: skipped ({why})")
             continue
-        if end - time.time() < 60:
+        if end - time.time() < MIN_PASS_S:
             rec.write("skip", mode=mode, reason="budget")
-            log(f"soak {name} {mode}: skipped (budget)")
+            log(f"soak {name} {mode}: skipped (budget; the next call resumes it)")
             continue
-        weights = [PASS_WEIGHTS[m] for _, m in steps[i:]]
-        deadline = end if math.isinf(end) else deadline_share(time.time(), end - 30, weights)
-        run_pass(a, pass_spec(a, model, load_format, name, mode, deadline))
+        # passes run in order, each with all the budget left: a pass cut off resumes on the next
+        # call, whereas a share smaller than an engine start would serve nothing
+        deadline = end if math.isinf(end) else end - 30
+        run_worker(a, pass_spec(a, model, load_format, name, modes, deadline))
         summarize(a, model, head)
     summary = summarize(a, model, head)
     print("\n" + (out / TABLE).read_text(), flush=True)

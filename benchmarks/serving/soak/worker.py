@@ -1,4 +1,4 @@
-"""One soak pass in its own process: ``python -m benchmarks.serving.soak.worker SPEC.json``.
+"""Soak passes in their own process: ``python -m benchmarks.serving.soak.worker SPEC.json``.
 
 Passes (``mode``):
 
@@ -6,15 +6,17 @@ Passes (``mode``):
   holds ``pressure_kv_tokens`` tokens (``num_gpu_blocks_override``), prefix caching on, chunked
   prefill of ``chunk_tokens``: vLLM must preempt and recompute;
 * ``spec``: the speculative requests the same way, with ngram speculation;
-* ``alone``: every request served alone (``max_num_seqs=1``), the engine's full cache, prefix
-  caching off, the same chunked prefill: the reference.
-
-Every request still to serve is added at once and the engine is stepped by hand (``LLMEngine``).
+* ``alone``: the reference: every request by itself, the prefix cache emptied before each
+  (``reset_prefix_cache``), the same chunked prefill. Served one at a time, a request never shares
+  a batch, a cached block or the cache's room with another, so it runs on the pressure engine
+  (the cache holds one request of ``max_model_len``): the spec's ``modes`` ``["pressure",
+  "alone"]`` are served by one engine, one start instead of two.
 
 Each finished request is appended to ``outputs_CONFIG_MODE.jsonl`` (``id``, ``tokens``, per
 token ``[logprob, runner-up logprob]``, ``finish``); requests already there are skipped, so a
-pass cut off by a time limit resumes where it stopped. The pass ends with a ``pass`` record
-(preemptions, the per-request preemption histogram, drafted / accepted tokens, wall time) or an ``error`` record.
+pass cut off by a time limit resumes where it stopped. Each pass ends with a ``pass`` record
+(its preemptions, per-request preemption histogram, drafted / accepted tokens, wall time) or an
+``error`` record.
 """
 
 from __future__ import annotations
@@ -55,19 +57,28 @@ def params(spec: dict) -> SoakParams:
     return SoakParams(**d)
 
 
-def requests_of(spec: dict) -> list[SoakRequest]:
-    """The requests this pass serves: the non-speculative ones (pressure), the speculative ones
-    (spec) or all (alone)."""
+def requests_of(spec: dict, mode: str) -> list[SoakRequest]:
+    """The requests pass ``mode`` serves: the non-speculative ones (pressure), the speculative
+    ones (spec) or all (alone)."""
     reqs = make_requests(params(spec))
-    if spec["mode"] == "pressure":
+    if mode == "pressure":
         return [r for r in reqs if not r.spec]
-    if spec["mode"] == "spec":
+    if mode == "spec":
         return [r for r in reqs if r.spec]
     return reqs
 
 
+def engine_groups(modes: list[str]) -> list[list[str]]:
+    """The passes of ``modes`` grouped by engine, in order: pressure and alone share one, spec
+    (ngram speculation for every request) has its own."""
+    plain = [m for m in modes if m != "spec"]
+    return [g for g in (plain, ["spec"] if "spec" in modes else []) if g]
+
+
 def engine_kwargs(spec: dict) -> dict[str, Any]:
-    """``LLM(...)`` arguments of a pass (module doc)."""
+    """``LLM(...)`` arguments of the engine serving ``spec["modes"]`` (module doc)."""
+    if len(engine_groups(spec["modes"])) != 1:
+        raise ValueError(f"one engine cannot serve passes {spec['modes']}: spec needs its own")
     a = Namespace(**spec)
     cfg = CONFIGS[a.config]
     kw: dict[str, Any] = dict(
@@ -78,12 +89,9 @@ def engine_kwargs(spec: dict) -> dict[str, Any]:
     backend = backend_for(cfg, a.hybrid)
     if backend and not a.cpu:
         kw["attention_backend"] = backend
-    if a.mode == "alone":
-        kw.update(max_num_seqs=1, enable_prefix_caching=False)
-    else:
-        kw.update(max_num_seqs=a.max_num_seqs, enable_prefix_caching=True,
-                  num_gpu_blocks_override=math.ceil(a.pressure_kv_tokens / a.block_size))
-    if a.mode == "spec":
+    kw.update(max_num_seqs=a.max_num_seqs, enable_prefix_caching=True,
+              num_gpu_blocks_override=math.ceil(a.pressure_kv_tokens / a.block_size))
+    if a.modes == ["spec"]:
         kw["speculative_config"] = dict(method="ngram", num_speculative_tokens=a.spec_tokens,
                                         prompt_lookup_min=2, prompt_lookup_max=4)
     if a.distributed_executor_backend:
@@ -123,52 +131,111 @@ def metric_values(llm: Any) -> dict[str, Any]:
     return out
 
 
-def run_pass(spec: dict, rec: Recorder) -> None:
-    """Add every request still to serve, step the engine, append each output as it finishes;
-    at the deadline the rest is aborted (and served by the next call)."""
-    from vllm import LLM, SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+def metric_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`metric_values` counted between ``before`` and ``after`` (one pass of an
+    engine that serves several)."""
+    out = {k: after[k] - before[k] for k in ("preemptions", "drafted", "accepted")}
+    b = before["request_preemption_buckets"]
+    out["request_preemption_buckets"] = {le: n - b.get(le, 0)
+                                         for le, n in after["request_preemption_buckets"].items()}
+    return out
 
-    path = outputs_path(spec["out"], spec["config"], spec["mode"])
-    done = {r["id"] for r in read_records(path)}
-    todo = [r for r in requests_of(spec) if r.id not in done]
-    log(f"soak {spec['config']} {spec['mode']}: {len(todo)} requests to serve ({len(done)} done before)")
-    if not todo:
+
+def run_passes(spec: dict, rec: Recorder) -> None:
+    """Start one engine and serve ``spec["modes"]`` on it in order (module doc)."""
+    from vllm import LLM
+
+    todo = {}
+    for mode in spec["modes"]:
+        done = {r["id"] for r in read_records(outputs_path(spec["out"], spec["config"], mode))}
+        todo[mode] = [r for r in requests_of(spec, mode) if r.id not in done]
+        log(f"soak {spec['config']} {mode}: {len(todo[mode])} requests to serve ({len(done)} done before)")
+    if not any(todo.values()):
         return
     kw = engine_kwargs(spec)
     t0 = time.time()
     llm = LLM(**kw)
-    engine = llm.llm_engine
     start_s = time.time() - t0
-    log(f"soak {spec['config']} {spec['mode']}: engine up in {start_s:.0f}s")
-    for r in todo:  # FINAL_ONLY: one output per request, when it finishes
-        sp = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True, logprobs=2,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
-        engine.add_request(str(r.id), {"prompt_token_ids": list(r.prompt)}, sp)
-    served, t1, t_log = 0, time.time(), time.time()
-    with open(path, "a", encoding="utf-8") as f:
+    log(f"soak {spec['config']}: engine up in {start_s:.0f}s")
+    kw_text = {k: str(v) for k, v in kw.items()}
+    for mode in spec["modes"]:
+        before, t1 = metric_values(llm), time.time()
+        serve = serve_one_by_one if mode == "alone" else serve_at_once
+        served = serve(llm.llm_engine, todo[mode], spec, mode, rec)
+        m = metric_delta(metric_values(llm), before)
+        rec.write("pass", mode=mode, served=served, engine_start_s=round(start_s, 1),
+                  wall_s=round(time.time() - t1, 1), engine_kwargs=kw_text, **m)
+        log(f"soak {spec['config']} {mode}: {served} served, {m['preemptions']:.0f} preemptions, "
+            f"{m['accepted']:.0f} of {m['drafted']:.0f} drafted tokens accepted")
+        if time.time() > spec["deadline"]:
+            break
+
+
+def _sampling(r: SoakRequest) -> Any:
+    """Greedy, ``r.max_tokens`` tokens, two log-probs per token, one output when finished."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True, logprobs=2,
+                          output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def serve_at_once(engine: Any, todo: list[SoakRequest], spec: dict, mode: str, rec: Recorder) -> int:
+    """Add every request of ``todo``, step the engine, append each output as it finishes; at the
+    deadline abort the rest (the next call serves them). Returns the number served."""
+    for r in todo:
+        engine.add_request(str(r.id), {"prompt_token_ids": list(r.prompt)}, _sampling(r))
+    left, served, t_log = {r.id for r in todo}, 0, time.time()
+    with open(outputs_path(spec["out"], spec["config"], mode), "a", encoding="utf-8") as f:
         while engine.has_unfinished_requests():
             if time.time() > spec["deadline"]:
-                left = [str(r.id) for r in todo if r.id not in done]
-                engine.abort_request(left)
-                rec.write("skip", mode=spec["mode"], what=f"{len(left)} requests", reason="budget")
-                log(f"soak {spec['config']} {spec['mode']}: deadline, {len(left)} requests left")
+                engine.abort_request([str(i) for i in left])
+                _stopped(rec, spec, mode, len(left))
                 break
             for o in engine.step():
                 if o.finished:
                     f.write(json.dumps(output_record(int(o.request_id), o)) + "\n")
-                    done.add(int(o.request_id))
+                    left.discard(int(o.request_id))
                     served += 1
             if time.time() - t_log > 30:
-                f.flush()
-                os.fsync(f.fileno())
+                _flush(f)
                 t_log = time.time()
-                log(f"soak {spec['config']} {spec['mode']}: {served} of {len(todo)} served")
-    m = metric_values(llm)  # a fresh engine: its counters are this pass's
-    rec.write("pass", mode=spec["mode"], served=served, engine_start_s=round(start_s, 1),
-              wall_s=round(time.time() - t1, 1), engine_kwargs={k: str(v) for k, v in kw.items()}, **m)
-    log(f"soak {spec['config']} {spec['mode']}: {served} served, {m['preemptions']:.0f} preemptions, "
-        f"{m['accepted']:.0f} of {m['drafted']:.0f} drafted tokens accepted")
+                log(f"soak {spec['config']} {mode}: {served} of {len(todo)} served")
+    return served
+
+
+def serve_one_by_one(engine: Any, todo: list[SoakRequest], spec: dict, mode: str, rec: Recorder) -> int:
+    """Serve each request of ``todo`` by itself, the prefix cache emptied first; stop at the
+    deadline (the next call serves the rest). Returns the number served."""
+    served, t_log = 0, time.time()
+    with open(outputs_path(spec["out"], spec["config"], mode), "a", encoding="utf-8") as f:
+        for r in todo:
+            if time.time() > spec["deadline"]:
+                _stopped(rec, spec, mode, len(todo) - served)
+                break
+            if not engine.reset_prefix_cache():
+                raise RuntimeError("reset_prefix_cache() failed with no request running")
+            engine.add_request(str(r.id), {"prompt_token_ids": list(r.prompt)}, _sampling(r))
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    if o.finished:
+                        f.write(json.dumps(output_record(int(o.request_id), o)) + "\n")
+                        served += 1
+            if time.time() - t_log > 30:
+                _flush(f)
+                t_log = time.time()
+                log(f"soak {spec['config']} {mode}: {served} of {len(todo)} served")
+    return served
+
+
+def _flush(f: Any) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _stopped(rec: Recorder, spec: dict, mode: str, left: int) -> None:
+    rec.write("skip", mode=mode, what=f"{left} requests", reason="budget")
+    log(f"soak {spec['config']} {mode}: deadline, {left} requests left")
 
 
 def main(spec_path: str) -> int:
@@ -178,11 +245,11 @@ def main(spec_path: str) -> int:
     try:
         if spec.get("policy"):
             os.environ["VLLM_NVFP4_POLICY"] = spec["policy"]
-        run_pass(spec, rec)
+        run_passes(spec, rec)
     except Exception as e:  # a crash is a finding: recorded, the orchestrator carries on
-        rec.write("error", mode=spec["mode"], what="pass", error=repr(e),
+        rec.write("error", mode="+".join(spec["modes"]), what="pass", error=repr(e),
                   traceback=traceback.format_exc()[-3000:])
-        log(f"soak {spec['config']} {spec['mode']}: CRASHED: {e!r}")
+        log(f"soak {spec['config']} {'+'.join(spec['modes'])}: CRASHED: {e!r}")
         rc = 1
     sys.stdout.flush()
     sys.stderr.flush()
