@@ -21,11 +21,10 @@
 #     (then --configs nvfp4-mixed the same way)
 #   S10 vLLM's own nvfp4 on FlashInfer, where the build has it (~6 min):
 #     OUT=out/serving BUDGET_S=560 bash scripts/gpu_serving.sh bench --configs nvfp4 --workloads chat --chat-concurrency 16,64,128 --prior-records out/serving/serving_records.jsonl
-#   K1-K4 soak, 1000 requests (resumable: a pass cut off continues on the next call):
-#     OUT=out/soak BUDGET_S=560 bash scripts/gpu_serving.sh soak --configs nvfp4-mixed --passes pressure,spec
-#     OUT=out/soak BUDGET_S=560 bash scripts/gpu_serving.sh soak --configs nvfp4-mixed --passes alone
-#     (then --configs fp8 the same two calls; the summary compares every configuration in --configs)
-#     OUT=out/soak bash scripts/gpu_serving.sh soak --configs nvfp4-mixed,fp8 --compare-only
+#   K1 soak, 1000 requests, both configurations (one engine each for the pressure and alone
+#   passes, one for ngram speculation; resumable: a pass cut off continues on the next call with
+#   the same OUT; the small weight-less Llama keeps it within one call):
+#     OUT=out/soak BUDGET_S=560 bash scripts/gpu_serving.sh soak --configs nvfp4-mixed,fp8 --preset small
 # Cost growth to 128k is benchmarks.e2e (scripts/gpu_bench_e2e.sh; plan in benchmarks/README.md).
 #
 # Environment: OUT (result folder, default out/serving), BUDGET_S (optional: wall-clock seconds
