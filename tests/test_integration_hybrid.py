@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from engine_helpers import BLOCK, PREFIX, engine, greedy, tiny_hybrid_with_policy
-from vllm_nvfp4.testing.reference import reference_logprobs
+from vllm_nvfp4.testing.reference import reference_logprobs, rounding_spread
 
 pytestmark = pytest.mark.vllm
 
@@ -127,14 +127,19 @@ def test_prompts_are_longer_than_every_window(runs):
     assert windows and all(len(p) > 2 * max(windows) for ps in runs["prompts"].values() for p in ps)
 
 
-def test_prompt_logprobs_match_the_quantized_reference(runs):
+def test_prompt_logprobs_match_the_quantized_reference(runs, tmp_path):
     """vLLM's log-probs are far nearer to the reference with the same policy than to the
     unquantized model or to the all-FP8 policy (sliding layers of mixed formats: or to the
     all-NVFP4 one). Fewer tokens agree to ``LOGPROB_TOL`` than for
     the 4-layer Llama: with 8-12 layers a 1e-6 difference in a layer's input (summation order;
     measured: the K entering Gemma layer 1 differs by 1.5e-6, after an attention output that
     matches the FP8 reference to 8e-7) flips a few stored FP8/NVFP4 values, and the random
-    model's peaked attention carries that into the later layers and positions."""
+    model's peaked attention carries that into the later layers and positions. How many agree
+    then depends on the CPU's summation order: where fewer than half do, the reference must be
+    as fragile - scaling the projection weights by 1e-6 (:func:`rounding_spread`) moves more
+    than half of its own log-probs past ``LOGPROB_TOL`` - and vLLM no farther from it than
+    twice that change's mean move (measured, the tiny Gemma 3: 21% stay, mean move 1.3e-2;
+    vLLM: 33% within, mean 1.3e-2)."""
     from vllm_nvfp4.policy import KVPolicy
 
     prompts = runs["prompts"]["logprob"]
@@ -143,12 +148,19 @@ def test_prompt_logprobs_match_the_quantized_reference(runs):
     assert got.shape == ref.shape
     err = (got - ref).abs()
     close = (err < LOGPROB_TOL).float().mean()
+    if close < 0.5:
+        stay, move = rounding_spread(runs["model_dir"], prompts, runs["policy"], tmp_path / "moved",
+                                     tol=LOGPROB_TOL)
+        print(f"{runs['case']}: a 1e-6 weight change keeps {stay:.0%} within {LOGPROB_TOL}, "
+              f"mean move {move:.2e}")
+        assert stay < 0.5 and err.mean() <= 2 * move, (
+            f"only {close:.0%} of tokens within {LOGPROB_TOL} (mean err {err.mean():.2e}), while a "
+            f"1e-6 weight change keeps {stay:.0%} (mean move {move:.2e})")
     gap = (got - reference_logprobs(runs["model_dir"], prompts, None)).abs().mean()
     fp8 = KVPolicy.from_compact("*:fp8", runs["policy"].num_layers, layer_types=runs["policy"].layer_types)
     gap_fp8 = (got - reference_logprobs(runs["model_dir"], prompts, fp8)).abs().mean()
     print(f"{runs['case']}: {close:.0%} within {LOGPROB_TOL}, mean err {err.mean():.2e}, vs "
           f"unquantized {gap:.2e}, vs all-FP8 {gap_fp8:.2e}")
-    assert close >= 0.5, f"only {close:.0%} of tokens within {LOGPROB_TOL} (mean err {err.mean():.2e})"
     assert err.mean() < 0.1 * gap, f"mean error {err.mean():.3e} vs unquantized gap {gap:.3e}"
     assert err.mean() < 0.5 * gap_fp8, f"mean error {err.mean():.3e} vs all-FP8 gap {gap_fp8:.3e}"
     sliding_pairs = {(lp.k, lp.v) for _, lp in runs["policy"].kv_layers()
