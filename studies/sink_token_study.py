@@ -10,7 +10,9 @@ window stored as :class:`~studies.kv_options.KeySink` ``STORE`` says: ``fp8``,
 ``exact``, or ``uncentered`` = NVFP4 before K centering, no extra bytes). With ``--fp8-slots``
 (e.g. the slots a ``tune`` policy keeps in FP8) the same for that mix. ``uncentered-fit:N`` is
 ``uncentered`` only in the layers where the calibration window's first key fits the NVFP4 range
-before centering (elsewhere the keys stay as the policy stores them). Each row gets its top-1 and
+before centering (elsewhere the keys stay as the policy stores them); ``uncentered-fit+fp8:N``
+adds an FP8 copy in the other layers (an FP8 sink slot only where the no-byte flag cannot go).
+Each row gets its top-1 and
 delta-NLL gap recovery ``(x - all-NVFP4) / (all-FP8 - all-NVFP4)``; writes ``DIR/sink.json``,
 with ``key_stats``: per KV layer, on the held-out windows, the first key's norm against the median
 key's before and after K centering, and its largest centered element against the other keys'.
@@ -30,18 +32,24 @@ from studies.common import check_fp8_slots, load_study, recovery, row, study_par
 
 DEFAULT_SINKS = ("fp8:1", "uncentered:1", "fp8:16", "uncentered:16", "exact:16")
 FIT_STORE = "uncentered-fit"
+FIT_ELSE_FP8_STORE = "uncentered-fit+fp8"
 
 
-def parse_sink(text: str, fitting_layers: Optional[frozenset[int]] = None) -> Any:
-    """``STORE:N`` -> :class:`~studies.kv_options.KeySink` (``uncentered-fit``:
-    ``uncentered`` in ``fitting_layers``); ``SystemExit`` naming the valid form otherwise."""
+def parse_sink(text: str, fitting_layers: Optional[frozenset[int]] = None,
+               kv_layers: Sequence[int] = ()) -> tuple[Any, ...]:
+    """``STORE:N`` -> the :class:`~studies.kv_options.KeySink` options it stands for
+    (``uncentered-fit``: ``uncentered`` in ``fitting_layers``; ``uncentered-fit+fp8``: that and
+    ``fp8`` in the other ``kv_layers``); ``SystemExit`` naming the valid form otherwise."""
     from studies.kv_options import KeySink
 
     store, _, n = text.partition(":")
     try:
         if store == FIT_STORE:
-            return KeySink(int(n), "uncentered", fitting_layers)
-        return KeySink(int(n), store)
+            return (KeySink(int(n), "uncentered", fitting_layers),)
+        if store == FIT_ELSE_FP8_STORE:
+            rest = frozenset(kv_layers) - (fitting_layers or frozenset())
+            return (KeySink(int(n), "uncentered", fitting_layers), KeySink(int(n), "fp8", rest))
+        return (KeySink(int(n), store),)
     except ValueError as e:
         raise SystemExit(f"--sinks entry {text!r}: expected STORE:N, e.g. fp8:1 ({e})") from None
 
@@ -114,7 +122,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            observer, False, {}, None, True)
     fitting = frozenset(int(i) for i, v in key_stats(model, calib, scaled).items()
                         if v["raw_amax_over_range"] <= 1)
-    sinks = [parse_sink(s, fitting) for s in a.sinks]
+    sinks = [parse_sink(s, fitting, info.kv_layers) for s in a.sinks]
     nv = all_format(scaled, "nvfp4")
     bases = {"all_nvfp4": nv}
     if a.fp8_slots:
@@ -136,7 +144,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(row("all_fp8", out["all_fp8"]), flush=True)
     for base_name, policy in bases.items():
         for sink, sink_text in [(None, ""), *zip(sinks, a.sinks)]:
-            ev.options = () if sink is None else (sink,)
+            ev.options = () if sink is None else sink
             name = base_name + (f" + sink {sink_text}" if sink else "")
             m = ev.measure(policy).to_dict()
             m.update(fraction_of_fp8=round(policy.fraction_of_fp8(), 6))

@@ -100,9 +100,11 @@ def test_evaluator_scores_with_the_sink():
 def test_study_parses_sink_entries():
     from studies.sink_token_study import parse_sink
 
-    assert parse_sink("uncentered:16") == KeySink(16, "uncentered")
-    assert parse_sink("uncentered-fit:1", frozenset({2})) == KeySink(1, "uncentered", frozenset({2}))
-    for bad in ("bf16:1", "fp8", "fp8:x", "exact:0"):
+    assert parse_sink("uncentered:16") == (KeySink(16, "uncentered"),)
+    assert parse_sink("uncentered-fit:1", frozenset({2})) == (KeySink(1, "uncentered", frozenset({2})),)
+    assert parse_sink("uncentered-fit+fp8:1", frozenset({2}), range(4)) == (
+        KeySink(1, "uncentered", frozenset({2})), KeySink(1, "fp8", frozenset({0, 1, 3})))
+    for bad in ("bf16:1", "fp8", "fp8:x", "exact:0", "uncentered-fit+fp8:0"):
         with pytest.raises(SystemExit, match="expected STORE:N"):
             parse_sink(bad)
 
