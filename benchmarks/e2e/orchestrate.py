@@ -221,13 +221,20 @@ def plan(a: Namespace) -> dict[str, Any]:
                        for n in a.serve})
 
 
-def run(a: Namespace) -> int:
-    t_start = time.time()
+def start_run(a: Namespace, records: str) -> Path:
+    """Create ``a.out``, delete its ``records`` file with ``--fresh``, write the model
+    (:func:`prepare_model`). Returns ``a.out``."""
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    if a.fresh and (out / RECORDS).exists():
-        (out / RECORDS).unlink()
+    if a.fresh and (out / records).exists():
+        (out / records).unlink()
     prepare_model(a)
+    return out
+
+
+def run(a: Namespace) -> int:
+    t_start = time.time()
+    out = start_run(a, RECORDS)
     budget = Budget.start(a.budget_s, a.serve_reserve_s if a.serve else 0.0, a.min_config_s)
     p = plan(a)
     meta = dict(started_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

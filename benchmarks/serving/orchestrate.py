@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 from benchmarks.e2e.budget import deadline_share
 from benchmarks.e2e.configs import CONFIGS, BenchConfig, policy_for, unavailable_reason
-from benchmarks.e2e.orchestrate import child_env, prepare_model, versions, wait_gpu_free
+from benchmarks.e2e.orchestrate import child_env, prepare_model, start_run, versions, wait_gpu_free
 from benchmarks.e2e.records import Recorder, prior_records, read_records
 from benchmarks.e2e.serve import bench_serve_base, result_record, serve_command, stop_group, wait_healthy
 from benchmarks.e2e.worker import log
@@ -238,11 +238,7 @@ def dry_run(a: Namespace) -> int:
 
 def run(a: Namespace) -> int:
     t_start = time.time()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if a.fresh and (out / RECORDS).exists():
-        (out / RECORDS).unlink()
-    prepare_model(a)
+    out = start_run(a, RECORDS)
     head = meta(a)
     end = t_start + a.budget_s if a.budget_s else math.inf
     log(f"serving: configs {a.configs}, workloads {a.workloads}, max_model_len {a.max_model_len}, "

@@ -197,10 +197,7 @@ def serve_at_once(engine: Any, todo: list[SoakRequest], spec: dict, mode: str, r
                     f.write(json.dumps(output_record(int(o.request_id), o)) + "\n")
                     left.discard(int(o.request_id))
                     served += 1
-            if time.time() - t_log > 30:
-                _flush(f)
-                t_log = time.time()
-                log(f"soak {spec['config']} {mode}: {served} of {len(todo)} served")
+            t_log = _progress(f, t_log, spec, mode, served, len(todo))
     return served
 
 
@@ -221,16 +218,23 @@ def serve_one_by_one(engine: Any, todo: list[SoakRequest], spec: dict, mode: str
                     if o.finished:
                         f.write(json.dumps(output_record(int(o.request_id), o)) + "\n")
                         served += 1
-            if time.time() - t_log > 30:
-                _flush(f)
-                t_log = time.time()
-                log(f"soak {spec['config']} {mode}: {served} of {len(todo)} served")
+            t_log = _progress(f, t_log, spec, mode, served, len(todo))
     return served
 
 
 def _flush(f: Any) -> None:
     f.flush()
     os.fsync(f.fileno())
+
+
+def _progress(f: Any, t_log: float, spec: dict, mode: str, served: int, total: int) -> float:
+    """Every 30 s: the outputs file flushed to disk and a progress line. Returns the time of
+    the last line."""
+    if time.time() - t_log <= 30:
+        return t_log
+    _flush(f)
+    log(f"soak {spec['config']} {mode}: {served} of {total} served")
+    return time.time()
 
 
 def _stopped(rec: Recorder, spec: dict, mode: str, left: int) -> None:
