@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""Where along a long window does a policy's damage sit, and does the sink-key choice depend on
+the window length (CPU)?
+
+    python -m studies.position_damage_study MODEL TEXT --policy POLICY.json --out DIR
+        [--window 8176] [--windows 3] [--dtype float32] [--edges 1024 2048 4096]
+
+Teacher-forced on the last ``--windows`` windows of ``--window`` tokens of TEXT, in transformers
+with the cache fake-quantized as served (:mod:`vllm_nvfp4.calibration.kv_hooks`), against the
+unquantized cache: next-token KL and top-1 agreement per position range (``--edges`` split the
+window) for
+
+* ``served``: POLICY as vLLM serves it (sink keys uncentered where it flags them);
+* ``centered``: POLICY with every sink key centered
+  (:func:`~vllm_nvfp4.calibration.sink_choice.without_sink_key`);
+* ``all-FP8``: every layer FP8 with POLICY's scales and K centering (the same sink flags);
+* ``FP8, scale 1``: every layer FP8 at the default scale, no centering (vLLM's ``fp8`` cache
+  without calibrated scales).
+
+The start-up calibration chooses the sink key on 2048 positions
+(:mod:`vllm_nvfp4.calibration.sink_choice`); the ranges past 2048 say whether a longer window
+would choose otherwise. Writes ``DIR/position_damage.json`` and ``DIR/position_damage.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+#: the characters of TEXT's end that the windows come from (Brown: ~8 tokens per 40 characters)
+TAIL_CHARS = 400_000
+
+
+def configurations(policy: Any) -> dict[str, Any]:
+    """The policies compared: ``served``, ``centered``, ``all-FP8`` of ``policy`` and ``FP8,
+    scale 1``."""
+    from vllm_nvfp4.calibration.sensitivity import all_format
+    from vllm_nvfp4.calibration.sink_choice import without_sink_key
+    from vllm_nvfp4.policy import KVPolicy
+
+    plain_fp8 = KVPolicy.from_compact("*:fp8", policy.num_layers, layer_types=policy.layer_types)
+    return {"served": policy, "centered": without_sink_key(policy), "all-FP8": all_format(policy, "fp8"),
+            "FP8, scale 1": plain_fp8}
+
+
+def position_damage(model: Any, windows: Any, policies: dict[str, Any],
+                    edges: Sequence[int]) -> dict[str, dict[str, Any]]:
+    """Per policy: ``kl`` and ``top1`` over all positions of ``windows [n, T]`` and per range
+    ``a-b`` of ``edges`` (``kl_by_pos``, ``top1_by_pos``) against the unquantized forward."""
+    import torch
+
+    from vllm_nvfp4.calibration.kv_hooks import kv_cache_quantization
+
+    t = windows.shape[1]
+    cuts = [0, *[e for e in edges if 0 < e < t], t]
+    kls: dict[str, list[Any]] = {n: [] for n in policies}
+    agree: dict[str, list[Any]] = {n: [] for n in policies}
+    with torch.no_grad():
+        for i, w in enumerate(windows):
+            print(f"window {i + 1} of {len(windows)}: {len(policies)} policies", flush=True)
+            ref = model(w[None]).logits[0].float().log_softmax(-1)
+            for name, policy in policies.items():
+                with kv_cache_quantization(model, policy):
+                    lp = model(w[None]).logits[0].float().log_softmax(-1)
+                kls[name].append((ref.exp() * (ref - lp)).sum(-1))
+                agree[name].append((lp.argmax(-1) == ref.argmax(-1)).float())
+    out = {}
+    for name in policies:
+        kl, top1 = torch.stack(kls[name]), torch.stack(agree[name])
+        ranges = list(zip(cuts, cuts[1:]))
+        out[name] = {"kl": round(kl.mean().item(), 6), "top1": round(top1.mean().item(), 5),
+                     "kl_by_pos": {f"{a}-{b}": round(kl[:, a:b].mean().item(), 6) for a, b in ranges},
+                     "top1_by_pos": {f"{a}-{b}": round(top1[:, a:b].mean().item(), 5) for a, b in ranges}}
+    return out
+
+
+def table(result: dict[str, dict[str, Any]]) -> str:
+    """Markdown: one row per policy, KL and top-1 over all positions and per range."""
+    ranges = list(next(iter(result.values()))["kl_by_pos"])
+    lines = ["| policy | KL | top-1 | " + " | ".join(f"KL {r}" for r in ranges) + " | "
+             + " | ".join(f"top-1 {r}" for r in ranges) + " |",
+             "|---|" + "---:|" * (2 + 2 * len(ranges))]
+    for name, m in result.items():
+        lines.append(f"| {name} | {m['kl']:.4f} | {m['top1']:.4f} | "
+                     + " | ".join(f"{m['kl_by_pos'][r]:.4f}" for r in ranges) + " | "
+                     + " | ".join(f"{m['top1_by_pos'][r]:.4f}" for r in ranges) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import torch
+
+    from vllm_nvfp4.calibration.modeling import load_model
+    from vllm_nvfp4.policy import KVPolicy
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", type=Path)
+    ap.add_argument("text", type=Path)
+    ap.add_argument("--policy", type=Path, required=True, help="policy JSON (calibrated, K centering)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--window", type=int, default=8176)
+    ap.add_argument("--windows", type=int, default=3)
+    ap.add_argument("--edges", type=int, nargs="*", default=[1024, 2048, 4096])
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    a = ap.parse_args(argv)
+    if (a.out / "position_damage.json").exists():
+        raise SystemExit(f"{a.out}/position_damage.json exists; choose another --out")
+    policy = KVPolicy.load(a.policy)
+    t0 = time.time()
+    torch.manual_seed(0)
+    model, tok, _ = load_model(a.model, a.dtype, "cpu")
+    ids = tok(a.text.read_text(encoding="utf-8")[-TAIL_CHARS:], add_special_tokens=False)["input_ids"]
+    if len(ids) < a.window * a.windows:
+        raise SystemExit(f"{a.text}: its last {TAIL_CHARS} characters hold {len(ids)} tokens, fewer "
+                         f"than --windows {a.windows} x --window {a.window}")
+    windows = torch.tensor(ids[len(ids) - a.window * a.windows:]).view(a.windows, a.window)
+    result = position_damage(model, windows, configurations(policy), a.edges)
+    a.out.mkdir(parents=True, exist_ok=True)
+    summary = {"model": str(a.model), "text": str(a.text), "policy": str(a.policy), "window": a.window,
+               "windows": a.windows, "dtype": a.dtype, "seconds": round(time.time() - t0, 1),
+               "configs": result}
+    (a.out / "position_damage.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (a.out / "position_damage.md").write_text(table(result))
+    print(table(result), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
