@@ -14,6 +14,8 @@ window) for
 * ``centered``: POLICY with every sink key centered
   (:func:`~vllm_nvfp4.calibration.sink_choice.without_sink_key`);
 * ``all-FP8``: every layer FP8 with POLICY's scales and K centering (the same sink flags);
+* ``all-FP8, K scale x4``: ``all-FP8`` with every K scale 4x larger (headroom: does K clip?);
+* ``all-FP8, not centered``: ``all-FP8`` without the K centering offsets (same scales);
 * ``FP8, scale 1``: every layer FP8 at the default scale, no centering (vLLM's ``fp8`` cache
   without calibrated scales).
 
@@ -27,23 +29,36 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 #: the characters of TEXT's end that the windows come from (Brown: ~8 tokens per 40 characters)
 TAIL_CHARS = 400_000
 
 
 def configurations(policy: Any) -> dict[str, Any]:
-    """The policies compared: ``served``, ``centered``, ``all-FP8`` of ``policy`` and ``FP8,
-    scale 1``."""
+    """The policies compared (module docstring) for the calibrated ``policy``."""
     from vllm_nvfp4.calibration.sensitivity import all_format
     from vllm_nvfp4.calibration.sink_choice import without_sink_key
     from vllm_nvfp4.policy import KVPolicy
 
-    plain_fp8 = KVPolicy.from_compact("*:fp8", policy.num_layers, layer_types=policy.layer_types)
-    return {"served": policy, "centered": without_sink_key(policy), "all-FP8": all_format(policy, "fp8"),
-            "FP8, scale 1": plain_fp8}
+    fp8 = all_format(policy, "fp8")
+    return {"served": policy, "centered": without_sink_key(policy), "all-FP8": fp8,
+            "all-FP8, K scale x4": _edit_layers(fp8, lambda lp: replace(lp, k_scale=_times(lp.k_scale, 4))),
+            "all-FP8, not centered": _edit_layers(without_sink_key(fp8), lambda lp: replace(lp, k_center=None)),
+            "FP8, scale 1": KVPolicy.from_compact("*:fp8", policy.num_layers, layer_types=policy.layer_types)}
+
+
+def _edit_layers(policy: Any, edit: Callable[[Any], Any]) -> Any:
+    return replace(policy, layers=tuple(edit(lp) for lp in policy.layers))
+
+
+def _times(scale: Any, factor: float) -> Any:
+    """A policy scale (None, a float or one per KV head) times ``factor``."""
+    if scale is None:
+        return None
+    return tuple(s * factor for s in scale) if isinstance(scale, (list, tuple)) else scale * factor
 
 
 def position_damage(model: Any, windows: Any, policies: dict[str, Any],

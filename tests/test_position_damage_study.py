@@ -14,7 +14,8 @@ def test_damage_per_range_adds_up_and_fp8_does_less_harm():
     windows = torch.cat([_ids(40, seed=1), _ids(40, seed=2)])
     policy = _calibrated(model, windows[:1], "nvfp4")
     result = position_damage(model, windows, configurations(policy), edges=[8, 24, 99])
-    assert set(result) == {"served", "centered", "all-FP8", "FP8, scale 1"}
+    assert set(result) == {"served", "centered", "all-FP8", "all-FP8, K scale x4",
+                           "all-FP8, not centered", "FP8, scale 1"}
     for m in result.values():
         assert list(m["kl_by_pos"]) == ["0-8", "8-24", "24-40"]
         widths = [8, 16, 16]
@@ -25,4 +26,4 @@ def test_damage_per_range_adds_up_and_fp8_does_less_harm():
     assert result["served"] == result["centered"]
     assert 0 < result["all-FP8"]["kl"] < result["served"]["kl"]
     md = table(result)
-    assert md.count("\n") == 2 + 4 and "| all-FP8 |" in md and "KL 24-40" in md
+    assert md.count("\n") == 2 + 6 and "| all-FP8 |" in md and "KL 24-40" in md
