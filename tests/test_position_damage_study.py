@@ -27,3 +27,17 @@ def test_damage_per_range_adds_up_and_fp8_does_less_harm():
     assert 0 < result["all-FP8"]["kl"] < result["served"]["kl"]
     md = table(result)
     assert md.count("\n") == 2 + 6 and "| all-FP8 |" in md and "KL 24-40" in md
+
+
+def test_k_range_is_the_calibrated_amax_on_the_calibration_tokens_and_grows_after():
+    from studies.k_range_study import k_range, table as range_table
+
+    model = tiny_model(num_layers=2)
+    ids = _ids(40, seed=4)
+    policy = _calibrated(model, ids[:, :16], "fp8")
+    rows = k_range(model, ids[0].tolist(), policy, [16, 40])
+    assert [r["layer"] for r in rows] == [0, 1]
+    for r in rows:
+        assert abs(r["observed"]["16"] / r["calibrated"] - 1) < 1e-4
+        assert r["observed"]["40"] >= r["observed"]["16"]
+    assert range_table(rows).count("\n") == 2 + 2
