@@ -13,12 +13,10 @@ scales saturate). Writes ``DIR/k_range.json`` and ``DIR/k_range.md``.
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from studies.position_damage_study import TAIL_CHARS
+from studies.position_damage_study import load_long_text, long_window_parser
 
 
 def k_range(model: Any, ids: Sequence[int], policy: Any, lengths: Sequence[int]) -> list[dict[str, Any]]:
@@ -63,25 +61,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from vllm_nvfp4.calibration.modeling import load_model
-    from vllm_nvfp4.policy import KVPolicy
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", type=Path)
-    ap.add_argument("text", type=Path)
-    ap.add_argument("--policy", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--window", type=int, default=8176)
-    ap.add_argument("--edges", type=int, nargs="*", default=[1024, 2048, 4096])
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    a = ap.parse_args(argv)
-    if (a.out / "k_range.json").exists():
-        raise SystemExit(f"{a.out}/k_range.json exists; choose another --out")
-    policy = KVPolicy.load(a.policy)
-    model, tok, _ = load_model(a.model, a.dtype, "cpu")
-    ids = tok(a.text.read_text(encoding="utf-8")[-TAIL_CHARS:], add_special_tokens=False)["input_ids"]
-    if len(ids) < a.window:
-        raise SystemExit(f"{a.text}: {len(ids)} tokens in its last {TAIL_CHARS} characters, fewer than --window {a.window}")
+    a = long_window_parser(__doc__).parse_args(argv)
+    policy, model, ids = load_long_text(a, "k_range.json", a.window)
     lengths = sorted({*[e for e in a.edges if 0 < e < a.window], a.window})
     rows = k_range(model, ids[-a.window:], policy, lengths)
     a.out.mkdir(parents=True, exist_ok=True)

@@ -105,32 +105,48 @@ def table(result: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    import torch
-
-    from vllm_nvfp4.calibration.modeling import load_model
-    from vllm_nvfp4.policy import KVPolicy
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def long_window_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments both long-window studies take: MODEL TEXT --policy --out --window --edges
+    --dtype."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", type=Path)
     ap.add_argument("text", type=Path)
     ap.add_argument("--policy", type=Path, required=True, help="policy JSON (calibrated, K centering)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--window", type=int, default=8176)
-    ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--edges", type=int, nargs="*", default=[1024, 2048, 4096])
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    a = ap.parse_args(argv)
-    if (a.out / "position_damage.json").exists():
-        raise SystemExit(f"{a.out}/position_damage.json exists; choose another --out")
+    return ap
+
+
+def load_long_text(a: argparse.Namespace, out_file: str, tokens: int) -> tuple[Any, Any, list[int]]:
+    """``(policy, model, ids)`` for a study's arguments: refuses an existing ``--out/out_file`` and
+    a TEXT whose last :data:`TAIL_CHARS` characters hold fewer than ``tokens`` tokens."""
+    import torch
+
+    from vllm_nvfp4.calibration.modeling import load_model
+    from vllm_nvfp4.policy import KVPolicy
+
+    if (a.out / out_file).exists():
+        raise SystemExit(f"{a.out}/{out_file} exists; choose another --out")
     policy = KVPolicy.load(a.policy)
-    t0 = time.time()
     torch.manual_seed(0)
     model, tok, _ = load_model(a.model, a.dtype, "cpu")
     ids = tok(a.text.read_text(encoding="utf-8")[-TAIL_CHARS:], add_special_tokens=False)["input_ids"]
-    if len(ids) < a.window * a.windows:
+    if len(ids) < tokens:
         raise SystemExit(f"{a.text}: its last {TAIL_CHARS} characters hold {len(ids)} tokens, fewer "
-                         f"than --windows {a.windows} x --window {a.window}")
+                         f"than the {tokens} the windows need")
+    return policy, model, ids
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import torch
+
+    ap = long_window_parser(__doc__)
+    ap.add_argument("--windows", type=int, default=3)
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    policy, model, ids = load_long_text(a, "position_damage.json", a.window * a.windows)
     windows = torch.tensor(ids[len(ids) - a.window * a.windows:]).view(a.windows, a.window)
     result = position_damage(model, windows, configurations(policy), a.edges)
     a.out.mkdir(parents=True, exist_ok=True)
