@@ -357,7 +357,7 @@ def test_compare_finds_mismatches_near_ties_and_bad_outputs():
     reqs = make_requests(SoakParams(**dict(vars(PARAMS), num_requests=6, output=LengthRange(4, 4),
                                             spec_fraction=0.0)))
     alone = {i: _out(i, [1, 2, 3, 4], [1.0, 0.01, 2.0, 2.0]) for i in range(6)}
-    tested = {0: _out(0, [1, 2, 3, 4], [1.0] * 4),  # equal
+    tested = {0: _out(0, [1, 2, 3, 4], [1.0, 0.01, 2.0, 2.0]),  # equal, log-probs too
               1: _out(1, [1, 5, 3, 4], [1.0] * 4),  # differs at 1, where alone's margin is 0.01
               2: _out(2, [1, 2, 3, 9], [1.0] * 4),  # differs at 3 (margin 2.0: not a tie)
               3: _out(3, [], []),  # empty
@@ -368,6 +368,12 @@ def test_compare_finds_mismatches_near_ties_and_bad_outputs():
     assert res["mismatches"][0]["alone_margin"] == pytest.approx(0.01)
     assert {b["id"]: b["why"] for b in res["bad_outputs"]} == {3: "empty", 4: "NaN or missing log-prob"}
     assert res["missing"] == 1  # request 5 was not served under pressure
+    # of the matching requests (only 0 here): log-probs identical
+    assert res["logprobs_identical"] == 1 and res["max_logprob_diff"] == 0
+    moved = dict(alone[0], lp=[list(row) for row in alone[0]["lp"]])
+    moved["lp"][2][0] -= 0.1
+    res = compare.compare(reqs, alone, {"pressure": {0: moved}}, tie_nats=0.05)["pressure"]
+    assert res["logprobs_identical"] == 0 and res["max_logprob_diff"] == pytest.approx(0.1, abs=1e-6)
     short = {0: _out(0, [1, 2], [1.0, 1.0], finish="stop")}
     assert "2 of 4 tokens" in compare.compare(reqs, alone, {"pressure": short}, 0.05)["pressure"]["bad_outputs"][0]["why"]
     assert compare.first_difference([1, 2], [1, 2, 3]) == 2 and compare.first_difference([1], [1]) is None

@@ -243,8 +243,9 @@ def markdown(summary: dict) -> str:
     lines = [f"Soak: {rq['total']} requests ({rq['shared_prefix']} with a shared prefix, {rq['spec']} "
              f"speculative; {rq['prompt_tokens']} prompt tokens, longest {rq['longest_prompt']}), each "
              "against the same request served alone", "",
-             "| config | pass | compared | mismatched | near ties | with shared prefix | bad outputs | "
-             "missing | preemptions | drafts accepted |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| config | pass | compared | mismatched | near ties | with shared prefix | log-probs identical | "
+             "max log-prob diff | bad outputs | missing | preemptions | drafts accepted |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in summary["configs"].items():
         for mode in ("pressure", "spec"):
             if mode not in c:
@@ -252,7 +253,8 @@ def markdown(summary: dict) -> str:
             m = c[mode]
             acc = f"{c['accepted']:.0f} / {c['drafted']:.0f}" if mode == "spec" else "-"
             lines.append(f"| {name} | {mode} | {m['compared']} | {m['mismatched']} | {m['mismatched_near_tie']} "
-                         f"| {m['mismatched_shared_prefix']} | {len(m['bad_outputs'])} | {m['missing']} "
+                         f"| {m['mismatched_shared_prefix']} | {m['logprobs_identical']} | {m['max_logprob_diff']:.2g} "
+                         f"| {len(m['bad_outputs'])} | {m['missing']} "
                          f"| {c['preemptions'][mode]:.0f} | {acc} |")
         for cr in c["crashes"]:
             lines.append(f"\n- {name} {cr['mode']}: CRASH {cr['error']}")

@@ -6,6 +6,11 @@ gives the first differing position and the alone pass's log-prob margin there (t
 runner-up): a margin below ``tie_nats`` is a near tie, where any change of rounding (batch shape,
 chunking, cached versus recomputed prefix) may flip the choice. Bad outputs: no tokens, fewer than
 ``max_tokens``, a NaN / missing log-prob, or a finish other than ``length``.
+
+Where the tokens match, the log-probs (chosen token and runner-up at every position) say how close
+the two servings were: bit-identical, or apart by the largest absolute difference in nats. Batch
+shape and chunking change rounding, so small differences are expected; a KV cache block read
+wrong after preemption or a prefix hit would move them far more.
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ def margin(out: dict, pos: int) -> Optional[float]:
     return None if own is None or other is None else round(own - other, 5)
 
 
+def logprob_distance(a: dict, b: dict) -> float:
+    """Largest absolute difference between two outputs' log-prob rows (nats; same tokens)."""
+    return max((abs(x - y) for ra, rb in zip(a["lp"], b["lp"]) for x, y in zip(ra, rb)), default=0.0)
+
+
 def bad_output(out: dict, req: SoakRequest) -> Optional[str]:
     """Why an output is unusable (None: it is fine)."""
     if not out["tokens"]:
@@ -45,13 +55,14 @@ def bad_output(out: dict, req: SoakRequest) -> Optional[str]:
 def compare(reqs: list[SoakRequest], alone: dict[int, dict], tested: dict[str, dict[int, dict]],
             tie_nats: float) -> dict[str, Any]:
     """Per pass of ``tested`` (mode -> id -> output) against ``alone`` (id -> output): requests
-    compared, mismatches (with position, margins, near tie, prefix / spec flags), bad outputs
+    compared, mismatches (with position, margins, near tie, prefix / spec flags), of the matching
+    ones how many have bit-identical log-probs and the largest log-prob difference, bad outputs
     (in either pass), requests still missing."""
     by_id = {r.id: r for r in reqs}
     out: dict[str, Any] = {}
     bad_alone = {i: why for i, o in alone.items() if (why := bad_output(o, by_id[i]))}
     for mode, outs in tested.items():
-        mism, bad = [], []
+        mism, bad, distances = [], [], []
         compared = 0
         for i, o in sorted(outs.items()):
             why = bad_output(o, by_id[i])
@@ -62,6 +73,7 @@ def compare(reqs: list[SoakRequest], alone: dict[int, dict], tested: dict[str, d
             compared += 1
             pos = first_difference(o["tokens"], alone[i]["tokens"])
             if pos is None:
+                distances.append(logprob_distance(o, alone[i]))
                 continue
             m_ref = margin(alone[i], pos)
             r = by_id[i]
@@ -73,6 +85,8 @@ def compare(reqs: list[SoakRequest], alone: dict[int, dict], tested: dict[str, d
         out[mode] = dict(compared=compared, mismatched=len(mism),
                          mismatched_near_tie=sum(m["near_tie"] for m in mism),
                          mismatched_shared_prefix=sum(m["shared_prefix"] for m in mism),
+                         logprobs_identical=sum(d == 0 for d in distances),
+                         max_logprob_diff=round(max(distances, default=0.0), 6),
                          bad_outputs=bad, missing=len(expected - set(outs)),
                          missing_alone=len(expected - set(alone)), mismatches=mism)
     out["alone_bad_outputs"] = [dict(id=i, why=w) for i, w in sorted(bad_alone.items())]
