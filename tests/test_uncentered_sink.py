@@ -126,6 +126,33 @@ def test_mark_first_keys_finds_position_0_from_the_metadata_alone():
     assert got is marks and torch.equal(got, want)
 
 
+@pytest.mark.vllm
+def test_mark_first_keys_with_padded_requests_at_a_full_batch():
+    """As the builder calls it: ``counts`` one longer than ``marks`` (``N = `` the token budget),
+    the batch filling all ``N`` tokens, padded requests (a full CUDA graph's) after it starting
+    at ``N``, and stale marks from an earlier step; random batches against the definition."""
+    from vllm_nvfp4.integration.backend import mark_first_keys
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        live = int(torch.randint(1, 9, (1,), generator=gen))
+        q_lens = torch.randint(0, 5, (live,), generator=gen)
+        ctx = torch.randint(0, 3, (live,), generator=gen) * (torch.rand(live, generator=gen) < 0.5)
+        pad = int(torch.randint(0, 4, (1,), generator=gen))
+        q_all = torch.cat([q_lens, torch.zeros(pad, dtype=q_lens.dtype)])
+        qsl = torch.cat([torch.zeros(1, dtype=torch.int64), q_all.cumsum(0)]).to(torch.int32)
+        seq_lens = torch.cat([ctx + q_lens, torch.zeros(pad, dtype=q_lens.dtype)]).to(torch.int32)
+        n = max(int(qsl[-1]), 1) if trial % 2 else int(qsl[-1]) + 3  # even trials: spare rows
+        counts = torch.full((n + 1,), 5, dtype=torch.int32)
+        marks = torch.ones(n, dtype=torch.bool)
+        got = mark_first_keys(qsl, seq_lens, live + pad, counts, marks)
+        want = torch.zeros(n, dtype=torch.bool)
+        for s in range(live):
+            if q_lens[s] > 0 and ctx[s] == 0:
+                want[int(qsl[s])] = True
+        assert got is marks and torch.equal(got, want), (trial, q_all.tolist(), ctx.tolist())
+
+
 # ---------------------------------------------------------------------------- calibration
 def test_calibration_flags_the_heads_whose_first_key_fits():
     """Per KV head: the first key (uncentered, smoothed) within the K range behind the scales ->

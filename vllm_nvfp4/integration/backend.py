@@ -157,13 +157,22 @@ def mark_first_keys(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_r
     """``marks`` (bool ``[N]``) True exactly at the tokens whose absolute position is 0: the
     first query token of each request whose context before this step is empty (``seq_lens[s]
     == q_len > 0``; not a chunk after the first, not a prefix-cache hit, not a decode). Reads
-    device tensors only (no host sync: CUDA-graph capturable); ``counts`` (int32 ``[N + 1]``,
-    scratch) takes the requests' first rows, ``query_start_loc[s] <= num tokens <= N``."""
+    device tensors only (no host sync: CUDA-graph capturable); ``counts`` (int32, longer than
+    ``marks``: ``[N + 1]``, scratch) takes the requests' first rows, ``query_start_loc[s] <= num
+    tokens <= N``.
+
+    Runs eagerly in every step's metadata build (decode steps included), so it stays a handful of
+    elementwise launches: an empty request (a padded one, ``q_len == 0``) shares its first row
+    with the next request, so its row is sent to the last slot of ``counts``, which ``marks``
+    never reads; the other requests' first rows are distinct, and a plain scatter is exact (an
+    accumulating ``index_put_`` would sort the rows on CUDA, several more launches a step)."""
     starts = query_start_loc[:num_reqs]
     q_lens = query_start_loc[1:num_reqs + 1] - starts
-    fresh = (seq_lens[:num_reqs] == q_lens) & (q_lens > 0)
+    live = q_lens > 0
+    fresh = (seq_lens[:num_reqs] == q_lens) & live
+    rows = torch.where(live, starts, counts.shape[0] - 1).long()
     counts.zero_()
-    counts.index_put_((starts.long(),), fresh.to(torch.int32), accumulate=True)
+    counts.scatter_(0, rows, fresh.to(torch.int32))
     return torch.gt(counts[:marks.shape[0]], 0, out=marks)
 
 
