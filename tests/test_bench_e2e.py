@@ -98,6 +98,13 @@ def test_engine_kwargs():
     assert kw["profiler_config"]["profiler"] == "torch" and not kw["enable_prefix_caching"]
     cpu = engine_kwargs(parse_args(["--out", "/x", "--model", "/m", "--cpu-tiny"]), "fp8", "FLASH_ATTN")
     assert cpu["enforce_eager"] and "attention_backend" not in cpu and "compilation_config" not in cpu
+    extra = parse_args(["--out", "/x", "--model", "/m", "--engine-args",
+                        '{"async_scheduling": false, "enable_prefix_caching": true}'])
+    kw = engine_kwargs(extra, "nvfp4_mixed", None)
+    assert kw["async_scheduling"] is False and kw["enable_prefix_caching"] is True
+    for bad in ("[1]", "{oops"):
+        with pytest.raises(SystemExit):
+            parse_args(["--out", "/x", "--engine-args", bad])
 
 
 def test_dry_run_prints_the_plan(tmp_path):

@@ -33,6 +33,17 @@ def _checked(parse):
 DTYPES, CONTEXTS = _checked(parse_dtypes), _checked(parse_contexts)
 
 
+def _engine_args(text: str) -> dict:
+    """``--engine-args``: a JSON object of ``LLM()`` keyword arguments."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--engine-args must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--engine-args must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=package.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -70,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--extensible-kv-cache", choices=("on", "off"), default=None,
                    help="vLLM >= 0.34: size the KV cache after CUDA-graph capture (VMM) or from the "
                         "profiling estimate (default: vLLM's, on for CUDA)")
+    g.add_argument("--engine-args", type=_checked(_engine_args), default={},
+                   help="more LLM() arguments of the offline runs (every configuration), a JSON object (e.g. "
+                        "'{\"async_scheduling\": false}' or '{\"cudagraph_metrics\": true, "
+                        "\"disable_log_stats\": false}'); they override the ones set here")
     g.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs; not for numbers)")
     g.add_argument("--default-capture-sizes", action="store_true", help="vLLM's own CUDA-graph sizes")
     g.add_argument("--cpu", action="store_true", help="CPU build of vLLM: no backend names, no nvidia-smi")

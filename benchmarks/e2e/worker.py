@@ -61,6 +61,7 @@ def engine_kwargs(a: Namespace, kv_cache_dtype: str, attention_backend: Optional
             profiler="torch", torch_profiler_dir=str(Path(a.profile_dir).resolve()),
             torch_profiler_activities=["CPU", "CUDA"], torch_profiler_with_stack=False,
             torch_profiler_use_gzip=False, ignore_frontend=True)
+    kw.update(getattr(a, "engine_args", None) or {})
     return kw
 
 
