@@ -107,6 +107,29 @@ def layer_index(layer_name: str, num_layers: int) -> int:
 
 
 _GROUP_BLOCKS: dict[int, tuple[int, int]] = {}
+# The configured block size the plan of each engine config started from (id()).
+_PLANNED_FROM: dict[int, int] = {}
+
+
+def _remember_planned_from(vllm_config: Any, block_size: int) -> None:
+    key = id(vllm_config)
+    if key not in _PLANNED_FROM:
+        weakref.finalize(vllm_config, _PLANNED_FROM.pop, key, None)
+    _PLANNED_FROM[key] = int(block_size)
+
+
+def planned_block_size(vllm_config: Any) -> int:
+    """The configured KV-cache block size (tokens) that :func:`group_block_sizes` plans from.
+
+    Read it here, not from ``cache_config.block_size``, once the engine is up: vLLM's engine
+    core then replaces that with its smallest KV-cache group's block size (``v1/engine/core.py``,
+    0.32 and 0.34 alike) and the front end copies it back (``core_client.py``). Under
+    ``nvfp4_mixed`` a hybrid's groups differ: on vLLM 0.34 (configured 64) Gemma 3 27B gets
+    groups of 16, 16 and 64 tokens and the front end reads 16; planning again from 16 gives
+    other groups (blocks of half the bytes) than the engine has. Recorded in the front end by
+    :func:`check_engine_config` and in the engine by :func:`group_block_sizes` (when the specs
+    are taken); a config never seen gives its ``cache_config.block_size``."""
+    return _PLANNED_FROM.get(id(vllm_config), vllm_config.cache_config.block_size)
 
 
 def group_block_sizes(policy: KVPolicy, shape: ModelShape, vllm_config: Any) -> tuple[int, int]:
@@ -122,6 +145,7 @@ def group_block_sizes(policy: KVPolicy, shape: ModelShape, vllm_config: Any) -> 
         return shape.block_size, shape.block_size
     key = id(vllm_config)
     if key not in _GROUP_BLOCKS:
+        _remember_planned_from(vllm_config, shape.block_size)
         _GROUP_BLOCKS[key] = _choose_group_block_sizes(policy, shape, vllm_config)
         weakref.finalize(vllm_config, _GROUP_BLOCKS.pop, key, None)
     return _GROUP_BLOCKS[key]
@@ -326,6 +350,7 @@ def check_engine_config(vllm_config: Any) -> KVPolicy:
             "(or as many layers to each pair): in a compact policy a type rule such as "
             "'swa:fp8' with no index rule naming a sliding layer, in nvfp4_policy.json equal "
             "'k'/'v' in their rows")
+    _remember_planned_from(vllm_config, shape.block_size)
     layout = choose_kv_cache_layout(vllm_config, shape)
     # The policy in force is logged once, by the engine core, where it is decided (start-up
     # calibration may still replace the default rule): startup_calibration.calibrate_engine.
