@@ -184,8 +184,22 @@ def prepare_model(a: Namespace) -> None:
                                              need if need > PRESETS[a.preset]["max_pos"] else None))
 
 
-#: the configured block size the plan assumes (vLLM's default on CUDA; a worker reads the engine's)
+#: the configured block size the plan assumes without ``--block-size`` where the installed vLLM
+#: names no default (vLLM 0.32's on CUDA; 0.34's ``CacheConfig.DEFAULT_BLOCK_SIZE`` is 64); a
+#: worker reads the engine's
 PLAN_BLOCK_SIZE = 16
+
+
+def plan_block_size(a: Namespace) -> int:
+    """The configured block size of the plan: ``--block-size``, else the installed vLLM's
+    default (:data:`PLAN_BLOCK_SIZE` without vLLM or where it has none)."""
+    if a.block_size:
+        return int(a.block_size)
+    try:
+        from vllm.config import CacheConfig
+    except ImportError:
+        return PLAN_BLOCK_SIZE
+    return int(getattr(CacheConfig, "DEFAULT_BLOCK_SIZE", PLAN_BLOCK_SIZE))
 #: KV bytes the plan's batches are estimated for (a worker measures the engine's)
 PLAN_KV_BYTES = 64 * 2**30
 
@@ -198,8 +212,9 @@ def plan(a: Namespace) -> dict[str, Any]:
     bpt = bytes_per_token_by_config(shape, a.mixed_policy)
     in_flight = a.max_num_batched_tokens or DEFAULT_IN_FLIGHT_TOKENS
     names = list(dict.fromkeys(a.dtypes + a.serve))
+    block_size = plan_block_size(a)
     layouts = {n: pool_layout(CONFIGS[n].kv_cache_dtype, shape,
-                              policy_for(CONFIGS[n], shape.layer_types, a.mixed_policy), PLAN_BLOCK_SIZE,
+                              policy_for(CONFIGS[n], shape.layer_types, a.mixed_policy), block_size,
                               a.max_model_len, in_flight, len(CONFIGS[n].skip_layers))
                for n in dict.fromkeys([REFERENCE] + names)}
     configs = {}
@@ -212,7 +227,7 @@ def plan(a: Namespace) -> dict[str, Any]:
                           pool=layouts[n].to_json(), max_batch_at_plan_kv_bytes=batch)
     return dict(model=dict(shape.to_json(), path=a.model, hybrid=shape.needs_packed_groups,
                            layer_types={t.label(): shape.layer_types.count(t) for t in dict.fromkeys(shape.layer_types)}),
-                assumed=dict(block_size=PLAN_BLOCK_SIZE, max_in_flight_tokens=in_flight,
+                assumed=dict(block_size=block_size, max_in_flight_tokens=in_flight,
                              kv_gib=PLAN_KV_BYTES / 2**30, max_model_len=a.max_model_len),
                 configs=configs, contexts=a.contexts, ttft_contexts=a.ttft_contexts,
                 worker=shlex.join(worker_command(Path(a.out) / "worker_CONFIG.json")),

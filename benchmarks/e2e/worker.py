@@ -94,6 +94,7 @@ class Worker:
         vc = self.llm.llm_engine.vllm_config
         cc = vc.cache_config
         blocks, bs = int(cc.num_gpu_blocks), int(cc.block_size)
+        planned_bs = self.planned_block_size()
         self.in_flight = int(vc.max_in_flight_tokens)
         own, bpt = self.layout(self.cfg.name), self.bpt[self.cfg.name]
         cap = capacity_tokens(blocks, own, self.a.max_model_len)
@@ -109,6 +110,7 @@ class Worker:
                   for c in self.contexts()}
         rec = self.rec.write(
             "engine", engine_start_s=round(start_s, 1), num_gpu_blocks=blocks, block_size=bs,
+            planned_block_size=planned_bs,
             capacity_tokens=cap, kv_bytes_per_token=bpt,
             kv_gib=round(blocks * own.block_bytes / 2**30, 2), pool=own.to_json(),
             max_in_flight_tokens=self.in_flight,
@@ -117,14 +119,25 @@ class Worker:
             max_batch=mb, max_batch_x_context={c: b * int(c) for c, b in mb.items()},
             engine_kwargs={k: v for k, v in kw.items() if k != "profiler_config"},
             policy=self.policy, attention_backend=kw.get("attention_backend", "vLLM default"))
-        log(f"{self.cfg.name}: engine up in {start_s:.0f}s: {cap} KV tokens ({blocks} blocks x {bs}), "
+        log(f"{self.cfg.name}: engine up in {start_s:.0f}s: {cap} KV tokens ({blocks} blocks of "
+            f"{own.block_bytes} B, groups {[(g.kind, g.block_size) for g in own.groups]}), "
             f"max batch {mb}")
         return rec
 
+    def planned_block_size(self) -> int:
+        """The block size this engine was configured with, which its KV-cache groups were
+        planned from. vLLM's ``cache_config.block_size`` is its smallest group's once the engine
+        is up (16 of nvfp4_mixed's 16 / 16 / 64 on a Gemma 3 with vLLM 0.34); the plugin keeps
+        the configured one (:func:`~vllm_nvfp4.integration.model.planned_block_size`)."""
+        from vllm_nvfp4.integration.model import planned_block_size
+
+        return int(planned_block_size(self.llm.llm_engine.vllm_config))
+
     def layout(self, name: str) -> PoolLayout:
-        """The pool layout configuration ``name`` has at this engine's block size and lengths."""
+        """The pool layout configuration ``name`` has at this engine's configured block size and
+        lengths."""
         cfg = CONFIGS[name]
-        bs = int(self.llm.llm_engine.vllm_config.cache_config.block_size)
+        bs = self.planned_block_size()
         return pool_layout(cfg.kv_cache_dtype, self.shape, policy_for(cfg, self.shape.layer_types, self.a.mixed_policy),
                            bs, self.a.max_model_len, self.in_flight, len(cfg.skip_layers))
 
