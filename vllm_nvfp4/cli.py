@@ -53,6 +53,17 @@ def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
+def _non_negative_int(text: str) -> int:
+    """An argparse ``type`` accepting integers >= 0."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
 def _device_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", metavar="DEVICE",
                    help="cpu, cuda (every visible GPU, the model split across them: "
@@ -94,6 +105,15 @@ def _model_args(p: argparse.ArgumentParser, default_windows: int, k_center_defau
                         "calibration RMS, so each NVFP4 block holds channels of similar magnitude "
                         "(exact: the queries are permuted alike; measured gains depend on the "
                         "model and text, see docs/CALIBRATION.md)")
+    p.add_argument("--max-model-len", type=_non_negative_int, default=None, metavar="N",
+                   help="the longest sequence (tokens) served with the policy: every calibration "
+                        "window also runs at position offsets up to N (RoPE keys rotate further "
+                        "at later positions and would outgrow a K range calibrated on the "
+                        "windows' own positions); only the K/V range takes them in, the K "
+                        "centering offsets come from the windows as they are (default: the "
+                        "model's max_position_embeddings, which is vLLM's default "
+                        "--max-model-len; give vLLM's --max-model-len where you serve less; "
+                        "0: off)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="model dtype (default bfloat16, the reference for all damages)")
     _device_arg(p)
@@ -180,9 +200,10 @@ def _check_writable_file(path: Path, force: bool, what: str) -> None:
         raise UsageError(f"{what} {path}: directory {path.parent} does not exist")
 
 
-def _check_model_dir(path: Path, window: Optional[int] = None, formats: Optional[str] = None) -> int:
-    """Fail before loading weights: no model, window beyond its positions, bad --policy.
-    Returns the model's number of layers (from ``config.json``)."""
+def _check_model_dir(path: Path, window: Optional[int] = None, formats: Optional[str] = None,
+                     max_model_len: Optional[int] = None) -> int:
+    """Fail before loading weights: no model, window or served length beyond its positions, bad
+    --policy. Returns the model's number of layers (from ``config.json``)."""
     if not (path / "config.json").is_file():
         raise UsageError(f"{path} is not a model directory (no config.json); "
                          "for SmolLM2 run: python scripts/prepare_assets.py smollm2")
@@ -193,6 +214,9 @@ def _check_model_dir(path: Path, window: Optional[int] = None, formats: Optional
         raise UsageError(f"{path}/config.json has no integer num_hidden_layers; is it complete?")
     if window is not None and positions is not None and window > positions:
         raise UsageError(f"--window {window} exceeds the model's {positions} positions")
+    if max_model_len is not None and positions is not None and max_model_len > positions:
+        raise UsageError(f"--max-model-len {max_model_len} exceeds the model's {positions} "
+                         "positions (max_position_embeddings); give at most that")
     if formats is not None:
         KVPolicy.from_compact(formats, layers, source="--policy")  # raises PolicyError
     return layers
@@ -225,11 +249,12 @@ def _sink_key(a: argparse.Namespace) -> Optional[bool]:
 def cmd_calibrate(a: argparse.Namespace) -> int:
     from vllm_nvfp4.calibration.commands import run_calibrate
 
-    _check_model_dir(a.model, a.window, a.policy)
+    _check_model_dir(a.model, a.window, a.policy, a.max_model_len)
     _check_data(a.data)
     _check_writable_file(a.out, a.force, "--out")
     policy = run_calibrate(a.model, a.data, a.policy, a.window, a.windows, a.per_head, a.dtype,
-                           a.k_smooth, a.k_center, a.device, a.k_permute, bool(_sink_key(a)))
+                           a.k_smooth, a.k_center, a.device, a.k_permute, bool(_sink_key(a)),
+                           a.max_model_len)
     policy.save(a.out, overwrite=a.force)
     print(f"wrote {a.out}: {policy.to_compact()} ({policy.fraction_of_fp8():.4f}x FP8 bytes)")
     return 0
@@ -239,7 +264,7 @@ def cmd_analyze(a: argparse.Namespace) -> int:
     from vllm_nvfp4.calibration.report import render
     from vllm_nvfp4.calibration.sensitivity import REPORT_FILE, analyze
 
-    num_layers = _check_model_dir(a.model, a.window)
+    num_layers = _check_model_dir(a.model, a.window, max_model_len=a.max_model_len)
     _check_data(a.data)
     if a.out.exists() and not a.out.is_dir():
         raise UsageError(f"--out {a.out} exists and is not a directory")
@@ -247,7 +272,8 @@ def cmd_analyze(a: argparse.Namespace) -> int:
         raise UsageError(f"--out {a.out} already holds a report; refusing to overwrite it (use --force)")
     given = [flag for flag, on in (("--per-head", a.per_head), ("--k-smooth", a.k_smooth),
                                    ("--k-center", a.k_center), ("--k-permute", a.k_permute),
-                                   ("--k-sink-uncentered", a.k_sink_uncentered)) if on]
+                                   ("--k-sink-uncentered", a.k_sink_uncentered),
+                                   ("--max-model-len", a.max_model_len is not None)) if on]
     if a.scales is not None and given:
         raise UsageError(f"{' '.join(given)} shape the calibration, which --scales replaces: pass "
                          f"them to `vllm-nvfp4 calibrate` instead (the policy carries them)")
@@ -257,7 +283,7 @@ def cmd_analyze(a: argparse.Namespace) -> int:
     report = analyze(a.model, a.data, a.out, a.window, a.windows, a.calib_windows, scales,
                      a.per_head, a.dtype, reuse_prefix=not a.no_prefix_reuse, k_smooth=a.k_smooth,
                      k_center=a.k_center, device=a.device, base=a.base, k_permute=a.k_permute,
-                     k_sink_uncentered=bool(_sink_key(a)))
+                     k_sink_uncentered=bool(_sink_key(a)), max_model_len=a.max_model_len)
     for stale in a.out.glob("selection-*.json"):  # belong to the previous analysis
         stale.unlink()
     paths = render(a.out)
@@ -318,7 +344,7 @@ def cmd_select(a: argparse.Namespace) -> int:
 def cmd_tune(a: argparse.Namespace) -> int:
     from vllm_nvfp4.calibration.commands import run_tune
 
-    _check_model_dir(a.model, a.window)
+    _check_model_dir(a.model, a.window, max_model_len=a.max_model_len)
     _check_data(a.data)
     target = a.model / POLICY_FILENAME
     _check_writable_file(target, a.force, "policy")
@@ -342,7 +368,8 @@ def cmd_tune(a: argparse.Namespace) -> int:
                       k_sink_uncentered=_sink_key(a),
                       k_permute=a.k_permute, metric=a.metric,
                       base=a.base,
-                      measure=not a.no_measure, measure_windows=a.measure_windows, device=a.device)
+                      measure=not a.no_measure, measure_windows=a.measure_windows, device=a.device,
+                      max_model_len=a.max_model_len)
     result.policy.save(target, overwrite=a.force)
     print("\n".join(result.lines()))
     print(f"wrote {target} (vllm serve {a.model} --kv-cache-dtype nvfp4_mixed finds it) and the "

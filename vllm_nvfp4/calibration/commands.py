@@ -14,7 +14,10 @@ from typing import Any, Optional, Sequence
 import vllm_nvfp4
 from vllm_nvfp4.calibration.data import load_windows
 from vllm_nvfp4.calibration.evaluator import Evaluator
-from vllm_nvfp4.calibration.modeling import config_sha256, load_model, read_text_config
+from vllm_nvfp4.calibration.modeling import (config_sha256, config_shape, load_model,
+                                             read_text_config)
+from vllm_nvfp4.calibration.position_range import describe as describe_range
+from vllm_nvfp4.calibration.position_range import range_offsets, served_length
 from vllm_nvfp4.calibration.progress import progress, single_bar
 from vllm_nvfp4.calibration.report_files import ReportError
 from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy, with_formats
@@ -42,17 +45,24 @@ def run_calibrate(model_dir: Path, data: Sequence[Path], formats: Optional[str] 
                   window: int = 2048, windows: int = 4, per_head: bool = False,
                   dtype: str = "bfloat16", k_smooth: Optional[float] = None,
                   k_center: bool = False, device: str = "cpu", k_permute: bool = False,
-                  k_sink_uncentered: bool = False) -> KVPolicy:
-    """Calibrate K/V scales on ``windows`` windows; formats from the compact ``formats`` string
-    (default rule when ``None``). Returns the policy with scales and provenance (not saved)."""
+                  k_sink_uncentered: bool = False,
+                  max_model_len: Optional[int] = None) -> KVPolicy:
+    """Calibrate K/V scales on ``windows`` windows, their range also at the positions up to
+    ``max_model_len`` (:func:`~vllm_nvfp4.calibration.position_range.served_length`: None = the
+    model's positions, 0 = none); formats from the compact ``formats`` string (default rule
+    when ``None``). Returns the policy with scales and provenance (not saved)."""
+    served = served_length(max_model_len, config_shape(Path(model_dir))[1])
     model, tokenizer, info = load_model(model_dir, dtype, device, window, 0)
     fmt = (KVPolicy.from_compact(formats, info.num_layers, source="--policy",
                                  layer_types=info.layer_types) if formats
            else default_policy(info.num_layers, info.layer_types))
     toks = load_windows(data, tokenizer, window, count=0, calib=windows, max_positions=info.max_positions)
-    observer = observe_amax(model, toks.calib, info.num_layers, kv_layers=info.kv_layers)
+    offsets = range_offsets(served, window)
+    observer = observe_amax(model, toks.calib, info.num_layers, kv_layers=info.kv_layers,
+                            offsets=offsets)
     prov = {"tool": _tool("calibrate"), "created": utc_now(), "model": info.to_dict(),
-            "data": toks.describe(), "formats_from": "--policy" if formats else "default rule",
+            "data": toks.describe(), "position_range": describe_range(served, offsets),
+            "formats_from": "--policy" if formats else "default rule",
             "scales": "per KV head" if per_head else "per layer",
             "k_smooth_alpha": k_smooth, "k_center": k_center, "k_permute": k_permute,
             "k_sink_uncentered": k_sink_uncentered,
@@ -212,9 +222,11 @@ def run_tune(model_dir: Path, data: Sequence[Path], report_dir: Path, fp8_slots:
              k_sink_uncentered: Optional[bool] = None,
              metric: str = "kl",
              measure: bool = True, measure_windows: Optional[int] = None,
-             device: str = "cpu", base: str = DEFAULT_BASE) -> TuneResult:
+             device: str = "cpu", base: str = DEFAULT_BASE,
+             max_model_len: Optional[int] = None) -> TuneResult:
     """``analyze`` (calibrating on the first ``calib_windows`` windows, scoring the next
-    ``windows``) then ``select`` for ``fp8_slots`` FP8 slots, under one progress bar; the
+    ``windows``, the range also at the positions up to ``max_model_len``: :func:`run_calibrate`)
+    then ``select`` for ``fp8_slots`` FP8 slots, under one progress bar; the
     report (plots, REPORT.md) is rendered into ``report_dir``. The policy is not saved.
     ``k_sink_uncentered`` None (with ``k_center``): the analysis flags the sink key where it
     fits and ``select`` keeps the flags only if the selected policy measures better with them
@@ -232,7 +244,7 @@ def run_tune(model_dir: Path, data: Sequence[Path], report_dir: Path, fp8_slots:
                          per_head=per_head, dtype=dtype, k_smooth=k_smooth, k_center=k_center,
                          k_sink_uncentered=k_center and k_sink_uncentered is not False,
                          k_permute=k_permute,
-                         device=device, base=base)
+                         device=device, base=base, max_model_len=max_model_len)
         for stale in Path(report_dir).glob("selection-*.json"):  # of an earlier analysis
             stale.unlink()
         policy, summary = run_select(report_dir, fp8_slots, metric, measure=measure, budget=budget,

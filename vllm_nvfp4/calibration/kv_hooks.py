@@ -119,7 +119,16 @@ class KVObserver:
     orders a K channel permutation); and of the first key of every sequence (position 0: each
     observed sequence must start there) the per-channel max and min (whether the sink key fits
     the K range uncentered). Indexed by decoder layer; ``kv_layers`` (default: all) are the
-    layers that hold a KV cache and must be observed."""
+    layers that hold a KV cache and must be observed.
+
+    Inside :meth:`range_only` (windows run at shifted positions, :mod:`.position_range`) only the
+    range statistics (:data:`RANGE_FIELDS`) take in what is observed, and not the first key of
+    each sequence (at a shifted position it would be the sink key where no served sequence
+    holds one); the mean, sum of squares, first-key statistics and ``tokens`` keep coming from
+    the windows run from position 0."""
+
+    #: the statistics that windows at shifted positions widen (the rest: position 0 only)
+    RANGE_FIELDS = ("k_amax", "v_amax", "k_channel_amax", "k_channel_max", "k_channel_min")
 
     def __init__(self, num_layers: int, kv_layers: Optional[Sequence[int]] = None) -> None:
         self.num_layers = num_layers
@@ -134,6 +143,19 @@ class KVObserver:
         self.k_first_max: list[Optional[torch.Tensor]] = [None] * num_layers
         self.k_first_min: list[Optional[torch.Tensor]] = [None] * num_layers
         self.tokens: list[int] = [0] * num_layers
+        self.range_tokens: list[int] = [0] * num_layers  # observed inside range_only()
+        self._range_only = False
+
+    @contextlib.contextmanager
+    def range_only(self) -> Iterator["KVObserver"]:
+        """Within the block, observations update only :data:`RANGE_FIELDS` (class doc)."""
+        if self._range_only:
+            raise RuntimeError("KVObserver.range_only blocks cannot be nested")
+        self._range_only = True
+        try:
+            yield self
+        finally:
+            self._range_only = False
 
     def k_channel_mean(self, layer: int) -> torch.Tensor:
         """Mean of each K channel over the observed tokens, FP32 ``[kv_heads, head_dim]``."""
@@ -161,30 +183,36 @@ class KVObserver:
 
     def observe(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Fold in ``key``/``value [batch, kv_heads, seq, head_dim]`` of ``layer`` (each of the
-        ``batch`` sequences from position 0)."""
-        for name, t in (("k_amax", key), ("v_amax", value)):
-            t32 = t.detach().float()
-            if not bool(torch.isfinite(t32).all()):
-                raise ValueError(f"layer {layer}: {name[0].upper()} holds NaN/Inf; cannot calibrate")
-            amax = t32.abs().amax(dim=(0, 2, 3)).cpu()  # [kv_heads]
-            prev = getattr(self, name)[layer]
-            getattr(self, name)[layer] = amax if prev is None else torch.maximum(prev, amax)
-        k32 = key.detach().float()
-        stats = {"k_channel_amax": (k32.abs().amax(dim=(0, 2)), torch.maximum),
+        ``batch`` sequences from position 0, or from a shifted position inside
+        :meth:`range_only`)."""
+        if self._range_only:  # the sink key at a shifted position is no served key
+            key, value = key[:, :, 1:], value[:, :, 1:]
+            if key.shape[2] == 0:
+                return
+        k32, v32 = key.detach().float(), value.detach().float()
+        for name, t in (("K", k32), ("V", v32)):
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"layer {layer}: {name} holds NaN/Inf; cannot calibrate")
+        stats = {"k_amax": (k32.abs().amax(dim=(0, 2, 3)), torch.maximum),  # [kv_heads]
+                 "v_amax": (v32.abs().amax(dim=(0, 2, 3)), torch.maximum),
+                 "k_channel_amax": (k32.abs().amax(dim=(0, 2)), torch.maximum),
                  "k_channel_max": (k32.amax(dim=(0, 2)), torch.maximum),
-                 "k_channel_min": (k32.amin(dim=(0, 2)), torch.minimum),
-                 "k_channel_sum": (k32.double().sum(dim=(0, 2)), torch.add),
-                 "k_channel_sumsq": (k32.double().square().sum(dim=(0, 2)), torch.add),
-                 "k_first_max": (k32[:, :, 0].amax(dim=0), torch.maximum),
-                 "k_first_min": (k32[:, :, 0].amin(dim=0), torch.minimum)}
-        for name, (val, fold) in stats.items():  # each [kv_heads, head_dim]
+                 "k_channel_min": (k32.amin(dim=(0, 2)), torch.minimum)}
+        if not self._range_only:  # each [kv_heads, head_dim]
+            stats.update({"k_channel_sum": (k32.double().sum(dim=(0, 2)), torch.add),
+                          "k_channel_sumsq": (k32.double().square().sum(dim=(0, 2)), torch.add),
+                          "k_first_max": (k32[:, :, 0].amax(dim=0), torch.maximum),
+                          "k_first_min": (k32[:, :, 0].amin(dim=0), torch.minimum)})
+        for name, (val, fold) in stats.items():
             prev = getattr(self, name)[layer]
             getattr(self, name)[layer] = val.cpu() if prev is None else fold(prev, val.cpu())
-        self.tokens[layer] += key.shape[0] * key.shape[2]
+        counter = self.range_tokens if self._range_only else self.tokens
+        counter[layer] += key.shape[0] * key.shape[2]
 
     def missing_layers(self) -> list[int]:
-        """Layers never observed (a model whose attention did not go through the hook)."""
-        return [i for i in self.kv_layers if self.k_amax[i] is None]
+        """Layers never observed from position 0 (a model whose attention did not go through
+        the hook)."""
+        return [i for i in self.kv_layers if not self.tokens[i]]
 
 
 # ---------------------------------------------------------------------------- per-layer state

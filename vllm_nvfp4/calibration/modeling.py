@@ -156,6 +156,19 @@ def input_device(model: torch.nn.Module) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
+def shifted_position_ids(model: torch.nn.Module, length: int, offset: int) -> torch.Tensor:
+    """Position ids ``[1, length]`` from ``offset`` on the model's input device: a window run at
+    them stores the keys of positions ``offset .. offset+length-1``
+    (:mod:`~vllm_nvfp4.calibration.position_range`; M-RoPE text positions are equal on every
+    dimension, and transformers' Qwen2/2.5/3-VL expand ``[1, length]`` to them). ``ValueError``
+    when they pass the model's ``max_position_embeddings``."""
+    limit = getattr(text_config(model), "max_position_embeddings", None)
+    if offset < 0 or (isinstance(limit, int) and offset + length > limit):
+        raise ValueError(f"positions {offset}..{offset + length - 1} are outside the model's "
+                         f"{limit} positions; serve a shorter length (--max-model-len)")
+    return torch.arange(offset, offset + length, device=input_device(model)).unsqueeze(0)
+
+
 def _from_pretrained(path: Path, dtype: str, device: str) -> torch.nn.Module:
     """SDPA attention, eager where the architecture has no SDPA path (gpt-oss: its sinks)."""
     try:

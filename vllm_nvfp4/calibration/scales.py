@@ -37,7 +37,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from vllm_nvfp4.calibration.kv_hooks import KVObserver, KVOption, kv_cache_quantization
-from vllm_nvfp4.calibration.modeling import input_device
+from vllm_nvfp4.calibration.modeling import input_device, shifted_position_ids
 from vllm_nvfp4.calibration.progress import progress
 from vllm_nvfp4.formats import fp8_scale_from_amax, nvfp4_global_scale
 from vllm_nvfp4.policy import KVPolicy, LayerPolicy, Scale
@@ -48,15 +48,25 @@ logger = logging.getLogger(__name__)
 @torch.no_grad()
 def observe_amax(model: torch.nn.Module, windows: torch.Tensor, num_layers: int,
                  desc: str = "calibrate", kv_layers: Optional[Sequence[int]] = None,
-                 options: Sequence[KVOption] = ()) -> KVObserver:
+                 options: Sequence[KVOption] = (), offsets: Sequence[int] = ()) -> KVObserver:
     """Run ``windows [n, T]`` one at a time and return the per-layer, per-head K/V amax
     (``num_layers`` decoder layers, of which ``kv_layers`` (default: all) hold a KV cache),
-    of the K/V as ``options`` change them (e.g. a study's rotation, ``studies/kv_options.py``)."""
+    of the K/V as ``options`` change them (e.g. a study's rotation, ``studies/kv_options.py``).
+    Then every window again at each position offset of ``offsets``
+    (:func:`~vllm_nvfp4.calibration.position_range.range_offsets`), which widen the range
+    statistics only (:mod:`~vllm_nvfp4.calibration.position_range`)."""
     observer = KVObserver(num_layers, kv_layers)
     device = input_device(model)
+    runs = [(row, o) for o in (0, *offsets) for row in windows]
     with kv_cache_quantization(model, observer=observer, options=options):
-        for row in progress(windows, desc=desc, unit="window"):
-            model(row.unsqueeze(0).to(device), use_cache=False)
+        for row, offset in progress(runs, desc=desc, unit="fwd"):
+            ids = row.unsqueeze(0).to(device)
+            if not offset:
+                model(ids, use_cache=False)
+                continue
+            with observer.range_only():
+                model(ids, position_ids=shifted_position_ids(model, ids.shape[1], offset),
+                      use_cache=False)
     missing = observer.missing_layers()
     if missing:
         raise RuntimeError(f"layers {missing} never went through the KV hook; unsupported model")

@@ -28,7 +28,9 @@ import vllm_nvfp4
 from vllm_nvfp4.calibration.data import load_windows
 from vllm_nvfp4.calibration.evaluator import Evaluator
 from vllm_nvfp4.calibration.metrics import Metrics
-from vllm_nvfp4.calibration.modeling import load_model
+from vllm_nvfp4.calibration.modeling import config_shape, load_model
+from vllm_nvfp4.calibration.position_range import describe as describe_range
+from vllm_nvfp4.calibration.position_range import range_offsets, served_length
 from vllm_nvfp4.calibration.progress import progress
 from vllm_nvfp4.calibration.report_files import ReportError, check_schema, read_json
 from vllm_nvfp4.calibration.scales import amax_table, observe_amax, scaled_policy, with_formats
@@ -78,6 +80,7 @@ def analyze(
     base: str = DEFAULT_BASE,
     k_permute: bool = False,
     k_sink_uncentered: bool = False,
+    max_model_len: Optional[int] = None,
 ) -> dict[str, Any]:
     """Run the sensitivity analysis and write ``out_dir/sensitivity.json`` (+ ``scales.json``).
 
@@ -96,19 +99,28 @@ def analyze(
             (:func:`~vllm_nvfp4.calibration.modeling.load_model`).
         base: ``"fp8"`` (every slot moved to NVFP4 alone from all-FP8) or ``"nvfp4"`` (every
             slot moved to FP8 alone from all-NVFP4).
+        max_model_len: with calibration, the served length the K/V range covers
+            (:func:`~vllm_nvfp4.calibration.position_range.served_length`: None = the model's
+            positions, 0 = only the calibration windows' own).
     Returns:
         The report dictionary (also written as JSON).
     """
     if base not in BASES:
         raise ValueError(f"base must be one of {', '.join(BASES)}, got {base!r}")
     t_start = time.time()
+    served = served_length(max_model_len, config_shape(Path(model_dir))[1]) if scales is None else 0
     model, tokenizer, info = load_model(model_dir, dtype, device, window, windows)
     n_calib = 0 if scales is not None else calib_windows
     toks = load_windows(data, tokenizer, window, windows, n_calib, info.max_positions)
+    position_range = None
     if scales is None:
-        observer = observe_amax(model, toks.calib, info.num_layers, kv_layers=info.kv_layers)
+        offsets = range_offsets(served, window)
+        position_range = describe_range(served, offsets)
+        observer = observe_amax(model, toks.calib, info.num_layers, kv_layers=info.kv_layers,
+                                offsets=offsets)
         formats = KVPolicy.from_compact("*:fp8", info.num_layers, layer_types=info.layer_types)
-        scaled = scaled_policy(formats, observer, per_head, {"calibrated_on": toks.describe()},
+        scaled = scaled_policy(formats, observer, per_head,
+                               {"calibrated_on": toks.describe(), "position_range": position_range},
                                k_smooth, k_center, k_permute, k_sink_uncentered)
         amax = amax_table(observer)
     else:
@@ -158,7 +170,7 @@ def analyze(
         "settings": {"window": window, "windows": windows, "calib_windows": n_calib,
                      "per_head": per_head, "k_smooth": k_smooth, "k_center": k_center,
                      "k_sink_uncentered": k_sink_uncentered,
-                     "k_permute": k_permute, "base": base,
+                     "k_permute": k_permute, "base": base, "position_range": position_range,
                      "scales_from": "calibration" if scales is None else scales.source,
                      "prefix_reuse": ev.layers is not None, "forwards": ev.forwards,
                      "torch_threads": torch.get_num_threads()},
