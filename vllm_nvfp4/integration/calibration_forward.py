@@ -134,9 +134,9 @@ def _forward(runner: Any, rows: dict[str, int], chunk: torch.Tensor,
              observer: Optional[KVObserver] = None,
              perturb: Sequence[SlotPerturbation] = (),
              resume: Optional[tuple[int, torch.Tensor]] = None,
-             states: Optional[StateLayers] = None) -> torch.Tensor:
-    """The runner's model over ``chunk [S, L]`` (token ids, each sequence from position 0:
-    :func:`text_positions`), every layer of ``rows`` (name -> policy row) with a
+             states: Optional[StateLayers] = None, offset: int = 0) -> torch.Tensor:
+    """The runner's model over ``chunk [S, L]`` (token ids, each sequence from position
+    ``offset``: :func:`text_positions`), every layer of ``rows`` (name -> policy row) with a
     :class:`CalibrationBatch`, every GDN layer of ``states`` (bound, at least ``S + 1`` slots)
     with its prefill metadata; returns the final hidden states
     ``[S * L, hidden]``. ``resume = (layer, stream)``: run only the decoder layers from
@@ -146,7 +146,7 @@ def _forward(runner: Any, rows: dict[str, int], chunk: torch.Tensor,
 
     s, n = chunk.shape
     ids = chunk.reshape(-1).to(device=runner.device, dtype=torch.int32)
-    positions = text_positions(runner, chunk)
+    positions = text_positions(runner, chunk, offset)
     batches: dict[str, Any] = {name: CalibrationBatch(observer, row, s, n, tuple(perturb))
                                for name, row in rows.items()}
     if states is not None:
@@ -169,20 +169,22 @@ def _forward(runner: Any, rows: dict[str, int], chunk: torch.Tensor,
             stack.start_layer = start
 
 
-def text_positions(runner: Any, chunk: torch.Tensor) -> torch.Tensor:
+def text_positions(runner: Any, chunk: torch.Tensor, offset: int = 0) -> torch.Tensor:
     """The positions vLLM's runner gives the text-only sequences ``chunk [S, L]`` (token ids), each
-    prefilled from position 0: ``[S * L]`` (``0..L-1`` per sequence) or, for an M-RoPE model,
-    ``[num_dims, S * L]`` from the model's own ``get_mrope_input_positions`` of each sequence
-    with no multimodal features (for text, every row ``0..L-1``)."""
+    prefilled from position 0, plus ``offset`` (a range calibration's shifted run,
+    :mod:`~vllm_nvfp4.calibration.position_range`): ``[S * L]`` (``offset..offset+L-1`` per
+    sequence) or, for an M-RoPE model, ``[num_dims, S * L]`` from the model's own
+    ``get_mrope_input_positions`` of each sequence with no multimodal features (for text, every
+    row ``0..L-1``), ``offset`` added to every row."""
     s, n = chunk.shape
     if not getattr(runner.vllm_config.model_config, "uses_mrope", False):
-        return torch.arange(n, device=runner.device, dtype=torch.int64).repeat(s)
+        return torch.arange(offset, offset + n, device=runner.device, dtype=torch.int64).repeat(s)
     model = runner.get_model()
     if not callable(getattr(model, "get_mrope_input_positions", None)):
         raise RuntimeError(f"{type(model).__name__} uses M-RoPE but has no "
                            "get_mrope_input_positions (vLLM's SupportsMRoPE)")
     rows = [model.get_mrope_input_positions(seq.tolist(), [])[0] for seq in chunk]
-    return torch.cat(rows, dim=1).to(device=runner.device, dtype=torch.int64)
+    return torch.cat(rows, dim=1).to(device=runner.device, dtype=torch.int64) + offset
 
 
 def decoder_stack(model: Any) -> Optional[Any]:
@@ -228,14 +230,22 @@ class LayerStreams:
 
 @torch.inference_mode()
 def observe_in_vllm(runner: Any, layers: dict[str, Any], windows: torch.Tensor, per_forward: int,
-                    num_layers: int, states: Optional[StateLayers] = None) -> KVObserver:
+                    num_layers: int, states: Optional[StateLayers] = None,
+                    offsets: Sequence[int] = ()) -> KVObserver:
     """Run ``windows [n, T]`` through the runner's model, ``per_forward`` windows per forward
-    (``states``: the model's GDN layers, bound); returns this rank's K/V statistics."""
+    (``states``: the model's GDN layers, bound), then again from each position offset of
+    ``offsets`` for the range statistics only
+    (:meth:`~vllm_nvfp4.calibration.kv_hooks.KVObserver.range_only`); returns this rank's K/V
+    statistics."""
     rows = {name: layer_index(name, num_layers) for name in layers}
-    observer = KVObserver(num_layers)
+    observer = KVObserver(num_layers, sorted(set(rows.values())))
     for chunk in windows.split(per_forward):
         _forward(runner, rows, chunk, observer, states=states)
-    missing = sorted(set(rows.values()) - {i for i in range(num_layers) if observer.k_amax[i] is not None})
+    with observer.range_only():
+        for offset in offsets:
+            for chunk in windows.split(per_forward):
+                _forward(runner, rows, chunk, observer, states=states, offset=offset)
+    missing = observer.missing_layers()
     if missing:
         raise RuntimeError(f"vllm-nvfp4 start-up calibration: layers {missing} never reached the "
                            "attention impl; set VLLM_NVFP4_STARTUP_CALIBRATION=0 and calibrate "

@@ -11,7 +11,9 @@ allocation and CUDA-graph capture (the formats chosen here size the pages):
    the post-RoPE K/V (:class:`~vllm_nvfp4.calibration.kv_hooks.KVObserver`) and attends exactly,
    so later layers see the unquantized hidden states. No cache page is written. Under TP the
    statistics are gathered over the TP CPU group: every rank builds the same policy.
-2. Scales as ``calibrate --k-center --k-sink-uncentered`` writes them
+   Then every window runs again from each position offset up to ``max_model_len``
+   (:mod:`vllm_nvfp4.calibration.position_range`), for the K/V range only.
+2. Scales as ``calibrate --k-center --k-sink-uncentered --max-model-len`` writes them
    (:func:`~vllm_nvfp4.calibration.scales.scaled_policy`; no K centering under a logits soft-cap;
    the sink key flagged uncentered where the first key, as served requests start, fits the K range).
 3. Formats (:mod:`.startup_selection`): on :data:`~.startup_recipe.SENSITIVITY_TOKENS` tokens
@@ -46,6 +48,7 @@ import torch
 
 from vllm_nvfp4.calibration.builtin_text import BUILTIN_TEXT, builtin_text_sha256
 from vllm_nvfp4.calibration.kv_hooks import KVObserver
+from vllm_nvfp4.calibration.position_range import describe as describe_range
 from vllm_nvfp4.calibration.sink_choice import (CENTERED, UNCENTERED, choose, chosen_policy,
                                                 has_sink_key, sink_line, without_sink_key)
 from vllm_nvfp4.calibration.startup_cache import (cache_key, cache_path, load_cached, save_cached,
@@ -146,7 +149,7 @@ def gather_heads(local: KVObserver, total_heads: int) -> KVObserver:
         ranks = [min(r for r in range(tp.world_size) if r * total_heads // tp.world_size == h)
                  for h in range(total_heads)]
     merged = KVObserver(local.num_layers)
-    merged.tokens = list(local.tokens)
+    merged.tokens, merged.range_tokens = list(local.tokens), list(local.range_tokens)
     for f in _HEAD_FIELDS:
         setattr(merged, f, [None if parts[0][f][i] is None else
                             torch.cat([parts[r][f][i] for r in ranks], dim=0)
@@ -328,12 +331,13 @@ def _calibrate(runner: Any, layers: dict[str, Any], states: Optional[StateLayers
 
     with _states_bound_on_every_rank(states, recipe.per_forward):
         observer = gather_heads(observe_in_vllm(runner, layers, windows, recipe.per_forward,
-                                                shape.num_layers, states),
+                                                shape.num_layers, states, recipe.offsets),
                                 shape.total_num_kv_heads)
         provenance = {"tool": "vllm-nvfp4 start-up calibration", "tokens": int(windows.numel()),
                       "data": {"files": [{"path": "builtin_text.txt",
                                           "sha256": parts["text_sha256"]}],
                                "window_tokens": recipe.window, "calib_windows": recipe.windows},
+                      "position_range": describe_range(recipe.max_model_len, recipe.offsets),
                       "formats_from": "default rule", "scales": "per layer",
                       "k_center": recipe.k_center, "cache_key": parts,
                       "conventions": {"fp8_scale": "amax/448", "nvfp4_global_scale": "amax/2688"}}

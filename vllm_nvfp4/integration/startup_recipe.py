@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_nvfp4.calibration.position_range import describe as describe_range
+from vllm_nvfp4.calibration.position_range import range_offsets
 from vllm_nvfp4.calibration.selection import DEFAULT_BUDGET
 from vllm_nvfp4.env_vars import STARTUP_CALIBRATION_ENV
 from vllm_nvfp4.integration.startup_selection import METRIC, candidate_slots, fp8_slot_count
@@ -29,8 +31,9 @@ SINK_KEY_FORWARDS = 2
 #: uncentered where it fits, in the policy and in the sensitivity forwards; 5: layers with
 #: learned attention sinks no longer K-centered; 6: the sink key uncentered only where the
 #: chosen policy measures better with it than centered; 7: for tokenizers that add no BOS, every
-#: other window starts with the chat template's first token, as chat requests do)
-RECIPE_VERSION = 7
+#: other window starts with the chat template's first token, as chat requests do; 8: the K/V
+#: range also from the windows run at position offsets up to max_model_len)
+RECIPE_VERSION = 8
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,9 @@ class Recipe:
     per model forward; K centering unless the model has a logits soft-cap; with ``select``, the
     formats from the sensitivity forwards on the first ``sensitivity_windows`` windows. With
     centering the sink key is flagged uncentered where it fits, and the flags are kept only if
-    the chosen policy measures better with them on those windows (``k_sink_uncentered``)."""
+    the chosen policy measures better with them on those windows (``k_sink_uncentered``).
+    Every window runs once more from each of ``offsets`` (positions up to ``max_model_len``,
+    :mod:`~vllm_nvfp4.calibration.position_range`) for the K/V range."""
 
     window: int
     windows: int
@@ -47,11 +52,14 @@ class Recipe:
     k_center: bool
     select: bool = True
     sensitivity_windows: int = 0
+    max_model_len: int = 0
+    offsets: tuple[int, ...] = ()
 
     def describe(self) -> dict[str, Any]:
         out = {"window": self.window, "windows": self.windows, "k_center": self.k_center,
                "k_sink_uncentered": "measured" if self.k_center else False, "per_head": False,
                "version": RECIPE_VERSION,
+               "position_range": describe_range(self.max_model_len, self.offsets),
                "formats": "sensitivity" if self.select else "default rule"}
         if self.select or self.k_center:
             out.update(sensitivity_windows=self.sensitivity_windows, metric=METRIC)
@@ -63,12 +71,16 @@ class Recipe:
 def recipe_for(vllm_config: Any, text_tokens: int, soft_cap: bool, select: bool = True) -> Recipe:
     """The recipe for an engine: windows no longer than ``MAX_WINDOW``, ``max_model_len``, one
     batch (``max_num_batched_tokens``) or the text, ``TARGET_TOKENS`` tokens in all, the first
-    ``SENSITIVITY_TOKENS`` of them (at least one window) for the sensitivity forwards."""
+    ``SENSITIVITY_TOKENS`` of them (at least one window) for the sensitivity forwards, the
+    range offsets of :func:`~vllm_nvfp4.calibration.position_range.range_offsets` for
+    ``max_model_len``."""
     batch = vllm_config.scheduler_config.max_num_batched_tokens
-    window = min(MAX_WINDOW, vllm_config.model_config.max_model_len, batch, text_tokens)
+    max_len = vllm_config.model_config.max_model_len
+    window = min(MAX_WINDOW, max_len, batch, text_tokens)
     windows = max(1, min(TARGET_TOKENS // window, text_tokens // window))
     return Recipe(window, windows, max(1, batch // window), k_center=not soft_cap, select=select,
-                  sensitivity_windows=max(1, min(windows, SENSITIVITY_TOKENS // window)))
+                  sensitivity_windows=max(1, min(windows, SENSITIVITY_TOKENS // window)),
+                  max_model_len=max_len, offsets=range_offsets(max_len, window))
 
 
 def selection_size(recipe: Recipe, shape: ModelShape) -> tuple[int, int]:
@@ -94,9 +106,10 @@ def sensitivity_forwards(recipe: Recipe, shape: ModelShape) -> int:
 
 
 def tokens_run(recipe: Recipe, shape: ModelShape) -> int:
-    """Tokens a start-up calibration runs through the model (at most): the calibration windows,
-    then the :func:`sensitivity_forwards` over the sensitivity windows."""
-    return (recipe.window * recipe.windows
+    """Tokens a start-up calibration runs through the model (at most): the calibration windows
+    (once, then once per range offset), then the :func:`sensitivity_forwards` over the
+    sensitivity windows."""
+    return (recipe.window * recipe.windows * (1 + len(recipe.offsets))
             + sensitivity_forwards(recipe, shape) * recipe.window * recipe.sensitivity_windows)
 
 
@@ -104,6 +117,10 @@ def describe_recipe(recipe: Recipe, shape: ModelShape) -> str:
     """What a start-up calibration with ``recipe`` runs, in words (the start-up log, ``doctor``)."""
     what = (f"K/V scales on {recipe.window * recipe.windows} tokens of the built-in text, "
             f"{recipe.windows} windows of {recipe.window}")
+    if recipe.offsets:
+        what += (f", their K/V range also at {len(recipe.offsets)} position offsets up to "
+                 f"max_model_len {recipe.max_model_len} ({len(recipe.offsets)} more forwards "
+                 "of each window)")
     sens = recipe.window * recipe.sensitivity_windows
     sink = (f"; {SINK_KEY_FORWARDS} forwards of {sens} tokens choose whether the sink key is "
             "stored uncentered (by KL)" if recipe.k_center else "")
