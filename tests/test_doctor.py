@@ -60,14 +60,15 @@ def test_healthy_setup_reports_the_policy_the_model_would_get(tiny_model_dir: Pa
     # 4 layers: 8 candidate slots; the budget allows 1 FP8 slot, the default rule has 4
     assert oks["model"].startswith(
         f"{tiny_model_dir}: no policy given, so start-up calibrates: K/V scales on 4096 tokens of "
-        "the built-in text, 4 windows of 1024; then 9 forwards of 2048 tokens measure the 8 "
+        "the built-in text, 4 windows of 1024, their K/V range also at 4 position offsets up to "
+        "max_model_len 4096 (4 more forwards of each window); then 9 forwards of 2048 tokens measure the 8 "
         "candidate K/V slots, and the 4 most sensitive stay FP8 (as many as the 0.62x FP8-bytes "
         "budget allows, at least as many as the default rule has there); 2 forwards of 2048 "
         "tokens choose whether the sink key is stored uncentered (by KL); the policy is cached in "
         f"{tmp_path / 'cache' / 'startup-calibration'}/"), oks["model"]
     assert "0:fp8" not in oks["model"]  # not the default rule's formats: start-up chooses them
     assert oks["start-up cost"].startswith("estimate: ~")
-    assert "x 26624 tokens, scaled from SmolLM2-135M on a 2-core CPU: 637.8 s" in oks["start-up cost"]
+    assert "x 43008 tokens, scaled from SmolLM2-135M on a 2-core CPU: 637.8 s" in oks["start-up cost"]
     assert out.splitlines()[-1] == "nothing blocks kv_cache_dtype=nvfp4_mixed"
 
     cache_file = Path(oks["model"].split("the policy is cached in ")[1].split(" ")[0])

@@ -215,3 +215,29 @@ def test_startup_recipe_covers_max_model_len():
                        dtype="float32", max_positions=8192)
     assert tokens_run(long, shape) - tokens_run(short, shape) == 4 * 4096
     assert "K/V range also at 4 position offsets up to max_model_len 8192" in describe_recipe(long, shape)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gpt_oss"])
+def test_shifted_windows_run_on_local_global_and_sink_models(arch: str, tmp_path: Path):
+    """Gemma 3 (local and global RoPE) and gpt-oss (sliding window, learned sinks) take the
+    shifted position ids: the logits of a window stay those of the unshifted run, and the
+    offsets widen the K range of every layer (>=) and of some (>)."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_nvfp4.calibration.kv_hooks import model_layer_types
+    from vllm_nvfp4.calibration.modeling import shifted_position_ids
+    from vllm_nvfp4.calibration.scales import observe_amax
+    from vllm_nvfp4.testing.hybrid_models import build_tiny_hybrid
+
+    path = build_tiny_hybrid(arch, tmp_path / arch)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    layers = len(model_layer_types(model))
+    window = _ids(48, 6)
+    with torch.no_grad():
+        plain = model(window, use_cache=False).logits
+        shifted = model(window, position_ids=shifted_position_ids(model, 48, 700), use_cache=False).logits
+    assert float((shifted - plain).norm() / plain.norm()) < 1e-3  # FP32 angles (gpt-oss: 2e-4)
+    base = observe_amax(model, window, layers)
+    ranged = observe_amax(model, window, layers, offsets=(300, 700))
+    assert all(bool((r >= b).all()) for r, b in zip(ranged.k_channel_max, base.k_channel_max))
+    assert any(bool((r > b).any()) for r, b in zip(ranged.k_channel_max, base.k_channel_max))

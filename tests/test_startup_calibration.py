@@ -162,7 +162,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def _calibrate_like(model_dir: Path, cache_file: Path) -> Any:
     """``vllm-nvfp4 calibrate --k-center --k-sink-uncentered`` (transformers, float32) with the
-    text and windows the start-up calibration recorded in ``cache_file``."""
+    text, windows and served length the start-up calibration recorded in ``cache_file``."""
     from vllm_nvfp4.calibration.builtin_text import BUILTIN_TEXT
     from vllm_nvfp4.calibration.commands import run_calibrate
 
@@ -171,7 +171,8 @@ def _calibrate_like(model_dir: Path, cache_file: Path) -> Any:
     assert cached["provenance"]["tokens"] == data["window_tokens"] * data["calib_windows"] >= 2048
     return run_calibrate(model_dir, [BUILTIN_TEXT], None, window=data["window_tokens"],
                          windows=data["calib_windows"], dtype="float32", k_center=True,
-                         k_sink_uncentered=True)
+                         k_sink_uncentered=True,
+                         max_model_len=cached["provenance"]["position_range"]["max_model_len"])
 
 
 def _served_formats(ref: Any, served: Any) -> Any:
@@ -217,6 +218,38 @@ def test_flag_only_engine_binds_the_scales_of_calibrate(runs):
     for i, row in enumerate(ref.layers):
         bound = runs["first"][f"model.layers.{i}.self_attn.attn"]
         assert bound["k_scale"] != pytest.approx([1.0 if row.k == "fp8" else 1 / 6] * 2, rel=0.05)
+
+
+def test_position_offsets_widen_the_range_as_calibrate_does(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch):
+    """With windows shorter than max_model_len the start-up also runs them at position offsets
+    up to it: the bound scales and K centering equal ``calibrate --max-model-len`` on the same
+    windows (vLLM's positions shifted as transformers' position ids are), and the K scales are
+    wider than without the offsets, the centering offsets the same."""
+    import vllm_nvfp4.integration.startup_recipe as recipe
+    from vllm_nvfp4.calibration.commands import run_calibrate
+    from vllm_nvfp4.calibration.builtin_text import BUILTIN_TEXT
+    from vllm_nvfp4.policy import KVPolicy
+    from vllm_nvfp4.testing.models import build_tiny_llama
+
+    model_dir = build_tiny_llama(tmp_path / "llama", dtype="float32")
+    monkeypatch.setenv("VLLM_NVFP4_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(STARTUP_ENV, "scales")  # the statistics only
+    monkeypatch.delenv("VLLM_NVFP4_POLICY", raising=False)
+    monkeypatch.setattr(recipe, "MAX_WINDOW", 256)
+    bound = _start(model_dir, max_model_len=1024)
+    (cache_file,) = (tmp_path / "cache" / "startup-calibration").glob("*.json")
+    served = KVPolicy.load(cache_file)
+    assert served.provenance["position_range"] == {"max_model_len": 1024, "offsets": [192, 384, 576, 768]}
+    ref = _served_formats(_calibrate_like(model_dir, cache_file), served)
+    _assert_bound_equals(bound, ref, heads=2, rel=2e-4, atol=2e-5)
+    data = served.provenance["data"]
+    off = run_calibrate(model_dir, [BUILTIN_TEXT], None, window=data["window_tokens"],
+                        windows=data["calib_windows"], dtype="float32", k_center=True,
+                        max_model_len=0)
+    assert all(r.k_scale >= o.k_scale for r, o in zip(ref.layers, off.layers))
+    assert any(r.k_scale > 1.05 * o.k_scale for r, o in zip(ref.layers, off.layers))
+    assert [r.k_center for r in ref.layers] == [o.k_center for o in off.layers]
 
 
 def test_sliding_window_and_sink_model_binds_the_scales_of_calibrate(tmp_path: Path,

@@ -74,11 +74,7 @@ def _worker_checks(worker: Any, ids: list[list[int]]) -> dict:
     real = cf.text_positions
     with torch.inference_mode():
         exact = cf._forward(runner, rows, chunk, served)
-        cf.text_positions = lambda r, c: real(r, c) + 7
-        try:
-            cf._forward(runner, rows, chunk, shifted)
-        finally:
-            cf.text_positions = real
+        cf._forward(runner, rows, chunk, shifted, offset=7)
         stack = cf.decoder_stack(model)
         streams = cf.LayerStreams(stack, [2])
         try:
@@ -90,6 +86,7 @@ def _worker_checks(worker: Any, ids: list[list[int]]) -> dict:
     return {"prefill": {rows[n]: [k.clone() for k in worker.prefill_keys[n]] for n in names},
             "served": served.k, "shifted": shifted.k,
             "positions": real(runner, chunk).cpu(), "own_positions": own,
+            "shifted_positions": real(runner, chunk, 7).cpu(),
             "stack_is_language_model": stack is model.language_model.model, "resumes": resumes}
 
 
@@ -191,6 +188,7 @@ def test_calibration_positions_are_the_models_mrope_positions(mrope_run):
     assert positions.shape == (3, s * n) and positions.dtype == torch.int64
     assert torch.equal(positions, own.to(torch.int64))
     assert torch.equal(positions, torch.arange(n).repeat(s).expand(3, -1))
+    assert torch.equal(mrope_run["worker"]["shifted_positions"], positions + 7)  # every row
 
 
 def test_mrope_slots_resume_in_the_language_model(mrope_run):
@@ -207,3 +205,5 @@ def test_dense_positions_stay_one_dimensional():
                              vllm_config=SimpleNamespace(model_config=SimpleNamespace(uses_mrope=False)))
     assert torch.equal(text_positions(runner, torch.zeros(2, 5, dtype=torch.long)),
                        torch.tensor([0, 1, 2, 3, 4] * 2))
+    assert torch.equal(text_positions(runner, torch.zeros(2, 3, dtype=torch.long), offset=40),
+                       torch.tensor([40, 41, 42] * 2))

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-#: shifted runs of each range window (:func:`range_offsets`). Measured on SmolLM2-135M (served
-#: length 8192, 3 x 1024 built-in-text windows): over the 30 layers, the largest centered K of
-#: 8176 held-out Brown tokens against the calibrated K amax, worst layer / median layer, is
-#: 2.61 / 1.41 with no shifted run, 1.54 / 1.01 with 1, 1.13 / 0.97 with 2, 1.10 / 0.96 with
-#: 4 and 1.10 / 0.96 with 7 (the windows tile every position) - see
-#: results/2026-12-06-position-shifted-calibration-cpu
+#: shifted runs of every calibration window (:func:`range_offsets`), each one more forward per
+#: window. Measured on SmolLM2-135M (``rope_theta`` 100,000; served length 8192, 3 x 1024
+#: built-in-text windows; studies/range_offsets_study.py): the largest centered K of 3 x 8176
+#: held-out Brown tokens against the calibrated K amax, worst / median of the 30 layers, is
+#: 2.91 / 1.59 without shifted runs and 1.06 / 0.99 with 1, 2, 3, 4 or 7 (7 tile every
+#: position): its keys drift away from the mean monotonically, so the last offset alone does it
+#: (the 3 windows matter more: 1.14 / 1.02 from the first alone). Where the slowest RoPE
+#: channels turn past half a period within the served length, the farthest key from the mean
+#: sits mid-range; 4 offsets sample that too at 4 extra forwards per window
 DEFAULT_OFFSETS = 4
 
 
