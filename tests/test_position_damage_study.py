@@ -41,3 +41,20 @@ def test_k_range_is_the_calibrated_amax_on_the_calibration_tokens_and_grows_afte
         assert abs(r["observed"]["16"] / r["calibrated"] - 1) < 1e-4
         assert r["observed"]["40"] >= r["observed"]["16"]
     assert range_table(rows).count("\n") == 2 + 2
+
+
+def test_range_offsets_study_shifted_runs_bring_the_held_out_keys_into_range():
+    """``studies/range_offsets_study.py``: keys of a held-out sequence as long as the served
+    length exceed the K amax of short windows (> 1 in some layer) and are covered once those
+    windows also run at the offsets (every layer's ratio at most the unshifted one's)."""
+    from studies.range_offsets_study import study, table as offsets_table
+
+    model = tiny_model(num_layers=2)
+    calib = torch.cat([_ids(64, seed=5), _ids(64, seed=6)])
+    held = _ids(1008, seed=7)
+    result = study(model, calib, held, 1024, [0, 2], [2])
+    plain, ranged = result["plans"]
+    assert plain["offsets"] == [] and ranged["offsets"] == [480, 960] and ranged["forwards"] == 4
+    assert plain["worst"] > 1.1 and ranged["worst"] < plain["worst"]
+    assert all(r <= p + 1e-6 for r, p in zip(ranged["ratios"], plain["ratios"]))
+    assert offsets_table(result).count("\n") == 2 + 2

@@ -122,13 +122,10 @@ class KVObserver:
     layers that hold a KV cache and must be observed.
 
     Inside :meth:`range_only` (windows run at shifted positions, :mod:`.position_range`) only the
-    range statistics (:data:`RANGE_FIELDS`) take in what is observed, and not the first key of
-    each sequence (at a shifted position it would be the sink key where no served sequence
-    holds one); the mean, sum of squares, first-key statistics and ``tokens`` keep coming from
-    the windows run from position 0."""
-
-    #: the statistics that windows at shifted positions widen (the rest: position 0 only)
-    RANGE_FIELDS = ("k_amax", "v_amax", "k_channel_amax", "k_channel_max", "k_channel_min")
+    range statistics (K and V amax, K channel amax, max and min) take in what is observed, and
+    not the first key of each sequence (at a shifted position it would be the sink key where no
+    served sequence holds one); the mean, sum of squares, first-key statistics and ``tokens``
+    keep coming from the windows run from position 0 (``range_tokens`` counts the others)."""
 
     def __init__(self, num_layers: int, kv_layers: Optional[Sequence[int]] = None) -> None:
         self.num_layers = num_layers
@@ -148,7 +145,7 @@ class KVObserver:
 
     @contextlib.contextmanager
     def range_only(self) -> Iterator["KVObserver"]:
-        """Within the block, observations update only :data:`RANGE_FIELDS` (class doc)."""
+        """Within the block, observations update only the range statistics (class doc)."""
         if self._range_only:
             raise RuntimeError("KVObserver.range_only blocks cannot be nested")
         self._range_only = True

@@ -29,9 +29,9 @@ DEFAULT_OFFSETS = 4
 def range_offsets(max_len: int, window: int, count: int = DEFAULT_OFFSETS) -> tuple[int, ...]:
     """Position offsets for ``count`` shifted runs of a ``window``-token window, evenly spaced
     in ``(0, max_len - window]`` (the last run ends at position ``max_len - 1``); none when
-    ``max_len <= window`` (0: no served length given) or ``count`` is 0. Fewer than ``count`` when the interval holds fewer
-    distinct offsets. ``max_len``: the longest sequence served (tokens, vLLM's
-    ``max_model_len``)."""
+    ``max_len <= window`` (0: no served length given) or ``count`` is 0, fewer than ``count``
+    when the interval holds fewer distinct offsets. ``max_len``: the longest sequence served
+    (tokens, vLLM's ``max_model_len``)."""
     if window <= 0 or max_len < 0 or count < 0:
         raise ValueError(f"range_offsets needs max_len >= 0, window > 0 and count >= 0, got "
                          f"max_len={max_len}, window={window}, count={count}")
