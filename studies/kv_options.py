@@ -11,7 +11,9 @@ Each is a :class:`~vllm_nvfp4.calibration.kv_hooks.KVOption`, passed to
   unquantized, or NVFP4 before K centering for more than the one key the policy's
   ``k_sink_uncentered`` serves);
 * :class:`HeadFormats` - single KV heads of a K or V slot in the other format (the paged cache
-  holds one format per slot).
+  holds one format per slot);
+* :class:`RotatingCenter` - K centered on a position-dependent offset ``R(p) b`` (the pre-RoPE
+  key mean rotated to each key's position) instead of the policy's constant ``mu``.
 """
 
 from __future__ import annotations
@@ -201,3 +203,91 @@ class _BoundHeadFormats(KVOption):
     def stored_value(self, layer: int, stored: torch.Tensor, value: torch.Tensor,
                      quant: LayerQuant, nonfinite: NonFinite, nvfp4_decoding: str) -> torch.Tensor:
         return self._requantize(layer, "v", stored, value, nonfinite, nvfp4_decoding)
+
+
+# ---------------------------------------------------------------------------- rotating K centering
+def rope_frequencies(model: torch.nn.Module) -> tuple[torch.Tensor, float]:
+    """``(inv_freq [head_dim / 2] FP32, attention_scaling)`` of a Llama-style model's RoPE
+    (``model.model.rotary_emb``)."""
+    emb = model.model.rotary_emb
+    return emb.inv_freq.detach().float().cpu(), float(getattr(emb, "attention_scaling", 1.0))
+
+
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+             scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin [len(positions), head_dim]`` (FP32, times ``scaling``) as transformers builds
+    them: the angles ``p * inv_freq`` repeated for both halves (rotate_half pairs ``(i, i + D/2)``)."""
+    ang = positions.float()[:, None] * inv_freq.float()[None, :]
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos() * scaling, ang.sin() * scaling
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def rope_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                scaling: float = 1.0) -> torch.Tensor:
+    """``R(p) x`` for ``x [..., seq, head_dim]`` at ``positions [seq]`` (FP32): the model's RoPE."""
+    cos, sin = _cos_sin(positions, inv_freq, scaling)
+    x = x.float()
+    return x * cos + _rotate_half(x) * sin
+
+
+def rope_unrotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                  scaling: float = 1.0) -> torch.Tensor:
+    """``R(p)^-1 x`` (FP32): the pre-RoPE key of a post-RoPE key ``x [..., seq, head_dim]``."""
+    cos, sin = _cos_sin(positions, inv_freq, scaling)
+    x = x.float()
+    return (x * cos - _rotate_half(x) * sin) / (scaling * scaling)
+
+
+@dataclass(frozen=True)
+class RotatingCenter(KVOption):
+    """K centered on ``R(p) b`` in the layers of ``offsets``: ``b [kv_heads, head_dim]`` is the
+    mean pre-RoPE key, ``R(p)`` the model's RoPE at the key's position ``p`` (the sequence index:
+    every sequence from position 0). The cache stores ``K - R(p) b`` in the layer's K format and
+    scale, and the attention reads ``dequant + R(p) b`` (what a kernel would attend that
+    subtracts the offset when writing and adds ``q . R(p) b`` per key). ``sink[layer]`` (bool
+    ``[kv_heads]``): heads whose key at position 0 is stored uncentered (quantized as computed).
+    Those layers must carry no policy K transform (the option replaces the centering: :meth:`bind`
+    checks it)."""
+
+    inv_freq: torch.Tensor
+    scaling: float
+    offsets: Mapping[int, torch.Tensor]
+    sink: Mapping[int, torch.Tensor]
+
+    def bind(self, policy: Optional[KVPolicy], num_kv_heads: int) -> "RotatingCenter":
+        if policy is None:
+            raise ValueError("RotatingCenter needs a policy (it stores keys in its K formats)")
+        for layer, b in self.offsets.items():
+            lp = policy.layers[layer]
+            if lp.k_center is not None or lp.k_smooth is not None or lp.k_perm is not None:
+                raise ValueError(f"layer {layer}: RotatingCenter replaces the K centering; the "
+                                 "policy must not center, smooth or permute its K")
+            if b.shape[0] != num_kv_heads:
+                raise ValueError(f"layer {layer}: offsets for {b.shape[0]} KV heads, the model has {num_kv_heads}")
+        return self
+
+    def rotated_offset(self, layer: int, seq: int, device: torch.device) -> torch.Tensor:
+        """``R(p) b`` of ``layer`` for ``p = 0 .. seq-1``: FP32 ``[kv_heads, seq, head_dim]``."""
+        b = self.offsets[layer].float().to(device)
+        pos = torch.arange(seq, device=device)
+        return rope_rotate(b[:, None, :].expand(-1, seq, -1), pos, self.inv_freq.to(device), self.scaling)
+
+    def stored_key(self, layer: int, stored: torch.Tensor, key: torch.Tensor, raw_key: torch.Tensor,
+                   quant: LayerQuant, nonfinite: NonFinite, nvfp4_decoding: str) -> torch.Tensor:
+        if layer not in self.offsets:
+            return stored
+        off = self.rotated_offset(layer, raw_key.shape[-2], raw_key.device)
+        centered = (raw_key.float() - off).to(raw_key.dtype)
+        out = fake_quantize(centered, quant.k_fmt, quant.k_scale, nonfinite, nvfp4_decoding,
+                            dtype=torch.float32) + off
+        heads = self.sink.get(layer)
+        if heads is not None and bool(heads.any()) and raw_key.shape[-2]:
+            first = fake_quantize(raw_key[..., :1, :], quant.k_fmt, quant.k_scale, nonfinite,
+                                  nvfp4_decoding, dtype=torch.float32)
+            out[..., :1, :] = torch.where(heads.to(out.device)[:, None, None], first, out[..., :1, :])
+        return out.to(stored.dtype)

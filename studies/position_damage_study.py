@@ -62,9 +62,12 @@ def _times(scale: Any, factor: float) -> Any:
 
 
 def position_damage(model: Any, windows: Any, policies: dict[str, Any],
-                    edges: Sequence[int]) -> dict[str, dict[str, Any]]:
+                    edges: Sequence[int],
+                    options: Optional[dict[str, Sequence[Any]]] = None) -> dict[str, dict[str, Any]]:
     """Per policy: ``kl`` and ``top1`` over all positions of ``windows [n, T]`` and per range
-    ``a-b`` of ``edges`` (``kl_by_pos``, ``top1_by_pos``) against the unquantized forward."""
+    ``a-b`` of ``edges`` (``kl_by_pos``, ``top1_by_pos``) against the unquantized forward.
+    ``options``: per policy name, the study options (:class:`~vllm_nvfp4.calibration.kv_hooks.KVOption`)
+    it runs with (default none)."""
     import torch
 
     from vllm_nvfp4.calibration.kv_hooks import kv_cache_quantization
@@ -78,7 +81,7 @@ def position_damage(model: Any, windows: Any, policies: dict[str, Any],
             print(f"window {i + 1} of {len(windows)}: {len(policies)} policies", flush=True)
             ref = model(w[None]).logits[0].float().log_softmax(-1)
             for name, policy in policies.items():
-                with kv_cache_quantization(model, policy):
+                with kv_cache_quantization(model, policy, options=(options or {}).get(name, ())):
                     lp = model(w[None]).logits[0].float().log_softmax(-1)
                 kls[name].append((ref.exp() * (ref - lp)).sum(-1))
                 agree[name].append((lp.argmax(-1) == ref.argmax(-1)).float())
