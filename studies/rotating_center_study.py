@@ -160,6 +160,16 @@ def _sink_flags(first_amax: Any, amax: float) -> Any:
     return _sink_fits(first_amax, torch.tensor([amax]), per_head=False)
 
 
+def baselines(policy: Any) -> dict[str, Any]:
+    """POLICY's own constant-offset configs, the ends of the all-NVFP4 -> FP8 gap: as served, every
+    layer FP8, every layer NVFP4 with the sink key centered (measured only when named)."""
+    from vllm_nvfp4.calibration.sensitivity import all_format
+    from vllm_nvfp4.calibration.sink_choice import without_sink_key
+
+    return {"constant, served": policy, "constant, all-FP8": all_format(policy, "fp8"),
+            "constant, all-NVFP4 centered": without_sink_key(all_format(policy, "nvfp4"))}
+
+
 def variant_policies(policy: Any, cal: dict[str, Any], inv_freq: Any, scaling: float,
                      thetas: Sequence[float]) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     """``(policies, options)``: per config name its policy and study options (module doc)."""
@@ -182,8 +192,10 @@ def variant_policies(policy: Any, cal: dict[str, Any], inv_freq: Any, scaling: f
         sink[i] = torch.tensor([bool(flags)] * heads if not isinstance(flags, tuple) else list(flags))
     rot = replace(policy, layers=tuple(rot_layers))
     option = RotatingCenter(inv_freq, scaling, {i: cal["b"][i] for i in layers}, sink)
-    policies = {"rotating, served": rot, "rotating, all-FP8": all_format(rot, "fp8")}
+    policies = {"rotating, served": rot, "rotating, all-FP8": all_format(rot, "fp8"),
+                "rotating, all-NVFP4": all_format(rot, "nvfp4")}
     options = {name: [option] for name in policies}
+    policies.update(baselines(policy))
     for theta in thetas:
         slow = list(policy.layers)
         for i in layers:
@@ -219,7 +231,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--served", type=int, default=8192, help="served length the range covers")
     ap.add_argument("--thetas", type=float, nargs="*", default=[1.0])
-    ap.add_argument("--configs", nargs="*", default=None, help="config names to measure (default all)")
+    ap.add_argument("--configs", nargs="*", default=None,
+                    help="config names to measure (default: every variant; the constant-offset baselines only by name)")
     a = ap.parse_args(argv)
     t0 = time.time()
     policy, model, ids = load_long_text(a, "rotating_center.json", a.window * a.windows)
@@ -235,8 +248,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"RoPE check {rope_err:.2e}; mu vs policy {mu_err:.2e}; policy K scale reproduced "
           f"{min(scale_ratio):.4f}-{max(scale_ratio):.4f}", flush=True)
     policies, options = variant_policies(policy, cal, inv_freq, scaling, a.thetas)
-    if a.configs:
-        policies = {n: policies[n] for n in a.configs}
+    unknown = sorted(set(a.configs or ()) - set(policies))
+    if unknown:
+        ap.error(f"unknown --configs {unknown}; choose from {sorted(policies)}")
+    base_names = set(baselines(policy))
+    policies = {n: p for n, p in policies.items() if (n in a.configs if a.configs else n not in base_names)}
     windows = torch.tensor(ids[len(ids) - a.window * a.windows:]).view(a.windows, a.window)
     result = position_damage(model, windows, policies, a.edges, options)
     per_layer = [{"layer": i,
