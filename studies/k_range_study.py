@@ -13,10 +13,9 @@ scales saturate). Writes ``DIR/k_range.json`` and ``DIR/k_range.md``.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Optional, Sequence
 
-from studies.position_damage_study import load_long_text, long_window_parser
+from studies.position_damage_study import load_long_text, long_window_parser, write_results
 
 
 def k_range(model: Any, ids: Sequence[int], policy: Any, lengths: Sequence[int]) -> list[dict[str, Any]]:
@@ -65,11 +64,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     policy, model, ids = load_long_text(a, "k_range.json", a.window)
     lengths = sorted({*[e for e in a.edges if 0 < e < a.window], a.window})
     rows = k_range(model, ids[-a.window:], policy, lengths)
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "k_range.json").write_text(json.dumps({"model": str(a.model), "policy": str(a.policy),
-                                                    "window": a.window, "layers": rows}, indent=1) + "\n")
-    (a.out / "k_range.md").write_text(table(rows))
-    print(table(rows), end="")
+    write_results(a.out, "k_range", {"model": str(a.model), "policy": str(a.policy), "window": a.window,
+                                     "layers": rows}, table(rows))
     return 0
 
 

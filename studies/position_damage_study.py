@@ -142,23 +142,32 @@ def load_long_text(a: argparse.Namespace, out_file: str, tokens: int) -> tuple[A
     return policy, model, ids
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def tail_windows(ids: Sequence[int], window: int, count: int) -> Any:
+    """The last ``count`` windows of ``window`` tokens of ``ids``, as a tensor ``[count, window]``."""
     import torch
 
+    return torch.tensor(list(ids[len(ids) - window * count:])).view(count, window)
+
+
+def write_results(out: Path, stem: str, summary: dict[str, Any], markdown: str) -> None:
+    """``out/stem.json`` (``summary``) and ``out/stem.md`` (``markdown``); prints the markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown)
+    print(markdown, end="")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = long_window_parser(__doc__)
     ap.add_argument("--windows", type=int, default=3)
     a = ap.parse_args(argv)
     t0 = time.time()
     policy, model, ids = load_long_text(a, "position_damage.json", a.window * a.windows)
-    windows = torch.tensor(ids[len(ids) - a.window * a.windows:]).view(a.windows, a.window)
-    result = position_damage(model, windows, configurations(policy), a.edges)
-    a.out.mkdir(parents=True, exist_ok=True)
-    summary = {"model": str(a.model), "text": str(a.text), "policy": str(a.policy), "window": a.window,
-               "windows": a.windows, "dtype": a.dtype, "seconds": round(time.time() - t0, 1),
-               "configs": result}
-    (a.out / "position_damage.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (a.out / "position_damage.md").write_text(table(result))
-    print(table(result), end="")
+    result = position_damage(model, tail_windows(ids, a.window, a.windows), configurations(policy), a.edges)
+    write_results(a.out, "position_damage",
+                  {"model": str(a.model), "text": str(a.text), "policy": str(a.policy), "window": a.window,
+                   "windows": a.windows, "dtype": a.dtype, "seconds": round(time.time() - t0, 1),
+                   "configs": result}, table(result))
     return 0
 
 

@@ -17,12 +17,11 @@ there. Writes ``DIR/range_offsets.json`` and ``DIR/range_offsets.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from studies.position_damage_study import TAIL_CHARS
+from studies.position_damage_study import TAIL_CHARS, tail_windows, write_results
 
 HELD_OUT_WINDOWS = 3
 
@@ -124,13 +123,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     calib = load_windows([BUILTIN_TEXT], tok, a.window, count=0, calib=a.windows).calib
     length = a.served - 16
     ids = tok(a.text.read_text(encoding="utf-8")[-TAIL_CHARS:], add_special_tokens=False)["input_ids"]
-    held = torch.tensor(ids[len(ids) - length * HELD_OUT_WINDOWS:]).view(HELD_OUT_WINDOWS, length)
+    held = tail_windows(ids, length, HELD_OUT_WINDOWS)
     result = study(model, calib, held, a.served, a.counts, a.range_windows)
     result.update(model=str(a.model), text=str(a.text), dtype=a.dtype)
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "range_offsets.json").write_text(json.dumps(result, indent=1) + "\n")
-    (a.out / "range_offsets.md").write_text(table(result))
-    print(table(result), end="")
+    write_results(a.out, "range_offsets", result, table(result))
     return 0
 
 

@@ -31,13 +31,13 @@ here. Writes ``DIR/rotating_center.json`` and ``DIR/rotating_center.md``.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from studies.position_damage_study import long_window_parser, load_long_text, position_damage, table
+from studies.position_damage_study import (long_window_parser, load_long_text, position_damage, table,
+                                           tail_windows, write_results)
 
 
 @dataclass
@@ -255,8 +255,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error(f"unknown --configs {unknown}; choose from {sorted(policies)}")
     base_names = set(baselines(policy))
     policies = {n: p for n, p in policies.items() if (n in a.configs if a.configs else n not in base_names)}
-    windows = torch.tensor(ids[len(ids) - a.window * a.windows:]).view(a.windows, a.window)
-    result = position_damage(model, windows, policies, a.edges, options)
+    result = position_damage(model, tail_windows(ids, a.window, a.windows), policies, a.edges, options)
     per_layer = [{"layer": i,
                   "k_amax": {n: round(v[i], 4) for n, v in cal["amax"].items()},
                   "b_pair_norm_max": round(float(cal["b"][i].view(cal["b"][i].shape[0], 2, -1)
@@ -268,10 +267,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                "rope_check_rel_err": rope_err, "mu_vs_policy_max_abs": mu_err,
                "policy_k_scale_reproduced": [round(min(scale_ratio), 5), round(max(scale_ratio), 5)],
                "seconds": round(time.time() - t0, 1), "layers": per_layer, "configs": result}
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "rotating_center.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (a.out / "rotating_center.md").write_text(table(result))
-    print(table(result), end="")
+    write_results(a.out, "rotating_center", summary, table(result))
     return 0
 
 
