@@ -102,7 +102,7 @@ def test_engine_kwargs():
                         '{"async_scheduling": false, "enable_prefix_caching": true}'])
     kw = engine_kwargs(extra, "nvfp4_mixed", None)
     assert kw["async_scheduling"] is False and kw["enable_prefix_caching"] is True
-    for bad in ("[1]", "{oops"):
+    for bad in ("[1]", "{oops", '{"kv_cache_dtype": "fp8"}'):
         with pytest.raises(SystemExit):
             parse_args(["--out", "/x", "--engine-args", bad])
 

@@ -41,6 +41,10 @@ def _engine_args(text: str) -> dict:
         raise ValueError(f"--engine-args must be a JSON object: {e}") from None
     if not isinstance(value, dict):
         raise ValueError(f"--engine-args must be a JSON object, got {type(value).__name__}")
+    per_config = sorted(set(value) & {"model", "kv_cache_dtype", "attention_backend"})
+    if per_config:
+        raise ValueError(f"--engine-args cannot set {per_config}: each configuration sets them "
+                         "(use --model and --dtypes)")
     return value
 
 
