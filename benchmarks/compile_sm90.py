@@ -64,8 +64,9 @@ def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: st
     prefill = kind == "prefill"
     sig = {n: "*bf16" for n in ("query_ptr", "out_ptr")}
     sig.update(cache_ptr="*u8", k_scale_ptr="*fp32", v_scale_ptr="*fp32")
-    if "sinks_ptr" in fn_of(kind).arg_names:
-        sig.update(sinks_ptr="*fp32")
+    for name in ("sinks_ptr", "key0_shift_ptr"):
+        if name in fn_of(kind).arg_names:
+            sig[name] = "*fp32"
     sig.update(block_table_ptr="*i32",
                seq_lens_ptr="*i32", qsl_ptr="*i32")
     if prefill:
@@ -102,6 +103,9 @@ def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: st
         raise SystemExit("this attention module has no head-dim parts")
     if "STAGES" in fn.arg_names:
         const.update(STAGES=stages)
+    for flag in ("USE_KEY0", "KEY0_IN_LOOP"):  # the sink key's correction: off
+        if flag in fn.arg_names:
+            const[flag] = False
     if "PREFETCH" in fn.arg_names:  # an older module (--module) with register prefetch: its own default
         const.update(PREFETCH="nvfp4" in (lay.k_format, lay.v_format))
     for k, v in const.items():
@@ -122,7 +126,7 @@ def fn_of(kind: str):
     return getattr(A, "_decode_keys_kernel", A._decode_kernel)
 
 
-_INSTR = re.compile(r"/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)[^;]*;")
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)[^;]*;")
 
 
 def tile_loops(sass: str) -> list[collections.Counter]:
