@@ -13,12 +13,13 @@ Each is a :class:`~vllm_nvfp4.calibration.kv_hooks.KVOption`, passed to
 * :class:`HeadFormats` - single KV heads of a K or V slot in the other format (the paged cache
   holds one format per slot);
 * :class:`RotatingCenter` - K centered on a position-dependent offset ``R(p) b`` (the pre-RoPE
-  key mean rotated to each key's position) instead of the policy's constant ``mu``.
+  key mean rotated to each key's position) instead of the policy's constant ``mu``; with
+  :func:`hybrid_offsets`, ``R(p) b`` on a few RoPE pairs and a constant offset on the others.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 import torch
@@ -243,6 +244,19 @@ def rope_unrotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tens
     return (x * cos - _rotate_half(x) * sin) / (scaling * scaling)
 
 
+def hybrid_offsets(b: torch.Tensor, mu: torch.Tensor, pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(b', mu')`` for :class:`RotatingCenter` (``offsets``, ``constant``) that rotate ``b
+    [kv_heads, head_dim]`` only on each head's ``pairs`` RoPE pairs ``(i, i + head_dim/2)`` of
+    largest ``|b_pair|`` and keep the constant post-RoPE offset ``mu`` on the others (``b'`` is 0
+    where ``mu'`` is not). ``pairs = head_dim/2``: ``(b, 0)``; ``0``: ``(0, mu)``."""
+    half = b.shape[-1] // 2
+    norm = b.float().view(*b.shape[:-1], 2, half).norm(dim=-2)  # [kv_heads, half]
+    keep = torch.zeros_like(norm, dtype=torch.bool)
+    keep.scatter_(-1, norm.topk(min(pairs, half), dim=-1).indices, True)
+    keep = torch.cat([keep, keep], dim=-1)
+    return torch.where(keep, b.float(), 0.0), torch.where(keep, 0.0, mu.float())
+
+
 @dataclass(frozen=True)
 class RotatingCenter(KVOption):
     """K centered on ``R(p) b`` in the layers of ``offsets``: ``b [kv_heads, head_dim]`` is the
@@ -258,6 +272,9 @@ class RotatingCenter(KVOption):
     scaling: float
     offsets: Mapping[int, torch.Tensor]
     sink: Mapping[int, torch.Tensor]
+    #: per layer a constant post-RoPE offset ``[kv_heads, head_dim]`` added to ``R(p) b`` (the
+    #: hybrid of :func:`hybrid_offsets`: nonzero only on the pairs where ``b`` is 0)
+    constant: Mapping[int, torch.Tensor] = field(default_factory=dict)
 
     def bind(self, policy: Optional[KVPolicy], num_kv_heads: int) -> "RotatingCenter":
         if policy is None:
@@ -272,10 +289,13 @@ class RotatingCenter(KVOption):
         return self
 
     def rotated_offset(self, layer: int, seq: int, device: torch.device) -> torch.Tensor:
-        """``R(p) b`` of ``layer`` for ``p = 0 .. seq-1``: FP32 ``[kv_heads, seq, head_dim]``."""
+        """``R(p) b`` (plus the layer's ``constant``) of ``layer`` for ``p = 0 .. seq-1``: FP32
+        ``[kv_heads, seq, head_dim]``."""
         b = self.offsets[layer].float().to(device)
         pos = torch.arange(seq, device=device)
-        return rope_rotate(b[:, None, :].expand(-1, seq, -1), pos, self.inv_freq.to(device), self.scaling)
+        off = rope_rotate(b[:, None, :].expand(-1, seq, -1), pos, self.inv_freq.to(device), self.scaling)
+        c = self.constant.get(layer)
+        return off if c is None else off + c.float().to(device)[:, None, :]
 
     def stored_key(self, layer: int, stored: torch.Tensor, key: torch.Tensor, raw_key: torch.Tensor,
                    quant: LayerQuant, nonfinite: NonFinite, nvfp4_decoding: str) -> torch.Tensor:

@@ -3,7 +3,8 @@
 positions (CPU, reference path)?
 
     python -m studies.rotating_center_study MODEL TEXT --policy POLICY.json --out DIR
-        [--served 8192] [--thetas 1.0 0.5] [--configs NAME ...] [--window 8176] [--windows 3]
+        [--served 8192] [--thetas 1.0 0.5] [--rot-pairs 4 8] [--configs NAME ...] [--window 8176]
+        [--windows 3]
 
 K centering stores ``K - mu`` with ``mu`` the mean post-RoPE key of calibration windows at
 positions ``0 .. L-1``; at a far position RoPE has turned the keys' mean ``R(p) b`` (``b``: the
@@ -16,6 +17,9 @@ the position offsets of :func:`~vllm_nvfp4.calibration.position_range.range_offs
 * ``rotating``: :class:`~studies.kv_options.RotatingCenter`, the cache stores ``K - R(p) b``,
   ``b`` = the mean of ``R(p)^-1 K(p)`` over the windows at position 0; K scales from the amax of
   ``K - R(p) b`` over all runs;
+* ``rotating k`` (``--rot-pairs``): ``R(p) b`` only on each KV head's ``k`` RoPE pairs of largest
+  ``|b_pair|``, the constant ``mu`` on the others (:func:`~studies.kv_options.hybrid_offsets`:
+  only the ``k`` pairs need a per-key logit term), K scales the same way;
 * ``slow theta``: the policy's ``mu`` kept only on the channel pairs whose RoPE angle over the
   served length stays below ``theta`` rad (``inv_freq * served < theta``), 0 elsewhere; K scales
   from the amax of ``K - mu'`` over all runs (a calibration-only change).
@@ -115,13 +119,14 @@ def check_rope(model: Any, ids: Any, offset: int = 0, atol: float = 1e-4) -> flo
 
 
 def calibrate(runs: list[tuple[int, dict[int, Any]]], inv_freq: Any, scaling: float, served: int,
-              thetas: Sequence[float]) -> dict[str, Any]:
+              thetas: Sequence[float], rot_pairs: Sequence[int] = ()) -> dict[str, Any]:
     """Per layer ``mu`` (post-RoPE mean), ``b`` (pre-RoPE mean) from the runs at offset 0; per
-    variant (``policy mu``, ``rotating``, ``slow <theta>``) the K amax over all runs (shifted
-    runs without their first key) and the per-head amax of the first keys (uncentered)."""
+    variant (``policy mu``, ``rotating``, ``rotating <k>``, ``slow <theta>``) the K amax over all
+    runs (shifted runs without their first key) and the per-head amax of the first keys
+    (uncentered); ``hybrid[k][layer]``: ``rotating <k>``'s ``(b', mu')``."""
     import torch
 
-    from studies.kv_options import rope_rotate, rope_unrotate
+    from studies.kv_options import hybrid_offsets, rope_rotate, rope_unrotate
 
     layers = sorted(runs[0][1])
     base = [keys for o, keys in runs if o == 0]
@@ -134,6 +139,10 @@ def calibrate(runs: list[tuple[int, dict[int, Any]]], inv_freq: Any, scaling: fl
     variants: dict[str, Callable[[int, Any], Any]] = {
         "policy mu": lambda i, p: mu[i][:, None, :],
         "rotating": lambda i, p: rope_rotate(b[i][:, None, :].expand(-1, len(p), -1), p, inv_freq, scaling)}
+    hybrid = {k: {i: hybrid_offsets(b[i], mu[i], k) for i in layers} for k in rot_pairs}
+    for k in rot_pairs:
+        variants[f"rotating {k}"] = (lambda i, p, k=k: rope_rotate(
+            hybrid[k][i][0][:, None, :].expand(-1, len(p), -1), p, inv_freq, scaling) + hybrid[k][i][1][:, None, :])
     slow_mu = {}
     for theta in thetas:
         keep = (pair_angle < theta).float()
@@ -149,7 +158,7 @@ def calibrate(runs: list[tuple[int, dict[int, Any]]], inv_freq: Any, scaling: fl
                 a = float((k - off(i, p)).abs().max())
                 amax[name][i] = max(amax[name].get(i, 0.0), a)
     first = {i: torch.stack([r[i][:, 0] for r in base]).abs().amax(dim=(0, 2)) for i in layers}
-    return {"mu": mu, "b": b, "slow_mu": slow_mu, "amax": amax, "first_amax": first,
+    return {"mu": mu, "b": b, "hybrid": hybrid, "slow_mu": slow_mu, "amax": amax, "first_amax": first,
             "pairs_kept": {t: int((pair_angle[: len(inv_freq)] < t).sum()) for t in thetas}}
 
 
@@ -184,17 +193,23 @@ def variant_policies(policy: Any, cal: dict[str, Any], inv_freq: Any, scaling: f
 
     layers = [i for i, lp in enumerate(policy.layers) if lp.layer_type.holds_kv]
     heads = cal["mu"][layers[0]].shape[0]
-    rot_layers, sink = list(policy.layers), {}
-    for i in layers:
-        a = cal["amax"]["rotating"][i]
-        rot_layers[i] = replace(scaled(policy.layers[i], a), k_center=None, k_sink_uncentered=None)
-        flags = _sink_flags(cal["first_amax"][i], a)
-        sink[i] = torch.tensor([bool(flags)] * heads if not isinstance(flags, tuple) else list(flags))
-    rot = replace(policy, layers=tuple(rot_layers))
-    option = RotatingCenter(inv_freq, scaling, {i: cal["b"][i] for i in layers}, sink)
-    policies = {"rotating, served": rot, "rotating, all-FP8": all_format(rot, "fp8"),
-                "rotating, all-NVFP4": all_format(rot, "nvfp4")}
-    options = {name: [option] for name in policies}
+    policies: dict[str, Any] = {}
+    options: dict[str, list[Any]] = {}
+    rotating = {"rotating": ({i: cal["b"][i] for i in layers}, {})}
+    for k, h in cal.get("hybrid", {}).items():
+        rotating[f"rotating {k}"] = ({i: h[i][0] for i in layers}, {i: h[i][1] for i in layers})
+    for variant, (offsets, constant) in rotating.items():
+        rot_layers, sink = list(policy.layers), {}
+        for i in layers:
+            a = cal["amax"][variant][i]
+            rot_layers[i] = replace(scaled(policy.layers[i], a), k_center=None, k_sink_uncentered=None)
+            flags = _sink_flags(cal["first_amax"][i], a)
+            sink[i] = torch.tensor([bool(flags)] * heads if not isinstance(flags, tuple) else list(flags))
+        rot = replace(policy, layers=tuple(rot_layers))
+        option = RotatingCenter(inv_freq, scaling, offsets, sink, constant)
+        for name, p in ((f"{variant}, served", rot), (f"{variant}, all-FP8", all_format(rot, "fp8")),
+                        (f"{variant}, all-NVFP4", all_format(rot, "nvfp4"))):
+            policies[name], options[name] = p, [option]
     policies.update(baselines(policy))
     for theta in thetas:
         slow = list(policy.layers)
@@ -231,6 +246,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--served", type=int, default=8192, help="served length the range covers")
     ap.add_argument("--thetas", type=float, nargs="*", default=[1.0])
+    ap.add_argument("--rot-pairs", type=int, nargs="*", default=[],
+                    help="RoPE pairs per KV head of the hybrid variants 'rotating K' (module doc)")
     ap.add_argument("--configs", nargs="*", default=None,
                     help="config names to measure (default: every variant; the constant-offset baselines only by name)")
     a = ap.parse_args(argv)
@@ -243,7 +260,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tol = 1e-4 if a.dtype == "float32" else 2 ** -7 if a.dtype == "bfloat16" else 2 ** -10
     rope_err = max(check_rope(model, calib[:1], atol=tol), check_rope(model, calib[:1], offsets[-1], atol=tol))
     inv_freq, scaling = rope_frequencies(model)
-    cal = calibrate(collect_keys(model, calib, offsets), inv_freq, scaling, a.served, a.thetas)
+    cal = calibrate(collect_keys(model, calib, offsets), inv_freq, scaling, a.served, a.thetas, a.rot_pairs)
     layers = sorted(cal["mu"])
     mu_err = max(float((cal["mu"][i] - torch.tensor(policy.layers[i].k_center)).abs().max()) for i in layers)
     scale_ratio = [cal["amax"]["policy mu"][i] / 448 / policy.layers[i].k_scale for i in layers]
@@ -259,11 +276,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     per_layer = [{"layer": i,
                   "k_amax": {n: round(v[i], 4) for n, v in cal["amax"].items()},
                   "b_pair_norm_max": round(float(cal["b"][i].view(cal["b"][i].shape[0], 2, -1)
-                                                 .norm(dim=1).max()), 4)}
+                                                 .norm(dim=1).max()), 4),
+                  # share of |b|^2 on the rotated pairs of each hybrid variant
+                  "b_sq_share_rotated": {str(k): round(float(h[i][0].square().sum() / cal["b"][i].square().sum()), 4)
+                                         for k, h in cal["hybrid"].items()}}
                  for i in layers]
     summary = {"model": str(a.model), "text": str(a.text), "policy": str(a.policy), "window": a.window,
                "windows": a.windows, "dtype": a.dtype, "served": a.served, "offsets": list(offsets),
-               "thetas": a.thetas, "pairs_kept": {str(k): v for k, v in cal["pairs_kept"].items()},
+               "thetas": a.thetas, "rot_pairs": a.rot_pairs, "pairs_kept": {str(k): v for k, v in cal["pairs_kept"].items()},
                "rope_check_rel_err": rope_err, "mu_vs_policy_max_abs": mu_err,
                "policy_k_scale_reproduced": [round(min(scale_ratio), 5), round(max(scale_ratio), 5)],
                "seconds": round(time.time() - t0, 1), "layers": per_layer, "configs": result}

@@ -91,3 +91,59 @@ def test_calibration_recovers_a_planted_pre_rope_mean():
     kept = (torch.cat([inv_freq, inv_freq]) * 1000 < 0.5)
     assert cal["pairs_kept"][0.5] == int(kept[:16].sum()) > 0
     assert torch.equal(cal["slow_mu"][0.5][0] == 0, ~kept.expand(2, -1) | (cal["mu"][0] == 0))
+
+
+def test_hybrid_with_every_pair_is_the_rotating_option_and_with_none_the_constant_centering():
+    from dataclasses import replace
+
+    from studies.kv_options import hybrid_offsets
+
+    model = tiny_model(num_layers=2)
+    ids = _ids(40, seed=5)
+    policy = _calibrated(model, ids, "nvfp4")
+    full = _option(model, heads=2)
+    g = torch.Generator().manual_seed(1)
+    mu = {i: torch.randn(2, 32, generator=g) for i in full.offsets}
+
+    def hybrid(k: int) -> RotatingCenter:
+        h = {i: hybrid_offsets(b, mu[i], k) for i, b in full.offsets.items()}
+        return replace(full, offsets={i: x[0] for i, x in h.items()}, constant={i: x[1] for i, x in h.items()})
+
+    # k pairs per head, the (i, i + 16) pairs of largest |b_pair|
+    b4, c4 = hybrid_offsets(full.offsets[0], mu[0], 4)
+    norm = full.offsets[0].view(2, 2, 16).norm(dim=1)
+    for h in range(2):
+        kept = (b4[h, :16] != 0)
+        assert torch.equal(kept, b4[h, 16:] != 0) and int(kept.sum()) == 4
+        assert float(norm[h][kept].min()) >= float(norm[h][~kept].max())
+        assert torch.equal(c4[h] == 0, torch.cat([kept, kept]))
+    none = replace(hybrid(0), sink={i: torch.zeros(2, dtype=torch.bool) for i in full.offsets})
+    centered = replace(policy, layers=tuple(replace(lp, k_center=tuple(tuple(map(float, r)) for r in mu[i]))
+                                            for i, lp in enumerate(policy.layers)))
+    with torch.no_grad():
+        with kv_cache_quantization(model, policy, options=[full]):
+            rotating = model(ids).logits
+        with kv_cache_quantization(model, policy, options=[hybrid(16)]):
+            every = model(ids).logits
+        with kv_cache_quantization(model, policy, options=[none]):
+            constant = model(ids).logits
+        with kv_cache_quantization(model, centered):
+            ref = model(ids).logits
+    assert torch.equal(every, rotating)
+    torch.testing.assert_close(constant, ref, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(constant, rotating, atol=1e-3)
+
+
+def test_calibration_of_the_hybrid_ends():
+    torch.manual_seed(0)
+    inv_freq = 10000.0 ** (-torch.arange(0, 16) / 16)
+    b = 4 * torch.randn(2, 32)
+    seq, runs = 64, []
+    for offset in (0, 0, 500, 900):
+        pos = torch.arange(offset, offset + seq)
+        keys = rope_rotate(b[:, None, :].expand(-1, seq, -1), pos, inv_freq) + 0.01 * torch.randn(2, seq, 32)
+        runs.append((offset, {0: keys}))
+    cal = calibrate(runs, inv_freq, 1.0, served=1000, thetas=[], rot_pairs=[0, 4, 16])
+    assert cal["amax"]["rotating 16"][0] == cal["amax"]["rotating"][0]
+    assert cal["amax"]["rotating 0"][0] == cal["amax"]["policy mu"][0]
+    assert cal["amax"]["rotating"][0] < cal["amax"]["rotating 4"][0] < cal["amax"]["policy mu"][0]
