@@ -75,15 +75,22 @@ def test_the_option_refuses_a_centered_policy():
             pass
 
 
-def test_calibration_recovers_a_planted_pre_rope_mean():
+def _planted_runs() -> tuple[torch.Tensor, torch.Tensor, list]:
+    """``(inv_freq, b, runs)``: keys ``R(p) b`` plus small noise (2 KV heads, head_dim 32) of one
+    layer at positions 0 (twice), 500 and 900, 64 tokens each, as :func:`calibrate` takes them."""
     torch.manual_seed(0)
-    inv_freq = 10000.0 ** (-torch.arange(0, 16) / 16)  # head_dim 32
+    inv_freq = 10000.0 ** (-torch.arange(0, 16) / 16)
     b = 4 * torch.randn(2, 32)
     seq, runs = 64, []
     for offset in (0, 0, 500, 900):
         pos = torch.arange(offset, offset + seq)
         keys = rope_rotate(b[:, None, :].expand(-1, seq, -1), pos, inv_freq) + 0.01 * torch.randn(2, seq, 32)
         runs.append((offset, {0: keys}))
+    return inv_freq, b, runs
+
+
+def test_calibration_recovers_a_planted_pre_rope_mean():
+    inv_freq, b, runs = _planted_runs()
     cal = calibrate(runs, inv_freq, 1.0, served=1000, thetas=[0.5])
     assert torch.allclose(cal["b"][0], b, atol=0.02)
     # the rotating offset leaves only the noise; a constant mean leaves the far keys' drift
@@ -135,14 +142,7 @@ def test_hybrid_with_every_pair_is_the_rotating_option_and_with_none_the_constan
 
 
 def test_calibration_of_the_hybrid_ends():
-    torch.manual_seed(0)
-    inv_freq = 10000.0 ** (-torch.arange(0, 16) / 16)
-    b = 4 * torch.randn(2, 32)
-    seq, runs = 64, []
-    for offset in (0, 0, 500, 900):
-        pos = torch.arange(offset, offset + seq)
-        keys = rope_rotate(b[:, None, :].expand(-1, seq, -1), pos, inv_freq) + 0.01 * torch.randn(2, seq, 32)
-        runs.append((offset, {0: keys}))
+    inv_freq, _, runs = _planted_runs()
     cal = calibrate(runs, inv_freq, 1.0, served=1000, thetas=[], rot_pairs=[0, 4, 16])
     assert cal["amax"]["rotating 16"][0] == cal["amax"]["rotating"][0]
     assert cal["amax"]["rotating 0"][0] == cal["amax"]["policy mu"][0]
