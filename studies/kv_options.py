@@ -250,9 +250,11 @@ def hybrid_offsets(b: torch.Tensor, mu: torch.Tensor, pairs: int) -> tuple[torch
     largest ``|b_pair|`` and keep the constant post-RoPE offset ``mu`` on the others (``b'`` is 0
     where ``mu'`` is not). ``pairs = head_dim/2``: ``(b, 0)``; ``0``: ``(0, mu)``."""
     half = b.shape[-1] // 2
+    if not 0 <= pairs <= half:
+        raise ValueError(f"pairs={pairs}: a head of dimension {b.shape[-1]} has {half} RoPE pairs")
     norm = b.float().view(*b.shape[:-1], 2, half).norm(dim=-2)  # [kv_heads, half]
     keep = torch.zeros_like(norm, dtype=torch.bool)
-    keep.scatter_(-1, norm.topk(min(pairs, half), dim=-1).indices, True)
+    keep.scatter_(-1, norm.topk(pairs, dim=-1).indices, True)
     keep = torch.cat([keep, keep], dim=-1)
     return torch.where(keep, b.float(), 0.0), torch.where(keep, 0.0, mu.float())
 

@@ -253,13 +253,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = ap.parse_args(argv)
     t0 = time.time()
     policy, model, ids = load_long_text(a, "rotating_center.json", a.window * a.windows)
+    inv_freq, scaling = rope_frequencies(model)
+    bad_pairs = [k for k in a.rot_pairs if not 0 <= k <= len(inv_freq)]
+    if bad_pairs:
+        ap.error(f"--rot-pairs {bad_pairs}: each must be 0 .. {len(inv_freq)} (the model's RoPE pairs per head)")
     _, tok, _ = load_model(a.model, a.dtype, "cpu")
     calib = calibration_windows(policy, tok, model)
     offsets = range_offsets(a.served, calib.shape[1])
     # the model's own RoPE rounds in its dtype (product and sum: two roundings of 2^-8 in bfloat16)
     tol = 1e-4 if a.dtype == "float32" else 2 ** -7 if a.dtype == "bfloat16" else 2 ** -10
     rope_err = max(check_rope(model, calib[:1], atol=tol), check_rope(model, calib[:1], offsets[-1], atol=tol))
-    inv_freq, scaling = rope_frequencies(model)
     cal = calibrate(collect_keys(model, calib, offsets), inv_freq, scaling, a.served, a.thetas, a.rot_pairs)
     layers = sorted(cal["mu"])
     mu_err = max(float((cal["mu"][i] - torch.tensor(policy.layers[i].k_center)).abs().max()) for i in layers)

@@ -116,6 +116,8 @@ def test_hybrid_with_every_pair_is_the_rotating_option_and_with_none_the_constan
         h = {i: hybrid_offsets(b, mu[i], k) for i, b in full.offsets.items()}
         return replace(full, offsets={i: x[0] for i, x in h.items()}, constant={i: x[1] for i, x in h.items()})
 
+    with pytest.raises(ValueError, match="16 RoPE pairs"):
+        hybrid_offsets(full.offsets[0], mu[0], 17)
     # k pairs per head, the (i, i + 16) pairs of largest |b_pair|
     b4, c4 = hybrid_offsets(full.offsets[0], mu[0], 4)
     norm = full.offsets[0].view(2, 2, 16).norm(dim=1)
