@@ -18,6 +18,16 @@ Writes JSON and prints a table last.
 key's logit correction on (a random ``key0_shift [kv_heads, head_dim]``, as a layer whose policy
 stores the sink key uncentered passes it), position 0's tile run alone or corrected in the
 pipelined loop (``LaunchShape.key0_in_loop``); their output differs from BEFORE's by the correction.
+
+``--rot-center`` adds the row ``rot``: the current default with the rotating-center correction on
+(K stored as ``k - R(p) b``: a random ``b [kv_heads, head_dim]`` and Llama-3.1's RoPE angles), and
+``rot_qN`` for each ``--rot-rows N`` (the correction's cos / sin tables of N rows,
+``LaunchShape.rot_rows``); the table ends with their time over ``new`` (the same kernel without
+it). Their output differs from BEFORE's by the correction.
+
+    python3 benchmarks/bench_variants.py --before /tmp/attention_before.py --variants \
+        --shapes 64x32768 16x32768 64x4096 16x4096 --formats nvfp4 fp8 --rot-center \
+        --out $OUT/rot.json
 """
 
 from __future__ import annotations
@@ -119,10 +129,21 @@ def load_module(path: str):
     return mod
 
 
-def timed(mod, lay, b, cache, out, smoke=False, key0_shift=None, **cfg) -> float:
+def llama3_theta(head_dim: int) -> torch.Tensor:
+    """Llama-3.1's RoPE angles per position (base 500000, the "llama3" scaling: factor 8,
+    low / high frequency factors 1 / 4, 8192 original positions), FP32 ``[head_dim / 2]``."""
+    inv = 500000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    wavelen = 2 * torch.pi / inv
+    smooth = ((8192 / wavelen - 1) / (4 - 1)).clamp(0, 1)
+    scaled = (1 - smooth) * inv / 8 + smooth * inv
+    return torch.where(wavelen > 8192, inv / 8, torch.where(wavelen < 2048, inv, scaled)).float()
+
+
+def timed(mod, lay, b, cache, out, smoke=False, key0_shift=None, rot_center=None, **cfg) -> float:
     """Time ``mod.paged_attention``; ``cfg`` replaces fields of the current module's default
     launch shape (empty: the module's own default, so a BEFORE module of any API works);
-    ``key0_shift``: the sink key's correction (current module only)."""
+    ``key0_shift``: the sink key's correction, ``rot_center``: ``(b, theta)`` of the rotating
+    center (current module only)."""
     ks = torch.full((bd.HKV,), 0.01, device=cache.device)
     vs = torch.full((bd.HKV,), 0.02, device=cache.device)
     launch = {}
@@ -134,6 +155,8 @@ def timed(mod, lay, b, cache, out, smoke=False, key0_shift=None, **cfg) -> float
         launch["sinks"] = bd.SINKS
     if key0_shift is not None:
         launch["key0_shift"] = key0_shift
+    if rot_center is not None:
+        launch["rot_center"] = rot_center
 
     def fn():
         mod.paged_attention(b.query, cache, lay, ks, vs, b.block_table, b.seq_lens, b.qsl,
@@ -162,6 +185,10 @@ def main() -> None:
     ap.add_argument("--sinks", action="store_true", help="attention sinks in every kernel")
     ap.add_argument("--key0-shift", action="store_true",
                     help="also time the current default with the sink key's logit correction")
+    ap.add_argument("--rot-center", action="store_true",
+                    help="also time the current default with the rotating-center correction")
+    ap.add_argument("--rot-rows", type=int, nargs="*", default=[],
+                    help="with --rot-center: also with tables of these row counts (rot_qN)")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shape, no timing")
     args = ap.parse_args()
     unknown = [v for v in args.variants if all(variant_config(v, k) is None for k in VARIANTS)]
@@ -194,6 +221,12 @@ def main() -> None:
                 shift = torch.randn(bd.HKV, bd.D, generator=gen).to(dev)
                 runs.append(("key0", new_mod, {"key0_shift": shift}))
                 runs.append(("key0_loop", new_mod, {"key0_shift": shift, "key0_in_loop": True}))
+            if args.rot_center:
+                rot = ((torch.randn(bd.HKV, bd.D, generator=gen) * 0.5).to(dev),
+                       llama3_theta(bd.D).to(dev))
+                runs.append(("rot", new_mod, {"rot_center": rot}))
+                runs += [(f"rot_q{n}", new_mod, {"rot_center": rot, "rot_rows": n})
+                         for n in args.rot_rows]
             kind = "prefill" if prefill else "decode"
             runs += [(v, new_mod, variant_config(v, kind)) for v in args.variants
                      if variant_config(v, kind) is not None]
@@ -201,7 +234,8 @@ def main() -> None:
             for label, mod, cfg in runs:
                 rec = {"kv_dtype": name, "batch": batch, "context": ctx, "variant": label,
                        "q_len": b.q_len,
-                       "config": {k: v for k, v in cfg.items() if k != "key0_shift"},
+                       "config": {k: v for k, v in cfg.items()
+                                  if k not in ("key0_shift", "rot_center")},
                        "kv_bytes": nbytes}
                 try:
                     rec["us"] = timed(mod, lay, b, cache, out, args.smoke, **cfg)
@@ -245,6 +279,21 @@ def main() -> None:
             else:
                 cells.append(f"{r['us']:>10.1f} ({r['rel_diff_vs_before']:.0e})")
         print(f"{kv:<15}{var:<22}" + "".join(cells))
+    if args.rot_center:
+        print("\n==== time with the rotating-center correction / without (new) ====")
+        for kv, var in keys:
+            if not var.startswith("rot"):
+                continue
+            cells = []
+            for s in args.shapes:
+                batch, ctx = map(int, s.split("x")[:2])
+                q_len = ctx if s.endswith("xP") else 1
+                pick = {r["variant"]: r.get("us") for r in res["records"]
+                        if r["kv_dtype"] == kv and r["batch"] == batch and r["context"] == ctx
+                        and r["q_len"] == q_len}
+                ok = pick.get(var) and pick.get("new")
+                cells.append(f"{pick[var] / pick['new']:>20.3f}" if ok else f"{'-':>20}")
+            print(f"{kv:<15}{var:<22}" + "".join(cells))
 
 
 if __name__ == "__main__":

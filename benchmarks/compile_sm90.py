@@ -55,16 +55,18 @@ def default_stages(lay: KVPageLayout, kind: str) -> int:
 
 def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: str = "decode",
                sinks: bool = False, rows: int = 16, variants: tuple = (), parts: int = 1,
-               stages: int = 3):
+               stages: int = 3, rot_rows: int = 0):
     """The decode or the prefill kernel (``kind``; prefill: ``rows`` query rows per program; with
     attention ``sinks`` or without) as Triton source for ``triton.compile``. A ``--module`` of a commit that still had the rows family:
     its keys kernels. ``variants``: names of LaunchShape code variants switched on
     (``hoist_query``, ``fold_k_scales``); ``parts``: the head-dim parts (``dim_parts``);
-    ``stages``: the tile loop's pipeline stages (``STAGES``, where the module has it)."""
+    ``stages``: the tile loop's pipeline stages (``STAGES``, where the module has it);
+    ``rot_rows``: with the rotating-center logit correction (``USE_ROT``), tables of that many
+    rows (``ROT_ROWS``); 0: without."""
     prefill = kind == "prefill"
     sig = {n: "*bf16" for n in ("query_ptr", "out_ptr")}
     sig.update(cache_ptr="*u8", k_scale_ptr="*fp32", v_scale_ptr="*fp32")
-    for name in ("sinks_ptr", "key0_shift_ptr"):
+    for name in ("sinks_ptr", "key0_shift_ptr", "rot_b_ptr", "rot_theta_ptr"):
         if name in fn_of(kind).arg_names:
             sig[name] = "*fp32"
     sig.update(block_table_ptr="*i32",
@@ -103,9 +105,12 @@ def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: st
         raise SystemExit("this attention module has no head-dim parts")
     if "STAGES" in fn.arg_names:
         const.update(STAGES=stages)
-    for flag in ("USE_KEY0", "KEY0_IN_LOOP"):  # the sink key's correction: off
+    for flag, value in (("USE_KEY0", False), ("KEY0_IN_LOOP", False),
+                        ("USE_ROT", rot_rows > 0), ("ROT_ROWS", rot_rows or 16)):
         if flag in fn.arg_names:
-            const[flag] = False
+            const[flag] = value
+        elif flag == "USE_ROT" and value:
+            raise SystemExit(f"this attention module has no {flag}")
     if "PREFETCH" in fn.arg_names:  # an older module (--module) with register prefetch: its own default
         const.update(PREFETCH="nvfp4" in (lay.k_format, lay.v_format))
     for k, v in const.items():
@@ -180,6 +185,10 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4, help="query heads per KV head (a power of 2)")
     ap.add_argument("--rows", type=int, default=16, help="prefill query rows per program")
     ap.add_argument("--sinks", action="store_true", help="with attention sinks (USE_SINKS)")
+    ap.add_argument("--rot-center", action="store_true",
+                    help="with the rotating-center logit correction (USE_ROT)")
+    ap.add_argument("--rot-rows", type=int,
+                    help="rows of its cos / sin tables (default: launch.rot_rows's)")
     ap.add_argument("--variant", nargs="*", choices=["none", *CODE_VARIANTS],
                     help="LaunchShape code variants to switch on, the others off (none: all off; "
                          "default: those of launch_defaults for each format pair)")
@@ -212,8 +221,10 @@ def main() -> None:
         stages = args.stages or default_stages(lay, kind)
         variants = (default_variants(lay, kind) if args.variant is None
                     else tuple(v for v in args.variant if v != "none"))
+        rot = (A.rot_rows(A.LaunchShape(tile, warps, rot_rows=args.rot_rows), tile)
+               if args.rot_center else 0)
         k = triton.compile(kernel_src(lay, tile, args.splits, args.group, kind, args.sinks,
-                                      args.rows, variants, dim_parts, stages),
+                                      args.rows, variants, dim_parts, stages, rot),
                            target=TARGET,
                            options=dict(num_warps=warps, num_stages=stages,
                                         **({"maxnreg": maxnreg} if maxnreg else {})))
@@ -226,7 +237,8 @@ def main() -> None:
         smem_ops = sum(c for o, c in body.items() if o.startswith(("STS", "LDS", "LDSM", "BAR")))
         spills = sum(c for o, c in body.items() if o.startswith(("STL", "LDL")))
         print(f"triton {triton.__version__} D {args.head_dim} {fmt:11} {kind:7} tile {tile:3} "
-              f"group {args.group}{' sinks' if args.sinks else ''} "
+              f"group {args.group}{' sinks' if args.sinks else ''}"
+              f"{f' rot_center {rot} rows' if rot else ''} "
               f"warps {warps}{f' parts {dim_parts}' if dim_parts > 1 else ''} "
               f"stages {stages}{''.join(' ' + v for v in variants)}: "
               f"regs {regs} smem {k.metadata.shared} "

@@ -14,6 +14,11 @@ Decode grid ``(seqs, kv_heads, splits)`` (flash-decoding; ``_reduce_kernel`` mer
 partials); prefill programs take ``BLOCK_Q`` query tokens x one KV head's GQA group, causal
 (+ window). Launch shapes: :mod:`vllm_nvfp4.kernels.launch`. Every launch parameter derives from
 host ints, never tensor contents, so the decode path is CUDA-graph capturable.
+
+Optional logit corrections (constexpr, off by default): ``key0_shift`` (the sink key stored
+uncentered, :func:`_key0_logit_shift`) and ``rot_center`` (K centered on the rotated pre-RoPE
+mean, ``k - R(p) b``: each key's ``q . R(p) b`` from two MMAs with constant cos / sin tables,
+:func:`_rot_center_setup`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import triton.language as tl
 from vllm_nvfp4.kernels.constants import E2M1_F16_UNSCALE, FMT_FP8, LOG2E, format_code
 from vllm_nvfp4.kernels.e2m1_bytes import e2m1_f16_scaled_f32, unpack_e2m1_pair
 from vllm_nvfp4.kernels.launch import (DEFAULT_STAGES, LaunchShape, decode_register_cap,
-                                       decode_splits, decode_stages, launch_defaults)
+                                       decode_splits, decode_stages, launch_defaults,
+                                       rot_rows)
 
 
 @triton.jit
@@ -88,6 +94,95 @@ def _key0_logit_shift(q_cols, col_ok, key0_shift_ptr, h, softmax_scale, covers_k
         mu = tl.load(key0_shift_ptr + h * D + d)
         out = tl.sum(q * mu[None, :], axis=1) * (softmax_scale * LOG2E)
     return out
+
+
+#: 2 pi in two FP32 parts (Cody-Waite) and 1 / (2 pi): :func:`_cos_sin`
+_TWO_PI_HI = tl.constexpr(6.2831854820251465)
+_TWO_PI_LO = tl.constexpr(-1.7484555314695172e-07)
+_INV_TWO_PI = tl.constexpr(0.15915494309189535)
+
+
+@triton.jit
+def _cos_sin(theta, p, F32: tl.constexpr = True):
+    """``cos, sin`` of the angle ``theta * p`` (FP32 ``theta``, integer ``p < 2^24``, broadcast)
+    to ~1e-6 at any ``p``: the product's rounding error kept (an FMA) and the angle reduced to
+    [-pi, pi] by two FMAs (a plain FP32 angle is off by up to 4e-3 rad at ``theta p ~ 1e5``),
+    then ``cos.approx`` / ``sin.approx`` (abs. error < 1e-6 there; ``tl.cos`` / ``tl.sin`` when
+    ``F32``, the interpreter)."""
+    pf = tl.zeros_like(theta) + p  # FP32, exact; tl.fma does not broadcast
+    th = theta + tl.zeros_like(pf)
+    x = th * pf
+    err = tl.fma(th, pf, -x)
+    n = tl.floor(x * _INV_TWO_PI + 0.5)
+    r = tl.fma(-n, tl.zeros_like(x) + _TWO_PI_HI, x)
+    r = tl.fma(-n, tl.zeros_like(x) + _TWO_PI_LO, r) + err
+    if F32:
+        return tl.cos(r), tl.sin(r)
+    else:
+        return (tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [r],
+                                          dtype=tl.float32, is_pure=True, pack=1),
+                tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [r],
+                                          dtype=tl.float32, is_pure=True, pack=1))
+
+
+@triton.jit
+def _rot_center_setup(q_cols, col_ok, rot_b_ptr, rot_theta_ptr, h, scale, t_begin,
+                      D: tl.constexpr, M: tl.constexpr, TILE_N: tl.constexpr, Q: tl.constexpr,
+                      F32: tl.constexpr):
+    """State of :func:`_rot_center_tile` at the first tile ``t_begin`` for the query columns
+    ``q_cols [M]`` of KV head ``h``, whose keys are stored as ``k - R(p) b`` (``b = rot_b[h]``,
+    ``R(p)`` the rotate-half RoPE at position ``p``: pair ``i`` = dims ``(i, i + D/2)`` turned by
+    ``theta_i p``). Per pair ``q . R(p) b = A_i cos(theta_i p) + B_i sin(theta_i p)`` with
+    ``A = q1 b1 + q2 b2``, ``B = q2 b1 - q1 b2`` (times ``scale``). The state: ``(A, B)`` turned
+    by ``theta t_begin`` (FP32 ``[D/2, M]``), the tables ``cos, sin(theta_i j)`` for ``j < Q``
+    (``[Q, D/2]``, MMA operand type), ``cos, sin(theta_i TILE_N)`` (FP32 ``[D/2, 1]``: one tile's
+    turn) and ``cos, sin(theta_i Q)`` (``[D/2, 1]``, operand type: the next ``Q`` rows')."""
+    KT: tl.constexpr = tl.float32 if F32 else tl.float16
+    i = tl.arange(0, D // 2)
+    theta = tl.load(rot_theta_ptr + i)
+    q1 = tl.load(q_cols[None, :] + i[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
+    q2 = tl.load(q_cols[None, :] + (i + D // 2)[:, None], mask=col_ok[None, :],
+                 other=0.0).to(tl.float32)
+    b1 = tl.load(rot_b_ptr + h * D + i)[:, None]
+    b2 = tl.load(rot_b_ptr + h * D + D // 2 + i)[:, None]
+    a = (q1 * b1 + q2 * b2) * scale
+    b = (q2 * b1 - q1 * b2) * scale
+    c, s = _cos_sin(theta, t_begin, F32)
+    ct, st = _cos_sin(theta[None, :], tl.arange(0, Q)[:, None], F32)
+    cn, sn = _cos_sin(theta, TILE_N, F32)
+    cq, sq = _cos_sin(theta, Q, F32)
+    return (a * c[:, None] + b * s[:, None], b * c[:, None] - a * s[:, None], ct.to(KT),
+            st.to(KT), cn[:, None], sn[:, None], cq.to(KT)[:, None], sq.to(KT)[:, None])
+
+
+@triton.jit
+def _rot_center_tile(rot, TILE_N: tl.constexpr, M: tl.constexpr, Q: tl.constexpr,
+                     F32: tl.constexpr):
+    """The logit correction ``q . R(t0 + j) b`` ``[TILE_N, M]`` of the tile at ``t0`` whose state
+    ``rot`` (:func:`_rot_center_setup`) holds, and the next tile's state (``(A', B')`` turned by
+    ``theta TILE_N`` in FP32). As ``cos(theta (t0 + j)) = cos(theta t0) cos(theta j) -
+    sin(theta t0) sin(theta j)``, keys ``t0 + r .. t0 + r + Q - 1`` take two MMAs, ``cos(theta j)
+    @ A'' + sin(theta j) @ B''`` with ``(A'', B'')`` = ``(A', B')`` turned by ``theta r``: with
+    ``Q < TILE_N`` the next row block turns the operands once more (FP16 on the GPU), and up to 4
+    blocks are stacked (fewer table registers, more instructions: :func:`launch.rot_rows`)."""
+    a, b, ct, st, cn, sn, cq, sq = rot
+    wa = a.to(ct.dtype)
+    wb = b.to(ct.dtype)
+    parts = ()
+    for r in tl.static_range(TILE_N // Q):
+        if r > 0:
+            wa, wb = wa * cq + wb * sq, wb * cq - wa * sq
+        parts = parts + (_dot_f(ct, wa, _dot_f(st, wb, tl.zeros([Q, M], dtype=tl.float32), F32),
+                                F32),)
+    if TILE_N // Q == 1:
+        corr = parts[0]
+    elif TILE_N // Q == 2:  # [Q, M, 2] -> rows r * Q + j
+        corr = tl.reshape(tl.permute(tl.join(parts[0], parts[1]), (2, 0, 1)), [TILE_N, M])
+    else:  # [Q, M, k, i] holds block 2k + i
+        corr = tl.reshape(tl.permute(tl.join(tl.join(parts[0], parts[2]),
+                                             tl.join(parts[1], parts[3])), (2, 3, 0, 1)),
+                          [TILE_N, M])
+    return corr, (a * cn + b * sn, b * cn - a * sn, ct, st, cn, sn, cq, sq)
 
 
 @triton.jit
@@ -422,18 +517,20 @@ def _zero_accumulators(V_FMT: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
 def _attend_keys(
     qs, q_pos, accs, m_i, l_i,
     cache_ptr, stride_blk, bt_row, h, t_begin, t_full, t_end,
-    qk_scale, softcap, window, shift0,
+    qk_scale, softcap, window, shift0, rot,
     K_FMT: tl.constexpr, V_FMT: tl.constexpr,
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
     HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PARTS: tl.constexpr,
     LAZY: tl.constexpr, STAGES: tl.constexpr, SHIFT0: tl.constexpr, KEY0_IN_LOOP: tl.constexpr,
+    ROT: tl.constexpr, ROT_ROWS: tl.constexpr,
 ):
     """:func:`_attend_tiles` over keys ``[t_begin, t_end)``: the whole tiles of ``[t_begin,
     t_full)`` unmasked, then the rest masked. ``SHIFT0`` (the key at position 0 stored
     uncentered): a range from ``t_begin == 0`` runs its first tile alone (unpipelined) with the
-    correction, or, ``KEY0_IN_LOOP``, every whole tile checks for position 0.
+    correction, or, ``KEY0_IN_LOOP``, every whole tile checks for position 0. ``ROT``: ``rot``
+    (:func:`_rot_center_setup` at ``t_begin``) adds each key's rotating-center correction.
     ``HOIST_Q``: the score tiles start from ``0 . q_c`` computed once, so the query operands are
     converted to the MMA layout once. Other flags: :func:`_attend_tiles`."""
     W: tl.constexpr = D // 2 // PARTS if K_FMT == FMT_FP8 else 16
@@ -451,35 +548,37 @@ def _attend_keys(
     lo = t_begin
     if SHIFT0 and not KEY0_IN_LOOP:  # position 0's whole tile, if this range starts there
         peel_end = tl.where(t_begin == 0, tl.minimum(t_full, TILE_N), t_begin)
-        accs, m_i, l_i = _attend_tiles(
+        accs, m_i, l_i, rot = _attend_tiles(
             qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_begin, peel_end,
-            t_end, qk_scale, softcap, window, shift0, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA,
+            t_end, qk_scale, softcap, window, shift0, rot, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA,
             V_SCALE, D, BLOCK, TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, False, FOLD_K,
-            FOLD_V, PARTS, LAZY, 1, True)
+            FOLD_V, PARTS, LAZY, 1, True, ROT, ROT_ROWS)
         lo = peel_end
-    accs, m_i, l_i = _attend_tiles(
+    accs, m_i, l_i, rot = _attend_tiles(
         qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, lo, t_full, t_end,
-        qk_scale, softcap, window, shift0, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D,
-        BLOCK, TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, False, FOLD_K, FOLD_V, PARTS,
-        LAZY, STAGES, SHIFT0 and KEY0_IN_LOOP)
-    return _attend_tiles(
+        qk_scale, softcap, window, shift0, rot, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE,
+        D, BLOCK, TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, False, FOLD_K, FOLD_V, PARTS,
+        LAZY, STAGES, SHIFT0 and KEY0_IN_LOOP, ROT, ROT_ROWS)
+    accs, m_i, l_i, rot = _attend_tiles(
         qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_full, t_end, t_end,
-        qk_scale, softcap, window, shift0, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D,
-        BLOCK, TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, True, FOLD_K, FOLD_V, PARTS,
-        LAZY, STAGES, SHIFT0)
+        qk_scale, softcap, window, shift0, rot, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE,
+        D, BLOCK, TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, True, FOLD_K, FOLD_V, PARTS,
+        LAZY, STAGES, SHIFT0, ROT, ROT_ROWS)
+    return accs, m_i, l_i
 
 
 @triton.jit
 def _attend_tiles(
     qs, s0, q_pos, accs, m_i, l_i,
     cache_ptr, stride_blk, bt_row, h, lo, hi, t_end,
-    qk_scale, softcap, window, shift0,
+    qk_scale, softcap, window, shift0, rot,
     K_FMT: tl.constexpr, V_FMT: tl.constexpr,
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     D: tl.constexpr, BLOCK: tl.constexpr, TILE_N: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
     MASKED: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PARTS: tl.constexpr,
-    LAZY: tl.constexpr, STAGES: tl.constexpr, SHIFT0: tl.constexpr,
+    LAZY: tl.constexpr, STAGES: tl.constexpr, SHIFT0: tl.constexpr, ROT: tl.constexpr,
+    ROT_ROWS: tl.constexpr,
 ):
     """Online-softmax attention, keys on the MMA M dimension and the ``M`` query columns (``qs``,
     positions ``q_pos [M]``) on N, over keys ``[lo, hi)`` of one sequence (``MASKED``: tokens at
@@ -490,7 +589,8 @@ def _attend_tiles(
     rescale only when a column's max rises. FP8 planes: :func:`_fp8_planes`. ``STAGES``: software
     pipeline stages of the raw-word copies. Logits in log2 units (``qk_scale`` includes log2(e)
     but not with a soft-cap ``softcap``). ``SHIFT0``: ``shift0 [M]`` is subtracted from the logits
-    of the key at position 0 (:func:`_attend_keys`)."""
+    of the key at position 0 (:func:`_attend_keys`). ``ROT``: each tile adds the correction of
+    :func:`_rot_center_tile` (``rot``: the state at ``lo``, returned at the end)."""
     C: tl.constexpr = D // 16
     # the masked tail is one tile (a few on a prefill's diagonal), so it is not pipelined - unless
     # a sliding window masks every tile
@@ -521,11 +621,17 @@ def _attend_tiles(
                         s += _dot_f(kps[j], qs[4 * gi + j], tl.zeros_like(s0), F32) * ks
         if PARTS > 1:  # the parts' partial scores (one cross-warp sum per tile)
             s = tl.sum(s, axis=0)
+        if ROT:  # scaled as the logits (:func:`_rot_center_setup`): after qk_scale
+            corr, rot = _rot_center_tile(rot, TILE_N, M, ROT_ROWS, F32)
         if USE_SOFTCAP:
             z = s * (qk_scale / softcap)
+            if ROT:
+                z += corr / softcap
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * LOG2E
         else:
             s = s * qk_scale
+            if ROT:
+                s += corr
         if SHIFT0:  # the uncentered key at position 0 (no soft-cap with it: ops checks)
             s = tl.where((toks == 0)[:, None], s - shift0[None, :], s)
         if MASKED:
@@ -570,7 +676,7 @@ def _attend_tiles(
                     new_accs = new_accs + (acc,)
             accs = new_accs
         m_i = m_new
-    return accs, m_i, l_i
+    return accs, m_i, l_i, rot
 
 
 @triton.jit
@@ -598,7 +704,7 @@ def _store_output(accs, scale, o_cols, col_ok, V_FMT: tl.constexpr, D: tl.conste
 @triton.jit
 def _decode_kernel(
     query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, key0_shift_ptr,
-    block_table_ptr, seq_lens_ptr, qsl_ptr,
+    rot_b_ptr, rot_theta_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr,
     part_o_ptr, part_ml_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_bt,
     softmax_scale, softcap, window,
@@ -609,11 +715,12 @@ def _decode_kernel(
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
     F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,
     PARTS: tl.constexpr, LAZY: tl.constexpr, STAGES: tl.constexpr, USE_KEY0: tl.constexpr,
-    KEY0_IN_LOOP: tl.constexpr,
+    KEY0_IN_LOOP: tl.constexpr, USE_ROT: tl.constexpr, ROT_ROWS: tl.constexpr,
 ):
     """Decode through :func:`_attend_keys`: the ``BG`` query columns are one KV head's GQA group
     (padded, >= 8). Grid ``(seqs, kv_heads, splits)``; with splits, FP32 partials ``(o, m, l)``
-    for :func:`_reduce_kernel`. Sinks: :func:`_fold_sinks`; ``USE_KEY0``: :func:`_key0_logit_shift`."""
+    for :func:`_reduce_kernel`. Sinks: :func:`_fold_sinks`; ``USE_KEY0``: :func:`_key0_logit_shift`;
+    ``USE_ROT``: :func:`_rot_center_setup`."""
     seq, h, split, seq_len, tok, qh, row_ok, qk_scale, vf, t_begin, t_full, t_end = _decode_program(
         seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr, softmax_scale, window, K_FMT, V_FMT,
         G, BG, TILE_N, NUM_SPLITS, USE_WINDOW, USE_SOFTCAP)
@@ -623,13 +730,18 @@ def _decode_kernel(
     if USE_KEY0:
         shift0 = _key0_logit_shift(q_cols, row_ok, key0_shift_ptr, h, softmax_scale,
                                    t_begin == 0, D, BG)
+    rot = ()
+    if USE_ROT:
+        rot = _rot_center_setup(q_cols, row_ok, rot_b_ptr, rot_theta_ptr, h,
+                                softmax_scale * (1.0 if USE_SOFTCAP else LOG2E), t_begin, D, BG,
+                                TILE_N, ROT_ROWS, F32)
     accs, m_i, l_i = _attend_keys(
         qs, tl.zeros([BG], dtype=tl.int32) + seq_len - 1, _zero_accumulators(V_FMT, D, BG, PARTS),
         tl.full([BG], float("-inf"), tl.float32), tl.zeros([BG], dtype=tl.float32),
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
-        qk_scale, softcap, window, shift0, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D,
-        BLOCK, TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V, PARTS,
-        LAZY, STAGES, USE_KEY0, KEY0_IN_LOOP)
+        qk_scale, softcap, window, shift0, rot, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE,
+        D, BLOCK, TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V,
+        PARTS, LAZY, STAGES, USE_KEY0, KEY0_IN_LOOP, USE_ROT, ROT_ROWS)
     if USE_SINKS:  # into the first split's partial only
         first_split = tl.full([BG], split, tl.int32) == 0
         m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok & first_split, m_i, l_i)
@@ -705,7 +817,7 @@ def _prefill_program(seq_lens_ptr, qsl_ptr, num_seqs, window, G: tl.constexpr,
 @triton.jit
 def _prefill_kernel(
     query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, key0_shift_ptr,
-    block_table_ptr, seq_lens_ptr, qsl_ptr, num_seqs,
+    rot_b_ptr, rot_theta_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_bt,
     softmax_scale, softcap, window,
     K_FMT: tl.constexpr, V_FMT: tl.constexpr,
@@ -715,7 +827,7 @@ def _prefill_kernel(
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
     F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,
     PARTS: tl.constexpr, LAZY: tl.constexpr, STAGES: tl.constexpr, USE_KEY0: tl.constexpr,
-    KEY0_IN_LOOP: tl.constexpr,
+    KEY0_IN_LOOP: tl.constexpr, USE_ROT: tl.constexpr, ROT_ROWS: tl.constexpr,
 ):
     """Prefill through :func:`_attend_keys` (the program's ``BLOCK_Q * G_PAD`` query rows as
     columns, causal); grid ``(query blocks + seqs, kv_heads)`` (:func:`_prefill_program`)."""
@@ -732,13 +844,18 @@ def _prefill_kernel(
     if USE_KEY0:
         shift0 = _key0_logit_shift(q_cols, row_ok, key0_shift_ptr, h, softmax_scale,
                                    t_begin == 0, D, BLOCK_M)
+    rot = ()
+    if USE_ROT:
+        rot = _rot_center_setup(q_cols, row_ok, rot_b_ptr, rot_theta_ptr, h,
+                                softmax_scale * (1.0 if USE_SOFTCAP else LOG2E), t_begin, D,
+                                BLOCK_M, TILE_N, ROT_ROWS, F32)
     accs, m_i, l_i = _attend_keys(
         qs, q_pos, _zero_accumulators(V_FMT, D, BLOCK_M, PARTS),
         tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
-        qk_scale, softcap, window, shift0, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D,
-        BLOCK, TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V,
-        PARTS, LAZY, STAGES, USE_KEY0, KEY0_IN_LOOP)
+        qk_scale, softcap, window, shift0, rot, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE,
+        D, BLOCK, TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V,
+        PARTS, LAZY, STAGES, USE_KEY0, KEY0_IN_LOOP, USE_ROT, ROT_ROWS)
     if USE_SINKS:
         m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok, m_i, l_i)
         vf = vf * keep
@@ -777,10 +894,16 @@ def paged_attention(
     sinks: Optional[torch.Tensor] = None,
     key0_shift: Optional[torch.Tensor] = None,
     launch: Optional[LaunchShape] = None,
+    rot_center: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Launch decode (``max_query_len == 1``) or prefill kernels; arguments as in
     :func:`vllm_nvfp4.ops.paged_attention` (checked there). ``launch`` fixes the launch shape
-    (benchmarks, tests); ``None`` takes :func:`launch_defaults`."""
+    (benchmarks, tests); ``None`` takes :func:`launch_defaults`. ``rot_center = (b, theta)``: K
+    stored centered on the rotated pre-RoPE mean, ``k - R(p) b`` at position ``p`` (the index in
+    its sequence), so each key's logit gains ``q . R(p) b``: ``b`` FP32 ``[num_kv_heads,
+    head_dim]`` (times the RoPE's attention scaling, if any), ``theta`` FP32 ``[head_dim / 2]``
+    the angle per position of the rotate-half pairs ``(i, i + head_dim / 2)`` (``inv_freq``,
+    any scaling applied); both contiguous on the cache's device."""
     decode = max_query_len == 1
     num_seqs = seq_lens.shape[0]
     d = layout.head_dim
@@ -791,6 +914,7 @@ def paged_attention(
     g_pad = triton.next_power_of_2(g)
     sink_arg = k_scale if sinks is None else sinks  # never read without sinks (USE_SINKS)
     key0_arg = k_scale if key0_shift is None else key0_shift  # never read without (USE_KEY0)
+    rot_b, rot_theta = (k_scale, k_scale) if rot_center is None else rot_center  # (USE_ROT)
     common_args = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                    cache.stride(0), block_table.stride(0), softmax_scale, softcap, window)
     shape = launch or launch_defaults(layout, decode)
@@ -817,12 +941,13 @@ def paged_attention(
         else:
             part_o = part_ml = out  # unused
         _decode_kernel[(num_seqs, layout.num_kv_heads, splits)](
-            query, out, cache, k_scale, v_scale, sink_arg, key0_arg, block_table, seq_lens,
-            query_start_loc, part_o, part_ml, *common_args,
+            query, out, cache, k_scale, v_scale, sink_arg, key0_arg, rot_b, rot_theta,
+            block_table, seq_lens, query_start_loc, part_o, part_ml, *common_args,
             HQ=hq, G=g, BG=bg, TILE_N=tn, NUM_SPLITS=splits, **meta,
             HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales, FOLD_V=shape.fold_v_scales,
             PARTS=shape.dim_parts, LAZY=shape.lazy_rescale, STAGES=stages,
             USE_KEY0=key0_shift is not None, KEY0_IN_LOOP=shape.key0_in_loop,
+            USE_ROT=rot_center is not None, ROT_ROWS=rot_rows(shape, tn),
             num_warps=warps, num_stages=stages,
             **({"maxnreg": maxnreg} if maxnreg else {}),
         )
@@ -838,13 +963,14 @@ def paged_attention(
     stages = shape.num_stages or DEFAULT_STAGES
     grid = (query.shape[0] // block_q + num_seqs, layout.num_kv_heads)
     _prefill_kernel[grid](
-        query, out, cache, k_scale, v_scale, sink_arg, key0_arg, block_table, seq_lens,
-        query_start_loc, num_seqs,
+        query, out, cache, k_scale, v_scale, sink_arg, key0_arg, rot_b, rot_theta, block_table,
+        seq_lens, query_start_loc, num_seqs,
         *common_args,
         G=g, G_PAD=g_pad, BLOCK_Q=block_q, TILE_N=tn, **meta,
         HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales, FOLD_V=shape.fold_v_scales,
         PARTS=shape.dim_parts, LAZY=shape.lazy_rescale, STAGES=stages,
         USE_KEY0=key0_shift is not None, KEY0_IN_LOOP=shape.key0_in_loop,
-        num_warps=warps, num_stages=stages,
+        USE_ROT=rot_center is not None, ROT_ROWS=rot_rows(shape, tn), num_warps=warps,
+        num_stages=stages,
     )
     return out

@@ -131,7 +131,9 @@ class LaunchShape:
     ``lazy_rescale`` rescales the output accumulators only in tiles that raise the running max
     of some query column (exact: the same products, skipped where the factor is 1);
     ``key0_in_loop`` (with ``key0_shift``) corrects the key at position 0 in every whole tile of
-    the pipelined loop instead of running position 0's tile alone first (the same arithmetic).
+    the pipelined loop instead of running position 0's tile alone first (the same arithmetic);
+    ``rot_rows`` (with ``rot_center``): the rows of the correction's cos / sin tables
+    (:func:`rot_rows`).
     """
 
     tile_n: int
@@ -148,6 +150,7 @@ class LaunchShape:
     dim_parts: int = 1
     lazy_rescale: bool = False
     key0_in_loop: bool = False
+    rot_rows: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.num_splits is not None and self.num_splits < 1:
@@ -157,6 +160,23 @@ class LaunchShape:
         parts = self.dim_parts
         if parts < 1 or parts & (parts - 1) or parts > self.num_warps:
             raise ValueError(f"dim_parts must be a power of 2 <= num_warps, got {parts}")
+        rows = self.rot_rows
+        if rows is not None and (rows < 1 or rows & (rows - 1)):
+            raise ValueError(f"rot_rows must be a power of 2, got {rows}")
+
+
+def rot_rows(shape: "LaunchShape", tile_n: int) -> int:
+    """Rows of the rotating-center correction's cos / sin tables (an FP16 MMA operand ``[rows,
+    head_dim]`` held in registers for the whole tile loop) for ``tile_n``-key tiles:
+    ``shape.rot_rows``, else 16 in one warp and the whole tile in more; at most ``tile_n``, at
+    least ``tile_n / 4`` (a tile stacks up to 4 row blocks, each turned once more) and 16. The
+    sm_90 compile (``compile_sm90.py --splits 8 --rot-center``, Triton 3.6, head_dim 128, 64-key
+    tiles): NVFP4 K and V (one warp, 190 registers without) 23.0 -> 28.5 warp-instructions per
+    token-head at 16 rows and 255 registers; 32 rows spill (119 spill instructions in the loop),
+    64 spill far more. FP8 K and V (two warps, 122 registers without) 16.7 -> 19.9 at 64 rows
+    (229 registers), 22.8 at 32, 27.5 at 16."""
+    rows = shape.rot_rows or (16 if shape.num_warps == 1 else tile_n)
+    return min(tile_n, max(rows, tile_n // 4, 16))
 
 
 def _launch_defaults_512(layout, decode: bool) -> LaunchShape:
