@@ -23,11 +23,13 @@ pipelined loop (``LaunchShape.key0_in_loop``); their output differs from BEFORE'
 (K stored as ``k - R(p) b``: a random ``b [kv_heads, head_dim]`` and Llama-3.1's RoPE angles), and
 ``rot_qN`` for each ``--rot-rows N`` (the correction's cos / sin tables of N rows,
 ``LaunchShape.rot_rows``); the table ends with their time over ``new`` (the same kernel without
-it). Their output differs from BEFORE's by the correction.
+it). Their output differs from BEFORE's by the correction. ``--rot-pairs K ..`` adds ``rot_kK``:
+the correction on each KV head's ``K`` pairs of largest ``|b_pair|`` only (``RotCenter.top_pairs``;
+``K`` >= head_dim / 2 is ``rot``).
 
     python3 benchmarks/bench_variants.py --before /tmp/attention_before.py --variants \
         --shapes 64x32768 16x32768 64x4096 16x4096 --formats nvfp4 fp8 --rot-center \
-        --out $OUT/rot.json
+        --rot-pairs 8 16 --out $OUT/rot.json
 """
 
 from __future__ import annotations
@@ -189,6 +191,8 @@ def main() -> None:
                     help="also time the current default with the rotating-center correction")
     ap.add_argument("--rot-rows", type=int, nargs="*", default=[],
                     help="with --rot-center: also with tables of these row counts (rot_qN)")
+    ap.add_argument("--rot-pairs", type=int, nargs="*", default=[],
+                    help="with --rot-center: also on only these many pairs per KV head (rot_kK)")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shape, no timing")
     args = ap.parse_args()
     unknown = [v for v in args.variants if all(variant_config(v, k) is None for k in VARIANTS)]
@@ -227,6 +231,9 @@ def main() -> None:
                 runs.append(("rot", new_mod, {"rot_center": rot}))
                 runs += [(f"rot_q{n}", new_mod, {"rot_center": rot, "rot_rows": n})
                          for n in args.rot_rows]
+                runs += [(f"rot_k{k}", new_mod,
+                          {"rot_center": new_mod.RotCenter.top_pairs(*rot, k)})
+                         for k in args.rot_pairs if k < bd.D // 2]
             kind = "prefill" if prefill else "decode"
             runs += [(v, new_mod, variant_config(v, kind)) for v in args.variants
                      if variant_config(v, kind) is not None]
@@ -237,6 +244,9 @@ def main() -> None:
                        "config": {k: v for k, v in cfg.items()
                                   if k not in ("key0_shift", "rot_center")},
                        "kv_bytes": nbytes}
+                if "rot_center" in cfg:  # pairs corrected per KV head
+                    rc = cfg["rot_center"]
+                    rec["rot_pairs"] = rc.pairs if hasattr(rc, "pairs") else bd.D // 2
                 try:
                     rec["us"] = timed(mod, lay, b, cache, out, args.smoke, **cfg)
                     rec["tb_s"] = nbytes / rec["us"] / 1e6

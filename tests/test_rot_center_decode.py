@@ -1,5 +1,6 @@
-"""The attention kernels' rotating-center correction (``rot_center=(b, theta)``): K stored as
-``k - R(p) b``, each key's logit given back ``q . R(p) b`` in the kernel. Against float64 attention
+"""The attention kernels' rotating-center correction (``rot_center=(b, theta)`` on every RoPE
+pair, or a ``RotCenter`` on ``k`` pairs per KV head): K stored as ``k - R(p) b``, each key's logit
+given back ``q . R(p) b`` in the kernel. Against float64 attention
 over the keys ``dequant(stored) + R(p) b`` (positions: the index in the sequence), with the
 tolerances of ``test_kernels.py``; and the GPU arithmetic of the correction (FP16 MMA operands,
 FP32 tile-to-tile rotation) emulated at long positions against float64.
@@ -88,13 +89,15 @@ def random_center(lay: KVPageLayout, seed: int) -> torch.Tensor:
     return (torch.randn(lay.num_kv_heads, lay.head_dim, generator=gen) * 3.0).to(DEV)
 
 
-def run(batch, b, theta, launch=None, window=None, cap=None, softmax_scale=0.1, key0_shift=None):
+def run(batch, b, theta, launch=None, window=None, cap=None, softmax_scale=0.1, key0_shift=None,
+        rot=None):
+    """The kernels with ``rot_center = (b, theta)``, or ``rot`` (a ``RotCenter``) if given."""
     out = torch.empty_like(batch.query)
     attn_kernels.paged_attention(
         batch.query, batch.cache, batch.layout, batch.k_scale, batch.v_scale, batch.block_table,
         batch.seq_lens, batch.query_start_loc, batch.max_query_len, batch.max_seq_len,
         softmax_scale, out, window, cap, launch=launch, key0_shift=key0_shift,
-        rot_center=None if b is None else (b, theta.to(DEV)))
+        rot_center=rot if rot is not None else None if b is None else (b, theta.to(DEV)))
     return out
 
 
@@ -169,6 +172,118 @@ def test_prefill_matches_float64():
     b, theta = random_center(lay, 3), rope_theta(64)
     got = run(batch, b, theta, _launch(lay, False, tile_n=16))
     assert_close_rel(got, rot_reference(batch, 0.1, b, theta), TOL)
+
+
+# ---------------------------------------------------------------- k selected pairs per KV head
+def random_pairs(lay: KVPageLayout, k: int, seed: int) -> torch.Tensor:
+    """Per KV head ``k`` distinct pairs of ``head_dim / 2`` in random order (neither contiguous
+    nor sorted): ``[kv_heads, k]``."""
+    gen = torch.Generator().manual_seed(seed)
+    half = lay.head_dim // 2
+    idx = torch.stack([torch.randperm(half, generator=gen)[:k] for _ in range(lay.num_kv_heads)])
+    if k < half:
+        assert not (idx.diff(dim=1) == 1).all(dim=1).any() and not (idx.diff(dim=1) > 0).all()
+    return idx
+
+
+def selected_center(rot: "attn_kernels.RotCenter", head_dim: int) -> torch.Tensor:
+    """``b_k [kv_heads, head_dim]``: ``b`` on the selected pairs, 0 on every other."""
+    half = head_dim // 2
+    idx = rot.idx.long().cpu()
+    out = torch.zeros(idx.shape[0], head_dim)
+    out.scatter_(1, idx, rot.b[:, 0].cpu())
+    out.scatter_(1, idx + half, rot.b[:, 1].cpu())
+    return out
+
+
+@pytest.mark.parametrize("kf,vf,d,k,group,tile_n,splits", [
+    ("nvfp4", "nvfp4", 64, 8, 4, 16, 3), ("fp8", "fp8", 64, 16, 2, 32, 2),
+    ("nvfp4", "fp8", 128, 16, 4, 16, 5), ("fp8", "nvfp4", 128, 8, 8, 32, 4)])
+def test_k_pairs_decode_matches_float64(kf, vf, d, k, group, tile_n, splits):
+    """Decode with ``k`` of the ``head_dim / 2`` pairs per KV head (random index sets per head),
+    GQA, odd lengths and splits, against float64 over ``stored + R(p) b_k`` (``b_k``: ``b`` with
+    the other pairs zero); far from both the uncorrected result and the all-pairs one."""
+    lay = KVPageLayout(2, d, 16, kf, vf)
+    batch = make_batch(lay, [(37 * SCALE + 5, 1), (1, 1), (20 * SCALE + 3, 1),
+                             (64 * SCALE + 1, 1)], 2 * group, device=DEV, seed=k + splits,
+                       write_backend=WRITE)
+    b, theta = random_center(lay, splits), rope_theta(d, factor=8.0)
+    rot = attn_kernels.RotCenter.select(b, theta, random_pairs(lay, k, seed=d + k).to(DEV))
+    b_k = selected_center(rot, d)
+    got = run(batch, None, None, _launch(lay, True, tile_n=tile_n, num_splits=splits), rot=rot)
+    want = rot_reference(batch, 0.1, b_k, theta)
+    assert_close_rel(got, want, TOL)
+    assert (plain_reference(batch, 0.1) - want).norm() / want.norm() > 100 * TOL
+    assert (rot_reference(batch, 0.1, b, theta) - want).norm() / want.norm() > 100 * TOL
+
+
+@pytest.mark.parametrize("kf,vf,k", [("nvfp4", "nvfp4", 8), ("fp8", "fp8", 8),
+                                     ("nvfp4", "fp8", 16)])
+def test_k_pairs_default_decode_launch(kf, vf, k):
+    """The production decode launch (64-key tiles: 16-row tables x 4 row blocks with one warp,
+    the whole tile with two) with the ``k`` pairs of largest ``|b_pair|`` (``top_pairs``)."""
+    lay = KVPageLayout(1, 64, 16, kf, vf)
+    batch = make_batch(lay, [(300 * SCALE + 7, 1), (3, 1)], 4, device=DEV, seed=29,
+                       write_backend=WRITE)
+    b, theta = random_center(lay, 5), rope_theta(64, base=500000.0)
+    rot = attn_kernels.RotCenter.top_pairs(b, theta, k)
+    norm = b.cpu().view(1, 2, 32).norm(dim=1)
+    assert set(rot.idx[0].tolist()) == set(norm[0].argsort(descending=True)[:k].tolist())
+    got = run(batch, None, None, _launch(lay, True), rot=rot)
+    assert_close_rel(got, rot_reference(batch, 0.1, selected_center(rot, 64), theta), TOL)
+
+
+def test_k_pairs_prefill_window_soft_cap():
+    """Prefill with 8 pairs per head, and decode with a window, a soft-cap and two head-dim
+    parts."""
+    lay = KVPageLayout(2, 64, 16, "nvfp4", "fp8")
+    batch = make_batch(lay, [(23 * SCALE, 23 * SCALE), (41 * SCALE, 9)], 4, device=DEV, seed=9,
+                       write_backend=WRITE)
+    b, theta = random_center(lay, 3), rope_theta(64)
+    rot = attn_kernels.RotCenter.select(b, theta, random_pairs(lay, 8, seed=3).to(DEV))
+    got = run(batch, None, None, _launch(lay, False, tile_n=16), rot=rot)
+    assert_close_rel(got, rot_reference(batch, 0.1, selected_center(rot, 64), theta), TOL)
+
+    lay = KVPageLayout(1, 128, 16, "fp8", "nvfp4")
+    batch = make_batch(lay, [(90 * SCALE + 7, 1), (5, 1)], 2, device=DEV, seed=4,
+                       write_backend=WRITE)
+    b, theta = random_center(lay, 2), rope_theta(128)
+    rot = attn_kernels.RotCenter.select(b, theta, random_pairs(lay, 16, seed=4).to(DEV))
+    got = run(batch, None, None, attn_kernels.LaunchShape(16, 2, num_splits=2, dim_parts=2),
+              window=40 * SCALE, cap=3.0, rot=rot)
+    want = rot_reference(batch, 0.1, selected_center(rot, 128), theta, window=40 * SCALE, cap=3.0)
+    assert_close_rel(got, want, TOL)
+
+
+@pytest.mark.parametrize("kf,vf,d", [("nvfp4", "nvfp4", 64), ("fp8", "fp8", 128)])
+def test_all_pairs_in_any_order_equal_the_full_center(kf, vf, d):
+    """``k = head_dim / 2`` pairs, listed in a random order per head, give the result of
+    ``rot_center = (b, theta)`` (every pair, in order) and of float64 over ``stored + R(p) b``."""
+    lay = KVPageLayout(2, d, 16, kf, vf)
+    batch = make_batch(lay, [(50 * SCALE + 3, 1), (17 * SCALE, 1)], 4, device=DEV, seed=d,
+                       write_backend=WRITE)
+    b, theta = random_center(lay, 7), rope_theta(d, base=500000.0)
+    rot = attn_kernels.RotCenter.select(b, theta, random_pairs(lay, d // 2, seed=1).to(DEV))
+    assert torch.equal(selected_center(rot, d), b.cpu())
+    launch = _launch(lay, True, tile_n=32, num_splits=2)
+    got = run(batch, None, None, launch, rot=rot)
+    full = run(batch, b, theta, launch)
+    assert_close_rel(got, full.double().cpu(), TOL / 4)
+    assert_close_rel(got, rot_reference(batch, 0.1, b, theta), TOL)
+
+
+def test_rot_center_checks():
+    """Pairs must be a power of 2 in ``[8, head_dim / 2]``, the tensors of their shapes."""
+    lay = KVPageLayout(2, 64, 16, "nvfp4", "nvfp4")
+    b, theta = random_center(lay, 0), rope_theta(64)
+    for k in (4, 12, 64):
+        idx = torch.arange(k).remainder(32).expand(2, k).to(DEV)
+        with pytest.raises(ValueError, match="power of 2"):
+            attn_kernels.RotCenter.select(b, theta, idx).check(2, 64)
+    rot = attn_kernels.RotCenter.top_pairs(b, theta, 8)
+    rot.check(2, 64)
+    with pytest.raises(ValueError, match="rot_center.b"):
+        dataclasses.replace(rot, b=rot.b.double()).check(2, 64)
 
 
 # ---------------------------------------------------------------- the correction's precision

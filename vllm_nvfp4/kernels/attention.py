@@ -23,7 +23,7 @@ mean, ``k - R(p) b``: each key's ``q . R(p) b`` from two MMAs with constant cos 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import triton
@@ -33,7 +33,7 @@ from vllm_nvfp4.kernels.constants import E2M1_F16_UNSCALE, FMT_FP8, LOG2E, forma
 from vllm_nvfp4.kernels.e2m1_bytes import e2m1_f16_scaled_f32, unpack_e2m1_pair
 from vllm_nvfp4.kernels.launch import (DEFAULT_STAGES, LaunchShape, decode_register_cap,
                                        decode_splits, decode_stages, launch_defaults,
-                                       rot_rows)
+                                       rot_rows, RotCenter)
 
 
 @triton.jit
@@ -126,45 +126,56 @@ def _cos_sin(theta, p, F32: tl.constexpr = True):
 
 
 @triton.jit
-def _rot_center_setup(q_cols, col_ok, rot_b_ptr, rot_theta_ptr, h, scale, t_begin,
+def _rot_center_setup(q_cols, col_ok, rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h, scale, t_begin,
                       D: tl.constexpr, M: tl.constexpr, TILE_N: tl.constexpr, Q: tl.constexpr,
-                      F32: tl.constexpr):
+                      KP: tl.constexpr, F32: tl.constexpr):
     """State of :func:`_rot_center_tile` at the first tile ``t_begin`` for the query columns
-    ``q_cols [M]`` of KV head ``h``, whose keys are stored as ``k - R(p) b`` (``b = rot_b[h]``,
-    ``R(p)`` the rotate-half RoPE at position ``p``: pair ``i`` = dims ``(i, i + D/2)`` turned by
-    ``theta_i p``). Per pair ``q . R(p) b = A_i cos(theta_i p) + B_i sin(theta_i p)`` with
-    ``A = q1 b1 + q2 b2``, ``B = q2 b1 - q1 b2`` (times ``scale``). The state: ``(A, B)`` turned
-    by ``theta t_begin`` (FP32 ``[D/2, M]``), the tables ``cos, sin(theta_i j)`` for ``j < Q``
-    (``[Q, D/2]``, MMA operand type), ``cos, sin(theta_i TILE_N)`` (FP32 ``[D/2, 1]``: one tile's
-    turn) and ``cos, sin(theta_i Q)`` (``[D/2, 1]``, operand type: the next ``Q`` rows')."""
+    ``q_cols [M]`` of KV head ``h``, whose keys are stored as ``k - R(p) b`` with ``b`` nonzero on
+    ``KP`` RoPE pairs only (:class:`launch.RotCenter`: pair ``i = idx[h, n]`` = dims ``(i, i +
+    D/2)``, ``b1, b2 = b[h, 0, n], b[h, 1, n]``, turned by ``theta[h, n] p``). Per pair ``q . R(p)
+    b = A_n cos(theta_n p) + B_n sin(theta_n p)`` with ``A = q1 b1 + q2 b2``, ``B = q2 b1 - q1
+    b2`` (times ``scale``; ``q1, q2`` the query at the pair's dims, gathered). The state: ``(A,
+    B)`` turned by ``theta t_begin`` (FP32 ``[KP, M]``), the tables ``cos, sin(theta_n j)`` for
+    ``j < Q`` (``[Q, KP]``, MMA operand type; with ``KP < 16`` one ``[Q, 2 KP]`` table of the
+    columns ``cos, sin`` interleaved, as an MMA needs 16 rows of reduction), ``cos, sin(theta_n
+    TILE_N)`` (FP32 ``[KP, 1]``: one tile's turn) and ``cos, sin(theta_n Q)`` (``[KP, 1]``,
+    operand type: the next ``Q`` rows')."""
     KT: tl.constexpr = tl.float32 if F32 else tl.float16
-    i = tl.arange(0, D // 2)
-    theta = tl.load(rot_theta_ptr + i)
-    q1 = tl.load(q_cols[None, :] + i[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
-    q2 = tl.load(q_cols[None, :] + (i + D // 2)[:, None], mask=col_ok[None, :],
+    n = tl.arange(0, KP)
+    idx = tl.load(rot_idx_ptr + h * KP + n)
+    theta = tl.load(rot_theta_ptr + h * KP + n)
+    q1 = tl.load(q_cols[None, :] + idx[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
+    q2 = tl.load(q_cols[None, :] + (idx + D // 2)[:, None], mask=col_ok[None, :],
                  other=0.0).to(tl.float32)
-    b1 = tl.load(rot_b_ptr + h * D + i)[:, None]
-    b2 = tl.load(rot_b_ptr + h * D + D // 2 + i)[:, None]
+    b1 = tl.load(rot_b_ptr + h * 2 * KP + n)[:, None]
+    b2 = tl.load(rot_b_ptr + h * 2 * KP + KP + n)[:, None]
     a = (q1 * b1 + q2 * b2) * scale
     b = (q2 * b1 - q1 * b2) * scale
     c, s = _cos_sin(theta, t_begin, F32)
     ct, st = _cos_sin(theta[None, :], tl.arange(0, Q)[:, None], F32)
     cn, sn = _cos_sin(theta, TILE_N, F32)
     cq, sq = _cos_sin(theta, Q, F32)
-    return (a * c[:, None] + b * s[:, None], b * c[:, None] - a * s[:, None], ct.to(KT),
-            st.to(KT), cn[:, None], sn[:, None], cq.to(KT)[:, None], sq.to(KT)[:, None])
+    ct = ct.to(KT)
+    st = st.to(KT)
+    if KP < 16:  # [Q, KP, 2] -> columns 2n (cos), 2n + 1 (sin)
+        ct = tl.reshape(tl.join(ct, st), [Q, 2 * KP])
+        st = ct
+    return (a * c[:, None] + b * s[:, None], b * c[:, None] - a * s[:, None], ct, st,
+            cn[:, None], sn[:, None], cq.to(KT)[:, None], sq.to(KT)[:, None])
 
 
 @triton.jit
 def _rot_center_tile(rot, TILE_N: tl.constexpr, M: tl.constexpr, Q: tl.constexpr,
-                     F32: tl.constexpr):
+                     KP: tl.constexpr, F32: tl.constexpr):
     """The logit correction ``q . R(t0 + j) b`` ``[TILE_N, M]`` of the tile at ``t0`` whose state
     ``rot`` (:func:`_rot_center_setup`) holds, and the next tile's state (``(A', B')`` turned by
     ``theta TILE_N`` in FP32). As ``cos(theta (t0 + j)) = cos(theta t0) cos(theta j) -
     sin(theta t0) sin(theta j)``, keys ``t0 + r .. t0 + r + Q - 1`` take two MMAs, ``cos(theta j)
-    @ A'' + sin(theta j) @ B''`` with ``(A'', B'')`` = ``(A', B')`` turned by ``theta r``: with
-    ``Q < TILE_N`` the next row block turns the operands once more (FP16 on the GPU), and up to 4
-    blocks are stacked (fewer table registers, more instructions: :func:`launch.rot_rows`)."""
+    @ A'' + sin(theta j) @ B''`` with ``(A'', B'')`` = ``(A', B')`` turned by ``theta r`` (one
+    MMA over ``2 KP`` with ``KP < 16``: the rows of ``A'', B''`` interleaved as the table's
+    columns): with ``Q < TILE_N`` the next row block turns the operands once more (FP16 on the
+    GPU), and up to 4 blocks are stacked (fewer table registers, more instructions:
+    :func:`launch.rot_rows`). Its cost scales with ``KP``."""
     a, b, ct, st, cn, sn, cq, sq = rot
     wa = a.to(ct.dtype)
     wb = b.to(ct.dtype)
@@ -172,8 +183,12 @@ def _rot_center_tile(rot, TILE_N: tl.constexpr, M: tl.constexpr, Q: tl.constexpr
     for r in tl.static_range(TILE_N // Q):
         if r > 0:
             wa, wb = wa * cq + wb * sq, wb * cq - wa * sq
-        parts = parts + (_dot_f(ct, wa, _dot_f(st, wb, tl.zeros([Q, M], dtype=tl.float32), F32),
-                                F32),)
+        if KP < 16:  # [KP, M, 2] -> [KP, 2, M]: rows 2n (A), 2n + 1 (B)
+            wab = tl.reshape(tl.permute(tl.join(wa, wb), (0, 2, 1)), [2 * KP, M])
+            parts = parts + (_dot_f(ct, wab, tl.zeros([Q, M], dtype=tl.float32), F32),)
+        else:
+            parts = parts + (_dot_f(ct, wa, _dot_f(st, wb, tl.zeros([Q, M], dtype=tl.float32),
+                                                   F32), F32),)
     if TILE_N // Q == 1:
         corr = parts[0]
     elif TILE_N // Q == 2:  # [Q, M, 2] -> rows r * Q + j
@@ -524,7 +539,7 @@ def _attend_keys(
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
     HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PARTS: tl.constexpr,
     LAZY: tl.constexpr, STAGES: tl.constexpr, SHIFT0: tl.constexpr, KEY0_IN_LOOP: tl.constexpr,
-    ROT: tl.constexpr, ROT_ROWS: tl.constexpr,
+    ROT: tl.constexpr, ROT_ROWS: tl.constexpr, ROT_PAIRS: tl.constexpr,
 ):
     """:func:`_attend_tiles` over keys ``[t_begin, t_end)``: the whole tiles of ``[t_begin,
     t_full)`` unmasked, then the rest masked. ``SHIFT0`` (the key at position 0 stored
@@ -552,18 +567,18 @@ def _attend_keys(
             qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_begin, peel_end,
             t_end, qk_scale, softcap, window, shift0, rot, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA,
             V_SCALE, D, BLOCK, TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, False, FOLD_K,
-            FOLD_V, PARTS, LAZY, 1, True, ROT, ROT_ROWS)
+            FOLD_V, PARTS, LAZY, 1, True, ROT, ROT_ROWS, ROT_PAIRS)
         lo = peel_end
     accs, m_i, l_i, rot = _attend_tiles(
         qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, lo, t_full, t_end,
         qk_scale, softcap, window, shift0, rot, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE,
         D, BLOCK, TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, False, FOLD_K, FOLD_V, PARTS,
-        LAZY, STAGES, SHIFT0 and KEY0_IN_LOOP, ROT, ROT_ROWS)
+        LAZY, STAGES, SHIFT0 and KEY0_IN_LOOP, ROT, ROT_ROWS, ROT_PAIRS)
     accs, m_i, l_i, rot = _attend_tiles(
         qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_full, t_end, t_end,
         qk_scale, softcap, window, shift0, rot, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE,
         D, BLOCK, TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, True, FOLD_K, FOLD_V, PARTS,
-        LAZY, STAGES, SHIFT0, ROT, ROT_ROWS)
+        LAZY, STAGES, SHIFT0, ROT, ROT_ROWS, ROT_PAIRS)
     return accs, m_i, l_i
 
 
@@ -578,7 +593,7 @@ def _attend_tiles(
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
     MASKED: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PARTS: tl.constexpr,
     LAZY: tl.constexpr, STAGES: tl.constexpr, SHIFT0: tl.constexpr, ROT: tl.constexpr,
-    ROT_ROWS: tl.constexpr,
+    ROT_ROWS: tl.constexpr, ROT_PAIRS: tl.constexpr,
 ):
     """Online-softmax attention, keys on the MMA M dimension and the ``M`` query columns (``qs``,
     positions ``q_pos [M]``) on N, over keys ``[lo, hi)`` of one sequence (``MASKED``: tokens at
@@ -622,7 +637,7 @@ def _attend_tiles(
         if PARTS > 1:  # the parts' partial scores (one cross-warp sum per tile)
             s = tl.sum(s, axis=0)
         if ROT:  # scaled as the logits (:func:`_rot_center_setup`): after qk_scale
-            corr, rot = _rot_center_tile(rot, TILE_N, M, ROT_ROWS, F32)
+            corr, rot = _rot_center_tile(rot, TILE_N, M, ROT_ROWS, ROT_PAIRS, F32)
         if USE_SOFTCAP:
             z = s * (qk_scale / softcap)
             if ROT:
@@ -704,7 +719,7 @@ def _store_output(accs, scale, o_cols, col_ok, V_FMT: tl.constexpr, D: tl.conste
 @triton.jit
 def _decode_kernel(
     query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, key0_shift_ptr,
-    rot_b_ptr, rot_theta_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr,
+    rot_idx_ptr, rot_b_ptr, rot_theta_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr,
     part_o_ptr, part_ml_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_bt,
     softmax_scale, softcap, window,
@@ -716,6 +731,7 @@ def _decode_kernel(
     F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,
     PARTS: tl.constexpr, LAZY: tl.constexpr, STAGES: tl.constexpr, USE_KEY0: tl.constexpr,
     KEY0_IN_LOOP: tl.constexpr, USE_ROT: tl.constexpr, ROT_ROWS: tl.constexpr,
+    ROT_PAIRS: tl.constexpr,
 ):
     """Decode through :func:`_attend_keys`: the ``BG`` query columns are one KV head's GQA group
     (padded, >= 8). Grid ``(seqs, kv_heads, splits)``; with splits, FP32 partials ``(o, m, l)``
@@ -732,16 +748,16 @@ def _decode_kernel(
                                    t_begin == 0, D, BG)
     rot = ()
     if USE_ROT:
-        rot = _rot_center_setup(q_cols, row_ok, rot_b_ptr, rot_theta_ptr, h,
+        rot = _rot_center_setup(q_cols, row_ok, rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h,
                                 softmax_scale * (1.0 if USE_SOFTCAP else LOG2E), t_begin, D, BG,
-                                TILE_N, ROT_ROWS, F32)
+                                TILE_N, ROT_ROWS, ROT_PAIRS, F32)
     accs, m_i, l_i = _attend_keys(
         qs, tl.zeros([BG], dtype=tl.int32) + seq_len - 1, _zero_accumulators(V_FMT, D, BG, PARTS),
         tl.full([BG], float("-inf"), tl.float32), tl.zeros([BG], dtype=tl.float32),
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, shift0, rot, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE,
         D, BLOCK, TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V,
-        PARTS, LAZY, STAGES, USE_KEY0, KEY0_IN_LOOP, USE_ROT, ROT_ROWS)
+        PARTS, LAZY, STAGES, USE_KEY0, KEY0_IN_LOOP, USE_ROT, ROT_ROWS, ROT_PAIRS)
     if USE_SINKS:  # into the first split's partial only
         first_split = tl.full([BG], split, tl.int32) == 0
         m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok & first_split, m_i, l_i)
@@ -817,7 +833,7 @@ def _prefill_program(seq_lens_ptr, qsl_ptr, num_seqs, window, G: tl.constexpr,
 @triton.jit
 def _prefill_kernel(
     query_ptr, out_ptr, cache_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, key0_shift_ptr,
-    rot_b_ptr, rot_theta_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, num_seqs,
+    rot_idx_ptr, rot_b_ptr, rot_theta_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_bt,
     softmax_scale, softcap, window,
     K_FMT: tl.constexpr, V_FMT: tl.constexpr,
@@ -828,6 +844,7 @@ def _prefill_kernel(
     F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,
     PARTS: tl.constexpr, LAZY: tl.constexpr, STAGES: tl.constexpr, USE_KEY0: tl.constexpr,
     KEY0_IN_LOOP: tl.constexpr, USE_ROT: tl.constexpr, ROT_ROWS: tl.constexpr,
+    ROT_PAIRS: tl.constexpr,
 ):
     """Prefill through :func:`_attend_keys` (the program's ``BLOCK_Q * G_PAD`` query rows as
     columns, causal); grid ``(query blocks + seqs, kv_heads)`` (:func:`_prefill_program`)."""
@@ -846,16 +863,16 @@ def _prefill_kernel(
                                    t_begin == 0, D, BLOCK_M)
     rot = ()
     if USE_ROT:
-        rot = _rot_center_setup(q_cols, row_ok, rot_b_ptr, rot_theta_ptr, h,
+        rot = _rot_center_setup(q_cols, row_ok, rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h,
                                 softmax_scale * (1.0 if USE_SOFTCAP else LOG2E), t_begin, D,
-                                BLOCK_M, TILE_N, ROT_ROWS, F32)
+                                BLOCK_M, TILE_N, ROT_ROWS, ROT_PAIRS, F32)
     accs, m_i, l_i = _attend_keys(
         qs, q_pos, _zero_accumulators(V_FMT, D, BLOCK_M, PARTS),
         tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, shift0, rot, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE,
         D, BLOCK, TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V,
-        PARTS, LAZY, STAGES, USE_KEY0, KEY0_IN_LOOP, USE_ROT, ROT_ROWS)
+        PARTS, LAZY, STAGES, USE_KEY0, KEY0_IN_LOOP, USE_ROT, ROT_ROWS, ROT_PAIRS)
     if USE_SINKS:
         m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok, m_i, l_i)
         vf = vf * keep
@@ -894,7 +911,7 @@ def paged_attention(
     sinks: Optional[torch.Tensor] = None,
     key0_shift: Optional[torch.Tensor] = None,
     launch: Optional[LaunchShape] = None,
-    rot_center: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    rot_center: Union[RotCenter, tuple[torch.Tensor, torch.Tensor], None] = None,
 ) -> torch.Tensor:
     """Launch decode (``max_query_len == 1``) or prefill kernels; arguments as in
     :func:`vllm_nvfp4.ops.paged_attention` (checked there). ``launch`` fixes the launch shape
@@ -903,7 +920,9 @@ def paged_attention(
     its sequence), so each key's logit gains ``q . R(p) b``: ``b`` FP32 ``[num_kv_heads,
     head_dim]`` (times the RoPE's attention scaling, if any), ``theta`` FP32 ``[head_dim / 2]``
     the angle per position of the rotate-half pairs ``(i, i + head_dim / 2)`` (``inv_freq``,
-    any scaling applied); both contiguous on the cache's device."""
+    any scaling applied); both contiguous on the cache's device. A :class:`RotCenter` instead
+    corrects only its ``k`` pairs per KV head (``b`` zero on the others), at a cost that scales
+    with ``k``; ``(b, theta)`` is :meth:`RotCenter.all_pairs` (built per call)."""
     decode = max_query_len == 1
     num_seqs = seq_lens.shape[0]
     d = layout.head_dim
@@ -914,7 +933,14 @@ def paged_attention(
     g_pad = triton.next_power_of_2(g)
     sink_arg = k_scale if sinks is None else sinks  # never read without sinks (USE_SINKS)
     key0_arg = k_scale if key0_shift is None else key0_shift  # never read without (USE_KEY0)
-    rot_b, rot_theta = (k_scale, k_scale) if rot_center is None else rot_center  # (USE_ROT)
+    if rot_center is not None and not isinstance(rot_center, RotCenter):
+        rot_center = RotCenter.all_pairs(*rot_center)
+    if rot_center is None:  # never read (USE_ROT)
+        rot_idx, rot_b, rot_theta, rot_pairs = block_table, k_scale, k_scale, 8
+    else:
+        rot_center.check(layout.num_kv_heads, d)
+        rot_idx, rot_b, rot_theta = rot_center.idx, rot_center.b, rot_center.theta
+        rot_pairs = rot_center.pairs
     common_args = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                    cache.stride(0), block_table.stride(0), softmax_scale, softcap, window)
     shape = launch or launch_defaults(layout, decode)
@@ -941,13 +967,13 @@ def paged_attention(
         else:
             part_o = part_ml = out  # unused
         _decode_kernel[(num_seqs, layout.num_kv_heads, splits)](
-            query, out, cache, k_scale, v_scale, sink_arg, key0_arg, rot_b, rot_theta,
+            query, out, cache, k_scale, v_scale, sink_arg, key0_arg, rot_idx, rot_b, rot_theta,
             block_table, seq_lens, query_start_loc, part_o, part_ml, *common_args,
             HQ=hq, G=g, BG=bg, TILE_N=tn, NUM_SPLITS=splits, **meta,
             HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales, FOLD_V=shape.fold_v_scales,
             PARTS=shape.dim_parts, LAZY=shape.lazy_rescale, STAGES=stages,
             USE_KEY0=key0_shift is not None, KEY0_IN_LOOP=shape.key0_in_loop,
-            USE_ROT=rot_center is not None, ROT_ROWS=rot_rows(shape, tn),
+            USE_ROT=rot_center is not None, ROT_ROWS=rot_rows(shape, tn), ROT_PAIRS=rot_pairs,
             num_warps=warps, num_stages=stages,
             **({"maxnreg": maxnreg} if maxnreg else {}),
         )
@@ -963,14 +989,14 @@ def paged_attention(
     stages = shape.num_stages or DEFAULT_STAGES
     grid = (query.shape[0] // block_q + num_seqs, layout.num_kv_heads)
     _prefill_kernel[grid](
-        query, out, cache, k_scale, v_scale, sink_arg, key0_arg, rot_b, rot_theta, block_table,
-        seq_lens, query_start_loc, num_seqs,
+        query, out, cache, k_scale, v_scale, sink_arg, key0_arg, rot_idx, rot_b, rot_theta,
+        block_table, seq_lens, query_start_loc, num_seqs,
         *common_args,
         G=g, G_PAD=g_pad, BLOCK_Q=block_q, TILE_N=tn, **meta,
         HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales, FOLD_V=shape.fold_v_scales,
         PARTS=shape.dim_parts, LAZY=shape.lazy_rescale, STAGES=stages,
         USE_KEY0=key0_shift is not None, KEY0_IN_LOOP=shape.key0_in_loop,
-        USE_ROT=rot_center is not None, ROT_ROWS=rot_rows(shape, tn), num_warps=warps,
-        num_stages=stages,
+        USE_ROT=rot_center is not None, ROT_ROWS=rot_rows(shape, tn), ROT_PAIRS=rot_pairs,
+        num_warps=warps, num_stages=stages,
     )
     return out

@@ -179,6 +179,69 @@ def rot_rows(shape: "LaunchShape", tile_n: int) -> int:
     return min(tile_n, max(rows, tile_n // 4, 16))
 
 
+@dataclasses.dataclass(frozen=True)
+class RotCenter:
+    """The rotating center of :func:`attention.paged_attention` (``rot_center``) on ``k`` RoPE
+    pairs per KV head: K stored as ``k - R(p) b_k`` where ``b_k`` is ``b`` with every pair but
+    the selected ones zero (pair ``i`` = dims ``(i, i + head_dim / 2)``, turned by ``theta_i p``),
+    so only the selected pairs take a logit correction and its cost scales with ``k`` (the other
+    pairs' offset, if any, is a constant the stored keys keep: no kernel term).
+
+    ``idx`` int32 ``[kv_heads, k]``: each head's pairs, any order, no repeats; ``b`` FP32
+    ``[kv_heads, 2, k]``: ``b[h, idx]`` and ``b[h, idx + head_dim / 2]`` (times the RoPE's
+    attention scaling, if any); ``theta`` FP32 ``[kv_heads, k]``: the pairs' angles per position
+    (``inv_freq[idx]``, any scaling applied). ``k`` is a power of 2, at least 8 (the correction's
+    MMA takes ``2k >= 16`` rows) and at most ``head_dim / 2``. All contiguous on the cache's
+    device; build with :meth:`select`, :meth:`top_pairs` or :meth:`all_pairs`."""
+
+    idx: torch.Tensor
+    b: torch.Tensor
+    theta: torch.Tensor
+
+    @property
+    def pairs(self) -> int:
+        return self.idx.shape[-1]
+
+    def check(self, num_kv_heads: int, head_dim: int) -> None:
+        k = self.pairs
+        if k < 8 or k & (k - 1) or k > head_dim // 2:
+            raise ValueError(f"rot_center pairs must be a power of 2 in [8, {head_dim // 2}], "
+                             f"got {k}")
+        for name, t, shape, dtype in (("idx", self.idx, (num_kv_heads, k), torch.int32),
+                                      ("b", self.b, (num_kv_heads, 2, k), torch.float32),
+                                      ("theta", self.theta, (num_kv_heads, k), torch.float32)):
+            if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+                raise ValueError(f"rot_center.{name} must be contiguous {dtype} {shape}, got "
+                                 f"{t.dtype} {tuple(t.shape)}")
+
+    @classmethod
+    def select(cls, b: torch.Tensor, theta: torch.Tensor, idx: torch.Tensor) -> "RotCenter":
+        """The pairs ``idx [kv_heads, k]`` of a full center ``b [kv_heads, head_dim]`` with the
+        angles ``theta [head_dim / 2]`` (or per head ``[kv_heads, head_dim / 2]``)."""
+        half = b.shape[-1] // 2
+        idx = idx.to(device=b.device, dtype=torch.long)
+        b = b.float()
+        sel = torch.stack([b[:, :half].gather(1, idx), b[:, half:].gather(1, idx)], dim=1)
+        th = theta.float().to(b.device)
+        th = th.expand(b.shape[0], half) if th.dim() == 1 else th
+        return cls(idx.to(torch.int32).contiguous(), sel.contiguous(),
+                   th.gather(1, idx).contiguous())
+
+    @classmethod
+    def top_pairs(cls, b: torch.Tensor, theta: torch.Tensor, k: int) -> "RotCenter":
+        """Each head's ``k`` pairs of largest ``|b_pair|`` (the study's ``hybrid_offsets``)."""
+        half = b.shape[-1] // 2
+        norm = b.float().view(b.shape[0], 2, half).norm(dim=1)
+        return cls.select(b, theta, norm.topk(k, dim=-1).indices)
+
+    @classmethod
+    def all_pairs(cls, b: torch.Tensor, theta: torch.Tensor) -> "RotCenter":
+        """Every pair: ``rot_center = (b, theta)``."""
+        half = b.shape[-1] // 2
+        idx = torch.arange(half, device=b.device).expand(b.shape[0], half)
+        return cls.select(b, theta, idx)
+
+
 def _launch_defaults_512(layout, decode: bool) -> LaunchShape:
     """Head_dim 512 (Gemma 4's global layers): the output accumulators alone take 128 registers
     per thread in one warp. Decode, NVFP4 K and V (timed on the H200): 16 keys x 2 warps, the
