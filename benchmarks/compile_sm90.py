@@ -55,20 +55,23 @@ def default_stages(lay: KVPageLayout, kind: str) -> int:
 
 def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: str = "decode",
                sinks: bool = False, rows: int = 16, variants: tuple = (), parts: int = 1,
-               stages: int = 3, rot_rows: int = 0):
+               stages: int = 3, rot_rows: int = 0, rot_pairs: int = 0):
     """The decode or the prefill kernel (``kind``; prefill: ``rows`` query rows per program; with
     attention ``sinks`` or without) as Triton source for ``triton.compile``. A ``--module`` of a commit that still had the rows family:
     its keys kernels. ``variants``: names of LaunchShape code variants switched on
     (``hoist_query``, ``fold_k_scales``); ``parts``: the head-dim parts (``dim_parts``);
     ``stages``: the tile loop's pipeline stages (``STAGES``, where the module has it);
     ``rot_rows``: with the rotating-center logit correction (``USE_ROT``), tables of that many
-    rows (``ROT_ROWS``); 0: without."""
+    rows (``ROT_ROWS``); 0: without; ``rot_pairs``: on that many RoPE pairs per KV head
+    (``ROT_PAIRS``; 0: all, ``head_dim / 2``)."""
     prefill = kind == "prefill"
     sig = {n: "*bf16" for n in ("query_ptr", "out_ptr")}
     sig.update(cache_ptr="*u8", k_scale_ptr="*fp32", v_scale_ptr="*fp32")
     for name in ("sinks_ptr", "key0_shift_ptr", "rot_b_ptr", "rot_theta_ptr"):
         if name in fn_of(kind).arg_names:
             sig[name] = "*fp32"
+    if "rot_idx_ptr" in fn_of(kind).arg_names:
+        sig["rot_idx_ptr"] = "*i32"
     sig.update(block_table_ptr="*i32",
                seq_lens_ptr="*i32", qsl_ptr="*i32")
     if prefill:
@@ -106,10 +109,11 @@ def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: st
     if "STAGES" in fn.arg_names:
         const.update(STAGES=stages)
     for flag, value in (("USE_KEY0", False), ("KEY0_IN_LOOP", False),
-                        ("USE_ROT", rot_rows > 0), ("ROT_ROWS", rot_rows or 16)):
+                        ("USE_ROT", rot_rows > 0), ("ROT_ROWS", rot_rows or 16),
+                        ("ROT_PAIRS", rot_pairs or lay.head_dim // 2)):
         if flag in fn.arg_names:
             const[flag] = value
-        elif flag == "USE_ROT" and value:
+        elif (flag == "USE_ROT" and value) or (flag == "ROT_PAIRS" and rot_pairs and rot_rows):
             raise SystemExit(f"this attention module has no {flag}")
     if "PREFETCH" in fn.arg_names:  # an older module (--module) with register prefetch: its own default
         const.update(PREFETCH="nvfp4" in (lay.k_format, lay.v_format))
@@ -189,6 +193,8 @@ def main() -> None:
                     help="with the rotating-center logit correction (USE_ROT)")
     ap.add_argument("--rot-rows", type=int,
                     help="rows of its cos / sin tables (default: launch.rot_rows's)")
+    ap.add_argument("--rot-pairs", type=int, default=0,
+                    help="with --rot-center: RoPE pairs corrected per KV head (default: all)")
     ap.add_argument("--variant", nargs="*", choices=["none", *CODE_VARIANTS],
                     help="LaunchShape code variants to switch on, the others off (none: all off; "
                          "default: those of launch_defaults for each format pair)")
@@ -224,7 +230,8 @@ def main() -> None:
         rot = (A.rot_rows(A.LaunchShape(tile, warps, rot_rows=args.rot_rows), tile)
                if args.rot_center else 0)
         k = triton.compile(kernel_src(lay, tile, args.splits, args.group, kind, args.sinks,
-                                      args.rows, variants, dim_parts, stages, rot),
+                                      args.rows, variants, dim_parts, stages, rot,
+                                      args.rot_pairs if rot else 0),
                            target=TARGET,
                            options=dict(num_warps=warps, num_stages=stages,
                                         **({"maxnreg": maxnreg} if maxnreg else {})))
@@ -238,7 +245,8 @@ def main() -> None:
         spills = sum(c for o, c in body.items() if o.startswith(("STL", "LDL")))
         print(f"triton {triton.__version__} D {args.head_dim} {fmt:11} {kind:7} tile {tile:3} "
               f"group {args.group}{' sinks' if args.sinks else ''}"
-              f"{f' rot_center {rot} rows' if rot else ''} "
+              f"{f' rot_center {rot} rows' if rot else ''}"
+              f"{f' {args.rot_pairs or args.head_dim // 2} pairs' if rot else ''} "
               f"warps {warps}{f' parts {dim_parts}' if dim_parts > 1 else ''} "
               f"stages {stages}{''.join(' ' + v for v in variants)}: "
               f"regs {regs} smem {k.metadata.shared} "
