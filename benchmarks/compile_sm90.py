@@ -227,8 +227,8 @@ def main() -> None:
         stages = args.stages or default_stages(lay, kind)
         variants = (default_variants(lay, kind) if args.variant is None
                     else tuple(v for v in args.variant if v != "none"))
-        rot = (A.rot_rows(A.LaunchShape(tile, warps, rot_rows=args.rot_rows), tile)
-               if args.rot_center else 0)
+        rot = (A.rot_rows(A.LaunchShape(tile, warps, rot_rows=args.rot_rows), tile,
+                          args.rot_pairs or None) if args.rot_center else 0)
         k = triton.compile(kernel_src(lay, tile, args.splits, args.group, kind, args.sinks,
                                       args.rows, variants, dim_parts, stages, rot,
                                       args.rot_pairs if rot else 0),

@@ -217,11 +217,12 @@ def test_k_pairs_decode_matches_float64(kf, vf, d, k, group, tile_n, splits):
     assert (rot_reference(batch, 0.1, b, theta) - want).norm() / want.norm() > 100 * TOL
 
 
-@pytest.mark.parametrize("kf,vf,k", [("nvfp4", "nvfp4", 8), ("fp8", "fp8", 8),
-                                     ("nvfp4", "fp8", 16)])
-def test_k_pairs_default_decode_launch(kf, vf, k):
-    """The production decode launch (64-key tiles: 16-row tables x 4 row blocks with one warp,
-    the whole tile with two) with the ``k`` pairs of largest ``|b_pair|`` (``top_pairs``)."""
+@pytest.mark.parametrize("kf,vf,k,rows", [("nvfp4", "nvfp4", 8, None), ("nvfp4", "nvfp4", 8, 16),
+                                          ("fp8", "fp8", 8, None), ("nvfp4", "fp8", 16, 32)])
+def test_k_pairs_default_decode_launch(kf, vf, k, rows):
+    """The production decode launch (64-key tiles; tables of the whole tile with at most 16
+    pairs, or 16 / 32 rows: 4 / 2 row blocks) with the ``k`` pairs of largest ``|b_pair|``
+    (``top_pairs``)."""
     lay = KVPageLayout(1, 64, 16, kf, vf)
     batch = make_batch(lay, [(300 * SCALE + 7, 1), (3, 1)], 4, device=DEV, seed=29,
                        write_backend=WRITE)
@@ -229,7 +230,7 @@ def test_k_pairs_default_decode_launch(kf, vf, k):
     rot = attn_kernels.RotCenter.top_pairs(b, theta, k)
     norm = b.cpu().view(1, 2, 32).norm(dim=1)
     assert set(rot.idx[0].tolist()) == set(norm[0].argsort(descending=True)[:k].tolist())
-    got = run(batch, None, None, _launch(lay, True), rot=rot)
+    got = run(batch, None, None, _launch(lay, True, rot_rows=rows), rot=rot)
     assert_close_rel(got, rot_reference(batch, 0.1, selected_center(rot, 64), theta), TOL)
 
 

@@ -973,7 +973,8 @@ def paged_attention(
             HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales, FOLD_V=shape.fold_v_scales,
             PARTS=shape.dim_parts, LAZY=shape.lazy_rescale, STAGES=stages,
             USE_KEY0=key0_shift is not None, KEY0_IN_LOOP=shape.key0_in_loop,
-            USE_ROT=rot_center is not None, ROT_ROWS=rot_rows(shape, tn), ROT_PAIRS=rot_pairs,
+            USE_ROT=rot_center is not None, ROT_PAIRS=rot_pairs,
+            ROT_ROWS=rot_rows(shape, tn, None if rot_center is None else rot_pairs),
             num_warps=warps, num_stages=stages,
             **({"maxnreg": maxnreg} if maxnreg else {}),
         )
@@ -996,7 +997,8 @@ def paged_attention(
         HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales, FOLD_V=shape.fold_v_scales,
         PARTS=shape.dim_parts, LAZY=shape.lazy_rescale, STAGES=stages,
         USE_KEY0=key0_shift is not None, KEY0_IN_LOOP=shape.key0_in_loop,
-        USE_ROT=rot_center is not None, ROT_ROWS=rot_rows(shape, tn), ROT_PAIRS=rot_pairs,
+        USE_ROT=rot_center is not None, ROT_PAIRS=rot_pairs,
+        ROT_ROWS=rot_rows(shape, tn, None if rot_center is None else rot_pairs),
         num_warps=warps, num_stages=stages,
     )
     return out

@@ -165,17 +165,24 @@ class LaunchShape:
             raise ValueError(f"rot_rows must be a power of 2, got {rows}")
 
 
-def rot_rows(shape: "LaunchShape", tile_n: int) -> int:
+def rot_rows(shape: "LaunchShape", tile_n: int, pairs: Optional[int] = None) -> int:
     """Rows of the rotating-center correction's cos / sin tables (an FP16 MMA operand ``[rows,
-    head_dim]`` held in registers for the whole tile loop) for ``tile_n``-key tiles:
-    ``shape.rot_rows``, else 16 in one warp and the whole tile in more; at most ``tile_n``, at
-    least ``tile_n / 4`` (a tile stacks up to 4 row blocks, each turned once more) and 16. The
-    sm_90 compile (``compile_sm90.py --splits 8 --rot-center``, Triton 3.6, head_dim 128, 64-key
-    tiles): NVFP4 K and V (one warp, 190 registers without) 23.0 -> 28.5 warp-instructions per
-    token-head at 16 rows and 255 registers; 32 rows spill (119 spill instructions in the loop),
-    64 spill far more. FP8 K and V (two warps, 122 registers without) 16.7 -> 19.9 at 64 rows
-    (229 registers), 22.8 at 32, 27.5 at 16."""
-    rows = shape.rot_rows or (16 if shape.num_warps == 1 else tile_n)
+    pairs]`` held in registers for the whole tile loop) for ``tile_n``-key tiles and ``pairs``
+    corrected RoPE pairs per KV head (``None``: all, ``head_dim / 2``): ``shape.rot_rows``, else
+    the whole tile with more than one warp or at most 16 pairs, 16 rows otherwise; at most
+    ``tile_n``, at least ``tile_n / 4`` (a tile stacks up to 4 row blocks, each turned once more)
+    and 16. The sm_90 compile (``compile_sm90.py --splits 8 --rot-center [--rot-pairs K]``,
+    Triton 3.6, head_dim 128, 64-key tiles), warp-instructions per token-head of the tile loop:
+    NVFP4 K and V (one warp, 190 registers without) 23.0 -> 28.5 with all 64 pairs at 16 rows
+    and 255 registers (32 rows spill: 119 spill instructions in the loop, 64 spill far more);
+    with 8 / 16 pairs 24.6 / 24.8 at 16 rows, 23.3 / 23.6 at 64 rows (226 / 252 registers).
+    Under the 184-register cap of short splits (``decode_register_cap``; stages 3): 23.1 without
+    (11 spill instructions), 31.2 with all pairs (187 spills), 23.8 / 24.1 with 8 / 16 pairs at 64
+    rows (8 / 31 spills), 26.0 / 25.8 at 16 rows. FP8 K and V (two warps, 122 registers
+    without) 16.7 -> 19.9 with all pairs at 64 rows (229 registers), 22.8 at 32, 27.5 at 16; with
+    8 / 16 pairs 17.0 / 17.4 at 64 rows (128 / 160 registers)."""
+    whole = shape.num_warps > 1 or (pairs is not None and pairs <= 16)
+    rows = shape.rot_rows or (tile_n if whole else 16)
     return min(tile_n, max(rows, tile_n // 4, 16))
 
 
