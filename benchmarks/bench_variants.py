@@ -228,8 +228,10 @@ def main() -> None:
             if args.rot_center:
                 rot = ((torch.randn(bd.HKV, bd.D, generator=gen) * 0.5).to(dev),
                        llama3_theta(bd.D).to(dev))
-                runs.append(("rot", new_mod, {"rot_center": rot}))
-                runs += [(f"rot_q{n}", new_mod, {"rot_center": rot, "rot_rows": n})
+                # built once (a (b, theta) tuple is turned into one on every call)
+                full = new_mod.RotCenter.all_pairs(*rot) if hasattr(new_mod, "RotCenter") else rot
+                runs.append(("rot", new_mod, {"rot_center": full}))
+                runs += [(f"rot_q{n}", new_mod, {"rot_center": full, "rot_rows": n})
                          for n in args.rot_rows]
                 runs += [(f"rot_k{k}", new_mod,
                           {"rot_center": new_mod.RotCenter.top_pairs(*rot, k)})
