@@ -445,3 +445,49 @@ def test_empty_policy_variable_counts_as_unset_and_the_log_line_says_so(tmp_path
     assert p.to_compact() == "0-3:fp8" and p.source.endswith("nvfp4_policy.json; $VLLM_NVFP4_POLICY "
                                                               "is set but empty, so it was ignored")
     assert "set but empty" not in resolve_policy(4, model, env={}).source
+
+
+def _k_rot_row(**k_rot):
+    """Two KV heads, head_dim 8 (pairs 0..3), k_center 0 on the channels of pairs 0 and 2."""
+    center = [[0.0, 1.0, 0.0, 2.0, 0.0, 3.0, 0.0, 4.0], [0.0, -1.0, 0.0, 5.0, 0.0, 6.0, 0.0, 7.0]]
+    rot = {"pairs": [[0, 2], [2, 0]], "b": [[[1.0, -2.0], [3.0, 4.0]], [[0.5, 0.25], [-1.0, 8.0]]],
+           "theta": [[1.0, 0.01], [0.01, 1.0]], **k_rot}
+    return center, rot
+
+
+def test_k_rot_round_trips_and_is_checked(tmp_path):
+    """The rotating offset on k RoPE pairs per KV head (docs/design/rotating_centering.md): an
+    object of pairs, b (both halves) and theta per head; round-trips through JSON; every
+    malformation names k_rot and what is wrong."""
+    center, rot = _k_rot_row()
+    p = KVPolicy.from_compact("*:nvfp4", 2).with_layer(0, k_center=center, k_rot=rot)
+    q = KVPolicy.load(p.save(tmp_path / "policy.json"))
+    assert q.layers == p.layers and q.to_dict()["layers"][0]["k_rot"] == rot
+    assert q.layers[0].k_rot.num_pairs == 2 and q.layers[0].k_rot.pairs == ((0, 2), (2, 0))
+    for change, match in (
+            ({"pairs": [[0, 4], [2, 0]]}, r"pairs of KV head 0 must be integers in \[0, 4\)"),
+            ({"pairs": [[0, 0], [2, 0]]}, "lists a pair twice"),
+            ({"pairs": [[0, 2], [2]]}, "pairs of KV head 1 must list 2 indices"),
+            ({"pairs": [[0, 2]]}, "pairs must be a list of 2 entries"),
+            ({"pairs": [[0, True], [2, 0]]}, "must be integers"),
+            ({"b": [[[1.0, 2.0]], [[1.0, 2.0], [3.0, 4.0]]]}, "b of KV head 0 must be 2 lists"),
+            ({"b": [[[1.0, float("inf")], [3.0, 4.0]], [[1.0, 2.0], [3.0, 4.0]]]}, "finite numbers"),
+            ({"theta": [[1.0, 0.0], [1.0, 1.0]]}, "theta of KV head 0 must be finite numbers > 0"),
+            ({"theta": [[1.0], [1.0, 1.0]]}, "theta of KV head 0 must list 2 angles")):
+        with pytest.raises(PolicyError, match="k_rot: .*" + match):
+            LayerPolicy("nvfp4", "nvfp4", k_center=center, k_rot={**rot, **change})
+    with pytest.raises(PolicyError, match="k_rot: k_rot must be an object with exactly the keys"):
+        LayerPolicy("nvfp4", "nvfp4", k_center=center, k_rot={"pairs": rot["pairs"]})
+    with pytest.raises(PolicyError, match="k_rot: the rotating offset needs k_center"):
+        LayerPolicy("nvfp4", "nvfp4", k_rot=rot)
+    moved = [row[:] for row in center]
+    moved[1][6] = 0.5  # pair 2's second channel of head 1
+    with pytest.raises(PolicyError, match="k_center of KV head 1 must be 0 on the rotated channels.*channel 6"):
+        LayerPolicy("nvfp4", "nvfp4", k_center=moved, k_rot=rot)
+    with pytest.raises(PolicyError, match="k_rot: the rotating offset is not defined with k_smooth or k_perm"):
+        LayerPolicy("nvfp4", "nvfp4", k_center=center, k_rot=rot, k_smooth=[[1.0] * 8] * 2)
+    data = p.to_dict()
+    data["layers"][0]["k_rot"]["pairs"] = [[0, 9], [2, 0]]
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(PolicyError, match=r"layers\[0\]: k_rot: pairs of KV head 0"):
+        KVPolicy.load(tmp_path / "bad.json")

@@ -346,6 +346,11 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
                 f"{layer_name}: the policy centers K (k_center), which shifts every logit of a "
                 f"query by q . mu; the model's logits soft-cap ({self.logits_soft_cap}) is not "
                 f"shift-invariant. Calibrate without --k-center for this model")
+        if row.k_rot is not None:
+            raise RuntimeError(
+                f"{layer_name}: the policy centers K on a rotating offset (k_rot, layer {index}), "
+                "which serving does not implement yet (docs/design/rotating_centering.md); use a "
+                "policy without k_rot")
         dropped = [n for n in CHANNEL_FIELDS if getattr(row, n) is None and getattr(self, n) is not None]
         if row.k_sink_uncentered is None and self.key0_shift is not None:
             dropped.append("k_sink_uncentered")

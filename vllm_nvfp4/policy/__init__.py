@@ -23,6 +23,7 @@ from vllm_nvfp4.policy.layer_policy import (
     DEFAULT_NVFP4_GLOBAL_SCALE,
     HEAD_FLAG_FIELDS,
     SCALE_FIELDS,
+    KRot,
     LayerPolicy,
     Scale,
     Smooth,
@@ -35,7 +36,7 @@ from vllm_nvfp4.policy.resolve import POLICY_ENV, POLICY_FILENAME, resolve_polic
 
 __all__ = [
     "CHANNEL_FIELDS", "CONFIG_LAYER_KINDS", "DEFAULT_FP8_SCALE", "DEFAULT_NVFP4_GLOBAL_SCALE",
-    "FULL_ATTENTION", "HEAD_FLAG_FIELDS", "KIND_SELECTORS", "LAYER_KINDS", "NO_KV", "POLICY_ENV",
+    "FULL_ATTENTION", "HEAD_FLAG_FIELDS", "KRot", "KIND_SELECTORS", "LAYER_KINDS", "NO_KV", "POLICY_ENV",
     "POLICY_FILENAME", "POLICY_FORMAT", "POLICY_VERSION", "SCALE_FIELDS", "SINK_MODEL_TYPES",
     "TYPE_FIELDS", "KVPolicy", "LayerPolicy", "LayerType", "PolicyError", "Scale", "Smooth",
     "default_policy", "growing_layers", "layer_types_from_config", "resolve_policy",

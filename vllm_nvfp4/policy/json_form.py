@@ -12,7 +12,8 @@
 
 ``"type"`` may be left out for full attention (policies of dense models written before the types
 existed read unchanged); ``"sinks": true`` marks a layer with attention sinks. The scale,
-channel and per-head flag fields (``"k_sink_uncentered"``) are those of
+channel and per-head flag fields (``"k_sink_uncentered"``) and ``"k_rot"`` (an object:
+``"pairs"``, ``"b"``, ``"theta"``) are those of
 :class:`~vllm_nvfp4.policy.layer_policy.LayerPolicy`. Files are
 written by :func:`vllm_nvfp4.json_text.dumps` (one line per vector).
 """
@@ -76,7 +77,7 @@ def _layers_from_dict(data: Any, source: str) -> tuple[tuple[LayerPolicy, ...], 
         if entry.get("index", pos) != pos:
             raise PolicyError(f"{where}: index {entry.get('index')} out of order (expected {pos})")
         unknown = set(entry) - {"index", *TYPE_FIELDS, "k", "v", *SCALE_FIELDS, *CHANNEL_FIELDS,
-                                *HEAD_FLAG_FIELDS}
+                                *HEAD_FLAG_FIELDS, "k_rot"}
         if unknown:
             raise PolicyError(f"{where}: unknown keys {sorted(unknown)}")
         try:
@@ -118,9 +119,12 @@ def policy_to_dict(layers: Sequence[LayerPolicy], provenance: Mapping[str, Any])
 
 
 def _to_json(val: Any) -> Any:
-    """Tuples (per-head scales, k_smooth rows) as JSON lists, recursively; formats as names."""
+    """Tuples (per-head scales, k_smooth rows) as JSON lists, recursively; formats as names;
+    objects (``k_rot``, a dict after ``asdict``) key by key."""
     if isinstance(val, KVFormat):
         return val.value
+    if isinstance(val, dict):
+        return {k: _to_json(v) for k, v in val.items()}
     return [_to_json(v) for v in val] if isinstance(val, tuple) else val
 
 

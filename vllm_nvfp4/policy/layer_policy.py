@@ -28,6 +28,15 @@ position 0 of every sequence (the attention sink) is stored without ``mu`` (``K[
 where calibration found it to fit the layer's K range; centering makes that key one of the
 largest, so it loses the most precision centered. The readers subtract ``mu / lam`` from it after
 decoding, which gives it the logit ``q . (k - mu)`` of every other key: no extra bytes.
+
+Optional ``k_rot`` (with ``k_center``; docs/design/rotating_centering.md): K centered on a
+rotating offset on ``k`` RoPE pairs per KV head, pair ``i`` = channels ``(i, i + head_dim / 2)``:
+``pairs`` ``[kv_heads][k]`` (indices in ``[0, head_dim / 2)``, none twice in a head), ``b``
+``[kv_heads][2][k]`` (the mean pre-RoPE key on those channels, times the RoPE's attention
+scaling), ``theta`` ``[kv_heads][k]`` (radians per position, > 0). The cache is to store ``K - mu
+- R(p) b`` and readers add ``q . R(p) b``; ``k_center`` must be 0 on the rotated channels (the
+constant offset of the other pairs). Not with ``k_smooth`` or ``k_perm``. Not served yet: the
+integration refuses it.
 """
 
 from __future__ import annotations
@@ -52,6 +61,22 @@ Scale = Union[float, tuple[float, ...]]
 Smooth = tuple[tuple[float, ...], ...]  # [kv_heads][head_dim]
 Permutation = tuple[tuple[int, ...], ...]  # [kv_heads][head_dim]
 HeadFlags = Union[bool, tuple[bool, ...]]  # all KV heads, or [kv_heads]
+#: the keys of ``k_rot``
+K_ROT_KEYS = ("pairs", "b", "theta")
+
+
+@dataclass(frozen=True)
+class KRot:
+    """``k_rot`` of a layer (module doc): per KV head the rotated pairs, ``b`` of both halves and
+    the pairs' angles per position; build with :func:`check_k_rot`."""
+
+    pairs: tuple[tuple[int, ...], ...]  # [kv_heads][k]
+    b: tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]  # [kv_heads][2][k]
+    theta: tuple[tuple[float, ...], ...]  # [kv_heads][k]
+
+    @property
+    def num_pairs(self) -> int:
+        return len(self.pairs[0])
 
 
 def _check_scale(value: Any, where: str) -> Optional[Scale]:
@@ -124,6 +149,67 @@ def _check_head_flags(value: Any, name: str) -> Optional[HeadFlags]:
     return tuple(values) if isinstance(value, (list, tuple)) else True
 
 
+def _number(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def check_k_rot(value: Any, center: Optional[Smooth]) -> Optional[KRot]:
+    """``k_rot`` (a :class:`KRot` or its JSON object) checked against the layer's ``k_center``
+    (which it needs: the KV heads, ``head_dim`` and 0 on the rotated channels)."""
+    if value is None:
+        return None
+    if isinstance(value, KRot):
+        value = {"pairs": value.pairs, "b": value.b, "theta": value.theta}
+    if not isinstance(value, dict) or set(value) != set(K_ROT_KEYS):
+        raise PolicyError(f"k_rot: k_rot must be an object with exactly the keys "
+                          f"{', '.join(K_ROT_KEYS)}, got {value!r:.80}")
+    if center is None:
+        raise PolicyError("k_rot: the rotating offset needs k_center (the constant offset of the "
+                          "other RoPE pairs, 0 on the rotated ones); drop k_rot or add k_center")
+    heads, dim = len(center), len(center[0])
+    if dim % 2:
+        raise PolicyError(f"k_rot: head_dim {dim} (from k_center) is odd; RoPE pairs need an even one")
+    half = dim // 2
+    pairs, b, theta = (value[k] for k in K_ROT_KEYS)
+    for name, rows in (("pairs", pairs), ("b", b), ("theta", theta)):
+        if not isinstance(rows, (list, tuple)) or len(rows) != heads:
+            raise PolicyError(f"k_rot: {name} must be a list of {heads} entries (one per KV head, "
+                              f"as k_center), got {len(rows) if isinstance(rows, (list, tuple)) else rows!r}")
+    k = len(pairs[0]) if isinstance(pairs[0], (list, tuple)) else 0
+    if not 1 <= k <= half:
+        raise PolicyError(f"k_rot: pairs of KV head 0 must list 1 to {half} pair indices, got {pairs[0]!r:.80}")
+    out_pairs, out_b, out_theta = [], [], []
+    for h in range(heads):
+        p, bh, th = pairs[h], b[h], theta[h]
+        if not isinstance(p, (list, tuple)) or len(p) != k:
+            raise PolicyError(f"k_rot: pairs of KV head {h} must list {k} indices (as head 0)")
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < half for i in p):
+            raise PolicyError(f"k_rot: pairs of KV head {h} must be integers in [0, {half}) "
+                              f"(pair i = channels i, i + {half}), got {list(p)}")
+        if len(set(p)) != k:
+            raise PolicyError(f"k_rot: pairs of KV head {h} lists a pair twice: {list(p)}")
+        if not (isinstance(bh, (list, tuple)) and len(bh) == 2 and all(
+                isinstance(r, (list, tuple)) and len(r) == k for r in bh)):
+            raise PolicyError(f"k_rot: b of KV head {h} must be 2 lists (the pairs' first and "
+                              f"second channels) of {k} values")
+        if not all(_number(v) for r in bh for v in r):
+            raise PolicyError(f"k_rot: b of KV head {h} must hold finite numbers")
+        if not isinstance(th, (list, tuple)) or len(th) != k:
+            raise PolicyError(f"k_rot: theta of KV head {h} must list {k} angles (one per pair)")
+        if not all(_number(v) and v > 0 for v in th):
+            raise PolicyError(f"k_rot: theta of KV head {h} must be finite numbers > 0 "
+                              f"(radians per position), got {list(th)}")
+        nonzero = [c for i in p for c in (i, i + half) if center[h][c] != 0.0]
+        if nonzero:
+            raise PolicyError(f"k_rot: k_center of KV head {h} must be 0 on the rotated channels "
+                              f"(the offset there is R(p) b), channel {nonzero[0]} is "
+                              f"{center[h][nonzero[0]]!r}")
+        out_pairs.append(tuple(p))
+        out_b.append(tuple(tuple(float(v) for v in r) for r in bh))
+        out_theta.append(tuple(float(v) for v in th))
+    return KRot(tuple(out_pairs), tuple(out_b), tuple(out_theta))
+
+
 @dataclass(frozen=True)
 class LayerPolicy:
     """Formats and (optional) calibrated scales of one decoder layer's K and V.
@@ -140,13 +226,14 @@ class LayerPolicy:
     k_center: Optional[Smooth] = None
     k_perm: Optional[Permutation] = None
     k_sink_uncentered: Optional[HeadFlags] = None
+    k_rot: Optional[KRot] = None
     layer_type: LayerType = FULL_ATTENTION
 
     def __post_init__(self) -> None:
         if not isinstance(self.layer_type, LayerType):
             raise PolicyError(f"layer_type must be a LayerType, got {self.layer_type!r}")
         if not self.layer_type.holds_kv:
-            extra = [n for n in ("k", "v", *SCALE_FIELDS, *CHANNEL_FIELDS, *HEAD_FLAG_FIELDS)
+            extra = [n for n in ("k", "v", *SCALE_FIELDS, *CHANNEL_FIELDS, *HEAD_FLAG_FIELDS, "k_rot")
                      if getattr(self, n) is not None]
             if extra:
                 raise PolicyError(f"a layer without KV cache (type none) takes no {', '.join(extra)}")
@@ -173,6 +260,11 @@ class LayerPolicy:
         if isinstance(sink, tuple) and self.k_center is not None and len(sink) != len(self.k_center):
             raise PolicyError(f"k_sink_uncentered: {len(sink)} per-head flags, k_center has "
                               f"{len(self.k_center)} KV heads")
+        object.__setattr__(self, "k_rot", check_k_rot(self.k_rot, self.k_center))
+        if self.k_rot is not None and (self.k_smooth is not None or self.k_perm is not None):
+            raise PolicyError("k_rot: the rotating offset is not defined with k_smooth or k_perm "
+                              "(the queries are smoothed or permuted, the RoPE pairs are not "
+                              "(i, i + head_dim/2) in the cache's order); drop one of them")
 
     def sink_heads(self, num_kv_heads: int) -> Optional[tuple[bool, ...]]:
         """Per KV head, whether its sink key is stored uncentered (None: no head's is)."""
