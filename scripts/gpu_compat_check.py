@@ -141,9 +141,11 @@ def prompts_from(tok: Any, count: int, length: int, offset: int = 0) -> list[lis
 
 
 def spec_phase(model: Path, speculative: dict, prompts: list[list[int]], n: int,
-               formats: tuple[str, ...] = ("nvfp4_mixed", "fp8")) -> dict:
+               formats: tuple[str, ...] = ("nvfp4_mixed", "fp8"),
+               compare_acceptance: bool = True) -> dict:
     """For nvfp4_mixed and for vLLM's fp8: greedy tokens without and with ``speculative``, and
-    the acceptance rate. Engines run in float32 on CUDA: in bf16 a verify step's batched GEMMs
+    the acceptance rate (compared with fp8's by ``acceptance_holds`` unless ``compare_acceptance``
+    is false). Engines run in float32 on CUDA: in bf16 a verify step's batched GEMMs
     round differently from one-token decodes and flip near-ties of the random model for every
     cache format; the fp8 engine falls back to bf16 where this vLLM has no fp32 fp8 attention."""
     res: dict[str, Any] = {}
@@ -170,8 +172,19 @@ def spec_phase(model: Path, speculative: dict, prompts: list[list[int]], n: int,
     res["ok"] = (ours["vs_non_speculative"]["mismatched_requests"]
                  <= fp8["vs_non_speculative"]["mismatched_requests"]
                  and (ours["accepted"] or 0) > 0
-                 and abs(ours["acceptance"] - fp8["acceptance"]) <= 0.02)
+                 and (not compare_acceptance or acceptance_holds(ours, fp8)))
     return res
+
+
+def acceptance_holds(ours: dict, ref: dict) -> bool:
+    """``ours`` accepts no fewer drafts than ``ref`` beyond sampling noise: at least ``ref``'s
+    rate minus three standard errors of the difference of two binomial rates (counts of drafted
+    tokens; ~0.03 at 4,500 drafts each). A higher rate passes: the drafts follow the target's own
+    greedy tokens, which differ between cache formats, so a read path that corrupts keys shows as
+    fewer accepted drafts, not more."""
+    p, q = ours["acceptance"], ref["acceptance"]
+    se = (p * (1 - p) / max(ours["drafted"], 1) + q * (1 - q) / max(ref["drafted"], 1)) ** 0.5
+    return p >= q - 3 * se
 
 
 def transfer_phase(model: Path, prompts: list[list[int]], n: int,
@@ -232,16 +245,17 @@ def main() -> int:
                     shutil.copytree(model, draft)
                 spec = {"method": "draft_model", "model": str(draft),
                         "num_speculative_tokens": NUM_SPEC}
-                out = spec_phase(model, spec, short, 64)
-                # the draft stores K/V in FP8: with an all-FP8 target policy it computes what the
-                # target does, so (as with vLLM's fp8) nearly every draft must be accepted
+                # the draft stores K/V in FP8 and the mixed target mostly NVFP4, so fewer of its
+                # drafts are accepted by design; with an all-FP8 target policy it computes what
+                # the target does, so its acceptance must hold against vLLM's fp8
+                out = spec_phase(model, spec, short, 64, compare_acceptance=False)
                 os.environ["VLLM_NVFP4_POLICY"] = str(all_fp8_policy(a.work / "fp8.json", 8))
                 try:
                     out["all_fp8_target"] = spec_phase(model, spec, short, 64,
                                                            ("nvfp4_mixed",))["nvfp4_mixed"]
                 finally:
                     del os.environ["VLLM_NVFP4_POLICY"]
-                out["ok"] = out["ok"] and out["all_fp8_target"]["acceptance"] >= 0.9
+                out["ok"] = out["ok"] and acceptance_holds(out["all_fp8_target"], out["fp8"])
             elif phase == "ngram":
                 out = spec_phase(repetitive(a.work), {"method": "ngram",
                                                       "num_speculative_tokens": NUM_SPEC,
