@@ -25,6 +25,7 @@ from typing import Mapping, Optional
 import torch
 
 from vllm_nvfp4.calibration.kv_hooks import KVOption, LayerQuant, ScaleArg, fake_quantize
+from vllm_nvfp4.calibration.rope import rope_rotate, rope_unrotate  # noqa: F401 (the studies import them here)
 from vllm_nvfp4.formats import E2M1_MAX, KVFormat, NonFinite, check_kv_format
 from vllm_nvfp4.key_transform import stored_keys
 from vllm_nvfp4.policy import KVPolicy
@@ -212,36 +213,6 @@ def rope_frequencies(model: torch.nn.Module) -> tuple[torch.Tensor, float]:
     (``model.model.rotary_emb``)."""
     emb = model.model.rotary_emb
     return emb.inv_freq.detach().float().cpu(), float(getattr(emb, "attention_scaling", 1.0))
-
-
-def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
-             scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin [len(positions), head_dim]`` (FP32, times ``scaling``) as transformers builds
-    them: the angles ``p * inv_freq`` repeated for both halves (rotate_half pairs ``(i, i + D/2)``)."""
-    ang = positions.float()[:, None] * inv_freq.float()[None, :]
-    ang = torch.cat([ang, ang], dim=-1)
-    return ang.cos() * scaling, ang.sin() * scaling
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def rope_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                scaling: float = 1.0) -> torch.Tensor:
-    """``R(p) x`` for ``x [..., seq, head_dim]`` at ``positions [seq]`` (FP32): the model's RoPE."""
-    cos, sin = _cos_sin(positions, inv_freq, scaling)
-    x = x.float()
-    return x * cos + _rotate_half(x) * sin
-
-
-def rope_unrotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                  scaling: float = 1.0) -> torch.Tensor:
-    """``R(p)^-1 x`` (FP32): the pre-RoPE key of a post-RoPE key ``x [..., seq, head_dim]``."""
-    cos, sin = _cos_sin(positions, inv_freq, scaling)
-    x = x.float()
-    return (x * cos - _rotate_half(x) * sin) / (scaling * scaling)
 
 
 def hybrid_offsets(b: torch.Tensor, mu: torch.Tensor, pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
