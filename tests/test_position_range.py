@@ -4,6 +4,8 @@ offset are those of the positions it is shifted to)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -198,7 +200,7 @@ def test_cli_checks_the_served_length_before_loading(tiny, tmp_path: Path, capsy
 
 def test_startup_recipe_covers_max_model_len():
     """The start-up recipe runs its windows at the offsets up to vLLM's max_model_len, says so,
-    counts them in its cost, and keys its cache on them (recipe version 8)."""
+    counts them in its cost, and keys its cache on them (recipe version 9, with k_rot_pairs)."""
     from vllm_nvfp4.integration.startup_recipe import RECIPE_VERSION, describe_recipe, recipe_for, tokens_run
     from vllm_nvfp4.model_shape import ModelShape
 
@@ -208,9 +210,11 @@ def test_startup_recipe_covers_max_model_len():
 
     long, short = recipe_for(config(8192), 100_000, False), recipe_for(config(1024), 100_000, False)
     assert (long.window, long.windows, long.offsets) == (1024, 4, (1792, 3584, 5376, 7168))
-    assert short.offsets == () and RECIPE_VERSION == 8
+    assert short.offsets == () and RECIPE_VERSION == 9
+    assert short.k_rot_pairs == 0 and short.describe()["k_rot_pairs"] == 0
     assert long.describe()["position_range"] == {"max_model_len": 8192, "offsets": [1792, 3584, 5376, 7168]}
     assert long.describe() != recipe_for(config(4096), 100_000, False).describe()
+    assert replace(long, k_rot_pairs=8).describe() != long.describe()
     shape = ModelShape(num_layers=4, total_num_kv_heads=2, num_kv_heads=2, head_dim=32,
                        dtype="float32", max_positions=8192)
     assert tokens_run(long, shape) - tokens_run(short, shape) == 4 * 4096

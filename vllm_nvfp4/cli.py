@@ -105,6 +105,13 @@ def _model_args(p: argparse.ArgumentParser, default_windows: int, k_center_defau
                         "calibration RMS, so each NVFP4 block holds channels of similar magnitude "
                         "(exact: the queries are permuted alike; measured gains depend on the "
                         "model and text, see docs/CALIBRATION.md)")
+    p.add_argument("--k-rot-pairs", type=_non_negative_int, default=0, metavar="K",
+                   help="with K centering, center K on the mean pre-RoPE key rotated to each "
+                        "key's position on the K RoPE pairs of each KV head where that mean is "
+                        "largest (the constant offset on the others; 1 .. head_dim/2, e.g. "
+                        "head_dim/8; not with --k-smooth or --k-permute; models whose RoPE is not "
+                        "rotate-half over the whole head, or is M-RoPE, keep the constant offset; "
+                        "docs/design/rotating_centering.md). Default 0: off")
     p.add_argument("--max-model-len", type=_non_negative_int, default=None, metavar="N",
                    help="the longest sequence (tokens) served with the policy: every calibration "
                         "window also runs at position offsets up to N (RoPE keys rotate further "
@@ -246,6 +253,25 @@ def _sink_key(a: argparse.Namespace) -> Optional[bool]:
     return bool(a.k_sink_uncentered)
 
 
+def _k_rot_pairs(a: argparse.Namespace) -> int:
+    """``--k-rot-pairs`` checked before loading weights: with K centering, without smoothing or
+    a permutation, at most ``head_dim / 2`` (from ``config.json``)."""
+    from vllm_nvfp4.calibration.commands import check_k_rot_args
+    from vllm_nvfp4.calibration.modeling import read_text_config
+    from vllm_nvfp4.calibration.rot_center import check_pairs
+
+    try:
+        check_k_rot_args(a.k_rot_pairs, a.k_center, a.k_smooth, a.k_permute)
+        cfg = read_text_config(a.model)
+        heads = cfg.get("num_attention_heads")
+        head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads else None)
+        if a.k_rot_pairs and isinstance(head_dim, int):
+            check_pairs(a.k_rot_pairs, head_dim)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return a.k_rot_pairs
+
+
 def cmd_calibrate(a: argparse.Namespace) -> int:
     from vllm_nvfp4.calibration.commands import run_calibrate
 
@@ -254,7 +280,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     _check_writable_file(a.out, a.force, "--out")
     policy = run_calibrate(a.model, a.data, a.policy, a.window, a.windows, a.per_head, a.dtype,
                            a.k_smooth, a.k_center, a.device, a.k_permute, bool(_sink_key(a)),
-                           a.max_model_len)
+                           a.max_model_len, _k_rot_pairs(a))
     policy.save(a.out, overwrite=a.force)
     print(f"wrote {a.out}: {policy.to_compact()} ({policy.fraction_of_fp8():.4f}x FP8 bytes)")
     return 0
@@ -273,6 +299,7 @@ def cmd_analyze(a: argparse.Namespace) -> int:
     given = [flag for flag, on in (("--per-head", a.per_head), ("--k-smooth", a.k_smooth),
                                    ("--k-center", a.k_center), ("--k-permute", a.k_permute),
                                    ("--k-sink-uncentered", a.k_sink_uncentered),
+                                   ("--k-rot-pairs", a.k_rot_pairs),
                                    ("--max-model-len", a.max_model_len is not None)) if on]
     if a.scales is not None and given:
         raise UsageError(f"{' '.join(given)} shape the calibration, which --scales replaces: pass "
@@ -283,7 +310,8 @@ def cmd_analyze(a: argparse.Namespace) -> int:
     report = analyze(a.model, a.data, a.out, a.window, a.windows, a.calib_windows, scales,
                      a.per_head, a.dtype, reuse_prefix=not a.no_prefix_reuse, k_smooth=a.k_smooth,
                      k_center=a.k_center, device=a.device, base=a.base, k_permute=a.k_permute,
-                     k_sink_uncentered=bool(_sink_key(a)), max_model_len=a.max_model_len)
+                     k_sink_uncentered=bool(_sink_key(a)), max_model_len=a.max_model_len,
+                     k_rot_pairs=_k_rot_pairs(a) if a.scales is None else 0)
     for stale in a.out.glob("selection-*.json"):  # belong to the previous analysis
         stale.unlink()
     paths = render(a.out)
@@ -369,7 +397,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
                       k_permute=a.k_permute, metric=a.metric,
                       base=a.base,
                       measure=not a.no_measure, measure_windows=a.measure_windows, device=a.device,
-                      max_model_len=a.max_model_len)
+                      max_model_len=a.max_model_len, k_rot_pairs=_k_rot_pairs(a))
     result.policy.save(target, overwrite=a.force)
     print("\n".join(result.lines()))
     print(f"wrote {target} (vllm serve {a.model} --kv-cache-dtype nvfp4_mixed finds it) and the "

@@ -20,7 +20,7 @@ from vllm_nvfp4.calibration.position_range import describe as describe_range
 from vllm_nvfp4.calibration.position_range import range_offsets, served_length
 from vllm_nvfp4.calibration.progress import progress, single_bar
 from vllm_nvfp4.calibration.report_files import ReportError
-from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy, with_formats
+from vllm_nvfp4.calibration.scales import observe_calibration, scaled_policy, with_formats
 from vllm_nvfp4.calibration.selection import (
     DEFAULT_BASE,
     count_fp8_slots,
@@ -46,11 +46,14 @@ def run_calibrate(model_dir: Path, data: Sequence[Path], formats: Optional[str] 
                   dtype: str = "bfloat16", k_smooth: Optional[float] = None,
                   k_center: bool = False, device: str = "cpu", k_permute: bool = False,
                   k_sink_uncentered: bool = False,
-                  max_model_len: Optional[int] = None) -> KVPolicy:
+                  max_model_len: Optional[int] = None, k_rot_pairs: int = 0) -> KVPolicy:
     """Calibrate K/V scales on ``windows`` windows, their range also at the positions up to
     ``max_model_len`` (:func:`~vllm_nvfp4.calibration.position_range.served_length`: None = the
     model's positions, 0 = none); formats from the compact ``formats`` string (default rule
-    when ``None``). Returns the policy with scales and provenance (not saved)."""
+    when ``None``); with ``k_rot_pairs`` > 0 (needs ``k_center``) the rotating K center on that
+    many RoPE pairs per KV head (:mod:`~vllm_nvfp4.calibration.rot_center`). Returns the policy
+    with scales and provenance (not saved)."""
+    check_k_rot_args(k_rot_pairs, k_center, k_smooth, k_permute)
     served = served_length(max_model_len, config_shape(Path(model_dir))[1])
     model, tokenizer, info = load_model(model_dir, dtype, device, window, 0)
     fmt = (KVPolicy.from_compact(formats, info.num_layers, source="--policy",
@@ -58,17 +61,30 @@ def run_calibrate(model_dir: Path, data: Sequence[Path], formats: Optional[str] 
            else default_policy(info.num_layers, info.layer_types))
     toks = load_windows(data, tokenizer, window, count=0, calib=windows, max_positions=info.max_positions)
     offsets = range_offsets(served, window)
-    observer = observe_amax(model, toks.calib, info.num_layers, kv_layers=info.kv_layers,
-                            offsets=offsets)
+    observer, rot = observe_calibration(model, toks.calib, info, offsets, k_rot_pairs)
     prov = {"tool": _tool("calibrate"), "created": utc_now(), "model": info.to_dict(),
             "data": toks.describe(), "position_range": describe_range(served, offsets),
             "formats_from": "--policy" if formats else "default rule",
             "scales": "per KV head" if per_head else "per layer",
             "k_smooth_alpha": k_smooth, "k_center": k_center, "k_permute": k_permute,
-            "k_sink_uncentered": k_sink_uncentered,
+            "k_sink_uncentered": k_sink_uncentered, "k_rot_pairs": k_rot_pairs if rot else 0,
             "conventions": {"fp8_scale": "amax/448", "nvfp4_global_scale": "amax/2688"}}
     return scaled_policy(fmt, observer, per_head, prov, k_smooth, k_center, k_permute,
-                         k_sink_uncentered)
+                         k_sink_uncentered, rot)
+
+
+def check_k_rot_args(k_rot_pairs: int, k_center: bool, k_smooth: Optional[float],
+                     k_permute: bool) -> None:
+    """``ValueError`` where ``k_rot_pairs`` (> 0: the rotating K center) cannot combine with the
+    other K options: it needs K centering, and neither smoothing nor a channel permutation."""
+    if not k_rot_pairs:
+        return
+    if not k_center:
+        raise ValueError("--k-rot-pairs centers K on a rotating offset on top of K centering; "
+                         "it needs --k-center")
+    if k_smooth is not None or k_permute:
+        raise ValueError("--k-rot-pairs does not combine with --k-smooth or --k-permute (the "
+                         "rotated pairs would not be the cache's channels (i, i + head_dim/2))")
 
 
 def _check_same_inputs(report: dict[str, Any]) -> None:
@@ -223,28 +239,32 @@ def run_tune(model_dir: Path, data: Sequence[Path], report_dir: Path, fp8_slots:
              metric: str = "kl",
              measure: bool = True, measure_windows: Optional[int] = None,
              device: str = "cpu", base: str = DEFAULT_BASE,
-             max_model_len: Optional[int] = None) -> TuneResult:
+             max_model_len: Optional[int] = None, k_rot_pairs: int = 0) -> TuneResult:
     """``analyze`` (calibrating on the first ``calib_windows`` windows, scoring the next
     ``windows``, the range also at the positions up to ``max_model_len``: :func:`run_calibrate`)
     then ``select`` for ``fp8_slots`` FP8 slots, under one progress bar; the
     report (plots, REPORT.md) is rendered into ``report_dir``. The policy is not saved.
     ``k_sink_uncentered`` None (with ``k_center``): the analysis flags the sink key where it
     fits and ``select`` keeps the flags only if the selected policy measures better with them
-    (``run_select``'s ``sink_key``); True / False: as given, nothing measured for it."""
+    (``run_select``'s ``sink_key``); True / False: as given, nothing measured for it.
+    ``k_rot_pairs`` > 0: the rotating K center (:func:`run_calibrate`; dropped with the
+    centering under a soft-cap); every measured forward stores the keys as served with it."""
     from vllm_nvfp4.calibration.report import render
 
     start = time.time()
     notes = []
     if k_center and soft_capped(Path(model_dir)):
         k_center = k_sink_uncentered = False
+        k_rot_pairs = 0
         notes.append("note: the model soft-caps its attention logits; K centering is off")
+    check_k_rot_args(k_rot_pairs, k_center, k_smooth, k_permute)
     measure_sink = k_center and k_sink_uncentered is None
     with single_bar("tune", unit="step"):
         report = analyze(model_dir, data, report_dir, window, windows, calib_windows,
                          per_head=per_head, dtype=dtype, k_smooth=k_smooth, k_center=k_center,
                          k_sink_uncentered=k_center and k_sink_uncentered is not False,
-                         k_permute=k_permute,
-                         device=device, base=base, max_model_len=max_model_len)
+                         k_permute=k_permute, device=device, base=base,
+                         max_model_len=max_model_len, k_rot_pairs=k_rot_pairs)
         for stale in Path(report_dir).glob("selection-*.json"):  # of an earlier analysis
             stale.unlink()
         policy, summary = run_select(report_dir, fp8_slots, metric, measure=measure, budget=budget,

@@ -25,11 +25,20 @@ A policy layer with ``k_sink_uncentered`` stores the key at position 0 of every 
 attention sink) as the serving cache does: quantized before K centering, ``mu / lam`` subtracted
 after decoding (:func:`with_uncentered_sink`).
 
+The rotating K center
+---------------------
+A policy layer with ``k_rot`` stores ``K - mu' - R(p) b_k`` and attends the read-back plus
+``R(p) b_k`` (:func:`~vllm_nvfp4.key_transform.rotating_offset`), ``p`` from the forward's
+``position_ids`` (:func:`~vllm_nvfp4.calibration.rope.key_positions`): the keys the served
+cache's readers see, up to the constant ``mu'`` (softmax-invariant).
+
 Study options
 -------------
 :class:`KVOption` objects (``options``) add what the serving cache does not store (the
 repository's ``studies/kv_options.py``: rotations, per-head formats, other sink-key stores). A
-:class:`KVObserver` records the per-layer, per-KV-head ``amax`` of the unquantized K and V.
+:class:`KVObserver` records the per-layer, per-KV-head ``amax`` of the unquantized K and V (and,
+given the model's RoPE, the mean pre-RoPE key); a :class:`RotRangeObserver` the amax of the keys
+a rotating K center stores.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -51,7 +60,9 @@ from vllm_nvfp4.formats import (
     nvfp4_dequantize_folded,
     nvfp4_quantize,
 )
-from vllm_nvfp4.key_transform import permute_channels, sink_shift, stored_keys
+from vllm_nvfp4.calibration.rope import Rope, key_positions, rope_unrotate
+from vllm_nvfp4.kernels.launch import RotCenter
+from vllm_nvfp4.key_transform import permute_channels, rotating_offset, sink_shift, stored_keys
 from vllm_nvfp4.policy import KVPolicy, LayerType, PolicyError, layer_types_from_config
 
 HOOK_PREFIX = "vllm_nvfp4_kv|"
@@ -112,7 +123,47 @@ def fake_quantize(
 
 
 # ---------------------------------------------------------------------------- observation
-class KVObserver:
+class _Observer:
+    """What every observer shares: the layers, token counters and :meth:`range_only`."""
+
+    #: whether the hook passes ``positions`` (the keys' positions, int64 ``[seq]``) to observe()
+    wants_positions = False
+
+    def __init__(self, num_layers: int, kv_layers: Optional[Sequence[int]] = None) -> None:
+        self.num_layers = num_layers
+        self.kv_layers = list(range(num_layers)) if kv_layers is None else list(kv_layers)
+        self.tokens: list[int] = [0] * num_layers
+        self.range_tokens: list[int] = [0] * num_layers  # observed inside range_only()
+        self._range_only = False
+
+    @contextlib.contextmanager
+    def range_only(self) -> Iterator["_Observer"]:
+        """Within the block, observations update only the range statistics (class doc)."""
+        if self._range_only:
+            raise RuntimeError("KVObserver.range_only blocks cannot be nested")
+        self._range_only = True
+        try:
+            yield self
+        finally:
+            self._range_only = False
+
+    def _count(self, layer: int, key: torch.Tensor) -> None:
+        counter = self.range_tokens if self._range_only else self.tokens
+        counter[layer] += key.shape[0] * key.shape[2]
+
+    def missing_layers(self) -> list[int]:
+        """Layers never observed from position 0 (a model whose attention did not go through
+        the hook)."""
+        return [i for i in self.kv_layers if not self.tokens[i]]
+
+
+def _check_finite(layer: int, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"layer {layer}: {name} holds NaN/Inf; cannot calibrate")
+
+
+class KVObserver(_Observer):
     """Running per-layer, per-KV-head amax of K and V (FP32 tensors ``[kv_heads]``), and per K
     channel (``[kv_heads, head_dim]``): amax (the input of K smoothing), max, min and sum (K
     centering: the mean and the amax of ``K - mean``), sum of squares (the channel RMS that
@@ -125,11 +176,18 @@ class KVObserver:
     range statistics (K and V amax, K channel amax, max and min) take in what is observed, and
     not the first key of each sequence (at a shifted position it would be the sink key where no
     served sequence holds one); the mean, sum of squares, first-key statistics and ``tokens``
-    keep coming from the windows run from position 0 (``range_tokens`` counts the others)."""
+    keep coming from the windows run from position 0 (``range_tokens`` counts the others).
 
-    def __init__(self, num_layers: int, kv_layers: Optional[Sequence[int]] = None) -> None:
-        self.num_layers = num_layers
-        self.kv_layers = list(range(num_layers)) if kv_layers is None else list(kv_layers)
+    Given the model's ``rope`` (:func:`~vllm_nvfp4.calibration.rope.model_rope`), also the
+    per-channel sum of the pre-RoPE keys ``R(p)^-1 K`` of the windows from position 0, ``p``
+    from the forward's position ids (:meth:`k_pre_mean`: ``b`` of the rotating K center)."""
+
+    def __init__(self, num_layers: int, kv_layers: Optional[Sequence[int]] = None,
+                 rope: Optional[Rope] = None) -> None:
+        super().__init__(num_layers, kv_layers)
+        self.rope = rope
+        self.wants_positions = rope is not None
+        self.k_pre_sum: list[Optional[torch.Tensor]] = [None] * num_layers  # FP64
         self.k_amax: list[Optional[torch.Tensor]] = [None] * num_layers
         self.v_amax: list[Optional[torch.Tensor]] = [None] * num_layers
         self.k_channel_amax: list[Optional[torch.Tensor]] = [None] * num_layers
@@ -139,24 +197,18 @@ class KVObserver:
         self.k_channel_sumsq: list[Optional[torch.Tensor]] = [None] * num_layers  # FP64
         self.k_first_max: list[Optional[torch.Tensor]] = [None] * num_layers
         self.k_first_min: list[Optional[torch.Tensor]] = [None] * num_layers
-        self.tokens: list[int] = [0] * num_layers
-        self.range_tokens: list[int] = [0] * num_layers  # observed inside range_only()
-        self._range_only = False
-
-    @contextlib.contextmanager
-    def range_only(self) -> Iterator["KVObserver"]:
-        """Within the block, observations update only the range statistics (class doc)."""
-        if self._range_only:
-            raise RuntimeError("KVObserver.range_only blocks cannot be nested")
-        self._range_only = True
-        try:
-            yield self
-        finally:
-            self._range_only = False
 
     def k_channel_mean(self, layer: int) -> torch.Tensor:
         """Mean of each K channel over the observed tokens, FP32 ``[kv_heads, head_dim]``."""
         return (self.k_channel_sum[layer] / self.tokens[layer]).float()  # type: ignore[operator]
+
+    def k_pre_mean(self, layer: int) -> torch.Tensor:
+        """Mean pre-RoPE key ``b`` (``R(p)^-1 K``, the RoPE's attention scaling divided out as
+        the model applies it) over the tokens observed from position 0, FP32 ``[kv_heads,
+        head_dim]`` (needs ``rope``)."""
+        if self.k_pre_sum[layer] is None:
+            raise ValueError(f"layer {layer}: no pre-RoPE keys observed (KVObserver without rope?)")
+        return (self.k_pre_sum[layer] / self.tokens[layer]).float()  # type: ignore[operator]
 
     def k_channel_rms(self, layer: int, centered: bool) -> torch.Tensor:
         """Root mean square of each K channel (of ``K - mean`` when ``centered``) over the observed
@@ -178,18 +230,18 @@ class KVObserver:
         top = torch.maximum(self.k_first_max[layer].abs(), self.k_first_min[layer].abs())  # type: ignore[union-attr]
         return (top if smooth is None else top / smooth).amax(dim=1)
 
-    def observe(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    def observe(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+                positions: Optional[torch.Tensor] = None) -> None:
         """Fold in ``key``/``value [batch, kv_heads, seq, head_dim]`` of ``layer`` (each of the
         ``batch`` sequences from position 0, or from a shifted position inside
-        :meth:`range_only`)."""
+        :meth:`range_only`); ``positions`` (int64 ``[seq]``, the keys' positions) with
+        ``rope``."""
         if self._range_only:  # the sink key at a shifted position is no served key
             key, value = key[:, :, 1:], value[:, :, 1:]
             if key.shape[2] == 0:
                 return
         k32, v32 = key.detach().float(), value.detach().float()
-        for name, t in (("K", k32), ("V", v32)):
-            if not bool(torch.isfinite(t).all()):
-                raise ValueError(f"layer {layer}: {name} holds NaN/Inf; cannot calibrate")
+        _check_finite(layer, K=k32, V=v32)
         stats = {"k_amax": (k32.abs().amax(dim=(0, 2, 3)), torch.maximum),  # [kv_heads]
                  "v_amax": (v32.abs().amax(dim=(0, 2, 3)), torch.maximum),
                  "k_channel_amax": (k32.abs().amax(dim=(0, 2)), torch.maximum),
@@ -200,16 +252,52 @@ class KVObserver:
                           "k_channel_sumsq": (k32.double().square().sum(dim=(0, 2)), torch.add),
                           "k_first_max": (k32[:, :, 0].amax(dim=0), torch.maximum),
                           "k_first_min": (k32[:, :, 0].amin(dim=0), torch.minimum)})
+            if self.rope is not None:
+                if positions is None:
+                    raise ValueError("KVObserver with rope needs the keys' positions")
+                pre = rope_unrotate(k32, positions, self.rope.inv_freq, self.rope.scaling)
+                stats["k_pre_sum"] = (pre.double().sum(dim=(0, 2)), torch.add)
         for name, (val, fold) in stats.items():
             prev = getattr(self, name)[layer]
             getattr(self, name)[layer] = val.cpu() if prev is None else fold(prev, val.cpu())
-        counter = self.range_tokens if self._range_only else self.tokens
-        counter[layer] += key.shape[0] * key.shape[2]
+        self._count(layer, key)
 
-    def missing_layers(self) -> list[int]:
-        """Layers never observed from position 0 (a model whose attention did not go through
-        the hook)."""
-        return [i for i in self.kv_layers if not self.tokens[i]]
+
+class RotRangeObserver(_Observer):
+    """Per layer and KV head the amax (FP32 ``[kv_heads]``, :attr:`k_amax`) of the keys a
+    rotating K center stores, ``K - mu' - R(p) b_k``, for the layers of ``centers`` (layer ->
+    ``(mu' [kv_heads, head_dim], RotCenter)``); the second pass of the calibration once ``mu'``
+    and ``b_k`` are fixed (docs/design/rotating_centering.md, section 2). Inside
+    :meth:`range_only` the first key of each sequence is left out, as :class:`KVObserver`
+    does."""
+
+    wants_positions = True
+
+    def __init__(self, num_layers: int, centers: Mapping[int, tuple[torch.Tensor, RotCenter]],
+                 kv_layers: Optional[Sequence[int]] = None) -> None:
+        super().__init__(num_layers, kv_layers)
+        self.centers = dict(centers)
+        self.k_amax: list[Optional[torch.Tensor]] = [None] * num_layers
+
+    def observe(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+                positions: Optional[torch.Tensor] = None) -> None:
+        """Fold in ``key [batch, kv_heads, seq, head_dim]`` of ``layer`` at ``positions``
+        (int64 ``[seq]``); ``value`` is not used."""
+        if positions is None:
+            raise ValueError("RotRangeObserver needs the keys' positions")
+        if self._range_only:
+            key, positions = key[:, :, 1:], positions[1:]
+            if key.shape[2] == 0:
+                return
+        if layer in self.centers:
+            k32 = key.detach().float()
+            _check_finite(layer, K=k32)
+            mu, rot = self.centers[layer]
+            off = rotating_offset(rot.idx, rot.b, rot.theta, positions, k32.shape[-1])
+            a = (k32 - mu.to(k32.device)[:, None, :] - off).abs().amax(dim=(0, 2, 3)).cpu()
+            prev = self.k_amax[layer]
+            self.k_amax[layer] = a if prev is None else torch.maximum(prev, a)
+        self._count(layer, key)
 
 
 # ---------------------------------------------------------------------------- per-layer state
@@ -225,11 +313,28 @@ class LayerQuant:
     k_center: Optional[torch.Tensor] = None  # FP32 [kv_heads, head_dim]
     k_perm: Optional[torch.Tensor] = None  # int64 [kv_heads, head_dim]
     k_sink: Optional[torch.Tensor] = None  # bool [kv_heads]: position 0 stored uncentered
+    k_rot: Optional[RotCenter] = None  # the rotating center (with k_center = mu')
 
     @property
     def transforms_k(self) -> bool:
         """Whether the cache stores K other than as computed (permuted, centered or smoothed)."""
         return self.k_smooth is not None or self.k_center is not None or self.k_perm is not None
+
+    def rot_offset(self, positions: torch.Tensor, head_dim: int) -> Optional[torch.Tensor]:
+        """``R(p) b_k`` FP32 ``[kv_heads, len(positions), head_dim]`` on the device of
+        ``positions`` (int64 ``[seq]``); None without ``k_rot``."""
+        rot = self.k_rot
+        return None if rot is None else rotating_offset(rot.idx, rot.b, rot.theta, positions, head_dim)
+
+
+def rot_center_of(lp: Any) -> Optional[RotCenter]:
+    """The policy row's ``k_rot`` as a CPU :class:`~vllm_nvfp4.kernels.launch.RotCenter` (None
+    without it)."""
+    k = lp.k_rot
+    if k is None:
+        return None
+    return RotCenter(torch.tensor(k.pairs, dtype=torch.int32), torch.tensor(k.b, dtype=torch.float32),
+                     torch.tensor(k.theta, dtype=torch.float32))
 
 
 def _layer_quants(policy: KVPolicy) -> list[Optional[LayerQuant]]:
@@ -251,7 +356,7 @@ def _layer_quants(policy: KVPolicy) -> list[Optional[LayerQuant]]:
         perm = None if lp.k_perm is None else torch.tensor(lp.k_perm, dtype=torch.int64)
         sink = None if center is None else lp.sink_heads(center.shape[0])
         out.append(LayerQuant(lp.k, lp.v, scales[0], scales[1], smooth, center, perm,
-                               None if sink is None else torch.tensor(sink)))
+                               None if sink is None else torch.tensor(sink), rot_center_of(lp)))
     return out
 
 
@@ -280,14 +385,16 @@ def with_uncentered_sink(stored: torch.Tensor, raw_key: torch.Tensor, fmt: str, 
 
 
 def transform_qk(query: torch.Tensor, key: torch.Tensor, lam: Optional[torch.Tensor],
-                 mu: Optional[torch.Tensor] = None,
-                 perm: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 mu: Optional[torch.Tensor] = None, perm: Optional[torch.Tensor] = None,
+                 offset: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """K channel permutation, centering and smoothing as the integration does them: the cache
-    gets ``(key[perm] - mu) / lam`` (:func:`vllm_nvfp4.key_transform.stored_keys`), the query
-    ``query[perm] * lam`` (FP32, cast back). ``query [b, q_heads, s, d]``, ``key [b, kv_heads, s,
-    d]``, ``lam`` and ``mu`` ``[kv_heads, d]`` (permuted order) and ``perm`` (int64) ``[kv_heads,
-    d]`` or None (a query head uses the rows of its KV head). ``q . k`` moves by ``q . mu`` for
-    every key of a query alike, so softmax does not change."""
+    gets ``(key[perm] - mu - offset) / lam`` (:func:`vllm_nvfp4.key_transform.stored_keys`), the
+    query ``query[perm] * lam`` (FP32, cast back). ``query [b, q_heads, s, d]``, ``key [b,
+    kv_heads, s, d]``, ``lam`` and ``mu`` ``[kv_heads, d]`` (permuted order) and ``perm`` (int64)
+    ``[kv_heads, d]`` or None (a query head uses the rows of its KV head); ``offset`` FP32
+    ``[kv_heads, s, d]`` (a rotating center's ``R(p) b_k``, which the caller adds back after
+    quantization) or None. ``q . k`` moves by ``q . mu`` for every key of a query alike, so
+    softmax does not change."""
     group = query.shape[1] // key.shape[1]
     if perm is not None:
         query = permute_channels(query, perm.repeat_interleave(group, dim=0)[:, None, :])
@@ -296,8 +403,39 @@ def transform_qk(query: torch.Tensor, key: torch.Tensor, lam: Optional[torch.Ten
         query = (query.float() * lam.repeat_interleave(group, dim=0)[:, None, :]).to(query.dtype)
     key = stored_keys(key, None if mu is None else mu.to(key.device)[:, None, :],
                       None if lam is None else lam[:, None, :],
-                      None if perm is None else perm[:, None, :])
+                      None if perm is None else perm[:, None, :],
+                      None if offset is None else offset.to(key.device))
     return query, key
+
+
+def stored_keys_read_back(quant: LayerQuant, query: torch.Tensor, key: torch.Tensor,
+                          positions: Optional[torch.Tensor], nonfinite: NonFinite = "propagate",
+                          nvfp4_decoding: str = "exact",
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's keys as the cache stores them and its readers see them: ``(query, key,
+    read_back)`` with ``query [b, q_heads, s, d]`` as the kernels get it (permuted, smoothed),
+    ``key`` after the K transforms (``(K[perm] - mu - R(p) b_k) / lam``, what is quantized) and
+    ``read_back`` its fake-quantized value plus ``R(p) b_k`` (``k_rot``), position 0 of the
+    flagged heads stored uncentered (``k_sink``), in ``key.dtype``. ``key [b, kv_heads, s, d]``
+    (the sequence from position 0 where ``k_sink`` is set); ``positions`` (int64 ``[s]``, the
+    keys' positions) needed with ``k_rot`` only."""
+    raw_key = key
+    offset = None
+    if quant.k_rot is not None:
+        if positions is None:
+            raise ValueError("a layer with k_rot needs the keys' positions")
+        offset = quant.rot_offset(positions, key.shape[-1])
+    if quant.transforms_k:
+        query, key = transform_qk(query, key, quant.k_smooth, quant.k_center, quant.k_perm, offset)
+    stored = fake_quantize(key, quant.k_fmt, quant.k_scale, nonfinite, nvfp4_decoding,
+                           dtype=None if offset is None else torch.float32)
+    if offset is not None:  # the readers add R(p) b_k back
+        stored = (stored + offset).to(key.dtype)
+    if quant.k_sink is not None:
+        stored = with_uncentered_sink(stored, raw_key, quant.k_fmt, quant.k_scale, quant.k_center,
+                                      quant.k_smooth, quant.k_perm, quant.k_sink, nonfinite,
+                                      nvfp4_decoding)
+    return query, key, stored
 
 
 class KVOption:
@@ -344,7 +482,7 @@ class KVOption:
 class _HookState:
     base: str
     quants: Optional[list[LayerQuant]]
-    observer: Optional[KVObserver]
+    observer: Optional[_Observer]
     nonfinite: NonFinite
     nvfp4_decoding: str = "exact"
     options: tuple[KVOption, ...] = ()
@@ -366,18 +504,20 @@ def _make_wrapper(base_name: str) -> Callable[..., Any]:
         state.calls += 1
         for opt in state.options:
             query, key, value = opt.inputs(layer, query, key, value)
+        lq = None if state.quants is None else state.quants[layer]
+        positions = None
+        if (state.observer is not None and state.observer.wants_positions) or (
+                lq is not None and lq.k_rot is not None):
+            positions = key_positions(kwargs.get("position_ids"), key.shape[-2], key.device)
         if state.observer is not None:
-            state.observer.observe(layer, key, value)
-        if state.quants is not None:
-            lq = state.quants[layer]
+            if state.observer.wants_positions:
+                state.observer.observe(layer, key, value, positions=positions)
+            else:
+                state.observer.observe(layer, key, value)
+        if lq is not None:
             raw_key = key
-            if lq.transforms_k:
-                query, key = transform_qk(query, key, lq.k_smooth, lq.k_center, lq.k_perm)
-            stored = fake_quantize(key, lq.k_fmt, lq.k_scale, state.nonfinite, state.nvfp4_decoding)
-            if lq.k_sink is not None:
-                stored = with_uncentered_sink(stored, raw_key, lq.k_fmt, lq.k_scale, lq.k_center,
-                                              lq.k_smooth, lq.k_perm, lq.k_sink, state.nonfinite,
-                                              state.nvfp4_decoding)
+            query, key, stored = stored_keys_read_back(lq, query, key, positions, state.nonfinite,
+                                                       state.nvfp4_decoding)
             stored_v = fake_quantize(value, lq.v_fmt, lq.v_scale, state.nonfinite,
                                      state.nvfp4_decoding)
             for opt in state.options:
@@ -471,7 +611,7 @@ def _set_impl(model: torch.nn.Module, name: str) -> None:
 def kv_cache_quantization(
     model: torch.nn.Module,
     policy: Optional[KVPolicy] = None,
-    observer: Optional[KVObserver] = None,
+    observer: Optional[_Observer] = None,
     nonfinite: NonFinite = "propagate",
     nvfp4_decoding: str = "exact",
     options: Sequence[KVOption] = (),

@@ -32,30 +32,73 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, TypeVar, Union
 
 import torch
 
-from vllm_nvfp4.calibration.kv_hooks import KVObserver, KVOption, kv_cache_quantization
-from vllm_nvfp4.calibration.modeling import input_device, shifted_position_ids
+from vllm_nvfp4.calibration import rot_center
+from vllm_nvfp4.calibration.kv_hooks import KVObserver, KVOption, RotRangeObserver, kv_cache_quantization
+from vllm_nvfp4.calibration.modeling import ModelInfo, input_device, shifted_position_ids
 from vllm_nvfp4.calibration.progress import progress
+from vllm_nvfp4.calibration.rope import Rope
+from vllm_nvfp4.calibration.rot_center import RotFit
 from vllm_nvfp4.formats import fp8_scale_from_amax, nvfp4_global_scale
 from vllm_nvfp4.policy import KVPolicy, LayerPolicy, Scale
 
 logger = logging.getLogger(__name__)
+ObserverT = TypeVar("ObserverT", bound=Union[KVObserver, RotRangeObserver])
 
 
 @torch.no_grad()
 def observe_amax(model: torch.nn.Module, windows: torch.Tensor, num_layers: int,
                  desc: str = "calibrate", kv_layers: Optional[Sequence[int]] = None,
-                 options: Sequence[KVOption] = (), offsets: Sequence[int] = ()) -> KVObserver:
+                 options: Sequence[KVOption] = (), offsets: Sequence[int] = (),
+                 rope: Optional[Rope] = None) -> KVObserver:
     """Run ``windows [n, T]`` one at a time and return the per-layer, per-head K/V amax
     (``num_layers`` decoder layers, of which ``kv_layers`` (default: all) hold a KV cache),
     of the K/V as ``options`` change them (e.g. a study's rotation, ``studies/kv_options.py``).
     Then every window again at each position offset of ``offsets``
     (:func:`~vllm_nvfp4.calibration.position_range.range_offsets`), which widen the range
-    statistics only (:mod:`~vllm_nvfp4.calibration.position_range`)."""
-    observer = KVObserver(num_layers, kv_layers)
+    statistics only (:mod:`~vllm_nvfp4.calibration.position_range`). With the model's ``rope``
+    the observer also sums the pre-RoPE keys (:class:`KVObserver`)."""
+    return run_windows(model, windows, KVObserver(num_layers, kv_layers, rope), desc, options,
+                       offsets)
+
+
+@torch.no_grad()
+def observe_rot_range(model: torch.nn.Module, windows: torch.Tensor, fits: dict[int, RotFit],
+                      num_layers: int, kv_layers: Optional[Sequence[int]] = None,
+                      offsets: Sequence[int] = ()) -> dict[int, RotFit]:
+    """``fits`` with the amax of the keys their rotating centers store, over the same runs as
+    :func:`observe_amax` (the second pass, :mod:`~vllm_nvfp4.calibration.rot_center`)."""
+    observer = run_windows(model, windows, rot_center.range_observer(fits, num_layers, kv_layers),
+                           "calibrate: rotating K range", offsets=offsets)
+    return rot_center.with_range(fits, observer)
+
+
+def observe_calibration(model: torch.nn.Module, windows: torch.Tensor, info: ModelInfo,
+                        offsets: Sequence[int] = (), k_rot_pairs: int = 0,
+                        ) -> tuple[KVObserver, Optional[dict[int, RotFit]]]:
+    """The statistics a calibrated policy is built from (:func:`scaled_policy`): the observer of
+    ``windows [n, T]`` (from position 0, then at ``offsets``) and, with ``k_rot_pairs`` > 0 where
+    the model's RoPE allows it (:func:`~vllm_nvfp4.calibration.rot_center.rope_for`), each
+    centered layer's rotating K center with its range (a second pass; else None)."""
+    rope = rot_center.rope_for(model, info.head_dim, k_rot_pairs)
+    observer = observe_amax(model, windows, info.num_layers, kv_layers=info.kv_layers,
+                            offsets=offsets, rope=rope)
+    if rope is None:
+        return observer, None
+    fits = rot_center.fit(observer, rot_center.centered_layers(info.layer_types), k_rot_pairs)
+    return observer, observe_rot_range(model, windows, fits, info.num_layers, info.kv_layers,
+                                       offsets)
+
+
+def run_windows(model: torch.nn.Module, windows: torch.Tensor, observer: ObserverT,
+                desc: str, options: Sequence[KVOption] = (),
+                offsets: Sequence[int] = ()) -> ObserverT:
+    """Run ``windows [n, T]`` one at a time from position 0, then each again from every offset
+    of ``offsets`` inside ``observer.range_only()``; returns ``observer``. ``RuntimeError`` when
+    a KV layer never went through the hook."""
     device = input_device(model)
     runs = [(row, o) for o in (0, *offsets) for row in windows]
     with kv_cache_quantization(model, observer=observer, options=options):
@@ -108,15 +151,23 @@ def channel_permutation(channel_rms: torch.Tensor) -> torch.Tensor:
 def scaled_policy(formats: KVPolicy, observer: KVObserver, per_head: bool = False,
                   provenance: Optional[Mapping[str, Any]] = None,
                   k_smooth_alpha: Optional[float] = None, k_center: bool = False,
-                  k_permute: bool = False, k_sink_uncentered: bool = False) -> KVPolicy:
+                  k_permute: bool = False, k_sink_uncentered: bool = False,
+                  k_rot: Optional[Mapping[int, RotFit]] = None) -> KVPolicy:
     """``formats`` (formats only) with calibrated scales from ``observer`` for every layer, K
     centering offsets when ``k_center``, K smoothing factors when ``k_smooth_alpha`` is given,
     a K channel permutation when ``k_permute``, the sink key uncentered where it fits when
-    ``k_sink_uncentered`` (needs ``k_center``; module doc). Layers with learned attention sinks
-    are never centered (their softmax would change: :class:`LayerPolicy` refuses it)."""
+    ``k_sink_uncentered`` (needs ``k_center``; module doc), the rotating K center of the layers
+    of ``k_rot`` (after its second pass, :func:`observe_rot_range`: ``k_center`` is then its
+    ``mu'`` and the K range its amax; needs ``k_center``, not with smoothing or permutation).
+    Layers with learned attention sinks are never centered (their softmax would change:
+    :class:`LayerPolicy` refuses it)."""
     if k_sink_uncentered and not k_center:
         raise ValueError("k_sink_uncentered stores the sink key without the K centering offsets; "
                          "it needs k_center")
+    k_rot = dict(k_rot or {})
+    if k_rot and (not k_center or k_smooth_alpha is not None or k_permute):
+        raise ValueError("k_rot (the rotating K center) needs k_center, and neither K smoothing "
+                         "nor a K channel permutation")
     if formats.num_layers != observer.num_layers:
         raise ValueError(f"formats cover {formats.num_layers} layers, amax {observer.num_layers}")
     layers = []
@@ -131,7 +182,12 @@ def scaled_policy(formats: KVPolicy, observer: KVObserver, per_head: bool = Fals
 
         def ordered(t: torch.Tensor) -> torch.Tensor:
             return t if order is None else t.gather(1, order)
-        if centered:
+        rot = k_rot.get(i) if centered else None
+        if rot is not None:
+            if rot.amax is None:
+                raise ValueError(f"layer {i}: the rotating K center has no range (second pass)")
+            k_amax, center = rot.amax, _rows(rot.center)
+        elif centered:
             channel_amax = observer.k_centered_channel_amax(i)
             k_amax = channel_amax.amax(dim=1)
             center = _rows(ordered(observer.k_channel_mean(i)))
@@ -149,7 +205,9 @@ def scaled_policy(formats: KVPolicy, observer: KVObserver, per_head: bool = Fals
             logger.warning("layer %d: K or V was all zeros during calibration; keeping default scales", i)
         layers.append(LayerPolicy(lp.k, lp.v, k_scale=k8, v_scale=v8, k_global_scale=k4,
                                   v_global_scale=v4, k_smooth=smooth, k_center=center,
-                                  k_perm=perm, k_sink_uncentered=sink, layer_type=lp.layer_type))
+                                  k_perm=perm, k_sink_uncentered=sink,
+                                  k_rot=None if rot is None else rot.k_rot(),
+                                  layer_type=lp.layer_type))
     return KVPolicy(tuple(layers), provenance=dict(provenance or {}), source="calibration")
 
 

@@ -33,7 +33,7 @@ from vllm_nvfp4.calibration.position_range import describe as describe_range
 from vllm_nvfp4.calibration.position_range import range_offsets, served_length
 from vllm_nvfp4.calibration.progress import progress
 from vllm_nvfp4.calibration.report_files import ReportError, check_schema, read_json
-from vllm_nvfp4.calibration.scales import amax_table, observe_amax, scaled_policy, with_formats
+from vllm_nvfp4.calibration.scales import amax_table, observe_calibration, scaled_policy, with_formats
 from vllm_nvfp4.calibration.selection import BASES, DEFAULT_BASE
 from vllm_nvfp4.policy import KVPolicy
 
@@ -81,6 +81,7 @@ def analyze(
     k_permute: bool = False,
     k_sink_uncentered: bool = False,
     max_model_len: Optional[int] = None,
+    k_rot_pairs: int = 0,
 ) -> dict[str, Any]:
     """Run the sensitivity analysis and write ``out_dir/sensitivity.json`` (+ ``scales.json``).
 
@@ -102,6 +103,9 @@ def analyze(
         max_model_len: with calibration, the served length the K/V range covers
             (:func:`~vllm_nvfp4.calibration.position_range.served_length`: None = the model's
             positions, 0 = only the calibration windows' own).
+        k_rot_pairs: with calibration and ``k_center``, the rotating K center on that many RoPE
+            pairs per KV head (0: off; :mod:`~vllm_nvfp4.calibration.rot_center`); the
+            measured forwards store the keys as served with it.
     Returns:
         The report dictionary (also written as JSON).
     """
@@ -116,12 +120,13 @@ def analyze(
     if scales is None:
         offsets = range_offsets(served, window)
         position_range = describe_range(served, offsets)
-        observer = observe_amax(model, toks.calib, info.num_layers, kv_layers=info.kv_layers,
-                                offsets=offsets)
+        observer, rot = observe_calibration(model, toks.calib, info, offsets, k_rot_pairs)
+        k_rot_pairs = k_rot_pairs if rot else 0
         formats = KVPolicy.from_compact("*:fp8", info.num_layers, layer_types=info.layer_types)
         scaled = scaled_policy(formats, observer, per_head,
-                               {"calibrated_on": toks.describe(), "position_range": position_range},
-                               k_smooth, k_center, k_permute, k_sink_uncentered)
+                               {"calibrated_on": toks.describe(), "position_range": position_range,
+                                "k_rot_pairs": k_rot_pairs},
+                               k_smooth, k_center, k_permute, k_sink_uncentered, rot)
         amax = amax_table(observer)
     else:
         scales.check_model(info.num_layers, info.num_kv_heads, layer_types=info.layer_types)
@@ -170,7 +175,7 @@ def analyze(
         "settings": {"window": window, "windows": windows, "calib_windows": n_calib,
                      "per_head": per_head, "k_smooth": k_smooth, "k_center": k_center,
                      "k_sink_uncentered": k_sink_uncentered,
-                     "k_permute": k_permute, "base": base, "position_range": position_range,
+                     "k_permute": k_permute, "k_rot_pairs": k_rot_pairs, "base": base, "position_range": position_range,
                      "scales_from": "calibration" if scales is None else scales.source,
                      "prefix_reuse": ev.layers is not None, "forwards": ev.forwards,
                      "torch_threads": torch.get_num_threads()},

@@ -329,6 +329,9 @@ def _calibrate(runner: Any, layers: dict[str, Any], states: Optional[StateLayers
     bound here for the forwards; None: it has none)."""
     from vllm_nvfp4.calibration.scales import scaled_policy
 
+    if recipe.k_rot_pairs:
+        raise NotImplementedError("the start-up calibration does not calibrate the rotating K "
+                                  "center (k_rot_pairs > 0); use vllm-nvfp4 calibrate or tune")
     with _states_bound_on_every_rank(states, recipe.per_forward):
         observer = gather_heads(observe_in_vllm(runner, layers, windows, recipe.per_forward,
                                                 shape.num_layers, states, recipe.offsets),

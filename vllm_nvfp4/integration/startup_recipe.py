@@ -32,8 +32,9 @@ SINK_KEY_FORWARDS = 2
 #: learned attention sinks no longer K-centered; 6: the sink key uncentered only where the
 #: chosen policy measures better with it than centered; 7: for tokenizers that add no BOS, every
 #: other window starts with the chat template's first token, as chat requests do; 8: the K/V
-#: range also from the windows run at position offsets up to max_model_len)
-RECIPE_VERSION = 8
+#: range also from the windows run at position offsets up to max_model_len; 9: the rotating K
+#: center's pairs per KV head, ``k_rot_pairs``, part of the recipe)
+RECIPE_VERSION = 9
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,9 @@ class Recipe:
     centering the sink key is flagged uncentered where it fits, and the flags are kept only if
     the chosen policy measures better with them on those windows (``k_sink_uncentered``).
     Every window runs once more from each of ``offsets`` (positions up to ``max_model_len``,
-    :mod:`~vllm_nvfp4.calibration.position_range`) for the K/V range."""
+    :mod:`~vllm_nvfp4.calibration.position_range`) for the K/V range. ``k_rot_pairs``: RoPE
+    pairs per KV head of the rotating K center (policy ``k_rot``; 0: off, the only value the
+    start-up calibration runs so far)."""
 
     window: int
     windows: int
@@ -54,10 +57,12 @@ class Recipe:
     sensitivity_windows: int = 0
     max_model_len: int = 0
     offsets: tuple[int, ...] = ()
+    k_rot_pairs: int = 0
 
     def describe(self) -> dict[str, Any]:
         out = {"window": self.window, "windows": self.windows, "k_center": self.k_center,
                "k_sink_uncentered": "measured" if self.k_center else False, "per_head": False,
+               "k_rot_pairs": self.k_rot_pairs,
                "version": RECIPE_VERSION,
                "position_range": describe_range(self.max_model_len, self.offsets),
                "formats": "sensitivity" if self.select else "default rule"}
