@@ -254,6 +254,19 @@ def test_calibrate_writes_k_rot(odd_model_dir: Path, text: Path, tmp_path: Path)
     assert "k_rot" in json.dumps(raw)
 
 
+def test_tune_with_k_rot_pairs_serves_its_choices_with_the_rotating_center(text: Path, tmp_path: Path):
+    model_dir = build_tiny_llama(tmp_path / "m", num_layers=2, hidden=144, heads=6, kv_heads=HEADS,
+                                 head_dim=DIM, dtype="float32", max_pos=2048, seed=3)
+    report = tmp_path / "r"
+    assert main(["-q", "tune", str(model_dir), "--data", str(text), "--report", str(report),
+                 "--k-rot-pairs", "4", *WIN]) == 0
+    policy = KVPolicy.load(model_dir / "nvfp4_policy.json")
+    assert all(lp.k_rot is not None and lp.k_rot.num_pairs == 4 for lp in policy.layers)
+    settings = json.loads((report / "sensitivity.json").read_text())["settings"]
+    assert settings["k_rot_pairs"] == 4 and settings["k_center"] is True
+    assert KVPolicy.load(report / "scales.json").layers[0].k_rot == policy.layers[0].k_rot
+
+
 def test_smollm2_calibrate_writes_k_rot_rows(tmp_path: Path, text: Path):
     from vllm_nvfp4.testing.assets import assets_dir
 
