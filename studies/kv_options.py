@@ -167,6 +167,9 @@ class HeadFormats(KVOption):
             lp = policy.layers[layer]
             if not lp.layer_type.holds_kv:
                 raise ValueError(f"HeadFormats: layer {layer} has no KV cache")
+            if kv == "k" and lp.k_rot is not None:
+                raise ValueError(f"HeadFormats: layer {layer} K has a rotating center (k_rot), "
+                                 "whose offset the re-quantized heads would lose")
             for head, fmt in sorted(per_head.items()):
                 if head >= num_kv_heads:
                     raise ValueError(f"HeadFormats: layer {layer} {kv} head {head}: the model has "

@@ -91,7 +91,8 @@ def model_rope(model: torch.nn.Module, head_dim: int) -> Union[Rope, str]:
             return "its RoPE is M-RoPE (several position ids per token)"
     emb = _rotary_module(model)
     if emb is None:
-        return "no rotary embedding (rotary_emb with inv_freq) found"
+        return ("no rotary embedding with one inv_freq for every layer found (rotary_emb; a "
+                "RoPE per layer type, as Gemma 3's, is not supported)")
     inv_freq = emb.inv_freq.detach().float().cpu()
     if inv_freq.dim() != 1 or 2 * inv_freq.numel() != head_dim:
         return (f"its RoPE rotates {2 * inv_freq.numel()} of the {head_dim} channels of a head "
