@@ -265,6 +265,7 @@ def test_tune_with_k_rot_pairs_serves_its_choices_with_the_rotating_center(text:
     settings = json.loads((report / "sensitivity.json").read_text())["settings"]
     assert settings["k_rot_pairs"] == 4 and settings["k_center"] is True
     assert KVPolicy.load(report / "scales.json").layers[0].k_rot == policy.layers[0].k_rot
+    assert "--k-center --k-rot-pairs 4" in (report / "REPORT.md").read_text()
 
 
 def test_smollm2_calibrate_writes_k_rot_rows(tmp_path: Path, text: Path):

@@ -147,6 +147,8 @@ def commands(report: dict[str, Any], selections: list[dict[str, Any]], report_di
         analyze += " --k-center"
     if st.get("k_permute"):  # absent from reports written before the flag existed
         analyze += " --k-permute"
+    if st.get("k_rot_pairs"):  # absent from reports written before the flag existed
+        analyze += f" --k-rot-pairs {st['k_rot_pairs']}"
     analyze += " --per-head" * bool(st["per_head"]) + f" --dtype {model['dtype']}"
     analyze += f" --base {sweep_base(report)}"
     out = [analyze]
