@@ -57,6 +57,27 @@ def test_key_positions_follow_the_forward_and_extend_a_cache():
         key_positions(torch.stack([torch.arange(4), torch.arange(1, 5)]), 4)
 
 
+def test_rotating_offset_is_exact_at_far_positions():
+    """R(p) b_k with float64 angles: the float64 rotation to FP32 rounding at p ~ 1e5, where
+    the model's FP32 angles (the study's rope_rotate) are off by ~1e-3 of |b|."""
+    from studies.kv_options import rope_rotate
+    from vllm_nvfp4.key_transform import rotating_offset
+
+    mu, rot, inv_freq = _random_rot(HEADS, DIM, PAIRS, seed=8)
+    pos = torch.arange(100_000, 100_037)
+    got = rotating_offset(rot.idx, rot.b, rot.theta, pos, DIM)
+    b = _scatter(rot, DIM).double()
+    ang = pos.double()[:, None] * inv_freq.double()[None, :]
+    ang = torch.cat([ang, ang], dim=-1)
+    half = DIM // 2
+    rotated = torch.cat([-b[:, half:], b[:, :half]], dim=-1)
+    exact = b[:, None] * ang.cos() + rotated[:, None] * ang.sin()
+    assert float((got.double() - exact).abs().max()) < 1e-5 * float(b.abs().max())
+    fp32 = rope_rotate(_scatter(rot, DIM)[:, None].expand(-1, len(pos), -1), pos, inv_freq)
+    assert float((fp32.double() - exact).abs().max()) > 1e-4 * float(b.abs().max())
+    assert torch.equal(got == 0, exact == 0)  # zero off the rotated pairs
+
+
 def test_observer_and_second_pass_equal_the_study_calibration(odd_model):
     """b, the pairs, mu' and the K amax of the calibration equal calibrate() of
     studies/rotating_center_study.py on the same runs (2 windows at 0, then at 2 offsets)."""
@@ -146,7 +167,8 @@ class _ReadBackTap(KVOption):
     def __init__(self) -> None:
         self.seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def stored_key(self, layer, stored, key, raw_key, quant, nonfinite, nvfp4_decoding):  # type: ignore[no-untyped-def]
+    def stored_key(self, layer, stored, key, raw_key, quant,  # type: ignore[no-untyped-def]
+                   nonfinite, nvfp4_decoding):
         self.seen[layer] = (raw_key, stored)
         return stored
 

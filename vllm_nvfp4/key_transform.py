@@ -52,15 +52,16 @@ def sink_shift(center: torch.Tensor, smooth: Optional[torch.Tensor] = None) -> t
 def rotating_offset(idx: torch.Tensor, b: torch.Tensor, theta: torch.Tensor,
                     positions: torch.Tensor, head_dim: int) -> torch.Tensor:
     """``R(p) b_k`` of policy ``k_rot`` (``RotCenter`` of :mod:`vllm_nvfp4.kernels.launch`):
-    FP32 ``[kv_heads, len(positions), head_dim]``, zero but on each head's rotated pairs.
+    FP32 ``[kv_heads, len(positions), head_dim]`` on the device of ``positions``, zero but on
+    each head's rotated pairs.
 
     ``idx`` (int) ``[kv_heads, k]``: pair ``i`` = channels ``(i, i + head_dim / 2)``; ``b`` FP32
     ``[kv_heads, 2, k]``: the pairs' first and second channels of ``b`` (attention scaling
     included); ``theta`` FP32 ``[kv_heads, k]`` (radians per position); ``positions`` int
-    ``[seq]``: the keys' indices in their sequence (the result on their device). Channel ``i`` gets ``b_i cos - b_{i+D/2}
+    ``[seq]``: the keys' indices in their sequence. Channel ``i`` gets ``b_i cos - b_{i+D/2}
     sin`` and channel ``i + D/2`` ``b_i sin + b_{i+D/2} cos`` of the angle ``theta_i p``,
     computed in float64 from the FP32 ``theta`` (the angle reduced exactly, as the kernels'
-    ``_cos_sin`` does; an FP32 product is off by up to ~1e-3 rad at ``p ~ 1e4``)."""
+    ``_cos_sin`` does; an FP32 angle is off by up to half its ulp, ~5e-4 rad at 1e4 rad)."""
     dev = positions.device
     ang = positions.to(torch.float64)[None, :, None] * theta.to(dev, torch.float64)[:, None, :]
     cos, sin = ang.cos().float(), ang.sin().float()  # [kv_heads, seq, k]
