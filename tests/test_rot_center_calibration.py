@@ -57,15 +57,15 @@ def test_key_positions_follow_the_forward_and_extend_a_cache():
         key_positions(torch.stack([torch.arange(4), torch.arange(1, 5)]), 4)
 
 
-def test_rotating_offset_is_exact_at_far_positions():
+def test_rot_offset_is_exact_at_far_positions():
     """R(p) b_k with float64 angles: the float64 rotation to FP32 rounding at p ~ 1e5, where
     the model's FP32 angles (the study's rope_rotate) are off by ~1e-3 of |b|."""
     from studies.kv_options import rope_rotate
-    from vllm_nvfp4.key_transform import rotating_offset
+    from vllm_nvfp4.key_transform import rot_offset
 
     mu, rot, inv_freq = _random_rot(HEADS, DIM, PAIRS, seed=8)
     pos = torch.arange(100_000, 100_037)
-    got = rotating_offset(rot.idx, rot.b, rot.theta, pos, DIM)
+    got = rot_offset(rot.idx, rot.b, rot.theta, pos, DIM).transpose(0, 1)  # [H, T, D]
     b = _scatter(rot, DIM).double()
     ang = pos.double()[:, None] * inv_freq.double()[None, :]
     ang = torch.cat([ang, ang], dim=-1)

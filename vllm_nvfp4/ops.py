@@ -25,6 +25,7 @@ from typing import Literal, Optional
 import torch
 
 from vllm_nvfp4 import paged_torch
+from vllm_nvfp4.kernels.launch import RotCenter
 from vllm_nvfp4.layout import KVPageLayout
 
 Backend = Literal["auto", "torch", "triton"]
@@ -88,6 +89,17 @@ def _check_key0_shift(t: torch.Tensor, layout: KVPageLayout, device: torch.devic
             or not t.is_contiguous():
         raise ValueError(f"key0_shift must be contiguous, of shape ({layout.num_kv_heads}, "
                          f"{layout.head_dim}) on {device}, got {tuple(t.shape)} on {t.device}")
+
+
+def _check_rot_center(rot: RotCenter, layout: KVPageLayout, device: torch.device,
+                      backend: str) -> None:
+    """A :class:`RotCenter` of the layer's KV heads on ``device`` (the Triton attention kernels'
+    ``k`` limit on the Triton backend)."""
+    if not isinstance(rot, RotCenter):
+        raise TypeError(f"rot_center must be a RotCenter, got {type(rot).__name__}")
+    rot.check(layout.num_kv_heads, layout.head_dim, kernel_pairs=backend == "triton")
+    if any(t.device != device for t in (rot.idx, rot.b, rot.theta)):
+        raise ValueError(f"rot_center must be on {device}, got {rot.idx.device}")
 
 
 def _check_int32(tensors: tuple[tuple[str, torch.Tensor, int], ...], device: torch.device,
@@ -159,12 +171,21 @@ class LayerOps:
             layer stores the key at position 0 of each sequence uncentered, and attention gives
             it the logit of ``k0 - key0_shift`` (:func:`vllm_nvfp4.key_transform.sink_shift`;
             rows of 0 for heads stored centered). Not with a logits soft-cap.
+        rot_center: a :class:`~vllm_nvfp4.kernels.launch.RotCenter` on the cache's device, or
+            None: keys are stored minus the rotating center ``R(p) b_k`` (policy ``k_rot``; ``p``
+            the key's index in its sequence, :meth:`write`'s ``positions``) and read plus it.
+            Its ``k`` is any on the torch path, a power of 2 in ``[8, head_dim / 2]`` on Triton.
+        key0_plain: int32 ``[num_kv_heads]`` (with ``rot_center``), or None: nonzero where a
+            head's key at position 0 is written without the rotating center (the sink key stored
+            uncentered; ``key0_shift`` then holds ``mu' + b_k`` for the head).
     """
 
     def __init__(self, cache: torch.Tensor, layout: KVPageLayout, k_scale: torch.Tensor,
                  v_scale: torch.Tensor, sliding_window: Optional[int] = None,
                  logits_soft_cap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
-                 backend: Backend = "auto", key0_shift: Optional[torch.Tensor] = None) -> None:
+                 backend: Backend = "auto", key0_shift: Optional[torch.Tensor] = None,
+                 rot_center: Optional[RotCenter] = None,
+                 key0_plain: Optional[torch.Tensor] = None) -> None:
         layout.check_cache(cache)
         self.device = cache.device
         _check_scales(layout, self.device, k_scale=k_scale, v_scale=v_scale)
@@ -190,6 +211,14 @@ class LayerOps:
         self.backend = _backend(self.device, backend)
         if self.backend == "triton":
             _check_triton_head_dim(layout)
+        if rot_center is not None:
+            _check_rot_center(rot_center, layout, self.device, self.backend)
+        if key0_plain is not None and (rot_center is None or key0_plain.dtype != torch.int32 or tuple(
+                key0_plain.shape) != (layout.num_kv_heads,) or key0_plain.device != self.device):
+            raise ValueError(f"key0_plain must be int32 [{layout.num_kv_heads}] on {self.device} "
+                             f"with a rot_center, got {key0_plain.dtype} "
+                             f"{tuple(key0_plain.shape)} on {key0_plain.device}")
+        self.rot_center, self.key0_plain = rot_center, key0_plain
         self.cache, self.layout = cache, layout
         self.k_scale, self.v_scale = k_scale, v_scale
         self.sliding_window = sliding_window
@@ -199,7 +228,8 @@ class LayerOps:
         self._layer_key = (layout.num_kv_heads, layout.head_dim, self.device,
                            None if sinks is None else sinks.shape[0])
 
-    def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+              positions: Optional[torch.Tensor] = None) -> None:
         """Quantize and store this step's K/V into the layer's pages.
 
         Args:
@@ -207,28 +237,36 @@ class LayerOps:
                 ``stride(-1) == 1``, on the cache's device.
             slot_mapping: int32/int64 ``[num_tokens]``; slot = block * block_size + offset;
                 < 0 skips.
-        Bytes match :mod:`vllm_nvfp4.formats` (``nonfinite="propagate"``) bit for bit.
+            positions: int32 ``[>= num_tokens]``, each token's index in its sequence (``< 2^24``);
+                needed with a ``rot_center``, which is subtracted from the keys in FP32 first.
+        Bytes match :mod:`vllm_nvfp4.formats` (``nonfinite="propagate"``) bit for bit (with a
+        ``rot_center``: of the key minus the offset; the torch path's offset is float64-exact,
+        the kernel's within ~1e-6 relative of it).
         """
+        rot = self.rot_center
+        if rot is not None and positions is not None:
+            positions = positions[:key.shape[0]]
         try:
             signature = (self._layer_key, _tensor_key(key), _tensor_key(value),
-                         _tensor_key(slot_mapping))
+                         _tensor_key(slot_mapping), rot is not None and _tensor_key(positions))
         except AttributeError:  # not tensors: the checks say which
             signature = None
         if signature is None or _Passed.signatures.get("write") != signature:
-            self._check_write(key, value, slot_mapping)
+            self._check_write(key, value, slot_mapping, positions)
             _Passed.signatures["write"] = signature
         if key.shape[0] == 0:
             return
         if self.backend == "torch":
             paged_torch.write_kv_cache(key, value, self.cache, slot_mapping, self.layout,
-                                       self.k_scale, self.v_scale)
+                                       self.k_scale, self.v_scale, rot, positions, self.key0_plain)
             return
         from vllm_nvfp4.kernels import cache_write
 
         cache_write.write_kv_cache(key, value, self.cache, slot_mapping, self.layout, self.k_scale,
-                                   self.v_scale)
+                                   self.v_scale, rot, positions, self.key0_plain)
 
-    def _check_write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def _check_write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+                     positions: Optional[torch.Tensor]) -> None:
         layout = self.layout
         _check_heads("key", key, layout, KV_INPUT_DTYPES)
         _check_heads("value", value, layout, KV_INPUT_DTYPES)
@@ -247,6 +285,13 @@ class LayerOps:
         for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
             if t.device != self.device:
                 raise ValueError(f"{name} is on {t.device} but the cache is on {self.device}")
+        if self.rot_center is not None:
+            if positions is None:
+                raise ValueError("a layer with a rot_center needs the tokens' positions to write")
+            _check_int32((("positions", positions, 1),), self.device, "the cache")
+            if positions.shape[0] != key.shape[0] or positions.stride(0) != 1:
+                raise ValueError(f"positions must be contiguous [>= {key.shape[0]}] (one per "
+                                 f"token), got {tuple(positions.shape)}")
 
     def attend(self, query: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
@@ -281,10 +326,10 @@ class LayerOps:
             self.sliding_window, self.logits_soft_cap, self.sinks, self.key0_shift,
         )
         if self.backend == "torch":
-            return paged_torch.paged_attention(*args)
+            return paged_torch.paged_attention(*args, rot_center=self.rot_center)
         from vllm_nvfp4.kernels import attention
 
-        return attention.paged_attention(*args)
+        return attention.paged_attention(*args, rot_center=self.rot_center)
 
     def _check_attend(self, query: torch.Tensor, out: torch.Tensor) -> None:
         layout = self.layout
@@ -313,10 +358,15 @@ def write_kv_cache(
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
     backend: Backend = "auto",
+    rot_center: Optional[RotCenter] = None,
+    positions: Optional[torch.Tensor] = None,
+    key0_plain: Optional[torch.Tensor] = None,
 ) -> None:
     """Quantize and store this step's K/V into one layer's paged cache: :meth:`LayerOps.write`,
-    every argument checked (``cache``, ``layout``, scales, ``backend`` as in :class:`LayerOps`)."""
-    LayerOps(cache, layout, k_scale, v_scale, backend=backend).write(key, value, slot_mapping)
+    every argument checked (``cache``, ``layout``, scales, ``backend``, ``rot_center``,
+    ``key0_plain`` as in :class:`LayerOps`)."""
+    LayerOps(cache, layout, k_scale, v_scale, backend=backend, rot_center=rot_center,
+             key0_plain=key0_plain).write(key, value, slot_mapping, positions)
 
 
 def paged_attention(
@@ -337,6 +387,7 @@ def paged_attention(
     sinks: Optional[torch.Tensor] = None,
     backend: Backend = "auto",
     key0_shift: Optional[torch.Tensor] = None,
+    rot_center: Optional[RotCenter] = None,
 ) -> torch.Tensor:
     """Causal paged attention of a batch of sequences, K/V read from the quantized cache:
     :meth:`LayerOps.attend`, every argument checked (the layer's as in :class:`LayerOps`).
@@ -368,6 +419,7 @@ def dequantize_kv(
     seq_starts: Optional[torch.Tensor] = None,
     backend: Backend = "auto",
     key0_shift: Optional[torch.Tensor] = None,
+    rot_center: Optional[RotCenter] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense K/V of sequences: positions ``[a_i, seq_lens[s])`` of sequence ``s = first_seq + i``
     go to rows ``cu_seqlens[i] + pos - a_i`` of ``k_out``/``v_out``; ``a_i = seq_starts[i]``
@@ -383,8 +435,10 @@ def dequantize_kv(
         k_out, v_out: ``[>= cu_seqlens[-1], num_kv_heads, head_dim]`` bf16/fp16/fp32,
             ``stride(-1) == 1``.
     Values are the FP32 dequantization (per-head scales applied; ``key0_shift``, as in
-    :class:`LayerOps`, subtracted from position 0's key) rounded once to the output dtype, equal
-    to :func:`vllm_nvfp4.paged_torch.read_kv_from_cache`. Returns ``(k_out, v_out)``.
+    :class:`LayerOps`, subtracted from position 0's key; then ``R(p) b_k`` of ``rot_center``
+    added to every key) rounded once to the output dtype, equal to
+    :func:`vllm_nvfp4.paged_torch.read_kv_from_cache` (with ``rot_center``: to ~1e-6 relative,
+    the kernel's angles in FP32). Returns ``(k_out, v_out)``.
     """
     layout.check_cache(cache)
     _check_heads("k_out", k_out, layout, ATTN_DTYPES)
@@ -401,17 +455,20 @@ def dequantize_kv(
     _check_scales(layout, cache.device, k_scale=k_scale, v_scale=v_scale)
     if key0_shift is not None:
         _check_key0_shift(key0_shift, layout, cache.device)
+    chosen = _backend(cache.device, backend)
+    if rot_center is not None:
+        _check_rot_center(rot_center, layout, cache.device, "torch")  # the kernel takes any k
     if seq_starts is not None and (seq_starts.dtype != torch.int32 or tuple(seq_starts.shape) != (
             end - first_seq,) or seq_starts.device != cache.device):
         raise ValueError(f"seq_starts must be int32 [{end - first_seq}] on {cache.device}, got "
                          f"{seq_starts.dtype} {tuple(seq_starts.shape)} on {seq_starts.device}")
-    if _backend(cache.device, backend) == "torch":
+    if chosen == "torch":
         rows, lens = cu_seqlens.tolist(), seq_lens[first_seq:end].tolist()
         firsts = [0] * len(lens) if seq_starts is None else seq_starts.tolist()
         for i, (row, n, a) in enumerate(zip(rows, lens, firsts)):
             ids = block_table[first_seq + i, : -(-n // layout.block_size)]
             k, v = paged_torch.read_kv_from_cache(cache, layout, ids, k_scale, v_scale, n,
-                                                  key0_shift)
+                                                  key0_shift, rot_center)
             k_out[row:row + n - a] = k[a:]
             v_out[row:row + n - a] = v[a:]
         return k_out, v_out
@@ -420,5 +477,5 @@ def dequantize_kv(
 
     dequant.dequantize_kv(cache, layout, k_scale, v_scale, block_table, seq_lens, cu_seqlens,
                           int(max_seq_len), k_out, v_out, int(first_seq), seq_starts,
-                          key0_shift=key0_shift)
+                          key0_shift=key0_shift, rot=rot_center)
     return k_out, v_out

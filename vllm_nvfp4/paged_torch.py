@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, KVFormat, e2m1_value, fp8_quantize, nvfp4_quantize
+from vllm_nvfp4.kernels.launch import RotCenter
+from vllm_nvfp4.key_transform import rot_offset
 from vllm_nvfp4.layout import (KV, KVPageLayout, nvfp4_element_order, nvfp4_rows_from_packed,
                                unpack_e2m1_pair)
 
@@ -45,11 +47,21 @@ def write_kv_cache(
     layout: KVPageLayout,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
+    rot: Optional[RotCenter] = None,
+    positions: Optional[torch.Tensor] = None,
+    key0_plain: Optional[torch.Tensor] = None,
 ) -> None:
-    """Quantize ``key``/``value [T, H, D]`` and store token t at ``slot_mapping[t]`` (< 0: skip)."""
+    """Quantize ``key``/``value [T, H, D]`` and store token t at ``slot_mapping[t]`` (< 0: skip).
+
+    ``rot`` (with ``positions [T]``, each token's index in its sequence): the key minus ``R(p)
+    b_k`` (:func:`~vllm_nvfp4.key_transform.rot_offset`, FP32) is quantized, except at position
+    0 of the heads where ``key0_plain`` (``[H]``, or None) is nonzero."""
     keep = slot_mapping >= 0
     if not bool(keep.any()):
         return
+    if rot is not None:
+        key = key.float() - rot_offset(rot.idx, rot.b, rot.theta, positions, layout.head_dim,
+                                       None if key0_plain is None else key0_plain.bool())
     slots = slot_mapping[keep].long()
     blocks = slots // layout.block_size
     offsets = slots % layout.block_size
@@ -88,6 +100,7 @@ def dequantize_tokens(
     scale: torch.Tensor,
     seq_lens: Optional[torch.Tensor] = None,
     key0_shift: Optional[torch.Tensor] = None,
+    rot: Optional[RotCenter] = None,
 ) -> torch.Tensor:
     """Dequantize K or V of ``S`` sequences' blocks ``block_ids [S, n]``: FP32 ``[S, H, n * B, D]``.
 
@@ -98,7 +111,9 @@ def dequantize_tokens(
     ``t >= seq_lens[s]`` are exactly 0, whatever stale bytes (NaN included) their slots hold.
     ``key0_shift`` (FP32 ``[H, D]``; the blocks must start at the sequences' first block) is
     subtracted from token 0 of every sequence that has one: the sink key stored uncentered
-    (:func:`vllm_nvfp4.key_transform.sink_shift`; 0 for heads stored centered).
+    (:func:`vllm_nvfp4.key_transform.sink_shift`; 0 for heads stored centered). ``rot`` (the
+    blocks likewise from the first): then token ``t`` gets ``R(t) b_k`` added
+    (:func:`~vllm_nvfp4.key_transform.rot_offset`; not past ``seq_lens``).
     """
     n_seq, n_blk = block_ids.shape
     h, b, d = layout.num_kv_heads, layout.block_size, layout.head_dim
@@ -118,13 +133,31 @@ def dequantize_tokens(
     per_head = scale.view(1, -1, 1, 1)
     if sc is None:
         x = data.view(torch.float8_e4m3fn).float() * per_head
-        return x if key0_shift is None else _shift_first_keys(x, key0_shift, seq_lens)
+        return _key_offsets(x, key0_shift, seq_lens, rot)
     vals = _e2m1_byte_table(data.device).index_select(0, data.flatten().int()).view(torch.float32)
     vals = vals.view(n_seq, h, length, d)[..., _nibble_position(d, data.device)]  # element order
     se = sc.view(torch.float8_e4m3fn).float() * per_head  # [S, H, n * B, D/16]
     x = vals.view(n_seq, h, length, d // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE) * se.unsqueeze(-1)
     x = x.view(n_seq, h, length, d)
-    return x if key0_shift is None else _shift_first_keys(x, key0_shift, seq_lens)
+    return _key_offsets(x, key0_shift, seq_lens, rot)
+
+
+def _key_offsets(k: torch.Tensor, key0_shift: Optional[torch.Tensor],
+                 seq_lens: Optional[torch.Tensor], rot: Optional[RotCenter]) -> torch.Tensor:
+    """``k [S, H, L, D]`` (FP32, token ``t`` = position ``t``) with ``key0_shift`` subtracted from
+    position 0 (:func:`_shift_first_keys`), then ``R(t) b_k`` of ``rot`` added below
+    ``seq_lens``; either may be None."""
+    if key0_shift is not None:
+        k = _shift_first_keys(k, key0_shift, seq_lens)
+    if rot is None:
+        return k
+    length = k.shape[2]
+    pos = torch.arange(length, device=k.device)
+    off = rot_offset(rot.idx, rot.b, rot.theta, pos, k.shape[3]).transpose(0, 1)  # [H, L, D]
+    if seq_lens is None:
+        return k + off
+    live = (pos.view(1, 1, -1, 1) < seq_lens.view(-1, 1, 1, 1))
+    return k + torch.where(live, off, 0.0)
 
 
 def _shift_first_keys(k: torch.Tensor, key0_shift: torch.Tensor,
@@ -146,19 +179,21 @@ def read_kv_from_cache(
     v_scale: torch.Tensor,
     num_tokens: Optional[int] = None,
     key0_shift: Optional[torch.Tensor] = None,
+    rot: Optional[RotCenter] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantized ``(K, V)``, each FP32 ``[num_tokens, H, D]``, of one sequence's blocks ``[n]``
     (from its first block).
 
-    ``num_tokens`` (default ``n * block_size``) keeps the first tokens; ``key0_shift``: see
-    :func:`dequantize_tokens`.
+    ``num_tokens`` (default ``n * block_size``) keeps the first tokens; ``key0_shift``, ``rot``:
+    see :func:`dequantize_tokens`.
     """
-    def plane(which: KV, scale: torch.Tensor, shift: Optional[torch.Tensor]) -> torch.Tensor:
+    def plane(which: KV, scale: torch.Tensor, shift: Optional[torch.Tensor],
+              center: Optional[RotCenter]) -> torch.Tensor:
         x = dequantize_tokens(cache, layout, which, block_ids.view(1, -1), scale,
-                              key0_shift=shift)[0].transpose(0, 1)
+                              key0_shift=shift, rot=center)[0].transpose(0, 1)
         return x if num_tokens is None else x[:num_tokens]
 
-    return plane("k", k_scale, key0_shift), plane("v", v_scale, None)
+    return plane("k", k_scale, key0_shift, rot), plane("v", v_scale, None, None)
 
 
 def _attend(
@@ -250,6 +285,7 @@ def _attend_paged(
     sinks: Optional[torch.Tensor],
     query_chunk: Optional[int] = None,
     key0_shift: Optional[torch.Tensor] = None,
+    rot: Optional[RotCenter] = None,
 ) -> torch.Tensor:
     """``query [S, Q, Hq, D]`` at positions ``q_pos [S, Q]`` of sequences with blocks ``block_ids
     [S, n]`` (covering ``seq_lens [S]`` tokens) -> FP32 ``[S, Q, Hq, D]``.
@@ -258,9 +294,9 @@ def _attend_paged(
     past a sequence's length are exact zeros and masked. With ``query_chunk`` the query rows are
     attended ``query_chunk`` at a time, each chunk against the keys up to its last position
     (``q_pos`` increasing along Q), so the FP32 logits never exceed ``[S, Hq, query_chunk, L]``;
-    every row's result is the same. ``key0_shift``: see :func:`dequantize_tokens`.
+    every row's result is the same. ``key0_shift``, ``rot``: see :func:`dequantize_tokens`.
     """
-    k = dequantize_tokens(cache, layout, "k", block_ids, k_scale, seq_lens, key0_shift)
+    k = dequantize_tokens(cache, layout, "k", block_ids, k_scale, seq_lens, key0_shift, rot)
     v = dequantize_tokens(cache, layout, "v", block_ids, v_scale, seq_lens)
     if sliding_window is not None:
         # Blocks wholly below every query's window may be ones vLLM already freed (their table
@@ -298,8 +334,11 @@ def paged_attention(
     logits_soft_cap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     key0_shift: Optional[torch.Tensor] = None,
+    rot_center: Optional[RotCenter] = None,
 ) -> torch.Tensor:
     """Paged causal attention reading K/V from the quantized cache (FP32 math). Writes ``out``.
+    ``rot_center``: the keys were stored minus ``R(p) b_k``, which the dequantization adds back
+    (:func:`dequantize_tokens`).
 
     Shapes as in :func:`vllm_nvfp4.ops.paged_attention`. Sequences with one query token (decode)
     run as one batch; each sequence with several (prefill, chunked prefill) runs on its own, so a
@@ -318,7 +357,7 @@ def paged_attention(
         ids = torch.where(in_use, block_table[single, :n_blk].long(), 0)  # padding -> block 0, zeroed
         o = _attend_paged(query[rows].unsqueeze(1), (lens - 1).view(-1, 1), cache, layout, k_scale,
                           v_scale, ids, lens, softmax_scale, sliding_window, logits_soft_cap, sinks,
-                          key0_shift=key0_shift)
+                          key0_shift=key0_shift, rot=rot_center)
         out[rows] = o.squeeze(1).to(out.dtype)
     starts, lens_list = query_start_loc.tolist(), seq_lens.tolist()
     for s in torch.nonzero(q_lens > 1).flatten().tolist():  # prefill / chunked prefill: one by one
@@ -326,6 +365,7 @@ def paged_attention(
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device).view(1, -1)
         o = _attend_paged(query[start:end].unsqueeze(0), q_pos, cache, layout, k_scale, v_scale,
                           block_table[s:s + 1, :-(-seq_len // bs)], seq_lens[s:s + 1], softmax_scale,
-                          sliding_window, logits_soft_cap, sinks, PREFILL_QUERY_CHUNK, key0_shift)
+                          sliding_window, logits_soft_cap, sinks, PREFILL_QUERY_CHUNK, key0_shift,
+                          rot_center)
         out[start:end] = o[0].to(out.dtype)
     return out

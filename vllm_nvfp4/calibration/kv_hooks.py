@@ -28,7 +28,7 @@ after decoding (:func:`with_uncentered_sink`).
 The rotating K center
 ---------------------
 A policy layer with ``k_rot`` stores ``K - mu' - R(p) b_k`` and attends the read-back plus
-``R(p) b_k`` (:func:`~vllm_nvfp4.key_transform.rotating_offset`), ``p`` from the forward's
+``R(p) b_k`` (:func:`~vllm_nvfp4.key_transform.rot_offset`), ``p`` from the forward's
 ``position_ids`` (:func:`~vllm_nvfp4.calibration.rope.key_positions`): the keys the served
 cache's readers see, up to the constant ``mu'`` (softmax-invariant).
 
@@ -62,7 +62,7 @@ from vllm_nvfp4.formats import (
 )
 from vllm_nvfp4.calibration.rope import Rope, key_positions, rope_unrotate
 from vllm_nvfp4.kernels.launch import RotCenter
-from vllm_nvfp4.key_transform import permute_channels, rotating_offset, sink_shift, stored_keys
+from vllm_nvfp4.key_transform import permute_channels, rot_offset, sink_shift, stored_keys
 from vllm_nvfp4.policy import KVPolicy, LayerType, PolicyError, layer_types_from_config
 
 HOOK_PREFIX = "vllm_nvfp4_kv|"
@@ -293,7 +293,7 @@ class RotRangeObserver(_Observer):
             k32 = key.detach().float()
             _check_finite(layer, K=k32)
             mu, rot = self.centers[layer]
-            off = rotating_offset(rot.idx, rot.b, rot.theta, positions, k32.shape[-1])
+            off = rot_offset(rot.idx, rot.b, rot.theta, positions, k32.shape[-1]).transpose(0, 1)
             a = (k32 - mu.to(k32.device)[:, None, :] - off).abs().amax(dim=(0, 2, 3)).cpu()
             prev = self.k_amax[layer]
             self.k_amax[layer] = a if prev is None else torch.maximum(prev, a)
@@ -324,7 +324,9 @@ class LayerQuant:
         """``R(p) b_k`` FP32 ``[kv_heads, len(positions), head_dim]`` on the device of
         ``positions`` (int64 ``[seq]``); None without ``k_rot``."""
         rot = self.k_rot
-        return None if rot is None else rotating_offset(rot.idx, rot.b, rot.theta, positions, head_dim)
+        if rot is None:
+            return None
+        return rot_offset(rot.idx, rot.b, rot.theta, positions, head_dim).transpose(0, 1)
 
 
 def rot_center_of(lp: Any) -> Optional[RotCenter]:
@@ -386,15 +388,13 @@ def with_uncentered_sink(stored: torch.Tensor, raw_key: torch.Tensor, fmt: str, 
 
 def transform_qk(query: torch.Tensor, key: torch.Tensor, lam: Optional[torch.Tensor],
                  mu: Optional[torch.Tensor] = None, perm: Optional[torch.Tensor] = None,
-                 offset: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K channel permutation, centering and smoothing as the integration does them: the cache
-    gets ``(key[perm] - mu - offset) / lam`` (:func:`vllm_nvfp4.key_transform.stored_keys`), the
+    gets ``(key[perm] - mu) / lam`` (:func:`vllm_nvfp4.key_transform.stored_keys`), the
     query ``query[perm] * lam`` (FP32, cast back). ``query [b, q_heads, s, d]``, ``key [b,
     kv_heads, s, d]``, ``lam`` and ``mu`` ``[kv_heads, d]`` (permuted order) and ``perm`` (int64)
-    ``[kv_heads, d]`` or None (a query head uses the rows of its KV head); ``offset`` FP32
-    ``[kv_heads, s, d]`` (a rotating center's ``R(p) b_k``, which the caller adds back after
-    quantization) or None. ``q . k`` moves by ``q . mu`` for every key of a query alike, so
-    softmax does not change."""
+    ``[kv_heads, d]`` or None (a query head uses the rows of its KV head). ``q . k`` moves by
+    ``q . mu`` for every key of a query alike, so softmax does not change."""
     group = query.shape[1] // key.shape[1]
     if perm is not None:
         query = permute_channels(query, perm.repeat_interleave(group, dim=0)[:, None, :])
@@ -403,8 +403,7 @@ def transform_qk(query: torch.Tensor, key: torch.Tensor, lam: Optional[torch.Ten
         query = (query.float() * lam.repeat_interleave(group, dim=0)[:, None, :]).to(query.dtype)
     key = stored_keys(key, None if mu is None else mu.to(key.device)[:, None, :],
                       None if lam is None else lam[:, None, :],
-                      None if perm is None else perm[:, None, :],
-                      None if offset is None else offset.to(key.device))
+                      None if perm is None else perm[:, None, :])
     return query, key
 
 
@@ -414,7 +413,8 @@ def stored_keys_read_back(quant: LayerQuant, query: torch.Tensor, key: torch.Ten
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer's keys as the cache stores them and its readers see them: ``(query, key,
     read_back)`` with ``query [b, q_heads, s, d]`` as the kernels get it (permuted, smoothed),
-    ``key`` after the K transforms (``(K[perm] - mu - R(p) b_k) / lam``, what is quantized) and
+    ``key`` after the K transforms (``(K[perm] - mu) / lam`` in ``key.dtype``, with ``k_rot`` minus
+    ``R(p) b_k`` in FP32: what is quantized) and
     ``read_back`` its fake-quantized value plus ``R(p) b_k`` (``k_rot``), position 0 of the
     flagged heads stored uncentered (``k_sink``), in ``key.dtype``. ``key [b, kv_heads, s, d]``
     (the sequence from position 0 where ``k_sink`` is set); ``positions`` (int64 ``[s]``, the
@@ -426,11 +426,13 @@ def stored_keys_read_back(quant: LayerQuant, query: torch.Tensor, key: torch.Ten
             raise ValueError("a layer with k_rot needs the keys' positions")
         offset = quant.rot_offset(positions, key.shape[-1])
     if quant.transforms_k:
-        query, key = transform_qk(query, key, quant.k_smooth, quant.k_center, quant.k_perm, offset)
+        query, key = transform_qk(query, key, quant.k_smooth, quant.k_center, quant.k_perm)
+    if offset is not None:  # the writer subtracts R(p) b_k in FP32 from the centered key
+        key = key.float() - offset.to(key.device)
     stored = fake_quantize(key, quant.k_fmt, quant.k_scale, nonfinite, nvfp4_decoding,
                            dtype=None if offset is None else torch.float32)
     if offset is not None:  # the readers add R(p) b_k back
-        stored = (stored + offset).to(key.dtype)
+        stored = (stored + offset.to(stored.device)).to(raw_key.dtype)
     if quant.k_sink is not None:
         stored = with_uncentered_sink(stored, raw_key, quant.k_fmt, quant.k_scale, quant.k_center,
                                       quant.k_smooth, quant.k_perm, quant.k_sink, nonfinite,

@@ -32,6 +32,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_nvfp4 import ops
 from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE
+from vllm_nvfp4.kernels.launch import RotCenter
 from vllm_nvfp4.key_transform import permute_channels, stored_keys
 from vllm_nvfp4.layout import PAGE_ALIGN, KVPageLayout
 from vllm_nvfp4.policy import CHANNEL_FIELDS, DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE, LayerPolicy
@@ -49,7 +50,7 @@ from vllm_nvfp4.integration.dense_prefill import (
 )
 from vllm_nvfp4.integration.dtype import CACHE_DTYPE
 from vllm_nvfp4.integration.model import layer_plan
-from vllm_nvfp4.integration.rank_params import INDEX_FIELDS, rank_row_values
+from vllm_nvfp4.integration.rank_params import INDEX_FIELDS, INT32_FIELDS, rank_row_values
 from vllm_nvfp4.integration.calibration_forward import CalibrationBatch
 from vllm_nvfp4.integration.startup_calibration import planned
 
@@ -150,6 +151,27 @@ class Nvfp4MixedMetadata:
     # bool [>= num_actual_tokens]: the tokens at position 0 of their sequence (None: no layer of
     # this KV-cache group stores its sink key uncentered); a view of a persistent buffer
     first_keys: Optional[torch.Tensor] = None
+    # int32 [>= num_actual_tokens]: each token's index in its sequence (-1 past the batch) (None:
+    # no layer of this KV-cache group has a rotating K center); a view of a persistent buffer
+    positions: Optional[torch.Tensor] = None
+
+
+def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int,
+                    rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (int32 ``[N]``) = each token's index in its sequence, ``p = seq_lens[r] - q_len[r]
+    + (t - query_start_loc[r]) = t + seq_lens[r] - query_start_loc[r + 1]`` for token ``t`` of
+    request ``r`` (the first request whose query range ends past ``t``; empty, padded requests
+    hold no token), and -1 for the rows past the batch (``t >= query_start_loc[num_reqs]``).
+    ``rows``: int32 ``arange(N)`` (persistent). Reads device tensors only (no host sync: CUDA-graph
+    capturable); a handful of elementwise launches, run eagerly in every step's metadata build.
+    These are the positions the readers assume (the key's index in its sequence), not the
+    model's (``CommonAttentionMetadata.positions``: M-RoPE's differ)."""
+    if num_reqs == 0:
+        return out.fill_(-1)
+    ends = query_start_loc[1:num_reqs + 1]
+    req = torch.searchsorted(ends, rows, right=True).clamp_(max=num_reqs - 1)
+    torch.add(rows, (seq_lens[:num_reqs] - ends)[req], out=out)
+    return out.masked_fill_(rows >= ends[-1], -1)
 
 
 def mark_first_keys(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int,
@@ -197,19 +219,25 @@ class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
         self._scratch_rows = scratch_rows(vllm_config)
         self._max_model_len = vllm_config.model_config.max_model_len
         forward_context = vllm_config.compilation_config.static_forward_context
-        uncentered_sinks = False
+        uncentered_sinks = rot_centers = False
         for name in layer_names:
             layer = forward_context[name]
             index, row, layout = layer_plan(vllm_config, layer)
             layer.impl.bind(name, index, row, layout, vllm_config, device)
             uncentered_sinks |= layer.impl.key0_shift is not None
-        # where some layer stores its sink key uncentered, which tokens sit at position 0
-        # (persistent: captured CUDA graphs read them)
+            rot_centers |= layer.impl.rot_center is not None
+        # where some layer stores its sink key uncentered, which tokens sit at position 0, and
+        # where some layer has a rotating K center, each token's position (persistent: captured
+        # CUDA graphs read them)
+        n = vllm_config.scheduler_config.max_num_batched_tokens
         self._first_key_buffers: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         if uncentered_sinks:
-            n = vllm_config.scheduler_config.max_num_batched_tokens
             self._first_key_buffers = (torch.zeros(n + 1, dtype=torch.int32, device=device),
                                        torch.zeros(n, dtype=torch.bool, device=device))
+        self._position_buffers: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        if rot_centers:
+            self._position_buffers = (torch.arange(n, dtype=torch.int32, device=device),
+                                      torch.zeros(n, dtype=torch.int32, device=device))
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> Nvfp4MixedMetadata:
@@ -230,6 +258,9 @@ class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
         if self._first_key_buffers is not None:
             meta.first_keys = mark_first_keys(m.query_start_loc, m.seq_lens, m.num_reqs,
                                               *self._first_key_buffers)
+        if self._position_buffers is not None:
+            meta.positions = token_positions(m.query_start_loc, m.seq_lens, m.num_reqs,
+                                             *self._position_buffers)
         threshold = self.reorder_batch_threshold
         if not self._dense_prefill or m.max_query_len <= threshold:
             return meta
@@ -318,6 +349,13 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         # position 0 holds K - k0_center, and readers subtract key0_shift from its decoding
         self.k0_center: Optional[torch.Tensor] = None
         self.key0_shift: Optional[torch.Tensor] = None
+        # the rotating K center (policy k_rot): RotCenter's tensors, persistent, and the flagged
+        # sink heads written without it at position 0 (int32 [num_kv_heads])
+        self.rot_idx: Optional[torch.Tensor] = None  # int32 [num_kv_heads, k]
+        self.rot_b: Optional[torch.Tensor] = None  # float32 [num_kv_heads, 2, k]
+        self.rot_theta: Optional[torch.Tensor] = None  # float32 [num_kv_heads, k]
+        self.key0_plain: Optional[torch.Tensor] = None
+        self.rot_center: Optional[RotCenter] = None
         self._ops: Optional[ops.LayerOps] = None  # checked once per layer and cache tensor
         self._ops_of: Optional[torch.Tensor] = None
         config = get_current_vllm_config_or_none()  # set while vLLM builds the model's layers
@@ -346,14 +384,11 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
                 f"{layer_name}: the policy centers K (k_center), which shifts every logit of a "
                 f"query by q . mu; the model's logits soft-cap ({self.logits_soft_cap}) is not "
                 f"shift-invariant. Calibrate without --k-center for this model")
-        if row.k_rot is not None:
-            raise RuntimeError(
-                f"{layer_name}: the policy centers K on a rotating offset (k_rot, layer {index}), "
-                "which serving does not implement yet (docs/design/rotating_centering.md); use a "
-                "policy without k_rot")
         dropped = [n for n in CHANNEL_FIELDS if getattr(row, n) is None and getattr(self, n) is not None]
         if row.k_sink_uncentered is None and self.key0_shift is not None:
             dropped.append("k_sink_uncentered")
+        if row.k_rot is None and self.rot_center is not None:
+            dropped.append("k_rot")
         if dropped:
             raise RuntimeError(f"{layer_name}: rebinding cannot drop {dropped[0]}")
         if index is not None and not _warned_default_scales and (
@@ -376,12 +411,22 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         # is legal in both places.
         with torch.inference_mode(False):
             for attr, vals in tensors.items():
-                new = torch.tensor(vals, dtype=torch.int64 if attr in INDEX_FIELDS else torch.float32)
+                new = torch.tensor(vals, dtype=torch.int64 if attr in INDEX_FIELDS else
+                                   torch.int32 if attr in INT32_FIELDS else torch.float32)
                 current = getattr(self, attr)
                 if current is None or current.shape != new.shape:
                     setattr(self, attr, new.to(device))
                 else:
                     current.copy_(new)  # in place: CUDA graphs keep pointing at it
+        if row.k_rot is not None:
+            self.rot_center = RotCenter(self.rot_idx, self.rot_b, self.rot_theta)
+            try:
+                self.rot_center.check(self.num_kv_heads, self.head_size)
+            except ValueError as e:
+                raise RuntimeError(
+                    f"{layer_name}: the policy's k_rot (layer {index}) has k = "
+                    f"{row.k_rot.num_pairs} pairs per KV head, which the attention kernels do not "
+                    f"take ({e}); calibrate with a power of 2 in [8, {self.head_size // 2}]") from e
         self.layer_name, self.layout = layer_name, layout
         self._ops = self._ops_of = None  # the next call checks the new layout and scales
 
@@ -390,13 +435,17 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         if self._ops_of is not kv_cache:
             self._ops = ops.LayerOps(page_view(kv_cache, self.layout), self.layout, self.k_scale,
                                      self.v_scale, self.sliding_window, self.logits_soft_cap,
-                                     self.sink_logits, key0_shift=self.key0_shift)
+                                     self.sink_logits, key0_shift=self.key0_shift,
+                                     rot_center=self.rot_center, key0_plain=self.key0_plain)
             self._ops_of = kv_cache
         return self._ops
 
     def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Quantize this step's K/V into the layer's pages (slot < 0: padding, skipped)."""
+        """Quantize this step's K/V into the layer's pages (slot < 0: padding, skipped). Stored:
+        ``K - mu' - R(p) b_k`` (``k_center``, then the rotating center at the token's position
+        from the step's metadata, subtracted by the write), the flagged sink heads' key at
+        position 0 as computed."""
         if self.layout is None or kv_cache.numel() == 0:
             return  # profiling run before the KV cache exists
         n = min(key.shape[0], slot_mapping.shape[0])
@@ -407,11 +456,21 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
             key = stored_keys(key, center, self.k_smooth, self.k_perm)
         elif self.k_smooth is not None or self.k_center is not None or self.k_perm is not None:
             key = stored_keys(key, self.k_center, self.k_smooth, self.k_perm)
-        self._layer_ops(kv_cache).write(key, value[:n], slot_mapping[:n])
+        positions = None
+        if self.rot_center is not None and n:
+            positions = self._step_tokens("positions", n, "centers K on a rotating offset",
+                                          "where")
+        self._layer_ops(kv_cache).write(key, value[:n], slot_mapping[:n], positions)
 
     def _first_keys(self, n: int) -> torch.Tensor:
         """bool ``[n]``: which of this step's ``n`` written tokens sit at position 0, from the
         step's metadata (:func:`mark_first_keys`)."""
+        return self._step_tokens("first_keys", n, "stores its sink key uncentered",
+                                 "which of")
+
+    def _step_tokens(self, field: str, n: int, why: str, what: str) -> torch.Tensor:
+        """The first ``n`` rows of a per-token field of this step's metadata (``first_keys``,
+        ``positions``); RuntimeError naming the layer, ``why`` it needs them, if absent."""
         from vllm.forward_context import get_forward_context
 
         meta = get_forward_context().attn_metadata
@@ -419,13 +478,13 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
             meta = meta[0]
         if isinstance(meta, dict):
             meta = meta.get(self.layer_name)
-        marks = getattr(meta, "first_keys", None)
-        if marks is None or marks.shape[0] < n:
+        rows = getattr(meta, field, None)
+        if rows is None or rows.shape[0] < n:
             raise RuntimeError(
-                f"{self.layer_name}: the layer stores its sink key uncentered, but this step's "
-                f"attention metadata ({type(meta).__name__}) does not say which of its {n} tokens "
-                "sit at position 0")
-        return marks[:n]
+                f"{self.layer_name}: the layer {why}, but this step's attention metadata "
+                f"({type(meta).__name__}) does not say {what} its {n} tokens sit "
+                f"({field})")
+        return rows[:n]
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Optional[Nvfp4MixedMetadata],
@@ -463,5 +522,6 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
             dense_prefill(query, output, layer_ops.cache, self.layout, self.k_scale, self.v_scale,
                           m.block_table, m.seq_lens, group, self.scale, self.logits_soft_cap,
                           attention, sliding_window=self.sliding_window, sinks=self.sink_logits,
-                          key0_shift=self.key0_shift, fa_version=fa_version)
+                          key0_shift=self.key0_shift, rot_center=self.rot_center,
+                          fa_version=fa_version)
         return output

@@ -37,6 +37,7 @@ import torch
 
 from vllm_nvfp4 import ops
 from vllm_nvfp4.env_vars import FUSED_PREFILL_ENV
+from vllm_nvfp4.kernels.launch import RotCenter
 from vllm_nvfp4.layout import KVPageLayout
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
@@ -165,21 +166,22 @@ def dense_prefill(query: torch.Tensor, out: torch.Tensor, pages: torch.Tensor,
                   softmax_scale: float, logits_soft_cap: Optional[float],
                   attention: Callable[..., Any], sliding_window: Optional[int] = None,
                   sinks: Optional[torch.Tensor] = None, key0_shift: Optional[torch.Tensor] = None,
-                  **attention_kwargs: Any) -> None:
+                  rot_center: Optional[RotCenter] = None, **attention_kwargs: Any) -> None:
     """Causal attention of ``query [tokens, q_heads, D]`` (the whole batch) for one group's
     tokens into ``out`` (same shape), K/V dequantized from ``pages`` into dense scratch.
 
     ``attention`` is a FlashAttention-style ``flash_attn_varlen_func``; ``sliding_window``
     (keys ``p > pos - w``) becomes its ``window_size``, ``sinks [q_heads]`` (FP32 logits, see
     :func:`vllm_nvfp4.ops.paged_attention`) its ``s_aux``; ``key0_shift`` (the sink key stored
-    uncentered, :class:`vllm_nvfp4.ops.LayerOps`) is subtracted from position 0's dense key."""
+    uncentered, :class:`vllm_nvfp4.ops.LayerOps`) is subtracted from position 0's dense key, and
+    ``R(p) b_k`` of ``rot_center`` (the rotating K center, as there) added to every dense key."""
     toks = slice(group.tok_begin, group.tok_end)
     shape = (group.total_kv, layout.num_kv_heads, layout.head_dim)
     k = torch.empty(shape, dtype=query.dtype, device=query.device)
     v = torch.empty(shape, dtype=query.dtype, device=query.device)
     ops.dequantize_kv(pages, layout, k_scale, v_scale, block_table, seq_lens, group.cu_seqlens_k,
                       group.max_seq_len, k, v, first_seq=group.req_begin,
-                      seq_starts=group.kv_starts, key0_shift=key0_shift)
+                      seq_starts=group.kv_starts, key0_shift=key0_shift, rot_center=rot_center)
     if sliding_window is not None:
         attention_kwargs["window_size"] = (sliding_window - 1, 0)
     if sinks is not None:  # FA3 takes s_aux in bf16 only (gpt-oss stores its sinks in bf16)

@@ -14,12 +14,15 @@ from typing import Optional, Sequence, TypeVar
 import torch
 
 from vllm_nvfp4.formats import KVFormat
-from vllm_nvfp4.key_transform import sink_shift
+from vllm_nvfp4.key_transform import rot_offset, sink_shift
 from vllm_nvfp4.policy import CHANNEL_FIELDS, LayerPolicy, Scale
 
 T = TypeVar("T")
-#: the impl's per-layer tensors of channel indices (int64); every other one is FP32
+#: the impl's per-layer tensors of channel indices (int64)
 INDEX_FIELDS = ("k_perm", "q_perm")
+#: the impl's per-layer int32 tensors (the rotating center's pairs and per-head flags); every
+#: tensor in neither tuple is FP32
+INT32_FIELDS = ("rot_idx", "key0_plain")
 
 
 def rank_heads(per_head: Sequence[T], total_heads: int, num_heads: int, tp_rank: int,
@@ -50,7 +53,11 @@ def rank_row_values(row: LayerPolicy, layer_name: str, total_heads: int, num_kv_
     (the center position 0 is stored with: 0 for the flagged heads, ``k_center`` for the others)
     and ``key0_shift`` (what readers subtract from position 0's decoded key:
     :func:`~vllm_nvfp4.key_transform.sink_shift` for the flagged heads, 0 for the others),
-    ``[num_kv_heads][head_size]`` FP32 values."""
+    ``[num_kv_heads][head_size]`` FP32 values. With ``k_rot``: ``rot_idx`` / ``rot_b`` /
+    ``rot_theta`` (:class:`~vllm_nvfp4.kernels.launch.RotCenter`: ``[num_kv_heads][k]``,
+    ``[num_kv_heads][2][k]``, ``[num_kv_heads][k]``); with both, ``key0_shift`` of a flagged head
+    adds ``R(0) b_k = b_k`` (its key at position 0 is written without it, readers add it to every
+    key) and ``key0_plain`` ``[num_kv_heads]`` (1: the flagged heads) tells the writer."""
     values: dict[str, list] = {
         f"{kv}_scale": rank_scales(row.quant_scale(kv), row.format_of(kv), total_heads,
                                    num_kv_heads, tp_rank, tp_size) for kv in ("k", "v")}
@@ -63,13 +70,24 @@ def rank_row_values(row: LayerPolicy, layer_name: str, total_heads: int, num_kv_
             raise RuntimeError(f"{layer_name}: the policy's {name} has {len(rows[0])} values "
                                f"per head, the layer's head size is {head_size}")
         values[name] = rows
+    rot = row.k_rot
+    if rot is not None:
+        for name, rows in (("rot_idx", rot.pairs), ("rot_b", rot.b), ("rot_theta", rot.theta)):
+            values[name] = [list(map(list, r)) if name == "rot_b" else list(r)
+                            for r in rank_heads(rows, total_heads, num_kv_heads, tp_rank, tp_size)]
     sink = row.sink_heads(total_heads)
     if sink is not None:
-        flagged = torch.tensor(rank_heads(sink, total_heads, num_kv_heads, tp_rank, tp_size))[:, None]
+        flagged = torch.tensor(rank_heads(sink, total_heads, num_kv_heads, tp_rank, tp_size))
         mu = torch.tensor(values["k_center"], dtype=torch.float32)
         lam = torch.tensor(values["k_smooth"], dtype=torch.float32) if "k_smooth" in values else None
-        values["k0_center"] = torch.where(flagged, 0.0, mu).tolist()
-        values["key0_shift"] = torch.where(flagged, sink_shift(mu, lam), 0.0).tolist()
+        shift = sink_shift(mu, lam)
+        if rot is not None:  # + R(0) b_k: b_k scattered onto its pairs' channels
+            shift = shift + rot_offset(torch.tensor(values["rot_idx"]), torch.tensor(values["rot_b"]),
+                                       torch.tensor(values["rot_theta"]), torch.zeros(1),
+                                       head_size)[0]
+            values["key0_plain"] = flagged.int().tolist()
+        values["k0_center"] = torch.where(flagged[:, None], 0.0, mu).tolist()
+        values["key0_shift"] = torch.where(flagged[:, None], shift, 0.0).tolist()
     group = num_heads // num_kv_heads
     for k_name, q_name in (("k_smooth", "q_smooth"), ("k_perm", "q_perm")):
         if k_name in values:

@@ -126,6 +126,25 @@ def _cos_sin(theta, p, F32: tl.constexpr = True):
 
 
 @triton.jit
+def _rot_offset(cols, pos, rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h, D: tl.constexpr,
+                KP: tl.constexpr):
+    """The rotating center ``R(p) b`` (:class:`launch.RotCenter`) of KV head ``h`` at channels
+    ``cols`` (ints) of keys at positions ``pos`` (ints ``< 2^24``), broadcast together: FP32, 0
+    off the ``KP`` rotated pairs. Angles by :func:`_cos_sin` with ``tl.cos`` / ``tl.sin`` (one
+    pair at a time; for the cache write and the dequantization, not the attention loop)."""
+    off = tl.zeros_like(cols + pos).to(tl.float32)
+    for n in range(KP):
+        i = tl.load(rot_idx_ptr + h * KP + n)
+        b1 = tl.load(rot_b_ptr + 2 * h * KP + n)
+        b2 = tl.load(rot_b_ptr + (2 * h + 1) * KP + n)
+        c, s = _cos_sin(tl.load(rot_theta_ptr + h * KP + n) + tl.zeros_like(pos).to(tl.float32),
+                        pos, True)
+        off += tl.where(cols == i, b1 * c - b2 * s, 0.0)
+        off += tl.where(cols == i + D // 2, b2 * c + b1 * s, 0.0)
+    return off
+
+
+@triton.jit
 def _rot_center_setup(q_cols, col_ok, rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h, scale, t_begin,
                       D: tl.constexpr, M: tl.constexpr, TILE_N: tl.constexpr, Q: tl.constexpr,
                       KP: tl.constexpr, F32: tl.constexpr):

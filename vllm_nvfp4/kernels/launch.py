@@ -209,9 +209,12 @@ class RotCenter:
     def pairs(self) -> int:
         return self.idx.shape[-1]
 
-    def check(self, num_kv_heads: int, head_dim: int) -> None:
+    def check(self, num_kv_heads: int, head_dim: int, kernel_pairs: bool = True) -> None:
+        """ValueError unless the tensors have the documented shapes, dtypes and layout and (with
+        ``kernel_pairs``, the attention kernels' limit) ``k`` is a power of 2 in ``[8, head_dim /
+        2]`` (else any ``k`` in ``[1, head_dim / 2]``: the torch path and the cache write)."""
         k = self.pairs
-        if k < 8 or k & (k - 1) or k > head_dim // 2:
+        if k < 1 or k > head_dim // 2 or kernel_pairs and (k < 8 or k & (k - 1)):
             raise ValueError(f"rot_center pairs must be a power of 2 in [8, {head_dim // 2}], "
                              f"got {k}")
         for name, t, shape, dtype in (("idx", self.idx, (num_kv_heads, k), torch.int32),
