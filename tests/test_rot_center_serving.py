@@ -144,8 +144,9 @@ def _stored_k(lay, cache, slots):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kf", ["nvfp4", "fp8"])
 def test_write_stores_the_key_minus_the_rotating_center(backend, kf):
-    """Bytes of ``quantize(K - R(p) b_k)``, the flagged heads' position-0 keys as given; the
-    Triton write's FP32 angles may move a value across a rounding boundary now and then."""
+    """Bytes of ``quantize(K - R(p) b_k)``, the flagged heads' position-0 keys as given; on a GPU
+    the Triton write's FP32 offset may move a value across a rounding boundary now and then (the
+    interpreter's is bit-equal here)."""
     lay, key, value, pos, slots, rot, plain, k_scale, v_scale = _write_case(kf, 1)
     cache = allocate_cache(lay, 8, DEV)
     cache.fill_(0)
@@ -163,7 +164,7 @@ def test_write_stores_the_key_minus_the_rotating_center(backend, kf):
         ((pos[:, None] == 0) & plain.bool()[None, :])[..., None], 0.0))
     plain_data, _ = expected(key)
     assert (got != plain_data).float().mean() > 0.15  # the offset (8 of 32 pairs) is there
-    if backend == "torch":
+    if backend == "torch" or not CUDA:
         assert torch.equal(got, want) and (want_sc is None or torch.equal(got_sc, want_sc))
     else:
         assert (got == want).float().mean() > 0.99
@@ -267,7 +268,7 @@ def test_write_then_attend_at_far_positions_matches_float64(backend, kf, vf, q_l
     layer.attend(query.to(DEV), *meta[:3], meta[3], meta[4], 0.1, out)
     want = _reference(lay, query, q_lens, ref)
     err = _rel(out, want)
-    tol = 1e-5 if backend == "torch" and not CUDA else 3e-3
+    tol = 2e-3 if CUDA else 1e-5  # test_kernels.py's tolerances against float64
     assert err < tol, err
     assert _rel(out, _reference(lay, query, q_lens, ref, add_back=False)) > 30 * tol
 
@@ -358,3 +359,56 @@ def test_rank_row_values_with_k_rot_under_tp2():
     for r in range(2):
         vals = rank_row_values(one, "layers.0", 1, 1, 3, d, r, 2)
         assert vals["rot_idx"] == rot.idx[:1].tolist() and "key0_plain" not in vals
+
+
+# ---------------------------------------------------------------------------- bind
+def _krot(rot: RotCenter, b_scale: float = 1.0):
+    from vllm_nvfp4.policy import KRot
+
+    return KRot(tuple(map(tuple, rot.idx.tolist())),
+                tuple(tuple(map(tuple, r)) for r in (rot.b * b_scale).tolist()),
+                tuple(map(tuple, rot.theta.tolist())))
+
+
+@pytest.mark.vllm
+def test_bind_builds_the_rotating_center_and_names_the_layer_and_k():
+    from types import SimpleNamespace
+
+    from vllm_nvfp4.integration.backend import Nvfp4MixedImpl
+    from vllm_nvfp4.policy import LayerPolicy
+
+    h, d = 2, 64
+    config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                             model_config=SimpleNamespace(get_total_num_kv_heads=lambda: h))
+    lay = KVPageLayout(h, d, 16, "nvfp4", "fp8")
+
+    def row(k):
+        rot = RotCenter.top_pairs(torch.randn(h, d) + 0.1, rope_theta(d), k)
+        mu = torch.full((h, d), 0.25)
+        for i in range(h):
+            mu[i, rot.idx[i].long()] = 0.0
+            mu[i, rot.idx[i].long() + d // 2] = 0.0
+        return rot, LayerPolicy("nvfp4", "fp8", k_global_scale=1.0, v_scale=1.0,
+                                k_center=mu.tolist(), k_rot=_krot(rot),
+                                k_sink_uncentered=[False, True])
+
+    impl = Nvfp4MixedImpl(8, d, 0.125, h)
+    with pytest.raises(RuntimeError, match=r"model\.layers\.3\..*k_rot.*k = 12"):
+        impl.bind("model.layers.3.self_attn.attn", 3, row(12)[1], lay, config, torch.device("cpu"))
+    rot, good = row(8)
+    impl = Nvfp4MixedImpl(8, d, 0.125, h)
+    impl.bind("model.layers.3.self_attn.attn", 3, good, lay, config, torch.device("cpu"))
+    got = impl.rot_center
+    assert got.idx.dtype == torch.int32 and torch.equal(got.idx, rot.idx)
+    assert torch.equal(got.b, rot.b) and torch.equal(got.theta, rot.theta)
+    assert impl.key0_plain.tolist() == [0, 1]
+    ops_ = impl._layer_ops(allocate_cache(lay, 3, "cpu").view(3, 1, 16, lay.bytes_per_token))
+    assert ops_.rot_center is got and ops_.key0_plain is impl.key0_plain
+    tensors = (got.idx, got.b, got.theta)
+    impl.bind("model.layers.3.self_attn.attn", 3, good, lay, config, torch.device("cpu"))
+    assert all(a is b for a, b in zip(tensors, (impl.rot_idx, impl.rot_b, impl.rot_theta)))
+    with pytest.raises(RuntimeError, match="cannot drop k_rot"):
+        impl.bind("model.layers.3.self_attn.attn", 3,
+                  LayerPolicy("nvfp4", "fp8", k_global_scale=1.0, v_scale=1.0,
+                              k_center=good.k_center, k_sink_uncentered=[False, True]),
+                  lay, config, torch.device("cpu"))
