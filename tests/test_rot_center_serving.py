@@ -407,6 +407,13 @@ def test_bind_builds_the_rotating_center_and_names_the_layer_and_k():
     tensors = (got.idx, got.b, got.theta)
     impl.bind("model.layers.3.self_attn.attn", 3, good, lay, config, torch.device("cpu"))
     assert all(a is b for a, b in zip(tensors, (impl.rot_idx, impl.rot_b, impl.rot_theta)))
+    for base, scaling in ((10000.0, None), (500000.0, {"rope_type": "yarn", "factor": 4.0})):
+        config.model_config.hf_text_config = SimpleNamespace(rope_theta=base, rope_scaling=scaling)
+        impl.bind("model.layers.3.self_attn.attn", 3, good, lay, config, torch.device("cpu"))
+    config.model_config.hf_text_config = SimpleNamespace(
+        rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
+    with pytest.raises(RuntimeError, match=r"layers\.3\..*angles differ.*base 500000"):
+        impl.bind("model.layers.3.self_attn.attn", 3, good, lay, config, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="cannot drop k_rot"):
         impl.bind("model.layers.3.self_attn.attn", 3,
                   LayerPolicy("nvfp4", "fp8", k_global_scale=1.0, v_scale=1.0,

@@ -298,6 +298,29 @@ def page_view(kv_cache: torch.Tensor, layout: KVPageLayout) -> torch.Tensor:
                             (kv_cache.stride(0), 1), kv_cache.storage_offset())
 
 
+def check_rot_theta(layer_name: str, k_rot: Any, hf_config: Any, head_dim: int) -> None:
+    """The policy's ``k_rot`` angles against the model's unscaled RoPE, ``theta_i =
+    base^(-2i / head_dim)`` of each rotated pair ``i`` to 1e-6 relative: RuntimeError naming the
+    layer where they differ; a scaled RoPE (``rope_type`` other than default) or a config without
+    one base is only logged (the calibration took the angles from the model it ran)."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling",
+                                                                    None) or {}
+    base = getattr(hf_config, "rope_theta", None) or params.get("rope_theta")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if base is None or rope_type != "default":
+        logger.info("vllm-nvfp4: %s: k_rot angles taken as the policy gives them (RoPE %s, "
+                    "base %s)", layer_name, rope_type, base)
+        return
+    pairs = torch.tensor(k_rot.pairs, dtype=torch.float64)
+    want = float(base) ** (-2.0 * pairs / head_dim)
+    rel = ((torch.tensor(k_rot.theta, dtype=torch.float64) - want).abs() / want).max()
+    if rel > 1e-6:
+        raise RuntimeError(
+            f"{layer_name}: the policy's k_rot angles differ from the model's RoPE (base {base}, "
+            f"head_dim {head_dim}) by up to {float(rel):.2e} relative; was the policy calibrated "
+            "for another model?")
+
+
 class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
     """Attention for one layer whose K/V pages are FP8 or NVFP4 per the policy."""
 
@@ -427,6 +450,8 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
                     f"{layer_name}: the policy's k_rot (layer {index}) has k = "
                     f"{row.k_rot.num_pairs} pairs per KV head, which the attention kernels do not "
                     f"take ({e}); calibrate with a power of 2 in [8, {self.head_size // 2}]") from e
+            check_rot_theta(layer_name, row.k_rot, getattr(vllm_config.model_config,
+                                                           "hf_text_config", None), self.head_size)
         self.layer_name, self.layout = layer_name, layout
         self._ops = self._ops_of = None  # the next call checks the new layout and scales
 
