@@ -216,7 +216,6 @@ def _far_batch(lay: KVPageLayout, q_lens: list[int], seed: int, backend: str):
         table[s, first:first + n] = torch.arange(nxt, nxt + n)
         nxt += n
     rot = make_rot(h, d, 8, seed)
-    shift = torch.zeros(h, d)
     keys, values, pos_all, slots = [], [], [], []
     for s, (l, q) in enumerate(zip(lens, q_lens)):
         p = torch.arange(l - WINDOW - q, l)
@@ -230,7 +229,7 @@ def _far_batch(lay: KVPageLayout, q_lens: list[int], seed: int, backend: str):
     layer = ops.LayerOps(cache, lay, k_scale.to(DEV), v_scale.to(DEV), WINDOW, backend=backend,
                          rot_center=rot)
     layer.write(key.to(DEV), value.to(DEV), torch.cat(slots).to(DEV), pos.to(DEV))
-    query = torch.randn(sum(q_lens), 4 * h // h * h, d, generator=gen)
+    query = torch.randn(sum(q_lens), 4 * h, d, generator=gen)  # GQA groups of 4
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     meta = (table.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV), qsl.to(DEV),
             max(q_lens), max(lens))
