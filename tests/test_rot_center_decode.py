@@ -213,8 +213,9 @@ def test_k_pairs_decode_matches_float64(kf, vf, d, k, group, tile_n, splits):
     got = run(batch, None, None, _launch(lay, True, tile_n=tile_n, num_splits=splits), rot=rot)
     want = rot_reference(batch, 0.1, b_k, theta)
     assert_close_rel(got, want, TOL)
-    assert (plain_reference(batch, 0.1) - want).norm() / want.norm() > 100 * TOL
-    assert (rot_reference(batch, 0.1, b, theta) - want).norm() / want.norm() > 100 * TOL
+    # 8-16 pairs move the output by 10-17% on the GPU's random data (its generator differs)
+    assert (plain_reference(batch, 0.1) - want).norm() / want.norm() > 20 * TOL
+    assert (rot_reference(batch, 0.1, b, theta) - want).norm() / want.norm() > 20 * TOL
 
 
 @pytest.mark.parametrize("kf,vf,k,rows", [("nvfp4", "nvfp4", 8, None), ("nvfp4", "nvfp4", 8, 16),

@@ -54,10 +54,12 @@ def rot_offset(idx: torch.Tensor, b: torch.Tensor, theta: torch.Tensor,
     halves), ``theta`` FP32 ``[kv_heads, k]`` (radians per position). Angles ``theta * p`` and the
     rotation are float64 (exact for the FP32 ``theta``), rounded once to FP32. ``key0_plain``
     (bool ``[kv_heads]``): those heads take no offset at position 0 (their sink key is stored
-    uncentered)."""
-    ang = positions.to(torch.float64)[:, None, None] * theta.to(torch.float64)[None]  # [T, H, k]
+    uncentered). On the device of ``positions``."""
+    dev = positions.device
+    ang = positions.to(torch.float64)[:, None, None] * theta.to(dev, torch.float64)[None]  # [T, H, k]
     c, s = ang.cos(), ang.sin()
-    b1, b2 = b.to(torch.float64)[:, 0], b.to(torch.float64)[:, 1]  # [H, k]
+    b64 = b.to(dev, torch.float64)
+    b1, b2 = b64[:, 0], b64[:, 1]  # [H, k]
     out = torch.zeros(ang.shape[0], ang.shape[1], head_dim, dtype=torch.float64,
                       device=ang.device)
     i = idx.to(device=ang.device, dtype=torch.long)[None].expand(ang.shape)
