@@ -19,6 +19,7 @@ FORCE_TORCH_ENV = "VLLM_NVFP4_FORCE_TORCH"
 FUSED_PREFILL_ENV = "VLLM_NVFP4_FUSED_PREFILL"
 STARTUP_CALIBRATION_ENV = "VLLM_NVFP4_STARTUP_CALIBRATION"
 CACHE_ENV = "VLLM_NVFP4_CACHE"
+K_ROT_PAIRS_ENV = "VLLM_NVFP4_K_ROT_PAIRS"
 
 #: name -> what it does (read by the package, its scripts or its lm-eval tasks)
 ENV_VARS: dict[str, str] = {
@@ -29,6 +30,8 @@ ENV_VARS: dict[str, str] = {
     STARTUP_CALIBRATION_ENV: "without a policy: 1 (default) calibrate scales and pick the FP8 "
                              "slots by measured sensitivity at start-up; scales: the default "
                              "rule's formats with calibrated scales; 0: off",
+    K_ROT_PAIRS_ENV: "without a policy: RoPE pairs per KV head of the start-up calibration's "
+                     "rotating K center (0: off; default: the recipe's ROT_PAIRS)",
     CACHE_ENV: "cache root: start-up calibrations, tiny test models and tokenizers (default "
                "~/.cache/vllm-nvfp4)",
     "VLLM_NVFP4_ASSETS": "asset directory of scripts/prepare_assets.py (default "

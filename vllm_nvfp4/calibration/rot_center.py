@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -53,16 +53,21 @@ def check_pairs(pairs: int, head_dim: int) -> None:
                          f"of a head of dimension {head_dim}), got {pairs!r}")
 
 
-def rope_for(model: torch.nn.Module, head_dim: int, pairs: int) -> Optional[Rope]:
+def rope_for(model: torch.nn.Module, head_dim: int, pairs: int,
+             find: Callable[[torch.nn.Module, int], Union[Rope, str]] = model_rope,
+             ) -> Optional[Rope]:
     """The model's :class:`~vllm_nvfp4.calibration.rope.Rope` when ``pairs`` asks for a
-    rotating center and the model's RoPE fits it; else None (logged where it does not fit)."""
+    rotating center and the model's RoPE fits it; else None (logged where it does not fit).
+    ``find(model, head_dim)``: the RoPE or why it does not fit (a Hugging Face model's by
+    default; the start-up calibration passes vLLM's,
+    :func:`~vllm_nvfp4.integration.calibration_rope.vllm_rope`)."""
     check_pairs(pairs, head_dim)
     if not pairs:
         return None
-    rope = model_rope(model, head_dim)
+    rope = find(model, head_dim)
     if isinstance(rope, str):
-        logger.warning("no rotating K center (--k-rot-pairs %d): %s; K is centered on a constant "
-                       "offset", pairs, rope)
+        logger.warning("no rotating K center (%d RoPE pairs asked): %s; K is centered on a "
+                       "constant offset", pairs, rope)
         return None
     return rope
 

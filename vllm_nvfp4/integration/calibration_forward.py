@@ -4,7 +4,10 @@ every attention layer's metadata - exact attention that records the layer's K/V
 (:func:`observe_in_vllm`), or stores some K/V slots as the cache would (:class:`SlotPerturbation`)
 to measure what that costs in next-token KL of the final logits against the exact forward
 (:class:`ExactReference`): one slot in NVFP4 (:func:`slot_damage`) or a whole policy
-(:func:`policy_damage`).
+(:func:`policy_damage`). A rotating K center (policy ``k_rot``) gets its second pass here too
+(:func:`rot_range_in_vllm`), and a perturbed K slot is read back as the fake-quantized
+reference reads it (:func:`~vllm_nvfp4.calibration.kv_hooks.stored_keys_read_back`: the
+rotating offset at each key's position, the sink key uncentered).
 Gated DeltaNet layers, where the model has them, get vLLM's own prefill metadata and temporary
 states (:class:`~vllm_nvfp4.integration.calibration_states.StateLayers`, bound by the caller).
 Positions are those vLLM gives text tokens: ``[tokens]``, or ``[num_dims, tokens]`` for M-RoPE
@@ -14,17 +17,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
 import torch
 import torch.nn.functional as F
 
-from vllm_nvfp4.calibration.kv_hooks import (KVObserver, fake_quantize, transform_qk,
-                                             with_uncentered_sink)
+from vllm_nvfp4.calibration import rot_center
+from vllm_nvfp4.calibration.kv_hooks import (KVObserver, LayerQuant, RotRangeObserver,
+                                             fake_quantize, stored_keys_read_back)
 from vllm_nvfp4.calibration.metrics import kl_divergence
+from vllm_nvfp4.calibration.rope import Rope
+from vllm_nvfp4.calibration.rot_center import RotFit
 from vllm_nvfp4.integration.calibration_states import StateLayers
 from vllm_nvfp4.integration.model import layer_index
 from vllm_nvfp4.integration.rank_params import rank_heads, rank_row_values
+from vllm_nvfp4.kernels.launch import RotCenter
 from vllm_nvfp4.paged_torch import attend_one_sequence
 from vllm_nvfp4.policy import KVPolicy
 
@@ -36,8 +43,9 @@ LOGIT_ROWS = 256  # positions per logits chunk: the extra memory is 2 x LOGIT_RO
 class SlotPerturbation:
     """One slot stored as the cache would store it on this rank: ``kv`` ("k" or "v") of policy
     row ``row`` in ``fmt`` with ``scale [kv_heads]`` (FP32) and, for K, the K centering offsets
-    and smoothing factors ``[kv_heads, head_dim]`` of this rank's heads (None: none), and which
-    of them store the sink key uncentered (bool ``[kv_heads]``, None: none)."""
+    and smoothing factors ``[kv_heads, head_dim]`` of this rank's heads (None: none), which
+    of them store the sink key uncentered (bool ``[kv_heads]``, None: none) and their rotating
+    center (``k_rot``; None: none)."""
 
     row: int
     kv: str
@@ -46,6 +54,7 @@ class SlotPerturbation:
     k_center: Optional[torch.Tensor] = None
     k_smooth: Optional[torch.Tensor] = None
     k_sink: Optional[torch.Tensor] = None
+    k_rot: Optional[RotCenter] = None
 
     @classmethod
     def of(cls, policy: KVPolicy, row: int, kv: str, fmt: str, layer_name: str, impl: Any,
@@ -66,36 +75,44 @@ class SlotPerturbation:
         sink = row_policy.sink_heads(total) if kv == "k" else None
         if sink is not None:
             rows["k_sink"] = torch.tensor(rank_heads(sink, total, impl.num_kv_heads, rank, tp))
+        rot = row_policy.k_rot if kv == "k" else None
+        if rot is not None:
+            rows["k_rot"] = RotCenter(*(
+                torch.tensor(rank_heads(field, total, impl.num_kv_heads, rank, tp), dtype=dtype)
+                for field, dtype in ((rot.pairs, torch.int32), (rot.b, torch.float32),
+                                     (rot.theta, torch.float32))))
         return cls(row, kv, fmt, torch.tensor(values[f"{kv}_scale"], dtype=torch.float32), **rows)
 
-    def apply(self, query: torch.Tensor, key: torch.Tensor,
-              value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def apply(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              positions: Optional[torch.Tensor] = None,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``query [S, heads, L, D]``, ``key``/``value [S, kv_heads, L, D]`` as the layer attends
-        them with this slot quantized (K centered / smoothed first, the query smoothed back)."""
+        them with this slot quantized: K read back as the fake-quantized reference reads it
+        (:func:`~vllm_nvfp4.calibration.kv_hooks.stored_keys_read_back`: centered / smoothed
+        first, the query smoothed back; the sink key uncentered; with ``k_rot`` the rotating
+        offset at ``positions``, int64 ``[L]``, the keys' positions)."""
         if self.kv == "v":
             return query, key, fake_quantize(value, self.fmt, self.scale)
-        raw_key = key
-        if self.k_center is not None or self.k_smooth is not None:
-            query, key = transform_qk(query, key, self.k_smooth, self.k_center)
-        stored = fake_quantize(key, self.fmt, self.scale)
-        if self.k_sink is not None:  # the sink key stored uncentered, as served
-            stored = with_uncentered_sink(stored, raw_key, self.fmt, self.scale, self.k_center,
-                                          self.k_smooth, None, self.k_sink)
+        quant = LayerQuant(self.fmt, self.fmt, self.scale, self.scale, self.k_smooth,
+                           self.k_center, None, self.k_sink, self.k_rot)
+        query, _, stored = stored_keys_read_back(quant, query, key, positions)
         return query, stored.to(query.dtype), value
 
 
 @dataclass
 class CalibrationBatch:
     """Attention metadata of one layer (policy row ``row``) in a calibration forward:
-    ``num_seqs`` sequences of ``seq_len`` tokens laid end to end. The impl calls :meth:`attend`
-    instead of its cache path. ``observer`` (None: nothing recorded) records the layer's K/V;
-    the slots of ``perturb`` of this row are quantized."""
+    ``num_seqs`` sequences of ``seq_len`` tokens laid end to end, the keys of each at
+    ``positions`` (int64 ``[seq_len]``, from the forward's positions; None for M-RoPE). The impl
+    calls :meth:`attend` instead of its cache path. ``observer`` (None: nothing recorded)
+    records the layer's K/V; the slots of ``perturb`` of this row are quantized."""
 
-    observer: Optional[KVObserver]
+    observer: Optional[Union[KVObserver, RotRangeObserver]]
     row: int
     num_seqs: int
     seq_len: int
     perturb: tuple[SlotPerturbation, ...] = ()
+    positions: Optional[torch.Tensor] = None
 
     def attend(self, impl: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                output: torch.Tensor) -> torch.Tensor:
@@ -111,11 +128,14 @@ class CalibrationBatch:
 
         k, v = seqs(key), seqs(value)
         if self.observer is not None:
-            self.observer.observe(self.row, k, v)
+            if getattr(self.observer, "wants_positions", False):
+                self.observer.observe(self.row, k, v, positions=self.positions)
+            else:
+                self.observer.observe(self.row, k, v)
         q = seqs(query)
         for slot in self.perturb:  # K and V of one row touch different tensors: any order
             if slot.row == self.row:
-                q, k, v = slot.apply(q, k, v)
+                q, k, v = slot.apply(q, k, v, self.positions)
         if impl.logits_soft_cap is None and impl.sinks is None and impl.sliding_window is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=impl.scale,
                                                  enable_gqa=True)
@@ -131,7 +151,7 @@ class CalibrationBatch:
 
 
 def _forward(runner: Any, rows: dict[str, int], chunk: torch.Tensor,
-             observer: Optional[KVObserver] = None,
+             observer: Optional[Union[KVObserver, RotRangeObserver]] = None,
              perturb: Sequence[SlotPerturbation] = (),
              resume: Optional[tuple[int, torch.Tensor]] = None,
              states: Optional[StateLayers] = None, offset: int = 0) -> torch.Tensor:
@@ -147,7 +167,8 @@ def _forward(runner: Any, rows: dict[str, int], chunk: torch.Tensor,
     s, n = chunk.shape
     ids = chunk.reshape(-1).to(device=runner.device, dtype=torch.int32)
     positions = text_positions(runner, chunk, offset)
-    batches: dict[str, Any] = {name: CalibrationBatch(observer, row, s, n, tuple(perturb))
+    keys = positions[:n] if positions.dim() == 1 else None  # every sequence's: the first one's
+    batches: dict[str, Any] = {name: CalibrationBatch(observer, row, s, n, tuple(perturb), keys)
                                for name, row in rows.items()}
     if states is not None:
         batches.update(states.metadata(s, n))
@@ -231,14 +252,40 @@ class LayerStreams:
 @torch.inference_mode()
 def observe_in_vllm(runner: Any, layers: dict[str, Any], windows: torch.Tensor, per_forward: int,
                     num_layers: int, states: Optional[StateLayers] = None,
-                    offsets: Sequence[int] = ()) -> KVObserver:
+                    offsets: Sequence[int] = (), rope: Optional[Rope] = None) -> KVObserver:
     """Run ``windows [n, T]`` through the runner's model, ``per_forward`` windows per forward
     (``states``: the model's GDN layers, bound), then again from each position offset of
     ``offsets`` for the range statistics only
     (:meth:`~vllm_nvfp4.calibration.kv_hooks.KVObserver.range_only`); returns this rank's K/V
-    statistics."""
+    statistics (with the model's ``rope``, also the mean pre-RoPE key of the rotating K center,
+    RoPE inverted at the forward's positions)."""
     rows = {name: layer_index(name, num_layers) for name in layers}
-    observer = KVObserver(num_layers, sorted(set(rows.values())))
+    return _observe(runner, rows, windows, per_forward,
+                    KVObserver(num_layers, sorted(set(rows.values())), rope), states, offsets)
+
+
+@torch.inference_mode()
+def rot_range_in_vllm(runner: Any, layers: dict[str, Any], windows: torch.Tensor,
+                      per_forward: int, num_layers: int, fits: dict[int, RotFit],
+                      states: Optional[StateLayers] = None,
+                      offsets: Sequence[int] = ()) -> RotRangeObserver:
+    """The second pass of the rotating K center over the same runs as :func:`observe_in_vllm`:
+    per layer of ``fits`` (this rank's heads of each layer's ``mu'`` and rotating center) the
+    amax of the keys it stores (:class:`~vllm_nvfp4.calibration.kv_hooks.RotRangeObserver`)."""
+    rows = {name: layer_index(name, num_layers) for name in layers}
+    return _observe(runner, rows, windows, per_forward,
+                    rot_center.range_observer(fits, num_layers, sorted(set(rows.values()))),
+                    states, offsets)
+
+
+ObserverT = TypeVar("ObserverT", bound=Union[KVObserver, RotRangeObserver])
+
+
+def _observe(runner: Any, rows: dict[str, int], windows: torch.Tensor, per_forward: int,
+             observer: ObserverT, states: Optional[StateLayers],
+             offsets: Sequence[int]) -> ObserverT:
+    """``observer`` after the windows from position 0, then from each of ``offsets`` inside its
+    ``range_only()``; ``RuntimeError`` where a layer never reached the attention impl."""
     for chunk in windows.split(per_forward):
         _forward(runner, rows, chunk, observer, states=states)
     with observer.range_only():

@@ -16,6 +16,12 @@ allocation and CUDA-graph capture (the formats chosen here size the pages):
 2. Scales as ``calibrate --k-center --k-sink-uncentered --max-model-len`` writes them
    (:func:`~vllm_nvfp4.calibration.scales.scaled_policy`; no K centering under a logits soft-cap;
    the sink key flagged uncentered where the first key, as served requests start, fits the K range).
+   With ``k_rot_pairs`` in the recipe, also ``--k-rot-pairs`` (the rotating K center,
+   :mod:`vllm_nvfp4.calibration.rot_center`): step 1 inverts RoPE on the recorded keys at the
+   forward's positions with the frequencies of vLLM's rotary embedding
+   (:func:`~vllm_nvfp4.integration.calibration_rope.vllm_rope`; models whose RoPE does not fit
+   are logged and keep the constant offset), and a second pass over the same runs takes the
+   range of the keys the rotating center stores.
 3. Formats (:mod:`.startup_selection`): on :data:`~.startup_recipe.SENSITIVITY_TOKENS` tokens
    the model runs once exactly and once per full-attention K or V slot stored alone in NVFP4;
    the slots of largest next-token KL stay FP8. Under TP rank 0 ranks them and broadcasts the
@@ -46,8 +52,11 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from vllm_nvfp4.calibration import rot_center
 from vllm_nvfp4.calibration.builtin_text import BUILTIN_TEXT, builtin_text_sha256
 from vllm_nvfp4.calibration.kv_hooks import KVObserver
+from vllm_nvfp4.calibration.rope import Rope
+from vllm_nvfp4.calibration.rot_center import RotFit
 from vllm_nvfp4.calibration.position_range import describe as describe_range
 from vllm_nvfp4.calibration.sink_choice import (CENTERED, UNCENTERED, choose, chosen_policy,
                                                 has_sink_key, sink_line, without_sink_key)
@@ -58,9 +67,12 @@ from vllm_nvfp4.policy import POLICY_ENV, POLICY_FILENAME, KVPolicy, default_pol
 
 from vllm_nvfp4.integration.dtype import is_ours
 from vllm_nvfp4.integration.calibration_forward import (ExactReference, observe_in_vllm,
-                                                         policy_damage, slot_damage)
+                                                         policy_damage, rot_range_in_vllm,
+                                                         slot_damage)
+from vllm_nvfp4.integration.calibration_rope import vllm_rope
 from vllm_nvfp4.integration.calibration_states import StateLayers, state_layers, unsupported_state_layers
 from vllm_nvfp4.integration.model import is_draft_layer, model_policy, set_startup_policy
+from vllm_nvfp4.integration.rank_params import rank_heads
 from vllm_nvfp4.integration.startup_recipe import Recipe, describe_recipe, recipe_for
 from vllm_nvfp4.integration.startup_selection import (
     METRIC,
@@ -69,6 +81,7 @@ from vllm_nvfp4.integration.startup_selection import (
     fp8_slot_count,
     sensitivity_policy,
 )
+from vllm_nvfp4.kernels.launch import RotCenter
 from vllm_nvfp4.model_shape import ModelShape
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers
@@ -129,7 +142,32 @@ def _our_layers(vllm_config: Any, num_layers: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- tensor parallel
 _HEAD_FIELDS = ("k_amax", "v_amax", "k_channel_amax", "k_channel_max", "k_channel_min", "k_channel_sum",
-                "k_first_max", "k_first_min")
+                "k_first_max", "k_first_min", "k_pre_sum")
+
+
+def _head_ranks(total_heads: int, world: int) -> list[int]:
+    """The TP ranks whose heads make up the whole model's, in head order: every rank (heads
+    split), or with fewer KV heads than ranks the first rank that replicates each head."""
+    if total_heads >= world:
+        return list(range(world))
+    return [min(r for r in range(world) if r * total_heads // world == h) for h in range(total_heads)]
+
+
+def _gather_head_lists(local: dict[str, list[Optional[torch.Tensor]]],
+                       total_heads: int) -> dict[str, list[Optional[torch.Tensor]]]:
+    """Per name, the per-layer tensors (heads on dim 0) of every TP rank joined into the whole
+    model's (:func:`_head_ranks`); ``local`` itself without TP."""
+    from vllm.distributed import get_tp_group
+
+    tp = get_tp_group()
+    if tp.world_size == 1:
+        return local
+    parts: list[Any] = [None] * tp.world_size
+    torch.distributed.all_gather_object(parts, local, group=tp.cpu_group)
+    ranks = _head_ranks(total_heads, tp.world_size)
+    return {name: [None if parts[0][name][i] is None else
+                   torch.cat([parts[r][name][i] for r in ranks], dim=0)
+                   for i in range(len(layers))] for name, layers in local.items()}
 
 
 def gather_heads(local: KVObserver, total_heads: int) -> KVObserver:
@@ -137,24 +175,60 @@ def gather_heads(local: KVObserver, total_heads: int) -> KVObserver:
     heads than ranks, each head from the first rank that holds it)."""
     from vllm.distributed import get_tp_group
 
-    tp = get_tp_group()
-    if tp.world_size == 1:
+    if get_tp_group().world_size == 1:
         return local
-    parts: list[Any] = [None] * tp.world_size
-    state = {f: getattr(local, f) for f in _HEAD_FIELDS}
-    torch.distributed.all_gather_object(parts, state, group=tp.cpu_group)
-    if total_heads >= tp.world_size:
-        ranks = list(range(tp.world_size))
-    else:  # replicated heads: rank r holds head r * total // tp
-        ranks = [min(r for r in range(tp.world_size) if r * total_heads // tp.world_size == h)
-                 for h in range(total_heads)]
-    merged = KVObserver(local.num_layers)
+    merged = KVObserver(local.num_layers, local.kv_layers, local.rope)
     merged.tokens, merged.range_tokens = list(local.tokens), list(local.range_tokens)
-    for f in _HEAD_FIELDS:
-        setattr(merged, f, [None if parts[0][f][i] is None else
-                            torch.cat([parts[r][f][i] for r in ranks], dim=0)
-                            for i in range(local.num_layers)])
+    for f, per_layer in _gather_head_lists({f: getattr(local, f) for f in _HEAD_FIELDS},
+                                           total_heads).items():
+        setattr(merged, f, per_layer)
     return merged
+
+
+def _rank_rows(vllm_config: Any, layers: dict[str, Any], total_heads: int) -> list[int]:
+    """The whole model's KV heads this TP rank holds, in its order."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    local = next(iter(layers.values())).impl.num_kv_heads
+    rank = get_tensor_model_parallel_rank() if tp > 1 else 0
+    return rank_heads(list(range(total_heads)), total_heads, local, rank, tp)
+
+
+def _rank_fit(fit: RotFit, rows: list[int]) -> RotFit:
+    """``fit`` (the whole model's heads) on this rank's heads ``rows``."""
+    r, index = fit.rot, torch.tensor(rows)
+    return RotFit(fit.center[index], RotCenter(r.idx[index], r.b[index], r.theta[index]))
+
+
+def fit_rot_center(runner: Any, layers: dict[str, Any], windows: torch.Tensor, recipe: Recipe,
+                   observer: KVObserver, layer_types: Any, total_heads: int,
+                   states: Optional[StateLayers] = None) -> dict[int, RotFit]:
+    """The rotating K center of every centered layer (module doc, step 2) from the whole model's
+    statistics ``observer`` (with its RoPE): ``mu'``, pairs, ``b`` and ``theta``
+    (:func:`~vllm_nvfp4.calibration.rot_center.fit`), then their range from the second pass over
+    the same runs, each rank on its heads, gathered."""
+    fits = rot_center.fit(observer, rot_center.centered_layers(layer_types), recipe.k_rot_pairs)
+    if not fits:
+        return fits
+    rows = _rank_rows(runner.vllm_config, layers, total_heads)
+    local = rot_range_in_vllm(runner, layers, windows, recipe.per_forward, observer.num_layers,
+                              {i: _rank_fit(f, rows) for i, f in fits.items()}, states,
+                              recipe.offsets)
+    local.k_amax = _gather_head_lists({"k_amax": local.k_amax}, total_heads)["k_amax"]
+    return rot_center.with_range(fits, local)
+
+
+def startup_rope(runner: Any, layers: dict[str, Any], recipe: Recipe,
+                 head_dim: int) -> Optional[Rope]:
+    """The model's RoPE for the recipe's rotating K center (None: the recipe asks for none, or
+    the model's RoPE does not fit it, logged as the offline calibration logs it)."""
+    mc = runner.vllm_config.model_config
+
+    def find(model: torch.nn.Module, dim: int) -> Any:
+        return vllm_rope(model, sorted(layers), dim, bool(getattr(mc, "uses_mrope", False)))
+
+    return rot_center.rope_for(runner.get_model(), head_dim, recipe.k_rot_pairs, find)
 
 
 def agree_outcome(error: Optional[BaseException], tp: Any) -> Optional[str]:
@@ -329,24 +403,27 @@ def _calibrate(runner: Any, layers: dict[str, Any], states: Optional[StateLayers
     bound here for the forwards; None: it has none)."""
     from vllm_nvfp4.calibration.scales import scaled_policy
 
-    if recipe.k_rot_pairs:
-        raise NotImplementedError("the start-up calibration does not calibrate the rotating K "
-                                  "center (k_rot_pairs > 0); use vllm-nvfp4 calibrate or tune")
+    rope = startup_rope(runner, layers, recipe, shape.head_dim)
+    rule = default_policy(shape.num_layers, shape.layer_types or None)
     with _states_bound_on_every_rank(states, recipe.per_forward):
         observer = gather_heads(observe_in_vllm(runner, layers, windows, recipe.per_forward,
-                                                shape.num_layers, states, recipe.offsets),
+                                                shape.num_layers, states, recipe.offsets, rope),
                                 shape.total_num_kv_heads)
+        fits = None if rope is None else fit_rot_center(
+            runner, layers, windows, recipe, observer, rule.layer_types,
+            shape.total_num_kv_heads, states)
         provenance = {"tool": "vllm-nvfp4 start-up calibration", "tokens": int(windows.numel()),
                       "data": {"files": [{"path": "builtin_text.txt",
                                           "sha256": parts["text_sha256"]}],
                                "window_tokens": recipe.window, "calib_windows": recipe.windows},
                       "position_range": describe_range(recipe.max_model_len, recipe.offsets),
                       "formats_from": "default rule", "scales": "per layer",
-                      "k_center": recipe.k_center, "cache_key": parts,
+                      "k_center": recipe.k_center, "k_rot_pairs": recipe.k_rot_pairs if fits else 0,
+                      "cache_key": parts,
                       "conventions": {"fp8_scale": "amax/448", "nvfp4_global_scale": "amax/2688"}}
-        rule = default_policy(shape.num_layers, shape.layer_types or None)
         scaled = scaled_policy(rule, observer, per_head=False, provenance=provenance,
-                               k_center=recipe.k_center, k_sink_uncentered=recipe.k_center)
+                               k_center=recipe.k_center, k_sink_uncentered=recipe.k_center,
+                               k_rot=fits)
         reference: Optional[ExactReference] = None
         if recipe.select:
             policy, reference = _select(runner, layers, windows, recipe, scaled, provenance, rank0,

@@ -4,13 +4,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_nvfp4.calibration.position_range import describe as describe_range
 from vllm_nvfp4.calibration.position_range import range_offsets
 from vllm_nvfp4.calibration.selection import DEFAULT_BUDGET
-from vllm_nvfp4.env_vars import STARTUP_CALIBRATION_ENV
+from vllm_nvfp4.env_vars import K_ROT_PAIRS_ENV, STARTUP_CALIBRATION_ENV
 from vllm_nvfp4.integration.startup_selection import METRIC, candidate_slots, fp8_slot_count
 from vllm_nvfp4.model_shape import ModelShape
 from vllm_nvfp4.policy import default_policy
@@ -35,6 +36,10 @@ SINK_KEY_FORWARDS = 2
 #: range also from the windows run at position offsets up to max_model_len; 9: the rotating K
 #: center's pairs per KV head, ``k_rot_pairs``, part of the recipe)
 RECIPE_VERSION = 9
+#: RoPE pairs per KV head of the rotating K center (policy ``k_rot``) where the recipe centers K
+#: and the model's RoPE fits it (at most ``head_dim / 2``); 0: off. ``$VLLM_NVFP4_K_ROT_PAIRS``
+#: overrides it (0 switches it off)
+ROT_PAIRS = 0
 
 
 @dataclass(frozen=True)
@@ -46,8 +51,8 @@ class Recipe:
     the chosen policy measures better with them on those windows (``k_sink_uncentered``).
     Every window runs once more from each of ``offsets`` (positions up to ``max_model_len``,
     :mod:`~vllm_nvfp4.calibration.position_range`) for the K/V range. ``k_rot_pairs``: RoPE
-    pairs per KV head of the rotating K center (policy ``k_rot``; 0: off, the only value the
-    start-up calibration runs so far)."""
+    pairs per KV head of the rotating K center (policy ``k_rot``, needs ``k_center``; 0: off),
+    which costs a second pass over the same runs for its K range."""
 
     window: int
     windows: int
@@ -58,6 +63,10 @@ class Recipe:
     max_model_len: int = 0
     offsets: tuple[int, ...] = ()
     k_rot_pairs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.k_rot_pairs and not self.k_center:
+            raise ValueError("k_rot_pairs (the rotating K center) needs k_center")
 
     def describe(self) -> dict[str, Any]:
         out = {"window": self.window, "windows": self.windows, "k_center": self.k_center,
@@ -78,14 +87,51 @@ def recipe_for(vllm_config: Any, text_tokens: int, soft_cap: bool, select: bool 
     batch (``max_num_batched_tokens``) or the text, ``TARGET_TOKENS`` tokens in all, the first
     ``SENSITIVITY_TOKENS`` of them (at least one window) for the sensitivity forwards, the
     range offsets of :func:`~vllm_nvfp4.calibration.position_range.range_offsets` for
-    ``max_model_len``."""
+    ``max_model_len``; with K centering, :func:`rot_pairs` for the rotating K center."""
     batch = vllm_config.scheduler_config.max_num_batched_tokens
     max_len = vllm_config.model_config.max_model_len
     window = min(MAX_WINDOW, max_len, batch, text_tokens)
     windows = max(1, min(TARGET_TOKENS // window, text_tokens // window))
     return Recipe(window, windows, max(1, batch // window), k_center=not soft_cap, select=select,
                   sensitivity_windows=max(1, min(windows, SENSITIVITY_TOKENS // window)),
-                  max_model_len=max_len, offsets=range_offsets(max_len, window))
+                  max_model_len=max_len, offsets=range_offsets(max_len, window),
+                  k_rot_pairs=0 if soft_cap else rot_pairs(vllm_config))
+
+
+def asked_rot_pairs() -> int:
+    """The rotating K center's pairs asked for: ``$VLLM_NVFP4_K_ROT_PAIRS`` when set (an int >= 0),
+    else :data:`ROT_PAIRS`; ``ValueError`` naming the accepted values for anything else."""
+    raw = os.environ.get(K_ROT_PAIRS_ENV, "").strip()
+    if not raw:
+        return ROT_PAIRS
+    try:
+        pairs = int(raw)
+    except ValueError:
+        pairs = -1
+    if pairs < 0:
+        raise ValueError(f"${K_ROT_PAIRS_ENV}={raw!r} is not understood; use 0 (no rotating K "
+                         "center) or the RoPE pairs per KV head (e.g. 8)")
+    return pairs
+
+
+def rot_pairs(vllm_config: Any) -> int:
+    """The recipe's ``k_rot_pairs`` for a model that centers K: :func:`asked_rot_pairs`, at most
+    ``head_dim / 2``; 0 where the config shows a RoPE the rotating center does not fit (M-RoPE,
+    a partial rotary dimension). What the config does not show (the rotary embedding's layout,
+    per-layer RoPEs, position scaling) the calibration checks on vLLM's module, and logs."""
+    pairs = asked_rot_pairs()
+    if not pairs:
+        return 0
+    mc = vllm_config.model_config
+    if getattr(mc, "uses_mrope", False):
+        return 0
+    cfg = mc.hf_text_config
+    params = getattr(cfg, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+    head_dim = mc.get_head_size()
+    if (params.get("rope_dim") or head_dim) != head_dim or (factor or 1.0) != 1.0:
+        return 0
+    return min(pairs, head_dim // 2)
 
 
 def selection_size(recipe: Recipe, shape: ModelShape) -> tuple[int, int]:
@@ -112,9 +158,10 @@ def sensitivity_forwards(recipe: Recipe, shape: ModelShape) -> int:
 
 def tokens_run(recipe: Recipe, shape: ModelShape) -> int:
     """Tokens a start-up calibration runs through the model (at most): the calibration windows
-    (once, then once per range offset), then the :func:`sensitivity_forwards` over the
-    sensitivity windows."""
-    return (recipe.window * recipe.windows * (1 + len(recipe.offsets))
+    (once, then once per range offset; all of it twice with the rotating K center), then the
+    :func:`sensitivity_forwards` over the sensitivity windows."""
+    passes = 2 if recipe.k_rot_pairs else 1
+    return (passes * recipe.window * recipe.windows * (1 + len(recipe.offsets))
             + sensitivity_forwards(recipe, shape) * recipe.window * recipe.sensitivity_windows)
 
 
@@ -126,6 +173,10 @@ def describe_recipe(recipe: Recipe, shape: ModelShape) -> str:
         what += (f", their K/V range also at {len(recipe.offsets)} position offsets up to "
                  f"max_model_len {recipe.max_model_len} ({len(recipe.offsets)} more forwards "
                  "of each window)")
+    if recipe.k_rot_pairs:
+        what += (f", K centered on a rotating offset on {recipe.k_rot_pairs} RoPE pairs per KV "
+                 f"head (a second pass of {1 + len(recipe.offsets)} forwards of each window for "
+                 "its K range)")
     sens = recipe.window * recipe.sensitivity_windows
     sink = (f"; {SINK_KEY_FORWARDS} forwards of {sens} tokens choose whether the sink key is "
             "stored uncentered (by KL)" if recipe.k_center else "")
