@@ -669,6 +669,8 @@ class _KVCapture:
     """A :class:`~vllm_nvfp4.calibration.kv_hooks.KVObserver` stand-in that keeps every
     observed K/V ``[batch, kv_heads, seq, head_dim]`` (FP32) by layer."""
 
+    wants_positions = False  # no RoPE statistics: observe() takes no positions
+
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
         self.kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
