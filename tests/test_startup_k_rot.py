@@ -8,8 +8,10 @@ with ``b`` the mean pre-RoPE key the calibration forward observed, ``theta`` the
 vLLM's rotary embedding at those pairs, ``k_center`` 0 on the rotated channels; everything
 equals ``vllm-nvfp4 calibrate --k-rot-pairs 8`` (transformers) on the same windows; a K slot of
 the sensitivity forwards is read back as the fake-quantized reference reads it. Where the
-model's RoPE does not fit, the calibration logs why and keeps the constant offset. The RoPE
-checks on vLLM's rotary classes, the recipe and its environment override run without an engine.
+model's RoPE does not fit, the calibration logs why and keeps the constant offset. Under TP=2
+(one KV head per rank) both ranks build the same rotating center, equal to the offline fit. The
+RoPE checks on vLLM's rotary classes, the recipe and its environment override run without an
+engine.
 """
 
 from __future__ import annotations
@@ -301,3 +303,74 @@ def test_recipe_asks_for_the_rotating_center_where_the_rope_fits(monkeypatch):
     assert sr.tokens_run(on, shape) - sr.tokens_run(off, shape) == on.window * on.windows * 5  # 4 offsets
     assert "rotating offset on 8 RoPE pairs per KV head" in sr.describe_recipe(on, shape)
     assert "rotating" not in sr.describe_recipe(off, shape)
+
+
+# ---------------------------------------------------------------------------- tensor parallel
+TP_SCRIPT = '''
+import json, os, sys
+from dataclasses import replace
+
+from vllm import LLM
+
+
+def calibrate(worker):
+    from vllm_nvfp4.calibration.builtin_text import BUILTIN_TEXT
+    from vllm_nvfp4.calibration.data import load_windows
+    from vllm_nvfp4.integration import startup_calibration as sc
+    from vllm_nvfp4.model_shape import ModelShape
+
+    runner = worker.model_runner
+    shape = ModelShape.from_vllm_config(runner.vllm_config)
+    layers = sc._our_layers(runner.vllm_config, shape.num_layers)
+    tokenizer = sc.load_tokenizer(runner.vllm_config.model_config)
+    recipe, parts, _ = sc.calibration_plan(runner.vllm_config, tokenizer, soft_cap=False)
+    windows = load_windows([BUILTIN_TEXT], tokenizer, recipe.window, count=0,
+                           calib=recipe.windows).calib
+    policy = sc._calibrate(runner, layers, None, windows, replace(recipe, select=False), shape,
+                           parts, True)
+    return policy.to_dict()
+
+
+if __name__ == "__main__":
+    llm = LLM(model=sys.argv[1], kv_cache_dtype="nvfp4_mixed", dtype="float32", max_model_len=512,
+              enforce_eager=True, tensor_parallel_size=2, distributed_executor_backend="mp", seed=0)
+    print("RESULT " + json.dumps(llm.collective_rpc(calibrate)))
+'''
+
+
+@pytest.mark.vllm
+def test_tp2_ranks_fit_one_rotating_center_of_the_whole_model(startup, tmp_path: Path):
+    """Two TP ranks, one KV head each: both ranks build the same policy, whose rotating center
+    (fitted on the gathered statistics, its range from each rank's second pass, gathered)
+    equals the offline fit on the same windows."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import vllm_subprocess_env
+    from vllm_nvfp4.policy import KVPolicy
+
+    (tmp_path / "run.py").write_text(TP_SCRIPT)
+    env = vllm_subprocess_env(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+                              VLLM_NVFP4_STARTUP_CALIBRATION="0", VLLM_NVFP4_K_ROT_PAIRS=str(PAIRS),
+                              VLLM_NVFP4_CACHE=str(tmp_path / "cache"))
+    env.pop("VLLM_NVFP4_POLICY", None)
+    run = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(startup["model"])],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, (run.stdout + run.stderr)[-4000:]
+    rank0, rank1 = (KVPolicy.from_dict(p) for p in json.loads(lines[0][len("RESULT "):]))
+    assert rank0.layers == rank1.layers and rank0.provenance["k_rot_pairs"] == PAIRS
+    ref = _offline(startup["model"], rank0, PAIRS)
+    for i, (a, r) in enumerate(zip(rank0.layers, ref.layers)):
+        assert a.k_rot.pairs == r.k_rot.pairs and a.k_rot.theta == r.k_rot.theta, i
+        torch.testing.assert_close(torch.tensor(a.k_rot.b), torch.tensor(r.k_rot.b), rtol=1e-4, atol=2e-5)
+        torch.testing.assert_close(torch.tensor(a.k_center), torch.tensor(r.k_center), rtol=0, atol=2e-5)
+        assert a.k_scale == pytest.approx(r.k_scale, rel=2e-4), i  # the default rule's formats
+
+
+def test_the_start_up_log_names_the_rotating_center():
+    from vllm_nvfp4.integration.startup_calibration import rot_line
+
+    assert rot_line({"k_rot_pairs": 8}) == "K centered on a rotating offset on 8 RoPE pairs per KV head"
+    assert rot_line({"k_rot_pairs": 0}) == rot_line({}) == ""

@@ -501,8 +501,15 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
     return {"tokens": int(policy.provenance.get("tokens", 0)),
             "seconds": time.perf_counter() - start, "cached": cached_dict is not None,
             "path": str(path), "formats": "; ".join(filter(None, (
-                formats_line(policy.provenance), sink_line(policy.provenance.get("sink_key"))))),
+                formats_line(policy.provenance), sink_line(policy.provenance.get("sink_key")),
+                rot_line(policy.provenance)))),
             "in_force": policy.describe(IN_FORCE)}
+
+
+def rot_line(provenance: dict[str, Any]) -> str:
+    """The rotating K center of a calibrated policy, for the log ("" without one)."""
+    pairs = provenance.get("k_rot_pairs")
+    return f"K centered on a rotating offset on {pairs} RoPE pairs per KV head" if pairs else ""
 
 
 def calibrate_engine(executor: Any) -> None:
