@@ -1,15 +1,16 @@
 """Start-up calibration with the rotating K center (policy ``k_rot``) through real vLLM on CPU.
 
-An engine that cannot serve ``k_rot`` yet starts with the start-up calibration off; the
-calibration step itself (``_calibrate``, what ``calibrate_worker`` runs) then runs in its worker
-with a recipe asking for 8 pairs (``$VLLM_NVFP4_K_ROT_PAIRS``). Checked: the policy validates and
+An engine starts with the start-up calibration off; the calibration step itself
+(``_calibrate``, what ``calibrate_worker`` runs) then runs in its worker with a recipe asking
+for 8 pairs (``$VLLM_NVFP4_K_ROT_PAIRS``). Checked: the policy validates and
 round-trips; every layer has ``k_rot`` of 8 pairs per KV head, the pairs of largest ``|b|``
 with ``b`` the mean pre-RoPE key the calibration forward observed, ``theta`` the frequencies of
 vLLM's rotary embedding at those pairs, ``k_center`` 0 on the rotated channels; everything
 equals ``vllm-nvfp4 calibrate --k-rot-pairs 8`` (transformers) on the same windows; a K slot of
 the sensitivity forwards is read back as the fake-quantized reference reads it. Where the
 model's RoPE does not fit, the calibration logs why and keeps the constant offset. Under TP=2
-(one KV head per rank) both ranks build the same rotating center, equal to the offline fit. The
+(one KV head per rank) both ranks build the same rotating center, equal to the offline fit. An
+engine started without a policy and with 8 pairs asked serves the center it calibrated. The
 RoPE checks on vLLM's rotary classes, the recipe and its environment override run without an
 engine.
 """
@@ -284,18 +285,22 @@ def test_recipe_asks_for_the_rotating_center_where_the_rope_fits(monkeypatch):
     monkeypatch.setattr(sr, "ROT_PAIRS", 8)  # the default switched on
     on = sr.recipe_for(_config(), 100_000, False)
     assert on.k_rot_pairs == 8 and on.describe()["k_rot_pairs"] == 8 and sr.RECIPE_VERSION == 9
-    assert sr.recipe_for(_config(head_dim=8), 100_000, False).k_rot_pairs == 4  # head_dim / 2
+    assert sr.recipe_for(_config(head_dim=16), 100_000, False).k_rot_pairs == 8  # head_dim / 2
+    assert sr.recipe_for(_config(head_dim=8), 100_000, False).k_rot_pairs == 0  # < 8: no kernel
     assert sr.recipe_for(_config(), 100_000, True).k_rot_pairs == 0  # soft-cap: no centering
     assert sr.recipe_for(_config(mrope=True), 100_000, False).k_rot_pairs == 0
     assert sr.recipe_for(_config(partial_rotary_factor=0.5), 100_000, False).k_rot_pairs == 0
     monkeypatch.setenv("VLLM_NVFP4_K_ROT_PAIRS", "0")
     off = sr.recipe_for(_config(), 100_000, False)
     assert off.k_rot_pairs == 0 and off.describe() != on.describe()
-    monkeypatch.setenv("VLLM_NVFP4_K_ROT_PAIRS", "4")
-    assert sr.recipe_for(_config(), 100_000, False).k_rot_pairs == 4
-    monkeypatch.setenv("VLLM_NVFP4_K_ROT_PAIRS", "many")
-    with pytest.raises(ValueError, match="VLLM_NVFP4_K_ROT_PAIRS"):
-        sr.recipe_for(_config(), 100_000, False)
+    monkeypatch.setenv("VLLM_NVFP4_K_ROT_PAIRS", "16")
+    assert sr.recipe_for(_config(), 100_000, False).k_rot_pairs == 16
+    monkeypatch.setenv("VLLM_NVFP4_K_ROT_PAIRS", "64")  # head_dim 80: 40 pairs, 32 a power of 2
+    assert sr.recipe_for(_config(head_dim=80), 100_000, False).k_rot_pairs == 32
+    for bad in ("many", "4", "12", "-8"):
+        monkeypatch.setenv("VLLM_NVFP4_K_ROT_PAIRS", bad)
+        with pytest.raises(ValueError, match="VLLM_NVFP4_K_ROT_PAIRS"):
+            sr.recipe_for(_config(), 100_000, False)
     with pytest.raises(ValueError, match="needs k_center"):
         replace(off, k_center=False, k_rot_pairs=8)
     shape = ModelShape(num_layers=4, total_num_kv_heads=2, num_kv_heads=2, head_dim=HEAD_DIM,
@@ -374,3 +379,47 @@ def test_the_start_up_log_names_the_rotating_center():
 
     assert rot_line({"k_rot_pairs": 8}) == "K centered on a rotating offset on 8 RoPE pairs per KV head"
     assert rot_line({"k_rot_pairs": 0}) == rot_line({}) == ""
+
+
+# ---------------------------------------------------------------------------- served
+def _bound_rot(worker: Any) -> dict:
+    """Every nvfp4_mixed layer's bound rotating center and K centering (runs in the worker)."""
+    ctx = worker.model_runner.compilation_config.static_forward_context
+    return {name: None if layer.impl.rot_center is None else
+            {"pairs": layer.impl.rot_idx.tolist(), "b": layer.impl.rot_b.tolist(),
+             "theta": layer.impl.rot_theta.tolist(), "k_center": layer.impl.k_center.tolist()}
+            for name, layer in ctx.items() if hasattr(getattr(layer, "impl", None), "layout")}
+
+
+@pytest.mark.vllm
+def test_an_engine_started_without_a_policy_serves_its_calibrated_rotating_center(startup, tmp_path: Path):
+    """``$VLLM_NVFP4_K_ROT_PAIRS=8`` and no policy: the engine calibrates the rotating center
+    at start-up, says so, caches it, binds exactly the cached ``k_rot`` on every layer and
+    generates."""
+    from engine_helpers import engine, generate, recorded_startup_calibration, token_ids
+    from vllm_nvfp4.policy import KVPolicy
+
+    with recorded_startup_calibration(tmp_path / "cache") as summaries:
+        mp = pytest.MonkeyPatch()
+        mp.setenv("VLLM_NVFP4_K_ROT_PAIRS", str(PAIRS))
+        llm = None
+        try:
+            llm = engine(startup["model"])
+            bound = llm.collective_rpc(_bound_rot)[0]
+            out = token_ids(generate(llm, [[5, 17, 300, 42] * 8, list(range(100, 160))], 8))
+        finally:
+            mp.undo()
+            del llm
+            gc.collect()
+    (summary,) = summaries
+    assert not summary["cached"] and "rotating offset on 8 RoPE pairs" in summary["formats"]
+    (path,) = (tmp_path / "cache" / "startup-calibration").glob("*.json")
+    policy = KVPolicy.load(path)
+    assert policy.provenance["k_rot_pairs"] == PAIRS
+    for i, lp in enumerate(policy.layers):
+        got = bound[f"model.layers.{i}.self_attn.attn"]
+        assert got is not None and got["pairs"] == [list(r) for r in lp.k_rot.pairs], i
+        torch.testing.assert_close(torch.tensor(got["b"]), torch.tensor(lp.k_rot.b))
+        torch.testing.assert_close(torch.tensor(got["theta"]), torch.tensor(lp.k_rot.theta))
+        torch.testing.assert_close(torch.tensor(got["k_center"]), torch.tensor(lp.k_center))
+    assert [len(t) for t in out] == [8, 8]

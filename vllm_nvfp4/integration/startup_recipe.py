@@ -37,9 +37,11 @@ SINK_KEY_FORWARDS = 2
 #: center's pairs per KV head, ``k_rot_pairs``, part of the recipe)
 RECIPE_VERSION = 9
 #: RoPE pairs per KV head of the rotating K center (policy ``k_rot``) where the recipe centers K
-#: and the model's RoPE fits it (at most ``head_dim / 2``); 0: off. ``$VLLM_NVFP4_K_ROT_PAIRS``
-#: overrides it (0 switches it off)
+#: and the model's RoPE fits it (0: off; else a power of 2 >= 8, the attention kernels' limit,
+#: at most ``head_dim / 2``). ``$VLLM_NVFP4_K_ROT_PAIRS`` overrides it (0 switches it off)
 ROT_PAIRS = 0
+#: the fewest pairs the attention kernels take (:meth:`~vllm_nvfp4.kernels.launch.RotCenter.check`)
+MIN_ROT_PAIRS = 8
 
 
 @dataclass(frozen=True)
@@ -99,26 +101,27 @@ def recipe_for(vllm_config: Any, text_tokens: int, soft_cap: bool, select: bool 
 
 
 def asked_rot_pairs() -> int:
-    """The rotating K center's pairs asked for: ``$VLLM_NVFP4_K_ROT_PAIRS`` when set (an int >= 0),
-    else :data:`ROT_PAIRS`; ``ValueError`` naming the accepted values for anything else."""
+    """The rotating K center's pairs asked for: ``$VLLM_NVFP4_K_ROT_PAIRS`` when set, else
+    :data:`ROT_PAIRS`: 0 or a power of 2 >= :data:`MIN_ROT_PAIRS`; ``ValueError`` naming the
+    accepted values for anything else."""
     raw = os.environ.get(K_ROT_PAIRS_ENV, "").strip()
-    if not raw:
-        return ROT_PAIRS
     try:
-        pairs = int(raw)
+        pairs = int(raw) if raw else ROT_PAIRS
     except ValueError:
         pairs = -1
-    if pairs < 0:
-        raise ValueError(f"${K_ROT_PAIRS_ENV}={raw!r} is not understood; use 0 (no rotating K "
-                         "center) or the RoPE pairs per KV head (e.g. 8)")
+    if pairs and (pairs < MIN_ROT_PAIRS or pairs & (pairs - 1)):
+        raise ValueError(f"${K_ROT_PAIRS_ENV}={raw or pairs!r} is not understood; use 0 (no "
+                         f"rotating K center) or the RoPE pairs per KV head, a power of 2 >= "
+                         f"{MIN_ROT_PAIRS} (the attention kernels' limit)")
     return pairs
 
 
 def rot_pairs(vllm_config: Any) -> int:
     """The recipe's ``k_rot_pairs`` for a model that centers K: :func:`asked_rot_pairs`, at most
-    ``head_dim / 2``; 0 where the config shows a RoPE the rotating center does not fit (M-RoPE,
-    a partial rotary dimension). What the config does not show (the rotary embedding's layout,
-    per-layer RoPEs, position scaling) the calibration checks on vLLM's module, and logs."""
+    the largest power of 2 <= ``head_dim / 2``; 0 where that is below :data:`MIN_ROT_PAIRS` or
+    the config shows a RoPE the rotating center does not fit (M-RoPE, a partial rotary
+    dimension). What the config does not show (the rotary embedding's layout, per-layer RoPEs,
+    position scaling) the calibration checks on vLLM's module, and logs."""
     pairs = asked_rot_pairs()
     if not pairs:
         return 0
@@ -131,7 +134,9 @@ def rot_pairs(vllm_config: Any) -> int:
     head_dim = mc.get_head_size()
     if (params.get("rope_dim") or head_dim) != head_dim or (factor or 1.0) != 1.0:
         return 0
-    return min(pairs, head_dim // 2)
+    while pairs > head_dim // 2:
+        pairs //= 2
+    return pairs if pairs >= MIN_ROT_PAIRS else 0
 
 
 def selection_size(recipe: Recipe, shape: ModelShape) -> tuple[int, int]:
