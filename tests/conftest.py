@@ -15,6 +15,7 @@ Environment (set before any test imports vLLM; values already set win):
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -85,3 +86,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def fast_llm_kwargs() -> dict:
     """A copy of :data:`FAST_LLM_KWARGS` for ``LLM(model=..., **fast_llm_kwargs)``."""
     return dict(FAST_LLM_KWARGS)
+
+
+class LogLines(logging.Handler):
+    """A log handler that keeps each record's message (``lines``), for tests that read the log."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())

@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import LogLines
 
 pytestmark = pytest.mark.vllm
 
@@ -61,17 +62,6 @@ def _bound(worker: Any) -> dict:
             for name, layer in ctx.items() if hasattr(getattr(layer, "impl", None), "layout")}
 
 
-class _Lines(logging.Handler):
-    """Collects the messages logged to it."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _record_policy_logs(mp: pytest.MonkeyPatch) -> list[str]:
     """Route the log of the front-end checks and of the start-up calibration (every place that
     states a policy) to a list, returned (vLLM's logging set-up drops handlers of loggers under
@@ -79,7 +69,7 @@ def _record_policy_logs(mp: pytest.MonkeyPatch) -> list[str]:
     import vllm_nvfp4.integration.model as model
     import vllm_nvfp4.integration.startup_calibration as sc
 
-    log, handler = logging.getLogger("test_startup_calibration.policy"), _Lines()
+    log, handler = logging.getLogger("test_startup_calibration.policy"), LogLines()
     log.setLevel(logging.INFO)
     log.handlers = [handler]
     log.propagate = False

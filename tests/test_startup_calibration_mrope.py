@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import LogLines
 
 pytestmark = pytest.mark.vllm
 
@@ -90,15 +91,6 @@ def _worker_checks(worker: Any, ids: list[list[int]]) -> dict:
             "stack_is_language_model": stack is model.language_model.model, "resumes": resumes}
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 @pytest.fixture(scope="module")
 def mrope_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The tiny PaddleOCR-VL started without a policy: what start-up calibration returned and
@@ -112,7 +104,7 @@ def mrope_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     model_dir = build_tiny_paddleocr_vl(root / "paddleocr_vl")
     ids = torch.randint(10, 4000, PROMPT, generator=torch.Generator().manual_seed(1)).tolist()
     # the module's own logger: vLLM's logging set-up drops the handlers of loggers under "vllm"
-    log, handler = logging.getLogger("test_startup_calibration_mrope"), _Lines()
+    log, handler = logging.getLogger("test_startup_calibration_mrope"), LogLines()
     log.setLevel(logging.INFO)
     log.addHandler(handler)
     mp = pytest.MonkeyPatch()

@@ -26,18 +26,10 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import LogLines
 
 PAIRS = 8
 HEAD_DIM = 32
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def _calibrate_in_worker(worker: Any, refuse: str = "") -> dict:
@@ -107,7 +99,7 @@ def startup(tmp_path_factory: pytest.TempPathFactory) -> dict:
     mp.delenv("VLLM_NVFP4_POLICY", raising=False)
     mp.setenv("VLLM_NVFP4_STARTUP_CALIBRATION", "0")  # the engine serves the default rule
     mp.setenv("VLLM_NVFP4_K_ROT_PAIRS", str(PAIRS))
-    log, handler = logging.getLogger("test_startup_k_rot.rot_center"), _Lines()
+    log, handler = logging.getLogger("test_startup_k_rot.rot_center"), LogLines()
     log.setLevel(logging.INFO)
     log.handlers, log.propagate = [handler], False
     mp.setattr(rc, "logger", log)
