@@ -149,6 +149,28 @@ def test_kv_bytes_per_token_llama8b_matches_the_library():
         capacity.kv_bytes_per_token("fp8_e5m2", L8B)
 
 
+def test_synthetic_rot_policy_file_is_a_mixed_policy_the_benchmark_counts(tmp_path, capsys):
+    from benchmarks import synthetic_rot_policy
+
+    path = tmp_path / "rot8.json"
+    assert synthetic_rot_policy.main(["--preset", "llama8b", "--pairs", "8", "--out", str(path)]) == 0
+    assert "0-3:fp8,4-31:nvfp4" in capsys.readouterr().out
+    pol = KVPolicy.load(path)
+    assert pol.to_compact() == "0-3:fp8,4-31:nvfp4"
+    for row in pol.layers:
+        assert row.k_rot.num_pairs == 8 and len(row.k_rot.pairs) == 8  # 8 KV heads
+        for h, pairs in enumerate(row.k_rot.pairs):  # k_center is 0 on both dims of a rotated pair
+            assert all(row.k_center[h][i] == 0.0 and row.k_center[h][i + 64] == 0.0 for i in pairs)
+        assert row.k_rot.theta[0][0] == pytest.approx(500000.0 ** (-2 * row.k_rot.pairs[0][0] / 128))
+    # the benchmark's byte count reads the file as $VLLM_NVFP4_POLICY does
+    assert capacity.kv_bytes_per_token("nvfp4_mixed", L8B, str(path)) == \
+        capacity.kv_bytes_per_token("nvfp4_mixed", L8B, "0-3:fp8,*:nvfp4")
+    with pytest.raises(SystemExit):  # the file is not overwritten
+        synthetic_rot_policy.main(["--preset", "llama8b", "--out", str(path)])
+    with pytest.raises(SystemExit):
+        synthetic_rot_policy.main(["--preset", "gemma3-tiny", "--out", str(tmp_path / "g.json")])
+
+
 def test_mixed_policy_and_policy_for():
     assert configs.mixed_policy(2) == "0:fp8,*:nvfp4" and configs.mixed_policy(8) == "0:fp8,*:nvfp4"
     assert configs.mixed_policy(16) == "0-1:fp8,*:nvfp4"

@@ -25,34 +25,12 @@ def _policy(model_dir: Path, rot: Optional[str]) -> dict:
     """Centered K on every layer, layer 1's first KV head storing its sink key uncentered; ``rot``
     ``"random"`` / ``"zero"``: plus a :class:`KRot` with that ``b`` (None: without). Default
     scales (the same for all three)."""
-    from vllm_nvfp4.kernels.launch import RotCenter
-    from vllm_nvfp4.policy import KRot, KVPolicy, LayerPolicy
+    from vllm_nvfp4.testing.rot_policy import synthetic_rot_policy
 
     cfg = json.loads((model_dir / "config.json").read_text())
-    layers, heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    base = cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)
-    theta = (base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)).float()  # inv_freq
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for i in range(layers):
-        b = torch.randn(heads, d, generator=gen) * 0.5 + 0.05
-        center = RotCenter.top_pairs(b, theta, 8)  # top-8 |b| pairs
-        mu = torch.randn(heads, d, generator=gen) * 0.3 + 0.05
-        for h in range(heads):
-            pairs = center.idx[h].long()
-            mu[h, pairs] = 0.0
-            mu[h, pairs + d // 2] = 0.0
-        k_rot = None
-        if rot is not None:
-            rb = center.b if rot == "random" else torch.zeros_like(center.b)
-            k_rot = KRot(tuple(map(tuple, center.idx.tolist())),
-                         tuple(tuple(map(tuple, r)) for r in rb.tolist()),
-                         tuple(map(tuple, center.theta.tolist())))
-        kf, vf = FORMATS[i % len(FORMATS)]
-        rows.append(LayerPolicy(kf, vf, k_center=mu.tolist(), k_rot=k_rot,
-                                k_sink_uncentered=[True] + [False] * (heads - 1) if i == 1 else None))
-    return KVPolicy(tuple(rows), {"test": "test_rot_center_engine"}).to_dict()
+    formats = [FORMATS[i % len(FORMATS)] for i in range(cfg["num_hidden_layers"])]
+    return synthetic_rot_policy(cfg, formats, pairs=8, rot=rot, sink_uncentered_layers=[1],
+                                meta={"test": "test_rot_center_engine"}).to_dict()
 
 
 def _prompts(tokenizer: Any) -> list[list[int]]:

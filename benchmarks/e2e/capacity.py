@@ -25,7 +25,7 @@ from typing import Optional
 from benchmarks.e2e.configs import CAPTURE_SIZES, CONFIGS, SMALL_BATCH, policy_for
 from vllm_nvfp4.integration.block_sizes import hybrid_plan
 from vllm_nvfp4.model_shape import ModelShape
-from vllm_nvfp4.policy import KVPolicy
+from vllm_nvfp4.policy import KVPolicy, policy_from_setting
 
 #: ``max_num_batched_tokens`` of ``LLM()`` on an H100 / H200 in vLLM 0.32 (the in-flight tokens the
 #: plan assumes when ``--max-num-batched-tokens`` is not given; a worker reads the engine's)
@@ -55,8 +55,9 @@ def kv_bytes_per_token(kv_cache_dtype: str, shape: ModelShape, policy: Optional[
                                                       head_dim=shape.head_dim)
 
 
-def _policy(text: str, shape: ModelShape) -> KVPolicy:
-    return KVPolicy.from_compact(text, shape.num_layers, layer_types=shape.layer_types)
+def _policy(setting: str, shape: ModelShape) -> KVPolicy:
+    """A compact policy string or a policy JSON file, as ``$VLLM_NVFP4_POLICY`` takes them."""
+    return policy_from_setting(setting, shape.num_layers, shape.layer_types)
 
 
 def bytes_per_token_by_config(shape: ModelShape, mixed_override: Optional[str] = None

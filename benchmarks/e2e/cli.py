@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-dir", default=None,
                    help="where --preset's model is written (default /tmp/vllm-nvfp4-models/PRESET-random)")
     g.add_argument("--preset", choices=sorted(PRESETS), default="llama8b")
-    g.add_argument("--mixed-policy", default=None, help="compact policy of nvfp4-mixed (default: "
+    g.add_argument("--mixed-policy", default=None, help="policy of nvfp4-mixed, compact or a JSON file "
+                   "(e.g. of benchmarks/synthetic_rot_policy.py; default: "
                    "dense models the first eighth of the layers FP8; hybrid models the default rule "
                    "of vllm_nvfp4.policy: sliding FP8, first/last full-attention FP8, rest NVFP4)")
     g.add_argument("--gpu-mem", type=float, default=0.9, help="gpu_memory_utilization (same for all)")

@@ -32,12 +32,12 @@ from vllm_nvfp4.policy.compact import KIND_SELECTORS
 from vllm_nvfp4.policy.json_form import POLICY_FORMAT, POLICY_VERSION, TYPE_FIELDS
 from vllm_nvfp4.policy.kv_policy import KVPolicy
 from vllm_nvfp4.policy.default_rule import default_policy, growing_layers
-from vllm_nvfp4.policy.resolve import POLICY_ENV, POLICY_FILENAME, resolve_policy
+from vllm_nvfp4.policy.resolve import POLICY_ENV, POLICY_FILENAME, policy_from_setting, resolve_policy
 
 __all__ = [
     "CHANNEL_FIELDS", "CONFIG_LAYER_KINDS", "DEFAULT_FP8_SCALE", "DEFAULT_NVFP4_GLOBAL_SCALE",
     "FULL_ATTENTION", "HEAD_FLAG_FIELDS", "KRot", "KIND_SELECTORS", "LAYER_KINDS", "NO_KV", "POLICY_ENV",
     "POLICY_FILENAME", "POLICY_FORMAT", "POLICY_VERSION", "SCALE_FIELDS", "SINK_MODEL_TYPES",
     "TYPE_FIELDS", "KVPolicy", "LayerPolicy", "LayerType", "PolicyError", "Scale", "Smooth",
-    "default_policy", "growing_layers", "layer_types_from_config", "resolve_policy",
+    "default_policy", "growing_layers", "layer_types_from_config", "policy_from_setting", "resolve_policy",
 ]

@@ -42,7 +42,7 @@ def resolve_policy(
     raw = env.get(POLICY_ENV)
     setting = (raw or "").strip()
     if setting:
-        policy = _policy_from_env(setting, num_layers, layer_types)
+        policy = policy_from_setting(setting, num_layers, layer_types)
         policy.check_model(num_layers, layer_types=layer_types)
         return policy
     ignored = f"; ${POLICY_ENV} is set but empty, so it was ignored" if raw is not None else ""
@@ -61,9 +61,9 @@ def resolve_policy(
     return replace(policy, source=policy.source + ignored)
 
 
-def _policy_from_env(setting: str, num_layers: int,
-                     layer_types: Optional[Sequence[LayerType]] = None) -> KVPolicy:
-    """The policy ``$VLLM_NVFP4_POLICY`` names: a JSON file, else a compact string."""
+def policy_from_setting(setting: str, num_layers: int,
+                        layer_types: Optional[Sequence[LayerType]] = None) -> KVPolicy:
+    """The policy a ``$VLLM_NVFP4_POLICY`` value names: a JSON file, else a compact string."""
     path = Path(setting).expanduser()
     if path.is_dir():
         raise PolicyError(f"${POLICY_ENV}={setting!r} is a directory; name the policy file "
