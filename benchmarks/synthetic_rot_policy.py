@@ -28,6 +28,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--pairs", type=int, default=8, help="rotated RoPE pairs per KV head")
     ap.add_argument("--compact", default=None, help="formats as a compact policy (default: the "
                     "benchmark's nvfp4-mixed)")
+    ap.add_argument("--without-k-rot", action="store_true", help="the same k_center (0 on the pairs) "
+                    "without k_rot: the baseline of a timing")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="policy JSON to write (must not exist)")
     a = ap.parse_args(argv)
@@ -40,9 +42,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     n = cfg["num_hidden_layers"]
     formats = KVPolicy.from_compact(a.compact or mixed_policy(n), n)
     pairs = [(row.k.value, row.v.value) for row in formats.layers]
-    policy = synthetic_rot_policy(cfg, pairs, pairs=a.pairs, seed=a.seed,
-                                  meta={"synthetic": f"k_rot, {a.pairs} pairs, preset {a.preset}"})
-    print(f"wrote {policy.save(a.out)}: {policy.to_compact()}, {a.pairs} rotated pairs per head")
+    rot = None if a.without_k_rot else "random"
+    what = "k_center only" if rot is None else f"k_rot, {a.pairs} pairs"
+    policy = synthetic_rot_policy(cfg, pairs, pairs=a.pairs, rot=rot, seed=a.seed,
+                                  meta={"synthetic": f"{what}, preset {a.preset}"})
+    print(f"wrote {policy.save(a.out)}: {policy.to_compact()}, {what}")
     return 0
 
 

@@ -165,6 +165,11 @@ def test_synthetic_rot_policy_file_is_a_mixed_policy_the_benchmark_counts(tmp_pa
     # the benchmark's byte count reads the file as $VLLM_NVFP4_POLICY does
     assert capacity.kv_bytes_per_token("nvfp4_mixed", L8B, str(path)) == \
         capacity.kv_bytes_per_token("nvfp4_mixed", L8B, "0-3:fp8,*:nvfp4")
+    base = tmp_path / "center.json"  # the timing's baseline: the same k_center, no k_rot
+    assert synthetic_rot_policy.main(["--preset", "llama8b", "--without-k-rot", "--out", str(base)]) == 0
+    center = KVPolicy.load(base)
+    assert all(r.k_rot is None for r in center.layers)
+    assert [r.k_center for r in center.layers] == [r.k_center for r in pol.layers]
     with pytest.raises(SystemExit):  # the file is not overwritten
         synthetic_rot_policy.main(["--preset", "llama8b", "--out", str(path)])
     with pytest.raises(SystemExit):
