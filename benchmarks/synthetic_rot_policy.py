@@ -40,12 +40,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = json.loads((build_weightless_model(Path(tmp), a.preset) / "config.json").read_text())
     n = cfg["num_hidden_layers"]
-    formats = KVPolicy.from_compact(a.compact or mixed_policy(n), n)
-    pairs = [(row.k.value, row.v.value) for row in formats.layers]
     rot = None if a.without_k_rot else "random"
     what = "k_center only" if rot is None else f"k_rot, {a.pairs} pairs"
-    policy = synthetic_rot_policy(cfg, pairs, pairs=a.pairs, rot=rot, seed=a.seed,
-                                  meta={"synthetic": f"{what}, preset {a.preset}"})
+    try:
+        formats = KVPolicy.from_compact(a.compact or mixed_policy(n), n)
+        pairs = [(row.k.value, row.v.value) for row in formats.layers]
+        policy = synthetic_rot_policy(cfg, pairs, pairs=a.pairs, rot=rot, seed=a.seed,
+                                      meta={"synthetic": f"{what}, preset {a.preset}"})
+    except ValueError as e:  # PolicyError included
+        ap.error(f"--compact / --pairs: {e}")
     print(f"wrote {policy.save(a.out)}: {policy.to_compact()}, {what}")
     return 0
 

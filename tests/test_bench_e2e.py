@@ -172,8 +172,13 @@ def test_synthetic_rot_policy_file_is_a_mixed_policy_the_benchmark_counts(tmp_pa
     assert [r.k_center for r in center.layers] == [r.k_center for r in pol.layers]
     with pytest.raises(SystemExit):  # the file is not overwritten
         synthetic_rot_policy.main(["--preset", "llama8b", "--out", str(path)])
-    with pytest.raises(SystemExit):
-        synthetic_rot_policy.main(["--preset", "gemma3-tiny", "--out", str(tmp_path / "g.json")])
+    for bad in (["--preset", "gemma3-tiny"], ["--pairs", "12"], ["--pairs", "128"],
+                ["--compact", "0-3:fp4,*:nvfp4"]):  # a hybrid, pairs the kernels refuse, a bad format
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            synthetic_rot_policy.main(bad + ["--out", str(tmp_path / "bad.json")])
+        assert "error:" in capsys.readouterr().err
+    assert not (tmp_path / "bad.json").exists()
 
 
 def test_mixed_policy_and_policy_for():

@@ -209,14 +209,20 @@ class RotCenter:
     def pairs(self) -> int:
         return self.idx.shape[-1]
 
+    @staticmethod
+    def check_pairs(k: int, head_dim: int, kernel_pairs: bool = True) -> None:
+        """ValueError unless ``k`` pairs fit a head of ``head_dim``: with ``kernel_pairs`` (the
+        attention kernels' limit) a power of 2 in ``[8, head_dim / 2]``, else in ``[1, head_dim / 2]``."""
+        if k < 1 or k > head_dim // 2 or kernel_pairs and (k < 8 or k & (k - 1)):
+            limit = f"a power of 2 in [8, {head_dim // 2}]" if kernel_pairs else f"in [1, {head_dim // 2}]"
+            raise ValueError(f"rot_center pairs must be {limit}, got {k}")
+
     def check(self, num_kv_heads: int, head_dim: int, kernel_pairs: bool = True) -> None:
         """ValueError unless the tensors have the documented shapes, dtypes and layout and (with
         ``kernel_pairs``, the attention kernels' limit) ``k`` is a power of 2 in ``[8, head_dim /
         2]`` (else any ``k`` in ``[1, head_dim / 2]``: the torch path and the cache write)."""
+        self.check_pairs(self.pairs, head_dim, kernel_pairs)
         k = self.pairs
-        if k < 1 or k > head_dim // 2 or kernel_pairs and (k < 8 or k & (k - 1)):
-            raise ValueError(f"rot_center pairs must be a power of 2 in [8, {head_dim // 2}], "
-                             f"got {k}")
         for name, t, shape, dtype in (("idx", self.idx, (num_kv_heads, k), torch.int32),
                                       ("b", self.b, (num_kv_heads, 2, k), torch.float32),
                                       ("theta", self.theta, (num_kv_heads, k), torch.float32)):

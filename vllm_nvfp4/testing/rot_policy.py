@@ -39,6 +39,7 @@ def synthetic_rot_policy(config: Mapping[str, Any], formats: Sequence[tuple[str,
     from vllm_nvfp4.kernels.launch import RotCenter
 
     layers, heads, d, base = rope_geometry(config)
+    RotCenter.check_pairs(pairs, d)  # what the attention kernels take
     if len(formats) != layers:
         raise ValueError(f"formats has {len(formats)} entries; the model has {layers} layers")
     theta = (base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)).float()  # inv_freq
