@@ -81,13 +81,15 @@ def _check_triton_head_dim(layout: KVPageLayout) -> None:
         )
 
 
-def _check_key0_shift(t: torch.Tensor, layout: KVPageLayout, device: torch.device) -> None:
+def _check_head_rows(name: str, t: torch.Tensor, layout: KVPageLayout,
+                     device: torch.device) -> None:
+    """``t`` a contiguous float32 ``[num_kv_heads, head_dim]`` tensor on ``device``."""
     if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
-        raise TypeError(f"key0_shift must be a float32 tensor [num_kv_heads, head_dim], "
+        raise TypeError(f"{name} must be a float32 tensor [num_kv_heads, head_dim], "
                         f"got {getattr(t, 'dtype', t)}")
     if tuple(t.shape) != (layout.num_kv_heads, layout.head_dim) or t.device != device \
             or not t.is_contiguous():
-        raise ValueError(f"key0_shift must be contiguous, of shape ({layout.num_kv_heads}, "
+        raise ValueError(f"{name} must be contiguous, of shape ({layout.num_kv_heads}, "
                          f"{layout.head_dim}) on {device}, got {tuple(t.shape)} on {t.device}")
 
 
@@ -178,6 +180,11 @@ class LayerOps:
         key0_plain: int32 ``[num_kv_heads]`` (with ``rot_center``), or None: nonzero where a
             head's key at position 0 is written without the rotating center (the sink key stored
             uncentered; ``key0_shift`` then holds ``mu' + b_k`` for the head).
+        k_center: float32 ``[num_kv_heads, head_dim]`` on the cache's device, or None: keys are
+            written minus it (policy ``k_center``; FP32, rounded back to the key's dtype, as
+            :func:`vllm_nvfp4.key_transform.stored_keys`), before any rotating center.
+        k0_center: like ``k_center`` (and with it), or None: the center of the keys
+            :meth:`write`'s ``first`` marks (position 0, the sink key stored uncentered).
     """
 
     def __init__(self, cache: torch.Tensor, layout: KVPageLayout, k_scale: torch.Tensor,
@@ -185,7 +192,9 @@ class LayerOps:
                  logits_soft_cap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
                  backend: Backend = "auto", key0_shift: Optional[torch.Tensor] = None,
                  rot_center: Optional[RotCenter] = None,
-                 key0_plain: Optional[torch.Tensor] = None) -> None:
+                 key0_plain: Optional[torch.Tensor] = None,
+                 k_center: Optional[torch.Tensor] = None,
+                 k0_center: Optional[torch.Tensor] = None) -> None:
         layout.check_cache(cache)
         self.device = cache.device
         _check_scales(layout, self.device, k_scale=k_scale, v_scale=v_scale)
@@ -203,7 +212,7 @@ class LayerOps:
             if sinks.stride(0) != 1:
                 raise ValueError(f"sinks must be contiguous, got stride {sinks.stride(0)}")
         if key0_shift is not None:
-            _check_key0_shift(key0_shift, layout, self.device)
+            _check_head_rows("key0_shift", key0_shift, layout, self.device)
             if logits_soft_cap:
                 raise ValueError("key0_shift (the sink key stored uncentered) needs logits that "
                                  "shift with q . mu, which a logits soft-cap does not allow")
@@ -219,6 +228,12 @@ class LayerOps:
                              f"with a rot_center, got {key0_plain.dtype} "
                              f"{tuple(key0_plain.shape)} on {key0_plain.device}")
         self.rot_center, self.key0_plain = rot_center, key0_plain
+        for name, t in (("k_center", k_center), ("k0_center", k0_center)):
+            if t is not None:
+                _check_head_rows(name, t, layout, self.device)
+        if k0_center is not None and k_center is None:
+            raise ValueError("k0_center (the center of position-0 keys) needs k_center")
+        self.k_center, self.k0_center = k_center, k0_center
         self.cache, self.layout = cache, layout
         self.k_scale, self.v_scale = k_scale, v_scale
         self.sliding_window = sliding_window
@@ -229,7 +244,8 @@ class LayerOps:
                            None if sinks is None else sinks.shape[0])
 
     def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
-              positions: Optional[torch.Tensor] = None) -> None:
+              positions: Optional[torch.Tensor] = None,
+              first: Optional[torch.Tensor] = None) -> None:
         """Quantize and store this step's K/V into the layer's pages.
 
         Args:
@@ -239,6 +255,8 @@ class LayerOps:
                 < 0 skips.
             positions: int32 ``[>= num_tokens]``, each token's index in its sequence (``< 2^24``);
                 needed with a ``rot_center``, which is subtracted from the keys in FP32 first.
+            first: bool ``[>= num_tokens]``, the tokens at position 0; needed with a
+                ``k0_center`` (their keys are centered by it instead of ``k_center``).
         Bytes match :mod:`vllm_nvfp4.formats` (``nonfinite="propagate"``) bit for bit (with a
         ``rot_center``: of the key minus the offset; the torch path's offset is float64-exact,
         the kernel's within ~1e-6 relative of it).
@@ -246,27 +264,32 @@ class LayerOps:
         rot = self.rot_center
         if rot is not None and positions is not None:
             positions = positions[:key.shape[0]]
+        if self.k0_center is not None and first is not None:
+            first = first[:key.shape[0]]
         try:
             signature = (self._layer_key, _tensor_key(key), _tensor_key(value),
-                         _tensor_key(slot_mapping), rot is not None and _tensor_key(positions))
+                         _tensor_key(slot_mapping), rot is not None and _tensor_key(positions),
+                         self.k0_center is not None and _tensor_key(first))
         except AttributeError:  # not tensors: the checks say which
             signature = None
         if signature is None or _Passed.signatures.get("write") != signature:
-            self._check_write(key, value, slot_mapping, positions)
+            self._check_write(key, value, slot_mapping, positions, first)
             _Passed.signatures["write"] = signature
         if key.shape[0] == 0:
             return
+        centers = (self.k_center, self.k0_center, first)
         if self.backend == "torch":
             paged_torch.write_kv_cache(key, value, self.cache, slot_mapping, self.layout,
-                                       self.k_scale, self.v_scale, rot, positions, self.key0_plain)
+                                       self.k_scale, self.v_scale, rot, positions, self.key0_plain,
+                                       *centers)
             return
         from vllm_nvfp4.kernels import cache_write
 
         cache_write.write_kv_cache(key, value, self.cache, slot_mapping, self.layout, self.k_scale,
-                                   self.v_scale, rot, positions, self.key0_plain)
+                                   self.v_scale, rot, positions, self.key0_plain, *centers)
 
     def _check_write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
-                     positions: Optional[torch.Tensor]) -> None:
+                     positions: Optional[torch.Tensor], first: Optional[torch.Tensor]) -> None:
         layout = self.layout
         _check_heads("key", key, layout, KV_INPUT_DTYPES)
         _check_heads("value", value, layout, KV_INPUT_DTYPES)
@@ -292,6 +315,15 @@ class LayerOps:
             if positions.shape[0] != key.shape[0] or positions.stride(0) != 1:
                 raise ValueError(f"positions must be contiguous [>= {key.shape[0]}] (one per "
                                  f"token), got {tuple(positions.shape)}")
+        if self.k0_center is not None:
+            if first is None:
+                raise ValueError("a layer with a k0_center needs to know which tokens sit at "
+                                 "position 0 to write (first)")
+            if first.dtype != torch.bool or first.dim() != 1 or first.shape[0] != key.shape[0] \
+                    or first.stride(0) != 1 or first.device != self.device:
+                raise ValueError(f"first must be a contiguous bool tensor [>= {key.shape[0]}] "
+                                 f"(one per token) on {self.device}, got {first.dtype} "
+                                 f"{tuple(first.shape)} on {first.device}")
 
     def attend(self, query: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
@@ -361,12 +393,16 @@ def write_kv_cache(
     rot_center: Optional[RotCenter] = None,
     positions: Optional[torch.Tensor] = None,
     key0_plain: Optional[torch.Tensor] = None,
+    k_center: Optional[torch.Tensor] = None,
+    k0_center: Optional[torch.Tensor] = None,
+    first: Optional[torch.Tensor] = None,
 ) -> None:
     """Quantize and store this step's K/V into one layer's paged cache: :meth:`LayerOps.write`,
     every argument checked (``cache``, ``layout``, scales, ``backend``, ``rot_center``,
-    ``key0_plain`` as in :class:`LayerOps`)."""
+    ``key0_plain``, ``k_center``, ``k0_center`` as in :class:`LayerOps`)."""
     LayerOps(cache, layout, k_scale, v_scale, backend=backend, rot_center=rot_center,
-             key0_plain=key0_plain).write(key, value, slot_mapping, positions)
+             key0_plain=key0_plain, k_center=k_center,
+             k0_center=k0_center).write(key, value, slot_mapping, positions, first)
 
 
 def paged_attention(
@@ -454,7 +490,7 @@ def dequantize_kv(
                          f"{tuple(k_out.shape)} / {tuple(v_out.shape)}")
     _check_scales(layout, cache.device, k_scale=k_scale, v_scale=v_scale)
     if key0_shift is not None:
-        _check_key0_shift(key0_shift, layout, cache.device)
+        _check_head_rows("key0_shift", key0_shift, layout, cache.device)
     chosen = _backend(cache.device, backend)
     if rot_center is not None:
         _check_rot_center(rot_center, layout, cache.device, "torch")  # the kernel takes any k

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, KVFormat, e2m1_value, fp8_quantize, nvfp4_quantize
 from vllm_nvfp4.kernels.launch import RotCenter
-from vllm_nvfp4.key_transform import rot_offset
+from vllm_nvfp4.key_transform import rot_offset, stored_keys
 from vllm_nvfp4.layout import (KV, KVPageLayout, nvfp4_element_order, nvfp4_rows_from_packed,
                                unpack_e2m1_pair)
 
@@ -50,15 +50,24 @@ def write_kv_cache(
     rot: Optional[RotCenter] = None,
     positions: Optional[torch.Tensor] = None,
     key0_plain: Optional[torch.Tensor] = None,
+    center: Optional[torch.Tensor] = None,
+    center0: Optional[torch.Tensor] = None,
+    first: Optional[torch.Tensor] = None,
 ) -> None:
     """Quantize ``key``/``value [T, H, D]`` and store token t at ``slot_mapping[t]`` (< 0: skip).
 
-    ``rot`` (with ``positions [T]``, each token's index in its sequence): the key minus ``R(p)
-    b_k`` (:func:`~vllm_nvfp4.key_transform.rot_offset`, FP32) is quantized, except at position
-    0 of the heads where ``key0_plain`` (``[H]``, or None) is nonzero."""
+    ``center`` (FP32 ``[H, D]``): keys are stored minus it (``center0`` where ``first``, bool
+    ``[T]``, is set), :func:`~vllm_nvfp4.key_transform.stored_keys`. ``rot`` (with ``positions
+    [T]``, each token's index in its sequence): the key minus ``R(p) b_k``
+    (:func:`~vllm_nvfp4.key_transform.rot_offset`, FP32) is quantized, except at position 0 of
+    the heads where ``key0_plain`` (``[H]``, or None) is nonzero."""
     keep = slot_mapping >= 0
     if not bool(keep.any()):
         return
+    if center is not None:
+        if center0 is not None:
+            center = torch.where(first[:, None, None], center0, center)
+        key = stored_keys(key, center)
     if rot is not None:
         key = key.float() - rot_offset(rot.idx, rot.b, rot.theta, positions, layout.head_dim,
                                        None if key0_plain is None else key0_plain.bool())

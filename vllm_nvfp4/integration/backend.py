@@ -458,10 +458,13 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
     def _layer_ops(self, kv_cache: torch.Tensor) -> ops.LayerOps:
         """The layer's cache operations over ``kv_cache`` (vLLM's view), built at its first use."""
         if self._ops_of is not kv_cache:
+            fused = self.k_smooth is None and self.k_perm is None  # see do_kv_cache_update
             self._ops = ops.LayerOps(page_view(kv_cache, self.layout), self.layout, self.k_scale,
                                      self.v_scale, self.sliding_window, self.logits_soft_cap,
                                      self.sink_logits, key0_shift=self.key0_shift,
-                                     rot_center=self.rot_center, key0_plain=self.key0_plain)
+                                     rot_center=self.rot_center, key0_plain=self.key0_plain,
+                                     k_center=self.k_center if fused else None,
+                                     k0_center=self.k0_center if fused else None)
             self._ops_of = kv_cache
         return self._ops
 
@@ -475,17 +478,22 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
             return  # profiling run before the KV cache exists
         n = min(key.shape[0], slot_mapping.shape[0])
         key = key[:n]
+        # centering alone is subtracted by the write (no launches of its own); with smoothing or
+        # a channel permutation the stored keys are computed here
+        fused = self.k_smooth is None and self.k_perm is None
+        first = positions = None
         if self.key0_shift is not None and n:  # position 0 stored without mu (k0_center)
             first = self._first_keys(n)
-            center = torch.where(first[:, None, None], self.k0_center, self.k_center)
-            key = stored_keys(key, center, self.k_smooth, self.k_perm)
-        elif self.k_smooth is not None or self.k_center is not None or self.k_perm is not None:
+            if not fused:
+                center = torch.where(first[:, None, None], self.k0_center, self.k_center)
+                key = stored_keys(key, center, self.k_smooth, self.k_perm)
+        elif not fused:
             key = stored_keys(key, self.k_center, self.k_smooth, self.k_perm)
-        positions = None
         if self.rot_center is not None and n:
             positions = self._step_tokens("positions", n, "centers K on a rotating offset",
                                           "where")
-        self._layer_ops(kv_cache).write(key, value[:n], slot_mapping[:n], positions)
+        self._layer_ops(kv_cache).write(key, value[:n], slot_mapping[:n], positions,
+                                        first if fused else None)
 
     def _first_keys(self, n: int) -> torch.Tensor:
         """bool ``[n]``: which of this step's ``n`` written tokens sit at position 0, from the

@@ -129,19 +129,24 @@ def _cos_sin(theta, p, F32: tl.constexpr = True):
 def _rot_offset(cols, pos, rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h, D: tl.constexpr,
                 KP: tl.constexpr):
     """The rotating center ``R(p) b`` (:class:`launch.RotCenter`) of KV head ``h`` at channels
-    ``cols`` (ints) of keys at positions ``pos`` (ints ``< 2^24``), broadcast together: FP32, 0
-    off the ``KP`` rotated pairs. Angles by :func:`_cos_sin` with ``tl.cos`` / ``tl.sin`` (one
-    pair at a time; for the cache write and the dequantization, not the attention loop)."""
-    off = tl.zeros_like(cols + pos).to(tl.float32)
-    for n in range(KP):
-        i = tl.load(rot_idx_ptr + h * KP + n)
-        b1 = tl.load(rot_b_ptr + 2 * h * KP + n)
-        b2 = tl.load(rot_b_ptr + (2 * h + 1) * KP + n)
-        c, s = _cos_sin(tl.load(rot_theta_ptr + h * KP + n) + tl.zeros_like(pos).to(tl.float32),
-                        pos, True)
-        off += tl.where(cols == i, b1 * c - b2 * s, 0.0)
-        off += tl.where(cols == i + D // 2, b2 * c + b1 * s, 0.0)
-    return off
+    ``cols`` (ints ``[C]``) of keys at positions ``pos`` (ints ``[T]``, ``< 2^24``): FP32 ``[T,
+    C]``, 0 off the ``KP`` rotated pairs. For the cache write and the dequantization, not the
+    attention loop: the angles of all pairs at once by :func:`_cos_sin` with ``tl.cos`` /
+    ``tl.sin`` (``[T, KP]``), then each channel gathers its pair's value (``[T, 2 KP]``: column
+    ``2 n`` is pair ``n``'s first channel ``i``, ``2 n + 1`` its second ``i + D/2``), whose slot
+    depends on the channel only."""
+    n = tl.arange(0, KP)
+    idx = tl.load(rot_idx_ptr + h * KP + n)
+    b1 = tl.load(rot_b_ptr + 2 * h * KP + n)[None, :]
+    b2 = tl.load(rot_b_ptr + (2 * h + 1) * KP + n)[None, :]
+    c, s = _cos_sin(tl.load(rot_theta_ptr + h * KP + n)[None, :], pos[:, None], True)  # [T, KP]
+    vals = tl.reshape(tl.join(b1 * c - b2 * s, b2 * c + b1 * s), [pos.shape[0], 2 * KP])
+    # slot + 1 of each channel (0: not rotated), from [C, KP] compares that do not depend on T
+    hit = (tl.where(cols[:, None] == idx[None, :], 2 * n[None, :] + 1, 0)
+           + tl.where(cols[:, None] == (idx + D // 2)[None, :], 2 * n[None, :] + 2, 0))
+    slot = tl.sum(hit, axis=1)  # [C]
+    index = tl.zeros_like(pos)[:, None] + tl.maximum(slot - 1, 0)[None, :]  # [T, C]
+    return tl.where(slot[None, :] > 0, tl.gather(vals, index, axis=1), 0.0)
 
 
 @triton.jit

@@ -6,9 +6,12 @@ the page layout of :mod:`vllm_nvfp4.layout`. The bytes equal :mod:`vllm_nvfp4.fo
 cast rounds to nearest even after an explicit clamp, and the block-scale choice compares the same
 FP64 squared errors summed in the same order, exactly as the torch definition does.
 
-With a rotating center (``rot``, policy ``k_rot``) the kernel subtracts ``R(p) b_k`` from each
-key in FP32 before quantizing it, ``p`` the token's position from ``positions``, the angles by
-:func:`~vllm_nvfp4.kernels.attention._rot_offset` (exactly reduced, as the attention kernels').
+With K centering (policy ``k_center``) the kernel subtracts the center from each key as
+:func:`vllm_nvfp4.key_transform.stored_keys` does (FP32, rounded back to the key's dtype), so
+the step launches nothing for it. With a rotating center (``rot``, policy ``k_rot``) it then
+subtracts ``R(p) b_k`` in FP32 before quantizing, ``p`` the token's position from
+``positions``, the angles by :func:`~vllm_nvfp4.kernels.attention._rot_offset` (exactly reduced,
+as the attention kernels').
 """
 
 from __future__ import annotations
@@ -61,14 +64,11 @@ def _e4m3_value(b):
 
 
 @triton.jit
-def _store_fp8_row(x_ptr, dst_ptr, scale, D: tl.constexpr, off):
-    """``dst[0:D] = e4m3(clamp((x - off) / scale, +-448))`` (``off`` FP32 ``[D]`` or 0.0); NaN
-    stays NaN."""
-    offs = tl.arange(0, D)
-    x = tl.load(x_ptr + offs).to(tl.float32) - off
+def _store_fp8_row(x, dst_ptr, scale, D: tl.constexpr):
+    """``dst[0:D] = e4m3(clamp(x / scale, +-448))`` of FP32 ``x [D]``; NaN stays NaN."""
     q = tl.div_rn(x, tl.full([D], 1.0, tl.float32) * scale)
     q = tl.where(q != q, q, tl.minimum(tl.maximum(q, -448.0), 448.0))
-    tl.store(dst_ptr + offs, _e4m3_byte(q, x))
+    tl.store(dst_ptr + tl.arange(0, D), _e4m3_byte(q, x))
 
 
 @triton.jit
@@ -171,28 +171,16 @@ def _nvfp4_chunks(x, g, C2: tl.constexpr):
 
 
 @triton.jit
-def _row_chunk_cols(D: tl.constexpr):
-    """Channels ``[D / 32, 16]`` of the even 16-chunks ``2q`` and of the odd ones ``2q + 1``."""
-    q = tl.arange(0, D // 32)
-    i = tl.arange(0, 16)
-    lo = 32 * q[:, None] + i[None, :]
-    return lo, lo + 16
-
-
-@triton.jit
-def _store_nvfp4_row(x_ptr, data_ptr, scale_ptr, g, D: tl.constexpr, lo_off, hi_off):
-    """NVFP4 of one head vector minus an offset (``lo_off`` / ``hi_off``: FP32 ``[D / 32, 16]`` at
-    the channels of :func:`_row_chunk_cols`, or 0.0) (``D`` a multiple of 64): ``data[0:D/2]`` the
-    codes in the layout's
-    chunk-planar order - byte ``32 u + 2 i + b`` of 64-element group ``u`` holds elements
-    ``64 u + 32 b + i`` and ``+ 16`` (:func:`pack_e2m1_pair`) - and ``scale_ptr[c]`` the block
-    scale of 16-chunk ``c`` (the token's row of the token-major scale plane)."""
+def _store_nvfp4_row(lo_x, hi_x, data_ptr, scale_ptr, g, D: tl.constexpr):
+    """NVFP4 of one head vector (``D`` a multiple of 64), FP32 as its even and odd 16-chunks
+    (``lo_x`` / ``hi_x [D / 32, 16]``, :func:`_chunk_halves`):
+    ``data[0:D/2]`` the codes in the layout's chunk-planar order - byte ``32 u + 2 i + b`` of
+    64-element group ``u`` holds elements ``64 u + 32 b + i`` and ``+ 16``
+    (:func:`pack_e2m1_pair`) - and ``scale_ptr[c]`` the block scale of 16-chunk ``c`` (the
+    token's row of the token-major scale plane)."""
     C2: tl.constexpr = D // 32  # chunk pairs (2q, 2q + 1) share bytes
     q = tl.arange(0, C2)
     i = tl.arange(0, 16)
-    lo_cols, hi_cols = _row_chunk_cols(D)
-    lo_x = tl.load(x_ptr + lo_cols).to(tl.float32) - lo_off  # chunk 2q
-    hi_x = tl.load(x_ptr + hi_cols).to(tl.float32) - hi_off  # chunk 2q + 1
     lo, lo_s = _nvfp4_chunks(lo_x, g, C2)
     hi, hi_s = _nvfp4_chunks(hi_x, g, C2)
     byte = 32 * (q[:, None] // 2) + 2 * i[None, :] + q[:, None] % 2
@@ -202,17 +190,54 @@ def _store_nvfp4_row(x_ptr, data_ptr, scale_ptr, g, D: tl.constexpr, lo_off, hi_
 
 
 @triton.jit
+def _bf16_rounded(x):
+    """FP32 ``x`` rounded to the nearest bfloat16 (ties to even; NaN kept), as FP32: in integer
+    arithmetic, since the interpreter's bfloat16 cast truncates."""
+    bits = x.to(tl.uint32, bitcast=True)
+    r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, r)
+
+
+@triton.jit
+def _key_row(src, center_row, D: tl.constexpr, CENTER: tl.constexpr):
+    """The key row ``[D]`` at ``src`` in FP32, with ``CENTER`` minus the FP32 row at
+    ``center_row`` rounded to the key's dtype (:func:`vllm_nvfp4.key_transform.stored_keys` to
+    the bit)."""
+    d = tl.arange(0, D)
+    x = tl.load(src + d).to(tl.float32)
+    if CENTER:
+        x = x - tl.load(center_row + d)
+        if src.dtype.element_ty == tl.bfloat16:
+            x = _bf16_rounded(x)
+        else:
+            x = x.to(src.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _chunk_halves(x, D: tl.constexpr):
+    """A row ``[D]`` as its even and odd 16-chunks ``[D / 32, 16]``: row ``q`` holds channels
+    ``32 q + i`` and ``32 q + 16 + i``."""
+    lo, hi = tl.split(tl.permute(tl.reshape(x, [D // 32, 2, 16]), (0, 2, 1)))
+    return lo, hi
+
+
+@triton.jit
 def _write_kv_kernel(
     key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+    center_ptr, center0_ptr, first_ptr,
     pos_ptr, rot_idx_ptr, rot_b_ptr, rot_theta_ptr, key0_plain_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_blk,
     K_FMT: tl.constexpr, V_FMT: tl.constexpr,
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
-    H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-    USE_ROT: tl.constexpr, ROT_PAIRS: tl.constexpr, USE_PLAIN0: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, CENTER: tl.constexpr,
+    CENTER0: tl.constexpr, USE_ROT: tl.constexpr, ROT_PAIRS: tl.constexpr,
+    USE_PLAIN0: tl.constexpr,
 ):
-    """One (token, KV head). ``USE_ROT``: the key minus ``R(p) b_k`` (``p = pos[t]``), none at
-    ``p = 0`` where ``USE_PLAIN0`` and ``key0_plain[h]`` (the sink key stored uncentered)."""
+    """One (token, KV head). ``CENTER``: the key minus ``center[h]`` (``center0[h]`` where
+    ``CENTER0`` and ``first[t]``), rounded to the key's dtype; ``USE_ROT``: then minus ``R(p) b_k``
+    (``p = pos[t]``) in FP32, none at ``p = 0`` where ``USE_PLAIN0`` and ``key0_plain[h]`` (the
+    sink key stored uncentered)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -221,42 +246,33 @@ def _write_kv_kernel(
     page = cache_ptr + (slot // BLOCK) * stride_blk
     off = slot % BLOCK
     C: tl.constexpr = D // 16
-    k_src = key_ptr + t.to(tl.int64) * stride_kt + h * stride_kh
-    v_src = value_ptr + t.to(tl.int64) * stride_vt + h * stride_vh
+    center_row = center_ptr + h * D
+    if CENTER0:
+        if tl.load(first_ptr + t) != 0:
+            center_row = center0_ptr + h * D
+    k = _key_row(key_ptr + t.to(tl.int64) * stride_kt + h * stride_kh, center_row, D, CENTER)
+    if USE_ROT:
+        p = tl.zeros([1], tl.int32) + tl.load(pos_ptr + t)
+        k_off = tl.reshape(_rot_offset(tl.arange(0, D), p, rot_idx_ptr, rot_b_ptr, rot_theta_ptr,
+                                       h, D, ROT_PAIRS), [D])
+        if USE_PLAIN0:
+            k_off = tl.where((tl.load(pos_ptr + t) == 0) & (tl.load(key0_plain_ptr + h) != 0),
+                             0.0, k_off)
+        k = k - k_off
+    v = tl.load(value_ptr + t.to(tl.int64) * stride_vt + h * stride_vh
+                + tl.arange(0, D)).to(tl.float32)
     if K_FMT == FMT_FP8:
-        k_off = 0.0
-        if USE_ROT:
-            p = tl.zeros([1], tl.int32) + tl.load(pos_ptr + t)
-            k_off = _rot_offset(tl.arange(0, D), p, rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h, D,
-                                ROT_PAIRS)
-            if USE_PLAIN0:
-                k_off = tl.where((p == 0) & (tl.load(key0_plain_ptr + h) != 0), 0.0, k_off)
-        _store_fp8_row(k_src, page + K_DATA + (h * BLOCK + off) * D, tl.load(k_scale_ptr + h), D,
-                       k_off)
+        _store_fp8_row(k, page + K_DATA + (h * BLOCK + off) * D, tl.load(k_scale_ptr + h), D)
     else:
-        lo_off = 0.0
-        hi_off = 0.0
-        if USE_ROT:
-            p = tl.zeros([1], tl.int32) + tl.load(pos_ptr + t)
-            lo_cols, hi_cols = _row_chunk_cols(D)
-            lo_off = _rot_offset(lo_cols, p[:, None], rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h, D,
-                                 ROT_PAIRS)
-            hi_off = _rot_offset(hi_cols, p[:, None], rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h, D,
-                                 ROT_PAIRS)
-            if USE_PLAIN0:
-                plain = (p[:, None] == 0) & (tl.load(key0_plain_ptr + h) != 0)
-                lo_off = tl.where(plain, 0.0, lo_off)
-                hi_off = tl.where(plain, 0.0, hi_off)
-        _store_nvfp4_row(k_src, page + K_DATA + (h * BLOCK + off) * (D // 2),
-                         page + K_SCALE + (h * BLOCK + off) * C, tl.load(k_scale_ptr + h), D,
-                         lo_off, hi_off)
+        k_lo, k_hi = _chunk_halves(k, D)
+        _store_nvfp4_row(k_lo, k_hi, page + K_DATA + (h * BLOCK + off) * (D // 2),
+                         page + K_SCALE + (h * BLOCK + off) * C, tl.load(k_scale_ptr + h), D)
     if V_FMT == FMT_FP8:
-        _store_fp8_row(v_src, page + V_DATA + (h * BLOCK + off) * D, tl.load(v_scale_ptr + h), D,
-                       0.0)
+        _store_fp8_row(v, page + V_DATA + (h * BLOCK + off) * D, tl.load(v_scale_ptr + h), D)
     else:
-        _store_nvfp4_row(v_src, page + V_DATA + (h * BLOCK + off) * (D // 2),
-                         page + V_SCALE + (h * BLOCK + off) * C, tl.load(v_scale_ptr + h), D,
-                         0.0, 0.0)
+        v_lo, v_hi = _chunk_halves(v, D)
+        _store_nvfp4_row(v_lo, v_hi, page + V_DATA + (h * BLOCK + off) * (D // 2),
+                         page + V_SCALE + (h * BLOCK + off) * C, tl.load(v_scale_ptr + h), D)
 
 
 def write_kv_cache(
@@ -270,19 +286,26 @@ def write_kv_cache(
     rot: Optional[RotCenter] = None,
     positions: Optional[torch.Tensor] = None,
     key0_plain: Optional[torch.Tensor] = None,
+    center: Optional[torch.Tensor] = None,
+    center0: Optional[torch.Tensor] = None,
+    first: Optional[torch.Tensor] = None,
 ) -> None:
     """Launch the write kernel (inputs checked by :func:`vllm_nvfp4.ops.write_kv_cache`).
 
     ``key``/``value [T, H, D]``, ``cache uint8 [N, page_bytes]``, ``slot_mapping [T]``,
     ``k_scale``/``v_scale`` FP32 ``[H]``; ``layout`` a :class:`~vllm_nvfp4.layout.KVPageLayout`.
-    ``rot`` (with ``positions`` int32 ``[T]``, each token's index in its sequence): keys are
-    stored minus ``R(p) b_k``, except at position 0 of the heads where ``key0_plain`` (int32
-    ``[H]``, or None) is nonzero.
+    ``center`` (FP32 ``[H, D]``): keys are stored minus it, rounded back to the key's dtype;
+    ``center0`` (FP32 ``[H, D]``, with ``center`` and ``first``, bool ``[T]``): the center of the
+    tokens where ``first`` is set instead. ``rot`` (with ``positions`` int32 ``[T]``, each token's
+    index in its sequence): keys are then stored minus ``R(p) b_k``, except at position 0 of the
+    heads where ``key0_plain`` (int32 ``[H]``, or None) is nonzero.
     """
     num_tokens, h, d = key.shape
     unused = k_scale  # pointer never read without its constexpr flag
     _write_kv_kernel[(num_tokens, h)](
         key, value, cache, slot_mapping, k_scale, v_scale,
+        unused if center is None else center, unused if center0 is None else center0,
+        unused if center0 is None else first,
         unused if rot is None else positions, *((unused,) * 3 if rot is None else
                                                 (rot.idx, rot.b, rot.theta)),
         unused if key0_plain is None else key0_plain,
@@ -290,7 +313,8 @@ def write_kv_cache(
         K_FMT=format_code(layout.k_format), V_FMT=format_code(layout.v_format),
         K_DATA=layout.k_data_offset, K_SCALE=layout.k_scale_offset,
         V_DATA=layout.v_data_offset, V_SCALE=layout.v_scale_offset,
-        H=h, D=d, BLOCK=layout.block_size,
+        H=h, D=d, BLOCK=layout.block_size, CENTER=center is not None,
+        CENTER0=center is not None and center0 is not None,
         USE_ROT=rot is not None, ROT_PAIRS=1 if rot is None else rot.pairs,
         USE_PLAIN0=rot is not None and key0_plain is not None,
         num_warps=1,

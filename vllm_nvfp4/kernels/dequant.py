@@ -47,8 +47,7 @@ def _dequant_plane(page, off, valid, h, scale, out_rows, pos, shift_row, rot_idx
         if SHIFT0:
             x = tl.where((pos == 0)[:, None], x - tl.load(shift_row + d)[None, :], x)
         if ROT:
-            x += _rot_offset(d[None, :], pos[:, None], rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h,
-                             D, ROT_PAIRS)
+            x += _rot_offset(d, pos, rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h, D, ROT_PAIRS)
         tl.store(out_rows[:, None] + d[None, :], x.to(out_rows.dtype.element_ty),
                  mask=valid[:, None])
     else:
@@ -72,10 +71,8 @@ def _dequant_plane(page, off, valid, h, scale, out_rows, pos, shift_row, rot_idx
             lo = tl.where(first, lo - tl.load(shift_row + e)[None, :], lo)
             hi = tl.where(first, hi - tl.load(shift_row + 16 + e)[None, :], hi)
         if ROT:
-            lo += _rot_offset(e[None, :], pos[:, None], rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h,
-                              D, ROT_PAIRS)
-            hi += _rot_offset(16 + e[None, :], pos[:, None], rot_idx_ptr, rot_b_ptr,
-                              rot_theta_ptr, h, D, ROT_PAIRS)
+            lo += _rot_offset(e, pos, rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h, D, ROT_PAIRS)
+            hi += _rot_offset(16 + e, pos, rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h, D, ROT_PAIRS)
         ty = out_rows.dtype.element_ty
         tl.store(out_rows[:, None] + e[None, :], lo.to(ty), mask=valid[:, None])
         tl.store(out_rows[:, None] + 16 + e[None, :], hi.to(ty), mask=valid[:, None])
