@@ -10,8 +10,8 @@ With K centering (policy ``k_center``) the kernel subtracts the center from each
 :func:`vllm_nvfp4.key_transform.stored_keys` does (FP32, rounded back to the key's dtype), so
 the step launches nothing for it. With a rotating center (``rot``, policy ``k_rot``) it then
 subtracts ``R(p) b_k`` in FP32 before quantizing, ``p`` the token's position from
-``positions``, the angles by :func:`~vllm_nvfp4.kernels.attention._rot_offset` (exactly reduced,
-as the attention kernels').
+``positions``, the angles by :func:`~vllm_nvfp4.kernels.attention._rot_offset_one` (exactly
+reduced, as the attention kernels').
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_nvfp4.kernels.attention import _rot_offset
+from vllm_nvfp4.kernels.attention import _rot_offset_one
 from vllm_nvfp4.kernels.constants import FMT_FP8, format_code
 from vllm_nvfp4.kernels.launch import RotCenter
 from vllm_nvfp4.kernels.e2m1_bytes import pack_e2m1_pair
@@ -171,9 +171,18 @@ def _nvfp4_chunks(x, g, C2: tl.constexpr):
 
 
 @triton.jit
+def _row_chunk_cols(D: tl.constexpr):
+    """Channels ``[D / 32, 16]`` of the even 16-chunks ``2q`` and of the odd ones ``2q + 1``."""
+    q = tl.arange(0, D // 32)
+    i = tl.arange(0, 16)
+    lo = 32 * q[:, None] + i[None, :]
+    return lo, lo + 16
+
+
+@triton.jit
 def _store_nvfp4_row(lo_x, hi_x, data_ptr, scale_ptr, g, D: tl.constexpr):
-    """NVFP4 of one head vector (``D`` a multiple of 64), FP32 as its even and odd 16-chunks
-    (``lo_x`` / ``hi_x [D / 32, 16]``, :func:`_chunk_halves`):
+    """NVFP4 of one head vector (``D`` a multiple of 64), FP32 at the channels of
+    :func:`_row_chunk_cols` (``lo_x`` / ``hi_x [D / 32, 16]``: the even / odd 16-chunks):
     ``data[0:D/2]`` the codes in the layout's chunk-planar order - byte ``32 u + 2 i + b`` of
     64-element group ``u`` holds elements ``64 u + 32 b + i`` and ``+ 16``
     (:func:`pack_e2m1_pair`) - and ``scale_ptr[c]`` the block scale of 16-chunk ``c`` (the
@@ -199,14 +208,13 @@ def _bf16_rounded(x):
 
 
 @triton.jit
-def _key_row(src, center_row, D: tl.constexpr, CENTER: tl.constexpr):
-    """The key row ``[D]`` at ``src`` in FP32, with ``CENTER`` minus the FP32 row at
-    ``center_row`` rounded to the key's dtype (:func:`vllm_nvfp4.key_transform.stored_keys` to
-    the bit)."""
-    d = tl.arange(0, D)
-    x = tl.load(src + d).to(tl.float32)
+def _key_values(src, cols, center_row, CENTER: tl.constexpr):
+    """The key at channels ``cols`` (ints, any shape) of the row at ``src`` in FP32, with
+    ``CENTER`` minus the FP32 row at ``center_row`` rounded to the key's dtype
+    (:func:`vllm_nvfp4.key_transform.stored_keys` to the bit)."""
+    x = tl.load(src + cols).to(tl.float32)
     if CENTER:
-        x = x - tl.load(center_row + d)
+        x = x - tl.load(center_row + cols)
         if src.dtype.element_ty == tl.bfloat16:
             x = _bf16_rounded(x)
         else:
@@ -215,11 +223,16 @@ def _key_row(src, center_row, D: tl.constexpr, CENTER: tl.constexpr):
 
 
 @triton.jit
-def _chunk_halves(x, D: tl.constexpr):
-    """A row ``[D]`` as its even and odd 16-chunks ``[D / 32, 16]``: row ``q`` holds channels
-    ``32 q + i`` and ``32 q + 16 + i``."""
-    lo, hi = tl.split(tl.permute(tl.reshape(x, [D // 32, 2, 16]), (0, 2, 1)))
-    return lo, hi
+def _key_rot_offset(cols, t, h, pos_ptr, rot_idx_ptr, rot_b_ptr, rot_theta_ptr, key0_plain_ptr,
+                    D: tl.constexpr, ROT_PAIRS: tl.constexpr, USE_PLAIN0: tl.constexpr):
+    """``R(p) b_k`` of token ``t`` (``p = pos[t]``) at channels ``cols`` (ints, any shape), FP32
+    of ``cols``' shape; 0 at ``p = 0`` where ``USE_PLAIN0`` and ``key0_plain[h]``."""
+    p = tl.load(pos_ptr + t)
+    off = tl.reshape(_rot_offset_one(tl.reshape(cols, [cols.numel]), p, rot_idx_ptr, rot_b_ptr,
+                                     rot_theta_ptr, h, D, ROT_PAIRS), cols.shape)
+    if USE_PLAIN0:
+        off = tl.where((p == 0) & (tl.load(key0_plain_ptr + h) != 0), 0.0, off)
+    return off
 
 
 @triton.jit
@@ -246,32 +259,38 @@ def _write_kv_kernel(
     page = cache_ptr + (slot // BLOCK) * stride_blk
     off = slot % BLOCK
     C: tl.constexpr = D // 16
+    k_src = key_ptr + t.to(tl.int64) * stride_kt + h * stride_kh
+    v_src = value_ptr + t.to(tl.int64) * stride_vt + h * stride_vh
     center_row = center_ptr + h * D
     if CENTER0:
         if tl.load(first_ptr + t) != 0:
             center_row = center0_ptr + h * D
-    k = _key_row(key_ptr + t.to(tl.int64) * stride_kt + h * stride_kh, center_row, D, CENTER)
-    if USE_ROT:
-        p = tl.zeros([1], tl.int32) + tl.load(pos_ptr + t)
-        k_off = tl.reshape(_rot_offset(tl.arange(0, D), p, rot_idx_ptr, rot_b_ptr, rot_theta_ptr,
-                                       h, D, ROT_PAIRS), [D])
-        if USE_PLAIN0:
-            k_off = tl.where((tl.load(pos_ptr + t) == 0) & (tl.load(key0_plain_ptr + h) != 0),
-                             0.0, k_off)
-        k = k - k_off
-    v = tl.load(value_ptr + t.to(tl.int64) * stride_vt + h * stride_vh
-                + tl.arange(0, D)).to(tl.float32)
     if K_FMT == FMT_FP8:
+        d = tl.arange(0, D)
+        k = _key_values(k_src, d, center_row, CENTER)
+        if USE_ROT:
+            k -= _key_rot_offset(d, t, h, pos_ptr, rot_idx_ptr, rot_b_ptr, rot_theta_ptr,
+                                 key0_plain_ptr, D, ROT_PAIRS, USE_PLAIN0)
         _store_fp8_row(k, page + K_DATA + (h * BLOCK + off) * D, tl.load(k_scale_ptr + h), D)
     else:
-        k_lo, k_hi = _chunk_halves(k, D)
+        lo_cols, hi_cols = _row_chunk_cols(D)
+        k_lo = _key_values(k_src, lo_cols, center_row, CENTER)
+        k_hi = _key_values(k_src, hi_cols, center_row, CENTER)
+        if USE_ROT:
+            k_lo -= _key_rot_offset(lo_cols, t, h, pos_ptr, rot_idx_ptr, rot_b_ptr,
+                                    rot_theta_ptr, key0_plain_ptr, D, ROT_PAIRS, USE_PLAIN0)
+            k_hi -= _key_rot_offset(hi_cols, t, h, pos_ptr, rot_idx_ptr, rot_b_ptr,
+                                    rot_theta_ptr, key0_plain_ptr, D, ROT_PAIRS, USE_PLAIN0)
         _store_nvfp4_row(k_lo, k_hi, page + K_DATA + (h * BLOCK + off) * (D // 2),
                          page + K_SCALE + (h * BLOCK + off) * C, tl.load(k_scale_ptr + h), D)
     if V_FMT == FMT_FP8:
-        _store_fp8_row(v, page + V_DATA + (h * BLOCK + off) * D, tl.load(v_scale_ptr + h), D)
+        _store_fp8_row(tl.load(v_src + tl.arange(0, D)).to(tl.float32),
+                       page + V_DATA + (h * BLOCK + off) * D, tl.load(v_scale_ptr + h), D)
     else:
-        v_lo, v_hi = _chunk_halves(v, D)
-        _store_nvfp4_row(v_lo, v_hi, page + V_DATA + (h * BLOCK + off) * (D // 2),
+        lo_cols, hi_cols = _row_chunk_cols(D)
+        _store_nvfp4_row(tl.load(v_src + lo_cols).to(tl.float32),
+                         tl.load(v_src + hi_cols).to(tl.float32),
+                         page + V_DATA + (h * BLOCK + off) * (D // 2),
                          page + V_SCALE + (h * BLOCK + off) * C, tl.load(v_scale_ptr + h), D)
 
 
