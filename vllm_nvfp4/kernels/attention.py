@@ -126,49 +126,27 @@ def _cos_sin(theta, p, F32: tl.constexpr = True):
 
 
 @triton.jit
-def _rot_pair_values(pos, rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h, KP: tl.constexpr):
-    """Pair indices ``idx [KP]`` of KV head ``h`` and ``R(p) b`` (:class:`launch.RotCenter`) on
-    them at positions ``pos`` (ints ``[T]``, ``< 2^24``): FP32 ``[T, KP]`` at each pair's first
-    channel ``i`` and at its second ``i + D/2``. All pairs' angles at once by :func:`_cos_sin`
-    with ``tl.cos`` / ``tl.sin`` (the cache write and the dequantization, not the attention
-    loop)."""
+def _rot_offset(cols, pos, rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h, D: tl.constexpr,
+                KP: tl.constexpr):
+    """The rotating center ``R(p) b`` (:class:`launch.RotCenter`) of KV head ``h`` at channels
+    ``cols`` (ints ``[C]``) of keys at positions ``pos`` (ints ``[T]``, ``< 2^24``): FP32 ``[T,
+    C]``, 0 off the ``KP`` rotated pairs. For the cache write and the dequantization, not the
+    attention loop: the angles of all pairs at once by :func:`_cos_sin` with ``tl.cos`` /
+    ``tl.sin`` (``[T, KP]``), then each channel gathers its pair's value (``[T, 2 KP]``: column
+    ``2 n`` is pair ``n``'s first channel ``i``, ``2 n + 1`` its second ``i + D/2``), whose slot
+    depends on the channel only."""
     n = tl.arange(0, KP)
     idx = tl.load(rot_idx_ptr + h * KP + n)
     b1 = tl.load(rot_b_ptr + 2 * h * KP + n)[None, :]
     b2 = tl.load(rot_b_ptr + (2 * h + 1) * KP + n)[None, :]
-    c, s = _cos_sin(tl.load(rot_theta_ptr + h * KP + n)[None, :], pos[:, None], True)
-    return idx, b1 * c - b2 * s, b2 * c + b1 * s
-
-
-@triton.jit
-def _rot_offset(cols, pos, rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h, D: tl.constexpr,
-                KP: tl.constexpr):
-    """``R(p) b`` of KV head ``h`` at channels ``cols`` (ints ``[C]``) of keys at positions
-    ``pos`` (ints ``[T]``): FP32 ``[T, C]``, 0 off the ``KP`` rotated pairs
-    (:func:`_rot_pair_values`). Each channel gathers its pair's value from ``[T, 2 KP]`` (column
-    ``2 n`` is pair ``n``'s first channel, ``2 n + 1`` its second) at a slot that depends on the
-    channel only: for many keys (the dequantization)."""
-    idx, first, second = _rot_pair_values(pos, rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h, KP)
-    n = tl.arange(0, KP)
-    vals = tl.reshape(tl.join(first, second), [pos.shape[0], 2 * KP])
+    c, s = _cos_sin(tl.load(rot_theta_ptr + h * KP + n)[None, :], pos[:, None], True)  # [T, KP]
+    vals = tl.reshape(tl.join(b1 * c - b2 * s, b2 * c + b1 * s), [pos.shape[0], 2 * KP])
     # slot + 1 of each channel (0: not rotated), from [C, KP] compares that do not depend on T
     hit = (tl.where(cols[:, None] == idx[None, :], 2 * n[None, :] + 1, 0)
            + tl.where(cols[:, None] == (idx + D // 2)[None, :], 2 * n[None, :] + 2, 0))
     slot = tl.sum(hit, axis=1)  # [C]
     index = tl.zeros_like(pos)[:, None] + tl.maximum(slot - 1, 0)[None, :]  # [T, C]
     return tl.where(slot[None, :] > 0, tl.gather(vals, index, axis=1), 0.0)
-
-
-@triton.jit
-def _rot_offset_one(cols, p, rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h, D: tl.constexpr,
-                    KP: tl.constexpr):
-    """``R(p) b`` of KV head ``h`` at channels ``cols`` (ints ``[C]``) of one key at position
-    ``p``: FP32 ``[C]`` (:func:`_rot_pair_values`), each channel's value selected from ``[C,
-    KP]`` compares (for one key a gather costs more: the cache write)."""
-    idx, first, second = _rot_pair_values(tl.zeros([1], tl.int32) + p, rot_idx_ptr, rot_b_ptr,
-                                           rot_theta_ptr, h, KP)
-    return tl.sum(tl.where(cols[:, None] == idx[None, :], first, 0.0)
-                  + tl.where(cols[:, None] == (idx + D // 2)[None, :], second, 0.0), axis=1)
 
 
 @triton.jit

@@ -10,8 +10,8 @@ With K centering (policy ``k_center``) the kernel subtracts the center from each
 :func:`vllm_nvfp4.key_transform.stored_keys` does (FP32, rounded back to the key's dtype), so
 the step launches nothing for it. With a rotating center (``rot``, policy ``k_rot``) it then
 subtracts ``R(p) b_k`` in FP32 before quantizing, ``p`` the token's position from
-``positions``, the angles by :func:`~vllm_nvfp4.kernels.attention._rot_offset_one` (exactly
-reduced, as the attention kernels').
+``positions``, the angles by :func:`~vllm_nvfp4.kernels.attention._rot_offset` (exactly reduced,
+as the attention kernels').
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_nvfp4.kernels.attention import _rot_offset_one
+from vllm_nvfp4.kernels.attention import _rot_offset
 from vllm_nvfp4.kernels.constants import FMT_FP8, format_code
 from vllm_nvfp4.kernels.launch import RotCenter
 from vllm_nvfp4.kernels.e2m1_bytes import pack_e2m1_pair
@@ -228,8 +228,9 @@ def _key_rot_offset(cols, t, h, pos_ptr, rot_idx_ptr, rot_b_ptr, rot_theta_ptr, 
     """``R(p) b_k`` of token ``t`` (``p = pos[t]``) at channels ``cols`` (ints, any shape), FP32
     of ``cols``' shape; 0 at ``p = 0`` where ``USE_PLAIN0`` and ``key0_plain[h]``."""
     p = tl.load(pos_ptr + t)
-    off = tl.reshape(_rot_offset_one(tl.reshape(cols, [cols.numel]), p, rot_idx_ptr, rot_b_ptr,
-                                     rot_theta_ptr, h, D, ROT_PAIRS), cols.shape)
+    off = tl.reshape(_rot_offset(tl.reshape(cols, [cols.numel]), tl.zeros([1], tl.int32) + p,
+                                 rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h, D, ROT_PAIRS),
+                     cols.shape)
     if USE_PLAIN0:
         off = tl.where((p == 0) & (tl.load(key0_plain_ptr + h) != 0), 0.0, off)
     return off
