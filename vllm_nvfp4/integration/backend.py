@@ -477,19 +477,21 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         if self.layout is None or kv_cache.numel() == 0:
             return  # profiling run before the KV cache exists
         n = min(key.shape[0], slot_mapping.shape[0])
+        if n == 0:
+            return
         key = key[:n]
         # centering alone is subtracted by the write (no launches of its own); with smoothing or
         # a channel permutation the stored keys are computed here
         fused = self.k_smooth is None and self.k_perm is None
         first = positions = None
-        if self.key0_shift is not None and n:  # position 0 stored without mu (k0_center)
+        if self.key0_shift is not None:  # position 0 stored without mu (k0_center)
             first = self._first_keys(n)
             if not fused:
                 center = torch.where(first[:, None, None], self.k0_center, self.k_center)
                 key = stored_keys(key, center, self.k_smooth, self.k_perm)
         elif not fused:
             key = stored_keys(key, self.k_center, self.k_smooth, self.k_perm)
-        if self.rot_center is not None and n:
+        if self.rot_center is not None:
             positions = self._step_tokens("positions", n, "centers K on a rotating offset",
                                           "where")
         self._layer_ops(kv_cache).write(key, value[:n], slot_mapping[:n], positions,
