@@ -36,6 +36,17 @@ def stored_keys(key: torch.Tensor, center: Optional[torch.Tensor] = None,
     return k.to(key.dtype)
 
 
+def key_centers(center: Optional[torch.Tensor], center0: Optional[torch.Tensor] = None,
+                first: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """The center of each written key: ``center`` (FP32 ``[kv_heads, head_dim]``, or None), or
+    with ``center0`` (the same shape: the uncentered sink key's, policy ``k_sink_uncentered``)
+    and ``first`` (bool ``[T]``, the tokens at position 0) ``[T, kv_heads, head_dim]``, taking
+    ``center0`` where ``first``."""
+    if center is None or center0 is None:
+        return center
+    return torch.where(first[:, None, None], center0, center)
+
+
 def sink_shift(center: torch.Tensor, smooth: Optional[torch.Tensor] = None) -> torch.Tensor:
     """What the readers subtract from the decoded key at position 0 where it is stored
     uncentered (``K[perm] / lam``, policy ``k_sink_uncentered``): ``mu / lam`` (``mu`` without

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE, KVFormat, e2m1_value, fp8_quantize, nvfp4_quantize
 from vllm_nvfp4.kernels.launch import RotCenter
-from vllm_nvfp4.key_transform import rot_offset, stored_keys
+from vllm_nvfp4.key_transform import key_centers, rot_offset, stored_keys
 from vllm_nvfp4.layout import (KV, KVPageLayout, nvfp4_element_order, nvfp4_rows_from_packed,
                                unpack_e2m1_pair)
 
@@ -65,9 +65,7 @@ def write_kv_cache(
     if not bool(keep.any()):
         return
     if center is not None:
-        if center0 is not None:
-            center = torch.where(first[:, None, None], center0, center)
-        key = stored_keys(key, center)
+        key = stored_keys(key, key_centers(center, center0, first))
     if rot is not None:
         key = key.float() - rot_offset(rot.idx, rot.b, rot.theta, positions, layout.head_dim,
                                        None if key0_plain is None else key0_plain.bool())

@@ -33,7 +33,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm_nvfp4 import ops
 from vllm_nvfp4.formats import NVFP4_BLOCK_SIZE
 from vllm_nvfp4.kernels.launch import RotCenter
-from vllm_nvfp4.key_transform import permute_channels, stored_keys
+from vllm_nvfp4.key_transform import key_centers, permute_channels, stored_keys
 from vllm_nvfp4.layout import PAGE_ALIGN, KVPageLayout
 from vllm_nvfp4.policy import CHANNEL_FIELDS, DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE, LayerPolicy
 
@@ -458,7 +458,7 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
     def _layer_ops(self, kv_cache: torch.Tensor) -> ops.LayerOps:
         """The layer's cache operations over ``kv_cache`` (vLLM's view), built at its first use."""
         if self._ops_of is not kv_cache:
-            fused = self.k_smooth is None and self.k_perm is None  # see do_kv_cache_update
+            fused = self._center_in_write
             self._ops = ops.LayerOps(page_view(kv_cache, self.layout), self.layout, self.k_scale,
                                      self.v_scale, self.sliding_window, self.logits_soft_cap,
                                      self.sink_logits, key0_shift=self.key0_shift,
@@ -480,22 +480,23 @@ class Nvfp4MixedImpl(AttentionImpl[Nvfp4MixedMetadata]):
         if n == 0:
             return
         key = key[:n]
-        # centering alone is subtracted by the write (no launches of its own); with smoothing or
-        # a channel permutation the stored keys are computed here
-        fused = self.k_smooth is None and self.k_perm is None
         first = positions = None
         if self.key0_shift is not None:  # position 0 stored without mu (k0_center)
             first = self._first_keys(n)
-            if not fused:
-                center = torch.where(first[:, None, None], self.k0_center, self.k_center)
-                key = stored_keys(key, center, self.k_smooth, self.k_perm)
-        elif not fused:
-            key = stored_keys(key, self.k_center, self.k_smooth, self.k_perm)
+        if not self._center_in_write:
+            key = stored_keys(key, key_centers(self.k_center, self.k0_center, first),
+                              self.k_smooth, self.k_perm)
         if self.rot_center is not None:
             positions = self._step_tokens("positions", n, "centers K on a rotating offset",
                                           "where")
         self._layer_ops(kv_cache).write(key, value[:n], slot_mapping[:n], positions,
-                                        first if fused else None)
+                                        first if self._center_in_write else None)
+
+    @property
+    def _center_in_write(self) -> bool:
+        """Whether the cache write subtracts ``k_center`` itself (no launches of its own): without
+        smoothing or a channel permutation, which :func:`stored_keys` applies before the write."""
+        return self.k_smooth is None and self.k_perm is None
 
     def _first_keys(self, n: int) -> torch.Tensor:
         """bool ``[n]``: which of this step's ``n`` written tokens sit at position 0, from the
