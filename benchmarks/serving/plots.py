@@ -31,6 +31,7 @@ def plot_summary(summary_path: Path, plot_dir: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     summary = json.loads(Path(summary_path).read_text())
     suffix = title_suffix(summary)
@@ -65,8 +66,11 @@ def plot_summary(summary_path: Path, plot_dir: Path) -> list[Path]:
         if obj.get("p99_tpot_ms"):
             ax.axhline(obj["p99_tpot_ms"], color="grey", linestyle="--", label="objective")
         ax.set_xscale("log", base=2)
+        rates = sorted({r["rate"] for r in probes})
+        ax.set_xticks(rates, [f"{r:.3g}" for r in rates])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_ylim(bottom=0)
-        ax.set_xlabel("request rate (requests/s, Poisson)")
+        ax.set_xlabel("request rate (requests/s, Poisson; ticks at the probed rates)")
         ax.set_ylabel("TPOT p99 (ms)")
         ax.set_title("Request rate against the latency objective" + suffix, fontsize=9)
         ax.legend(fontsize=8)
