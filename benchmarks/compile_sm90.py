@@ -186,6 +186,8 @@ def main() -> None:
                     help="register cap per thread (default: the launch default's, if any)")
     ap.add_argument("--splits", type=int, default=1, help="NUM_SPLITS (> 1: partial outputs)")
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16,
+                    help="tokens per KV-cache block (vLLM 0.34's default is 64)")
     ap.add_argument("--group", type=int, default=4, help="query heads per KV head (a power of 2)")
     ap.add_argument("--rows", type=int, default=16, help="prefill query rows per program")
     ap.add_argument("--sinks", action="store_true", help="with attention sinks (USE_SINKS)")
@@ -213,7 +215,7 @@ def main() -> None:
     configs = [(f"{kf}+{vf}", shape.tile_n, "decode", shape.num_warps,
                 getattr(shape, "dim_parts", 1), args.maxnreg or getattr(shape, "maxnreg", None))
                for kf, vf in (("fp8", "fp8"), ("nvfp4", "nvfp4"), ("fp8", "nvfp4"), ("nvfp4", "fp8"))
-               for shape in [A.launch_defaults(KVPageLayout(8, args.head_dim, 16, kf, vf), True)]]
+               for shape in [A.launch_defaults(KVPageLayout(8, args.head_dim, args.block_size, kf, vf), True)]]
     if args.configs:
         configs = []
         for c in args.configs:
@@ -223,7 +225,7 @@ def main() -> None:
                             int(parts[4]) if len(parts) > 4 else 1, args.maxnreg))
     for fmt, tile, kind, warps, dim_parts, maxnreg in configs:
         kf, _, vf = fmt.partition("+")  # "fp8" or K+V, e.g. "fp8+nvfp4"
-        lay = KVPageLayout(8, args.head_dim, 16, kf, vf or kf)
+        lay = KVPageLayout(8, args.head_dim, args.block_size, kf, vf or kf)
         stages = args.stages or default_stages(lay, kind)
         variants = (default_variants(lay, kind) if args.variant is None
                     else tuple(v for v in args.variant if v != "none"))
