@@ -14,7 +14,8 @@ Each is a :class:`~vllm_nvfp4.calibration.kv_hooks.KVOption`, passed to
   holds one format per slot);
 * :class:`RotatingCenter` - K centered on a position-dependent offset ``R(p) b`` (the pre-RoPE
   key mean rotated to each key's position) instead of the policy's constant ``mu``; with
-  :func:`hybrid_offsets`, ``R(p) b`` on a few RoPE pairs and a constant offset on the others.
+  :func:`hybrid_offsets`, ``R(p) b`` on a few RoPE pairs and a constant offset on the others;
+* :class:`ValueCenter` - V stored minus a per-head mean value, the mean added back after decoding.
 """
 
 from __future__ import annotations
@@ -287,3 +288,27 @@ class RotatingCenter(KVOption):
                                   nvfp4_decoding, dtype=torch.float32)
             out[..., :1, :] = torch.where(heads.to(out.device)[:, None, None], first, out[..., :1, :])
         return out.to(stored.dtype)
+
+
+@dataclass(frozen=True)
+class ValueCenter(KVOption):
+    """V stored as ``V - nu`` in the layers whose V is NVFP4 (``nu``: per decoder layer, FP32
+    ``[kv_heads, head_dim]``, e.g. the calibration window's mean value), ``nu`` added back after
+    decoding. Without attention sinks the softmax weights sum to 1, so this equals adding ``nu``
+    to the attention output: no bytes stored. Quantized with the policy's V global scale.
+    ``first_uncentered``: the value at position 0 (the attention sink's, small and heavily
+    attended) stored as it is."""
+
+    means: Mapping[int, torch.Tensor] = field(default_factory=dict)
+    first_uncentered: bool = False
+
+    def stored_value(self, layer: int, stored: torch.Tensor, value: torch.Tensor,
+                     quant: LayerQuant, nonfinite: NonFinite, nvfp4_decoding: str) -> torch.Tensor:
+        if quant.v_fmt != KVFormat.NVFP4 or layer not in self.means:
+            return stored
+        nu = self.means[layer].to(value.device)[:, None, :]  # [kv_heads, 1, D]
+        centered = (value.float() - nu).to(value.dtype)
+        out = fake_quantize(centered, "nvfp4", quant.v_scale, nonfinite, nvfp4_decoding).float() + nu
+        if self.first_uncentered:
+            out[..., :1, :] = stored[..., :1, :]
+        return out
