@@ -69,6 +69,16 @@ def load_study(model_dir: Path, text_path: Path, dtype: str) -> tuple[Any, Any, 
     return model, info, head, tail
 
 
+def load_slot_study(a: argparse.Namespace) -> tuple[Any, Any, list[int], list[int]]:
+    """:func:`load_study` for a study with ``--fp8-slots``: the slots checked before the model
+    loads and against its KV layers after, ``--out`` made."""
+    check_fp8_slots(a.fp8_slots)
+    a.out.mkdir(parents=True, exist_ok=True)
+    model, info, head, tail = load_study(a.model, a.text, a.dtype)
+    check_fp8_slots(a.fp8_slots, info.kv_layers)
+    return model, info, head, tail
+
+
 def row(name: str, m: dict[str, Any]) -> str:
     """One printed line of a measurement: top-1, delta NLL with its 95% interval, KL."""
     lo, hi = m["dnll"] - Z95 * m["dnll_se"], m["dnll"] + Z95 * m["dnll_se"]

@@ -23,7 +23,7 @@ import json
 import sys
 from typing import Any, Optional, Sequence
 
-from studies.common import check_fp8_slots, load_study, recovery, row, study_parser, with_fp8_slots
+from studies.common import load_slot_study, recovery, row, study_parser, with_fp8_slots
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -37,11 +37,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = study_parser(__doc__, ())
     ap.add_argument("--fp8-slots", nargs="*", default=[], help="slots like 14k 3v kept in FP8 in the mix")
     a = ap.parse_args(argv)
-    check_fp8_slots(a.fp8_slots)
-    a.out.mkdir(parents=True, exist_ok=True)
     w = a.window
-    model, info, head, tail = load_study(a.model, a.text, a.dtype)
-    check_fp8_slots(a.fp8_slots, info.kv_layers)
+    model, info, head, tail = load_slot_study(a)
     observer = observe_amax(model, torch.tensor(head[:w]).view(1, w), info.num_layers,
                             kv_layers=info.kv_layers)
     formats = KVPolicy.from_compact("*:fp8", info.num_layers, layer_types=info.layer_types)

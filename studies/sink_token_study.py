@@ -28,7 +28,7 @@ import json
 import sys
 from typing import Any, Optional, Sequence
 
-from studies.common import check_fp8_slots, load_study, recovery, row, study_parser, with_fp8_slots
+from studies.common import load_slot_study, recovery, row, study_parser, with_fp8_slots
 
 DEFAULT_SINKS = ("fp8:1", "uncentered:1", "fp8:16", "uncentered:16", "exact:16")
 FIT_STORE = "uncentered-fit"
@@ -95,13 +95,27 @@ def key_stats(model: Any, windows: Any, policy: Any) -> dict[str, dict[str, floa
     return out
 
 
+def centered_scales(model: Any, info: Any, calib: Any) -> tuple[Any, frozenset[int]]:
+    """The all-FP8 policy with scales and K centering calibrated on ``calib`` (token ids ``[1,
+    T]``), and the layers whose first calibration key fits the NVFP4 range uncentered (where the
+    served sink key goes)."""
+    from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy
+    from vllm_nvfp4.policy import KVPolicy
+
+    observer = observe_amax(model, calib, info.num_layers, kv_layers=info.kv_layers)
+    scaled = scaled_policy(KVPolicy.from_compact("*:fp8", info.num_layers,
+                                                 layer_types=info.layer_types),
+                           observer, False, {}, None, True)
+    fitting = frozenset(int(i) for i, v in key_stats(model, calib, scaled).items()
+                        if v["raw_amax_over_range"] <= 1)
+    return scaled, fitting
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import torch
 
     from vllm_nvfp4.calibration.evaluator import Evaluator
-    from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy
     from vllm_nvfp4.calibration.sensitivity import all_format
-    from vllm_nvfp4.policy import KVPolicy
 
     ap = study_parser(__doc__, ())
     ap.set_defaults(window=1024)
@@ -110,18 +124,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = ap.parse_args(argv)
     for s in a.sinks:
         parse_sink(s)  # bad entries fail before the model loads
-    check_fp8_slots(a.fp8_slots)
-    a.out.mkdir(parents=True, exist_ok=True)
     w = a.window
-    model, info, head, tail = load_study(a.model, a.text, a.dtype)
-    layers = info.num_layers
-    check_fp8_slots(a.fp8_slots, info.kv_layers)
+    model, info, head, tail = load_slot_study(a)
     calib = torch.tensor(head[:w]).view(1, w)
-    observer = observe_amax(model, calib, layers, kv_layers=info.kv_layers)
-    scaled = scaled_policy(KVPolicy.from_compact("*:fp8", layers, layer_types=info.layer_types),
-                           observer, False, {}, None, True)
-    fitting = frozenset(int(i) for i, v in key_stats(model, calib, scaled).items()
-                        if v["raw_amax_over_range"] <= 1)
+    scaled, fitting = centered_scales(model, info, calib)
     sinks = [parse_sink(s, fitting, info.kv_layers) for s in a.sinks]
     nv = all_format(scaled, "nvfp4")
     bases = {"all_nvfp4": nv}

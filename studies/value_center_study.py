@@ -24,7 +24,7 @@ import json
 import sys
 from typing import Any, Optional, Sequence
 
-from studies.common import check_fp8_slots, load_study, recovery, row, study_parser, with_fp8_slots
+from studies.common import load_slot_study, recovery, row, study_parser, with_fp8_slots
 
 
 def value_means(model: Any, window: Any, num_layers: int) -> dict[int, Any]:
@@ -69,28 +69,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import torch
 
     from studies.kv_options import KeySink, ValueCenter
-    from studies.sink_token_study import key_stats
+    from studies.sink_token_study import centered_scales
     from vllm_nvfp4.calibration.evaluator import Evaluator
-    from vllm_nvfp4.calibration.scales import observe_amax, scaled_policy
     from vllm_nvfp4.calibration.sensitivity import all_format
-    from vllm_nvfp4.policy import KVPolicy
 
     ap = study_parser(__doc__, ())
     ap.set_defaults(window=1024)
     ap.add_argument("--fp8-slots", nargs="*", default=[], help="slots like 14k 3v kept in FP8 in the mix")
     a = ap.parse_args(argv)
-    check_fp8_slots(a.fp8_slots)
-    a.out.mkdir(parents=True, exist_ok=True)
     w = a.window
-    model, info, head, tail = load_study(a.model, a.text, a.dtype)
+    model, info, head, tail = load_slot_study(a)
     layers = info.num_layers
-    check_fp8_slots(a.fp8_slots, info.kv_layers)
     calib = torch.tensor(head[:w]).view(1, w)
-    observer = observe_amax(model, calib, layers, kv_layers=info.kv_layers)
-    scaled = scaled_policy(KVPolicy.from_compact("*:fp8", layers, layer_types=info.layer_types),
-                           observer, False, {}, None, True)
-    fitting = frozenset(int(i) for i, v in key_stats(model, calib, scaled).items()
-                        if v["raw_amax_over_range"] <= 1)
+    scaled, fitting = centered_scales(model, info, calib)
     means = value_means(model, calib, layers)
     heldout = torch.tensor(tail[-w * a.heldout_windows:]).view(a.heldout_windows, w)
     share = constant_share(model, heldout, means, layers)
