@@ -16,6 +16,7 @@ Each is a :class:`~vllm_nvfp4.calibration.kv_hooks.KVOption`, passed to
   key mean rotated to each key's position) instead of the policy's constant ``mu``; with
   :func:`hybrid_offsets`, ``R(p) b`` on a few RoPE pairs and a constant offset on the others;
 * :class:`ValueCenter` - V stored minus a per-head mean value, the mean added back after decoding.
+* :class:`ValueSink` - the first values of every sequence stored in FP8 or unquantized.
 """
 
 from __future__ import annotations
@@ -311,4 +312,31 @@ class ValueCenter(KVOption):
         out = fake_quantize(centered, "nvfp4", quant.v_scale, nonfinite, nvfp4_decoding).float() + nu
         if self.first_uncentered:
             out[..., :1, :] = stored[..., :1, :]
+        return out
+
+
+@dataclass(frozen=True)
+class ValueSink(KVOption):
+    """The first ``tokens`` values of every sequence stored ``store`` (``fp8``: at the layer's
+    NVFP4 global scale x 6, as :class:`KeySink`; ``exact``: unquantized) in the layers whose V
+    is NVFP4: what an FP8 sink slot holding the value beside the key would add."""
+
+    tokens: int
+    store: str = "fp8"
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1 or self.store not in ("fp8", "exact"):
+            raise ValueError(f"ValueSink needs tokens >= 1 and store fp8 or exact, got "
+                             f"{self.tokens}, {self.store!r}")
+
+    def stored_value(self, layer: int, stored: torch.Tensor, value: torch.Tensor,
+                     quant: LayerQuant, nonfinite: NonFinite, nvfp4_decoding: str) -> torch.Tensor:
+        if quant.v_fmt != KVFormat.NVFP4:
+            return stored
+        head = value[..., :self.tokens, :]
+        if self.store == "fp8":
+            fp8_scale = torch.as_tensor(quant.v_scale, dtype=torch.float32) * E2M1_MAX
+            head = fake_quantize(head, "fp8", fp8_scale, nonfinite)
+        out = stored.clone()
+        out[..., :self.tokens, :] = head.to(out.dtype)
         return out

@@ -11,7 +11,8 @@ store no extra bytes. On held-out windows, against the unquantized cache: calibr
 all-NVFP4 (K centering on), then all-NVFP4 and the ``--fp8-slots`` mix, each plain, with V
 centered (:class:`~studies.kv_options.ValueCenter`; also with the first value left as it is),
 with the served sink key (NVFP4 before K centering in the layers where the calibration window's
-first key fits) and with both. Each row
+first key fits) and with both; and the sink key with the first value stored FP8 or exact
+(:class:`~studies.kv_options.ValueSink`: what a sink slot holding the value would add). Each row
 gets its top-1 and delta-NLL gap recovery; writes ``DIR/value_center.json`` with, per layer,
 the median over heads of ``|nu| / rms(V - nu)`` (how much of V is constant).
 
@@ -68,7 +69,7 @@ def constant_share(model: Any, windows: Any, means: dict[int, Any], num_layers: 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import torch
 
-    from studies.kv_options import KeySink, ValueCenter
+    from studies.kv_options import KeySink, ValueCenter, ValueSink
     from studies.sink_token_study import centered_scales
     from vllm_nvfp4.calibration.evaluator import Evaluator
     from vllm_nvfp4.calibration.sensitivity import all_format
@@ -92,7 +93,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                " + V centered but the first": (ValueCenter(means, first_uncentered=True),),
                " + sink key": (sink,),
                " + sink key + V centered": (sink, ValueCenter(means)),
-               " + sink key + V centered but the first": (sink, ValueCenter(means, first_uncentered=True))}
+               " + sink key + V centered but the first": (sink, ValueCenter(means, first_uncentered=True)),
+               " + sink key + first value fp8": (sink, ValueSink(1, "fp8")),
+               " + sink key + first value exact": (sink, ValueSink(1, "exact"))}
     nv = all_format(scaled, "nvfp4")
     bases = {"all_nvfp4": nv}
     if a.fp8_slots:

@@ -1,11 +1,13 @@
-"""Value centering of the reference path (a study option): NVFP4-V layers store ``V - nu`` and add
-``nu`` back; FP8-V layers and layers without a mean are left as the policy stores them."""
+"""Value options of the reference path (studies): centering (NVFP4-V layers store ``V - nu`` and
+add ``nu`` back) and the first values stored FP8 or exact; FP8-V layers, and layers without a
+mean, are left as the policy stores them."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from studies.kv_options import ValueCenter
+from studies.kv_options import ValueCenter, ValueSink
 from vllm_nvfp4.calibration.kv_hooks import LayerQuant, fake_quantize
 
 
@@ -41,3 +43,20 @@ def test_fp8_values_and_layers_without_a_mean_are_untouched():
     plain = fake_quantize(value, "nvfp4", gs)
     assert ValueCenter({0: nu}).stored_value(1, plain, value, LayerQuant("nvfp4", "nvfp4", gs, gs),
                                              "propagate", "exact") is plain
+
+
+def test_value_sink_replaces_only_the_first_values_of_nvfp4_v():
+    value, _, gs = _values()
+    lq = LayerQuant("nvfp4", "nvfp4", gs, gs)
+    plain = fake_quantize(value, "nvfp4", gs)
+    fp8 = ValueSink(2, "fp8").stored_value(0, plain, value, lq, "propagate", "exact")
+    assert torch.equal(fp8[..., :2, :], fake_quantize(value[..., :2, :], "fp8", gs * 6))
+    assert torch.equal(fp8[..., 2:, :], plain[..., 2:, :])
+    assert not torch.equal(fp8[..., :2, :], plain[..., :2, :])
+    exact = ValueSink(1, "exact").stored_value(0, plain, value, lq, "propagate", "exact")
+    assert torch.equal(exact[..., :1, :], value[..., :1, :])
+    fp8_v = fake_quantize(value, "fp8", gs)
+    assert ValueSink(1).stored_value(0, fp8_v, value, LayerQuant("nvfp4", "fp8", gs, gs),
+                                     "propagate", "exact") is fp8_v
+    with pytest.raises(ValueError, match="store fp8 or exact"):
+        ValueSink(1, "nvfp4")
