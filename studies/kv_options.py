@@ -67,6 +67,13 @@ class KVRotation(KVOption):
         return unrotate(out, rotation_matrix(self.kind, out.shape[-1]))
 
 
+def fp8_at_nvfp4_range(x: torch.Tensor, nvfp4_scale: ScaleArg, nonfinite: NonFinite) -> torch.Tensor:
+    """``x [..., kv_heads, seq, head_dim]`` through FP8 at the slot's NVFP4 global scale x 6
+    (amax/448 where the global scale is amax/2688): a sink copy covering the NVFP4 range."""
+    return fake_quantize(x, "fp8", torch.as_tensor(nvfp4_scale, dtype=torch.float32) * E2M1_MAX,
+                         nonfinite)
+
+
 #: how :class:`KeySink` stores the sink keys: FP8 at 6x the NVFP4 global scale, unquantized, or NVFP4
 #: of the key before K centering (the center subtracted after decoding)
 KEY_SINK_STORES = ("fp8", "exact", "uncentered")
@@ -120,8 +127,7 @@ class KeySink(KVOption):
         else:
             head = stored_keys(raw, mu, lam, perm)
             if self.store == "fp8":
-                fp8_scale = torch.as_tensor(quant.k_scale, dtype=torch.float32) * E2M1_MAX
-                head = fake_quantize(head, "fp8", fp8_scale, nonfinite)
+                head = fp8_at_nvfp4_range(head, quant.k_scale, nonfinite)
         out = stored.clone()
         out[..., :n, :] = head.to(out.dtype)
         return out
@@ -317,8 +323,8 @@ class ValueCenter(KVOption):
 
 @dataclass(frozen=True)
 class ValueSink(KVOption):
-    """The first ``tokens`` values of every sequence stored ``store`` (``fp8``: at the layer's
-    NVFP4 global scale x 6, as :class:`KeySink`; ``exact``: unquantized) in the layers whose V
+    """The first ``tokens`` values of every sequence stored ``store`` (``fp8``:
+    :func:`fp8_at_nvfp4_range`, as :class:`KeySink`; ``exact``: unquantized) in the layers whose V
     is NVFP4: what an FP8 sink slot holding the value beside the key would add."""
 
     tokens: int
@@ -335,8 +341,7 @@ class ValueSink(KVOption):
             return stored
         head = value[..., :self.tokens, :]
         if self.store == "fp8":
-            fp8_scale = torch.as_tensor(quant.v_scale, dtype=torch.float32) * E2M1_MAX
-            head = fake_quantize(head, "fp8", fp8_scale, nonfinite)
+            head = fp8_at_nvfp4_range(head, quant.v_scale, nonfinite)
         out = stored.clone()
         out[..., :self.tokens, :] = head.to(out.dtype)
         return out
