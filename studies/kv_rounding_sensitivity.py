@@ -30,7 +30,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from vllm_nvfp4.calibration.data import DataError, add_text_arguments, load_windows
-from vllm_nvfp4.calibration.kv_hooks import attention_modules, kv_cache_quantization
+from vllm_nvfp4.calibration.hf_model import attention_modules
+from vllm_nvfp4.calibration.kv_hooks import kv_cache_quantization
 from vllm_nvfp4.calibration.modeling import ModelError, load_model
 from vllm_nvfp4.calibration.progress import progress
 from vllm_nvfp4.policy import KVPolicy, PolicyError

@@ -89,7 +89,8 @@ def check_rope(model: Any, ids: Any, offset: int = 0, atol: float = 1e-4) -> flo
     import torch
 
     from studies.kv_options import rope_frequencies, rope_rotate
-    from vllm_nvfp4.calibration.kv_hooks import attention_modules, kv_cache_quantization, text_config
+    from vllm_nvfp4.calibration.hf_model import attention_modules, text_config
+    from vllm_nvfp4.calibration.kv_hooks import kv_cache_quantization
     from vllm_nvfp4.calibration.modeling import shifted_position_ids
 
     cfg = text_config(model)
@@ -227,7 +228,7 @@ def variant_policies(policy: Any, cal: dict[str, Any], inv_freq: Any, scaling: f
 def calibration_windows(policy: Any, tokenizer: Any, model: Any) -> Any:
     """POLICY's calibration windows ``[n, T]`` as ``vllm-nvfp4 calibrate`` cut them (provenance)."""
     from vllm_nvfp4.calibration.data import load_windows
-    from vllm_nvfp4.calibration.kv_hooks import text_config
+    from vllm_nvfp4.calibration.hf_model import text_config
 
     data = policy.provenance["data"]
     paths = [Path(f["path"]) for f in data["files"]]

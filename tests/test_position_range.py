@@ -228,7 +228,7 @@ def test_shifted_windows_run_on_local_global_and_sink_models(arch: str, tmp_path
     offsets widen the K range of every layer (>=) and of some (>)."""
     from transformers import AutoModelForCausalLM
 
-    from vllm_nvfp4.calibration.kv_hooks import model_layer_types
+    from vllm_nvfp4.calibration.hf_model import model_layer_types
     from vllm_nvfp4.calibration.modeling import shifted_position_ids
     from vllm_nvfp4.calibration.scales import observe_amax
     from vllm_nvfp4.testing.hybrid_models import build_tiny_hybrid

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from studies.sink_long_context_study import CONFIGS, answer_score, run, table
-from vllm_nvfp4.calibration.kv_hooks import KVObserver, attention_modules, kv_cache_quantization
+from vllm_nvfp4.calibration.hf_model import attention_modules
+from vllm_nvfp4.calibration.kv_hooks import KVObserver, kv_cache_quantization
 from vllm_nvfp4.calibration.scales import scaled_policy
 from vllm_nvfp4.evaluation import passkey
 from vllm_nvfp4.policy import KVPolicy

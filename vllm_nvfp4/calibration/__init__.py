@@ -4,6 +4,7 @@ Modules, one job each:
 
 * :mod:`.kv_hooks` - run a transformers causal LM with K/V fake-quantized exactly as the cache
   stores them (post-RoPE, per head vector, :mod:`vllm_nvfp4.formats`), or observe K/V amax.
+* :mod:`.hf_model` - the model's text config, attention modules and layer types.
 * :mod:`.data` - text / JSONL files -> token windows (calibration + held-out).
 * :mod:`.modeling` - load a model, its KV geometry and config hash.
 * :mod:`.scales` - amax -> FP8 scales (amax/448) and NVFP4 global scales (amax/2688).

@@ -18,7 +18,8 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from vllm_nvfp4.calibration.kv_hooks import KVOption, attention_modules, kv_cache_quantization
+from vllm_nvfp4.calibration.hf_model import attention_modules
+from vllm_nvfp4.calibration.kv_hooks import KVOption, kv_cache_quantization
 from vllm_nvfp4.calibration.modeling import input_device
 from vllm_nvfp4.calibration.metrics import Metrics, Reference, per_token_damage, reference_from_logits, summarize
 from vllm_nvfp4.policy import KVPolicy

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from vllm_nvfp4.calibration.kv_hooks import attention_modules, model_layer_types, text_config
+from vllm_nvfp4.calibration.hf_model import attention_modules, model_layer_types, text_config
 from vllm_nvfp4.policy import LayerType
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

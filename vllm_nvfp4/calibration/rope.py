@@ -16,6 +16,8 @@ from typing import Optional, Union
 
 import torch
 
+from vllm_nvfp4.calibration.hf_model import attention_modules, text_config
+
 
 @dataclass(frozen=True)
 class Rope:
@@ -82,8 +84,6 @@ def _is_rotate_half(attention: torch.nn.Module) -> bool:
 def model_rope(model: torch.nn.Module, head_dim: int) -> Union[Rope, str]:
     """The model's :class:`Rope` where the rotating K center fits it (rotate-half pairs over all
     of ``head_dim``, one position id per token), else the reason it does not, in words."""
-    from vllm_nvfp4.calibration.kv_hooks import attention_modules, text_config
-
     cfg = text_config(model)
     for attr in ("rope_parameters", "rope_scaling"):
         params = getattr(cfg, attr, None)
