@@ -1,11 +1,15 @@
-"""Per-step cost of marking the position-0 tokens (policies with ``k_sink_uncentered``).
+"""Per-step cost of the token fields the cache write reads: the position-0 marks (policies with
+``k_sink_uncentered``) and each token's position (policies with ``k_rot``).
 
-The metadata builder runs :func:`vllm_nvfp4.integration.backend.mark_first_keys` eagerly in every
-step, decode steps replayed from a CUDA graph included. This times it against the accumulating
-``index_put_`` it replaced (which sorts the rows on CUDA), for a decode batch (one token per
-request, a full graph's padded requests after it) and a mixed batch, with the builder's buffers
-(``--tokens``: vLLM's ``max_num_batched_tokens``): host time per call (launches queued, one sync
-at the end) and GPU time per call (CUDA events), the median of ``--reps`` repetitions.
+The metadata builder runs :func:`vllm_nvfp4.integration.backend.mark_first_keys` and
+:func:`~vllm_nvfp4.integration.backend.token_positions` eagerly in every step, decode steps
+replayed from a CUDA graph included. This times them, the accumulating ``index_put_`` the marking
+replaced (which sorts the rows on CUDA), and both fields taken from the positions vLLM's model
+runner already holds (``CommonAttentionMetadata.positions``, int64: one cast-copy, one compare),
+for a decode batch (one token per request, a full graph's padded requests after it) and a mixed
+batch, with the builder's buffers (``--tokens``: vLLM's ``max_num_batched_tokens``): host time
+per call (launches queued, one sync at the end) and GPU time per call (CUDA events), the median of
+``--reps`` repetitions.
 
     python benchmarks/first_keys_overhead.py [--calls 2000] [--device cuda]
 """
@@ -30,10 +34,21 @@ def accumulating(query_start_loc, seq_lens, num_reqs, counts, marks):
     return torch.gt(counts[:marks.shape[0]], 0, out=marks)
 
 
-def batch(q_lens: list[int], ctx: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def from_vllm_positions(positions, pos_out, marks):
+    """Both fields from vLLM's int64 ``positions`` ``[n]``: ``pos_out[:n]`` (int32) and
+    ``marks[:n]`` (position 0)."""
+    n = positions.shape[0]
+    pos_out[:n].copy_(positions)
+    return torch.eq(pos_out[:n], 0, out=marks[:n])
+
+
+def batch(q_lens: list[int], ctx: list[int], device: str
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``query_start_loc``, ``seq_lens`` (int32) and vLLM's positions of the real tokens (int64)."""
     q = torch.tensor(q_lens)
     qsl = torch.cat([torch.zeros(1, dtype=torch.int64), q.cumsum(0)]).to(torch.int32)
-    return qsl.to(device), (q + torch.tensor(ctx)).to(torch.int32).to(device)
+    pos = torch.cat([c + torch.arange(n) for n, c in zip(q_lens, ctx)]).to(torch.int64)
+    return qsl.to(device), (q + torch.tensor(ctx)).to(torch.int32).to(device), pos.to(device)
 
 
 def time_calls(fn, args, calls: int, device: str) -> tuple[float, float]:
@@ -58,7 +73,7 @@ def time_calls(fn, args, calls: int, device: str) -> tuple[float, float]:
 
 
 def main() -> int:
-    from vllm_nvfp4.integration.backend import mark_first_keys
+    from vllm_nvfp4.integration.backend import mark_first_keys, token_positions
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -73,14 +88,25 @@ def main() -> int:
     out = {"device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
            "torch": torch.__version__, "tokens": a.tokens, "cases": {}}
     for name, (q_lens, ctx) in cases.items():
-        qsl, seq_lens = batch(q_lens, ctx, a.device)
+        qsl, seq_lens, vllm_pos = batch(q_lens, ctx, a.device)
+        n = vllm_pos.shape[0]
         counts = torch.zeros(a.tokens + 1, dtype=torch.int32, device=a.device)
         marks = torch.zeros(a.tokens, dtype=torch.bool, device=a.device)
+        rows = torch.arange(a.tokens, dtype=torch.int32, device=a.device)
+        pos_out = torch.zeros(a.tokens, dtype=torch.int32, device=a.device)
         args = (qsl, seq_lens, len(q_lens), counts, marks)
+        pos_args = (qsl, seq_lens, len(q_lens), rows, pos_out)
         assert torch.equal(mark_first_keys(*args).clone(), accumulating(*args))
+        first = mark_first_keys(*args)[:n].clone()
+        assert torch.equal(token_positions(*pos_args)[:n].long(), vllm_pos)
+        assert torch.equal(from_vllm_positions(vllm_pos, pos_out, marks), first)
         row = {}
-        for label, fn in (("scatter (now)", mark_first_keys), ("accumulating index_put_", accumulating)):
-            runs = [time_calls(fn, args, a.calls, a.device) for _ in range(a.reps)]
+        for label, fn, fn_args in (
+                ("first keys: scatter (now)", mark_first_keys, args),
+                ("first keys: accumulating index_put_", accumulating, args),
+                ("positions (now)", token_positions, pos_args),
+                ("both from vLLM's positions", from_vllm_positions, (vllm_pos, pos_out, marks))):
+            runs = [time_calls(fn, fn_args, a.calls, a.device) for _ in range(a.reps)]
             row[label] = {"host_us": round(statistics.median(r[0] for r in runs), 1),
                           "gpu_us": round(statistics.median(r[1] for r in runs), 1)}
         out["cases"][name] = row
