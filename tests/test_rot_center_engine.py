@@ -84,8 +84,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     def recording(self, common_prefix_len, m, fast_build=False):
         meta = build(self, common_prefix_len, m, fast_build)
         if meta.positions is not None and m.positions is not None:
+            # served: vLLM's positions; derived (what steps without them use): the same
             n = m.num_actual_tokens
-            checked.append((n, torch.equal(meta.positions[:n].long(), m.positions[:n].long())))
+            derived = backend.token_positions(m.query_start_loc, m.seq_lens, m.num_reqs,
+                                              torch.arange(n, dtype=torch.int32),
+                                              torch.empty(n, dtype=torch.int32))
+            want = m.positions[:n].long()
+            checked.append((n, torch.equal(meta.positions[:n].long(), want)
+                            and torch.equal(derived.long(), want)))
         return meta
 
     mp = pytest.MonkeyPatch()

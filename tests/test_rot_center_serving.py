@@ -111,6 +111,44 @@ def test_token_positions_of_random_batches_with_padded_requests():
         assert torch.equal(got, _definition(q_lens, seq_lens, n)), (trial, q_lens, seq_lens)
 
 
+def test_fields_from_vllm_positions_equal_the_derived_ones():
+    """The builder's fast path: vLLM's positions (the model runner's ``num_computed + i``, a full
+    graph's padded tokens 0) give every real token the position and the position-0 mark that
+    :func:`token_positions` and :func:`mark_first_keys` derive from the query and sequence
+    lengths; :func:`vllm_token_positions` takes only one integer position per token."""
+    from types import SimpleNamespace
+
+    from vllm_nvfp4.integration.backend import (fields_from_vllm_positions, mark_first_keys,
+                                                vllm_token_positions)
+
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(40):
+        live = int(torch.randint(1, 9, (1,), generator=gen))
+        q = torch.randint(0, 6, (live,), generator=gen)
+        ctx = torch.randint(0, 3000, (live,), generator=gen) * (torch.rand(live, generator=gen) < 0.5)
+        pad = int(torch.randint(0, 4, (1,), generator=gen))
+        q_lens, seq_lens = q.tolist() + [0] * pad, (q + ctx).tolist() + [0] * pad
+        real = sum(q_lens)
+        padded = real + int(torch.randint(0, 5, (1,), generator=gen))
+        vllm_pos = torch.zeros(padded, dtype=torch.int64)
+        vllm_pos[:real] = torch.cat([c + torch.arange(n) for n, c in zip(q.tolist(), ctx.tolist())])
+        size = padded + 3
+        out = torch.full((size,), 99, dtype=torch.int32)
+        marks = torch.zeros(size, dtype=torch.bool)
+        assert fields_from_vllm_positions(vllm_pos, out, marks) == padded
+        assert torch.equal(out[:real], _definition(q_lens, seq_lens, real)), trial
+        qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+        derived = mark_first_keys(qsl, torch.tensor(seq_lens, dtype=torch.int32), len(q_lens),
+                                  torch.zeros(size + 1, dtype=torch.int32),
+                                  torch.ones(size, dtype=torch.bool))
+        assert torch.equal(marks[:real], derived[:real]), trial
+        assert fields_from_vllm_positions(vllm_pos, out[:2], None) == min(padded, 2)
+    pos = torch.arange(5)
+    assert vllm_token_positions(SimpleNamespace(positions=pos, num_actual_tokens=5)) is pos
+    for bad in (None, torch.zeros(3, 5, dtype=torch.int64), pos.float(), pos[:4]):
+        assert vllm_token_positions(SimpleNamespace(positions=bad, num_actual_tokens=5)) is None
+
+
 # ---------------------------------------------------------------------------- the write
 def _write_case(kf: str, seed: int):
     lay = KVPageLayout(3, 64, 16, kf, "nvfp4")
