@@ -95,15 +95,21 @@ def test_token_positions_of_a_hand_built_batch():
     assert torch.equal(got, _definition(q_lens, seq_lens, 23))
 
 
+def _random_batch(gen: torch.Generator, fresh: float) -> tuple[list[int], list[int], list[int]]:
+    """1-8 requests of 0-5 query tokens, each with no context (probability ``fresh``) or up to
+    3000 tokens of it, then 0-3 empty padded requests: ``q_lens``, ``seq_lens`` (padded
+    included) and the live requests' contexts."""
+    live = int(torch.randint(1, 9, (1,), generator=gen))
+    q = torch.randint(0, 6, (live,), generator=gen)
+    ctx = torch.randint(0, 3000, (live,), generator=gen) * (torch.rand(live, generator=gen) >= fresh)
+    pad = int(torch.randint(0, 4, (1,), generator=gen))
+    return q.tolist() + [0] * pad, (q + ctx).tolist() + [0] * pad, ctx.tolist()
+
+
 def test_token_positions_of_random_batches_with_padded_requests():
     gen = torch.Generator().manual_seed(3)
     for trial in range(60):
-        live = int(torch.randint(1, 9, (1,), generator=gen))
-        q = torch.randint(0, 6, (live,), generator=gen)
-        ctx = torch.randint(0, 3000, (live,), generator=gen) * (torch.rand(live, generator=gen) < 0.6)
-        pad = int(torch.randint(0, 4, (1,), generator=gen))
-        q_lens = q.tolist() + [0] * pad
-        seq_lens = (q + ctx).tolist() + [0] * pad
+        q_lens, seq_lens, _ = _random_batch(gen, fresh=0.4)
         n = sum(q_lens) + (0 if trial % 2 else 5)
         if n == 0:
             continue
@@ -123,15 +129,11 @@ def test_fields_from_vllm_positions_equal_the_derived_ones():
 
     gen = torch.Generator().manual_seed(5)
     for trial in range(40):
-        live = int(torch.randint(1, 9, (1,), generator=gen))
-        q = torch.randint(0, 6, (live,), generator=gen)
-        ctx = torch.randint(0, 3000, (live,), generator=gen) * (torch.rand(live, generator=gen) < 0.5)
-        pad = int(torch.randint(0, 4, (1,), generator=gen))
-        q_lens, seq_lens = q.tolist() + [0] * pad, (q + ctx).tolist() + [0] * pad
+        q_lens, seq_lens, ctx = _random_batch(gen, fresh=0.5)
         real = sum(q_lens)
         padded = real + int(torch.randint(0, 5, (1,), generator=gen))
         vllm_pos = torch.zeros(padded, dtype=torch.int64)
-        vllm_pos[:real] = torch.cat([c + torch.arange(n) for n, c in zip(q.tolist(), ctx.tolist())])
+        vllm_pos[:real] = torch.cat([c + torch.arange(n) for n, c in zip(q_lens, ctx)])
         size = padded + 3
         out = torch.full((size,), 99, dtype=torch.int32)
         marks = torch.zeros(size, dtype=torch.bool)
