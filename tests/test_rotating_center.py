@@ -139,7 +139,8 @@ def test_hybrid_with_every_pair_is_the_rotating_option_and_with_none_the_constan
         with kv_cache_quantization(model, centered):
             ref = model(ids).logits
     assert torch.equal(every, rotating)
-    torch.testing.assert_close(constant, ref, atol=1e-5, rtol=1e-5)
+    # the two paths sum in another order: ~1e-5 apart on some CPUs (no AVX-512)
+    torch.testing.assert_close(constant, ref, atol=5e-5, rtol=1e-5)
     assert not torch.allclose(constant, rotating, atol=1e-3)
 
 
