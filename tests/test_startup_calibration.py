@@ -820,10 +820,10 @@ def test_gdn_calibration_forward_matches_transformers(gdn_run):
 def test_gdn_slots_resume_at_their_layer(gdn_run):
     """The start-up sensitivity on a GDN model: slots resumed at their attention layer (the GDN
     layers after it on their metadata) measure what the whole model measures, without running
-    layer 0 again: layer 3's slots ranked above layer 7's in both, each damage within 25% or 5%
+    layer 0 again: layer 3's slots ranked above layer 7's in both, each damage within 30% or 5%
     of the largest, not exactly: the resumed stream enters in bfloat16 where the whole forward
     adds it in float32, which this random model amplifies through the GDN layers after the slot
-    (measured 0.6-16% on layer 3, whose damages are ~0.05 nats; layer 7's are ~0.003 nats, and
+    (measured 0.6-27% on layer 3 on different CPUs, whose damages are ~0.05 nats; layer 7's are ~0.003 nats, and
     with the sink key stored uncentered its K differs by 0.001 nats, 30%; the final hidden states
     of a forward resumed at layer 3 differ by 7%, 1.7% for a bfloat16 Llama)."""
     resumed, whole = gdn_run["worker"]["resumed"], gdn_run["worker"]["whole"]
@@ -831,7 +831,7 @@ def test_gdn_slots_resume_at_their_layer(gdn_run):
     top = max(whole["damage"].values())
     for slot, d in whole["damage"].items():
         r = resumed["damage"][slot]
-        assert d > 0 and r > 0 and abs(r - d) <= max(0.25 * d, 0.05 * top), (slot, d, r)
+        assert d > 0 and r > 0 and abs(r - d) <= max(0.3 * d, 0.05 * top), (slot, d, r)
     for run in (whole, resumed):  # the order the selection uses
         assert min(run["damage"][3, kv] for kv in "kv") > max(run["damage"][7, kv] for kv in "kv")
     for run in (resumed, whole):  # layer 3's slots 15x layer 7's here: a ranking no drift flips
