@@ -1,11 +1,14 @@
 """Per-step cost of the token fields the cache write reads: the position-0 marks (policies with
 ``k_sink_uncentered``) and each token's position (policies with ``k_rot``).
 
-The metadata builder runs :func:`vllm_nvfp4.integration.backend.mark_first_keys` and
-:func:`~vllm_nvfp4.integration.backend.token_positions` eagerly in every step, decode steps
-replayed from a CUDA graph included. This times them, the accumulating ``index_put_`` the marking
-replaced (which sorts the rows on CUDA), and both fields taken from the positions vLLM's model
-runner already holds (``CommonAttentionMetadata.positions``, int64: one cast-copy, one compare),
+The metadata builder builds them eagerly in every step, decode steps replayed from a CUDA graph
+included: from the positions vLLM's model runner already holds
+(:func:`vllm_nvfp4.integration.backend.fields_from_vllm_positions` on
+``CommonAttentionMetadata.positions``, int64: one cast-copy, one compare), or, where a step has
+none, derived from the query and sequence lengths
+(:func:`~vllm_nvfp4.integration.backend.mark_first_keys`,
+:func:`~vllm_nvfp4.integration.backend.token_positions`). This times the three and the
+accumulating ``index_put_`` the marking replaced (which sorts the rows on CUDA),
 for a decode batch (one token per request, a full graph's padded requests after it) and a mixed
 batch, with the builder's buffers (``--tokens``: vLLM's ``max_num_batched_tokens``): host time
 per call (launches queued, one sync at the end) and GPU time per call (CUDA events), the median of
@@ -20,6 +23,7 @@ import argparse
 import json
 import statistics
 import time
+from typing import Optional
 
 import torch
 
@@ -34,14 +38,6 @@ def accumulating(query_start_loc, seq_lens, num_reqs, counts, marks):
     return torch.gt(counts[:marks.shape[0]], 0, out=marks)
 
 
-def from_vllm_positions(positions, pos_out, marks):
-    """Both fields from vLLM's int64 ``positions`` ``[n]``: ``pos_out[:n]`` (int32) and
-    ``marks[:n]`` (position 0)."""
-    n = positions.shape[0]
-    pos_out[:n].copy_(positions)
-    return torch.eq(pos_out[:n], 0, out=marks[:n])
-
-
 def batch(q_lens: list[int], ctx: list[int], device: str
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``query_start_loc``, ``seq_lens`` (int32) and vLLM's positions of the real tokens (int64)."""
@@ -51,8 +47,8 @@ def batch(q_lens: list[int], ctx: list[int], device: str
     return qsl.to(device), (q + torch.tensor(ctx)).to(torch.int32).to(device), pos.to(device)
 
 
-def time_calls(fn, args, calls: int, device: str) -> tuple[float, float]:
-    """(host us per call, GPU us per call) over ``calls`` back-to-back calls."""
+def time_calls(fn, args, calls: int, device: str) -> tuple[float, Optional[float]]:
+    """(host us per call, GPU us per call; None off CUDA) over ``calls`` back-to-back calls."""
     cuda = device == "cuda"
     for _ in range(20):
         fn(*args)
@@ -64,7 +60,7 @@ def time_calls(fn, args, calls: int, device: str) -> tuple[float, float]:
     for _ in range(calls):
         fn(*args)
     host = (time.perf_counter() - t0) / calls * 1e6
-    gpu = float("nan")
+    gpu = None
     if cuda:
         end.record()
         torch.cuda.synchronize()
@@ -73,7 +69,8 @@ def time_calls(fn, args, calls: int, device: str) -> tuple[float, float]:
 
 
 def main() -> int:
-    from vllm_nvfp4.integration.backend import mark_first_keys, token_positions
+    from vllm_nvfp4.integration.backend import (fields_from_vllm_positions, mark_first_keys,
+                                                token_positions)
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -99,16 +96,19 @@ def main() -> int:
         assert torch.equal(mark_first_keys(*args).clone(), accumulating(*args))
         first = mark_first_keys(*args)[:n].clone()
         assert torch.equal(token_positions(*pos_args)[:n].long(), vllm_pos)
-        assert torch.equal(from_vllm_positions(vllm_pos, pos_out, marks), first)
+        fields_from_vllm_positions(vllm_pos, pos_out, marks)
+        assert torch.equal(pos_out[:n].long(), vllm_pos) and torch.equal(marks[:n], first)
         row = {}
         for label, fn, fn_args in (
-                ("first keys: scatter (now)", mark_first_keys, args),
+                ("first keys: scatter (fallback)", mark_first_keys, args),
                 ("first keys: accumulating index_put_", accumulating, args),
-                ("positions (now)", token_positions, pos_args),
-                ("both from vLLM's positions", from_vllm_positions, (vllm_pos, pos_out, marks))):
+                ("positions: derived (fallback)", token_positions, pos_args),
+                ("both from vLLM's positions (builder)", fields_from_vllm_positions,
+                 (vllm_pos, pos_out, marks))):
             runs = [time_calls(fn, fn_args, a.calls, a.device) for _ in range(a.reps)]
             row[label] = {"host_us": round(statistics.median(r[0] for r in runs), 1),
-                          "gpu_us": round(statistics.median(r[1] for r in runs), 1)}
+                          "gpu_us": (round(statistics.median(r[1] for r in runs), 1)
+                                     if runs[0][1] is not None else None)}
         out["cases"][name] = row
         print(f"{name:28s} " + "  ".join(f"{k}: host {v['host_us']} us, GPU {v['gpu_us']} us"
                                          for k, v in row.items()), flush=True)

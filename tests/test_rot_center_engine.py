@@ -86,9 +86,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         if meta.positions is not None and m.positions is not None:
             # served: vLLM's positions; derived (what steps without them use): the same
             n = m.num_actual_tokens
+            dev = m.query_start_loc.device
             derived = backend.token_positions(m.query_start_loc, m.seq_lens, m.num_reqs,
-                                              torch.arange(n, dtype=torch.int32),
-                                              torch.empty(n, dtype=torch.int32))
+                                              torch.arange(n, dtype=torch.int32, device=dev),
+                                              torch.empty(n, dtype=torch.int32, device=dev))
             want = m.positions[:n].long()
             checked.append((n, torch.equal(meta.positions[:n].long(), want)
                             and torch.equal(derived.long(), want)))
