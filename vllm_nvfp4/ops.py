@@ -436,8 +436,9 @@ def paged_attention(
     :class:`LayerOps`. Returns ``out``.
     """
     return LayerOps(cache, layout, k_scale, v_scale, sliding_window, logits_soft_cap, sinks,
-                    backend, key0_shift).attend(query, block_table, seq_lens, query_start_loc, max_query_len,
-                                    max_seq_len, softmax_scale, out)
+                    backend, key0_shift, rot_center).attend(
+        query, block_table, seq_lens, query_start_loc, max_query_len, max_seq_len, softmax_scale,
+        out)
 
 
 def dequantize_kv(
