@@ -301,8 +301,8 @@ class Nvfp4MixedMetadataBuilder(AttentionMetadataBuilder[Nvfp4MixedMetadata]):
     def _token_fields(self, m: CommonAttentionMetadata, meta: Nvfp4MixedMetadata) -> None:
         """``meta.first_keys`` / ``meta.positions`` where some layer reads them: from vLLM's
         positions (two launches) where the step has them, else derived from the query and
-        sequence lengths (:func:`mark_first_keys`, :func:`token_positions`: ~7 launches each;
-        the marking measured 0.10-0.15 ms of host time a step on an H100)."""
+        sequence lengths (:func:`mark_first_keys`, :func:`token_positions`: ~7 launches each,
+        61-108 us of host time a step each on an H100 against 23 us for both from vLLM's)."""
         if self._position_buffers is None:
             return
         rows, out = self._position_buffers
