@@ -14,7 +14,7 @@ batch, with the builder's buffers (``--tokens``: vLLM's ``max_num_batched_tokens
 per call (launches queued, one sync at the end) and GPU time per call (CUDA events), the median of
 ``--reps`` repetitions.
 
-    python benchmarks/first_keys_overhead.py [--calls 2000] [--device cuda]
+    python benchmarks/token_fields_overhead.py [--calls 2000] [--device cuda]
 """
 
 from __future__ import annotations
