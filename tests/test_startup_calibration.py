@@ -819,13 +819,13 @@ def test_gdn_calibration_forward_matches_transformers(gdn_run):
 
 def test_gdn_slots_resume_at_their_layer(gdn_run):
     """The start-up sensitivity on a GDN model: slots resumed at their attention layer (the GDN
-    layers after it on their metadata) measure what the whole model measures, without running
-    layer 0 again: layer 3's slots ranked above layer 7's in both, each damage within 30% or 5%
-    of the largest, not exactly: the resumed stream enters in bfloat16 where the whole forward
-    adds it in float32, which this random model amplifies through the GDN layers after the slot
-    (measured 0.6-27% on layer 3 on different CPUs, whose damages are ~0.05 nats; layer 7's are ~0.003 nats, and
-    with the sink key stored uncentered its K differs by 0.001 nats, 30%; the final hidden states
-    of a forward resumed at layer 3 differ by 7%, 1.7% for a bfloat16 Llama)."""
+    layers after it on their metadata) measure what the whole model measures, without running layer 0
+    again: layer 3's slots ranked above layer 7's in both, each damage within 30% or 5% of the
+    largest, not exactly: the resumed stream enters in bfloat16 where the whole forward adds it in
+    float32, which this random model amplifies through the GDN layers after the slot (measured
+    0.6-27% on layer 3 on different CPUs, whose damages are ~0.05 nats; layer 7's are ~0.003 nats,
+    and with the sink key stored uncentered its K differs by 0.001 nats, 30%; the final hidden
+    states of a forward resumed at layer 3 differ by 7%, 1.7% for a bfloat16 Llama)."""
     resumed, whole = gdn_run["worker"]["resumed"], gdn_run["worker"]["whole"]
     assert resumed["damage"].keys() == whole["damage"].keys() == {(3, "k"), (3, "v"), (7, "k"), (7, "v")}
     top = max(whole["damage"].values())
