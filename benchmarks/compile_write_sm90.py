@@ -41,7 +41,8 @@ def write_src(lay: KVPageLayout, rot_pairs: int) -> ASTSource:
                  K_DATA=lay.k_data_offset, K_SCALE=lay.k_scale_offset,
                  V_DATA=lay.v_data_offset, V_SCALE=lay.v_scale_offset, H=lay.num_kv_heads,
                  D=lay.head_dim, BLOCK=lay.block_size, CENTER=True, CENTER0=False,
-                 USE_ROT=rot_pairs > 0, ROT_PAIRS=max(rot_pairs, 1), USE_PLAIN0=False)
+                 USE_ROT=rot_pairs > 0, ROT_PAIRS=max(rot_pairs, 1), USE_PLAIN0=False,
+                 F32=False)
     sig = {n: "constexpr" if n in const else POINTER_TYPES.get(n, "*fp32")
            if n.endswith("_ptr") else "i32" for n in fn.arg_names}
     return ASTSource(fn=fn, signature=sig,

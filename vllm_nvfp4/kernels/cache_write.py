@@ -10,8 +10,8 @@ With K centering (policy ``k_center``) the kernel subtracts the center from each
 :func:`vllm_nvfp4.key_transform.stored_keys` does (FP32, rounded back to the key's dtype), so
 the step launches nothing for it. With a rotating center (``rot``, policy ``k_rot``) it then
 subtracts ``R(p) b_k`` in FP32 before quantizing, ``p`` the token's position from
-``positions``, the angles by :func:`~vllm_nvfp4.kernels.attention._rot_offset` (exactly reduced,
-as the attention kernels').
+``positions``, the angles exactly reduced by :func:`~vllm_nvfp4.kernels.attention._cos_sin`
+as in the attention kernels (``cos.approx`` / ``sin.approx`` on a GPU).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_nvfp4.kernels.attention import _rot_offset
+from vllm_nvfp4.kernels.attention import _cos_sin
 from vllm_nvfp4.kernels.constants import FMT_FP8, format_code
 from vllm_nvfp4.kernels.launch import RotCenter
 from vllm_nvfp4.kernels.e2m1_bytes import pack_e2m1_pair
@@ -224,13 +224,22 @@ def _key_values(src, cols, center_row, CENTER: tl.constexpr):
 
 @triton.jit
 def _key_rot_offset(cols, t, h, pos_ptr, rot_idx_ptr, rot_b_ptr, rot_theta_ptr, key0_plain_ptr,
-                    D: tl.constexpr, ROT_PAIRS: tl.constexpr, USE_PLAIN0: tl.constexpr):
+                    D: tl.constexpr, ROT_PAIRS: tl.constexpr, USE_PLAIN0: tl.constexpr,
+                    F32: tl.constexpr):
     """``R(p) b_k`` of token ``t`` (``p = pos[t]``) at channels ``cols`` (ints, any shape), FP32
-    of ``cols``' shape; 0 at ``p = 0`` where ``USE_PLAIN0`` and ``key0_plain[h]``."""
+    of ``cols``' shape; 0 at ``p = 0`` where ``USE_PLAIN0`` and ``key0_plain[h]``. One pair at a
+    time: its two values (the expressions of :func:`~vllm_nvfp4.kernels.attention._rot_offset`,
+    the angle by :func:`_cos_sin`, ``cos.approx`` / ``sin.approx`` unless ``F32``) are scalars
+    that each channel selects by compare, so nothing is gathered across threads."""
     p = tl.load(pos_ptr + t)
-    off = tl.reshape(_rot_offset(tl.reshape(cols, [cols.numel]), tl.zeros([1], tl.int32) + p,
-                                 rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h, D, ROT_PAIRS),
-                     cols.shape)
+    off = tl.zeros(cols.shape, tl.float32)
+    for n in tl.static_range(ROT_PAIRS):
+        i = tl.load(rot_idx_ptr + h * ROT_PAIRS + n)
+        b1 = tl.load(rot_b_ptr + 2 * h * ROT_PAIRS + n)
+        b2 = tl.load(rot_b_ptr + (2 * h + 1) * ROT_PAIRS + n)
+        c, s = _cos_sin(tl.load(rot_theta_ptr + h * ROT_PAIRS + n), p, F32)
+        off = tl.where(cols == i, b1 * c - b2 * s, off)
+        off = tl.where(cols == i + D // 2, b2 * c + b1 * s, off)
     if USE_PLAIN0:
         off = tl.where((p == 0) & (tl.load(key0_plain_ptr + h) != 0), 0.0, off)
     return off
@@ -246,7 +255,7 @@ def _write_kv_kernel(
     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr, V_SCALE: tl.constexpr,
     H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, CENTER: tl.constexpr,
     CENTER0: tl.constexpr, USE_ROT: tl.constexpr, ROT_PAIRS: tl.constexpr,
-    USE_PLAIN0: tl.constexpr,
+    USE_PLAIN0: tl.constexpr, F32: tl.constexpr,
 ):
     """One (token, KV head). ``CENTER``: the key minus ``center[h]`` (``center0[h]`` where
     ``CENTER0`` and ``first[t]``), rounded to the key's dtype; ``USE_ROT``: then minus ``R(p) b_k``
@@ -271,17 +280,18 @@ def _write_kv_kernel(
         k = _key_values(k_src, d, center_row, CENTER)
         if USE_ROT:
             k -= _key_rot_offset(d, t, h, pos_ptr, rot_idx_ptr, rot_b_ptr, rot_theta_ptr,
-                                 key0_plain_ptr, D, ROT_PAIRS, USE_PLAIN0)
+                                 key0_plain_ptr, D, ROT_PAIRS, USE_PLAIN0, F32)
         _store_fp8_row(k, page + K_DATA + (h * BLOCK + off) * D, tl.load(k_scale_ptr + h), D)
     else:
         lo_cols, hi_cols = _row_chunk_cols(D)
         k_lo = _key_values(k_src, lo_cols, center_row, CENTER)
         k_hi = _key_values(k_src, hi_cols, center_row, CENTER)
         if USE_ROT:
-            k_lo -= _key_rot_offset(lo_cols, t, h, pos_ptr, rot_idx_ptr, rot_b_ptr,
-                                    rot_theta_ptr, key0_plain_ptr, D, ROT_PAIRS, USE_PLAIN0)
-            k_hi -= _key_rot_offset(hi_cols, t, h, pos_ptr, rot_idx_ptr, rot_b_ptr,
-                                    rot_theta_ptr, key0_plain_ptr, D, ROT_PAIRS, USE_PLAIN0)
+            lo_off, hi_off = tl.split(_key_rot_offset(
+                tl.join(lo_cols, hi_cols), t, h, pos_ptr, rot_idx_ptr, rot_b_ptr, rot_theta_ptr,
+                key0_plain_ptr, D, ROT_PAIRS, USE_PLAIN0, F32))
+            k_lo -= lo_off
+            k_hi -= hi_off
         _store_nvfp4_row(k_lo, k_hi, page + K_DATA + (h * BLOCK + off) * (D // 2),
                          page + K_SCALE + (h * BLOCK + off) * C, tl.load(k_scale_ptr + h), D)
     if V_FMT == FMT_FP8:
@@ -337,5 +347,6 @@ def write_kv_cache(
         CENTER0=center is not None and center0 is not None,
         USE_ROT=rot is not None, ROT_PAIRS=1 if rot is None else rot.pairs,
         USE_PLAIN0=rot is not None and key0_plain is not None,
+        F32=key.device.type != "cuda",  # the interpreter: tl.cos / tl.sin, bit-equal to torch
         num_warps=1,
     )
