@@ -130,11 +130,11 @@ def _rot_offset(cols, pos, rot_idx_ptr, rot_b_ptr, rot_theta_ptr, h, D: tl.const
                 KP: tl.constexpr):
     """The rotating center ``R(p) b`` (:class:`launch.RotCenter`) of KV head ``h`` at channels
     ``cols`` (ints ``[C]``) of keys at positions ``pos`` (ints ``[T]``, ``< 2^24``): FP32 ``[T,
-    C]``, 0 off the ``KP`` rotated pairs. For the cache write and the dequantization, not the
-    attention loop: the angles of all pairs at once by :func:`_cos_sin` with ``tl.cos`` /
-    ``tl.sin`` (``[T, KP]``), then each channel gathers its pair's value (``[T, 2 KP]``: column
-    ``2 n`` is pair ``n``'s first channel ``i``, ``2 n + 1`` its second ``i + D/2``), whose slot
-    depends on the channel only."""
+    C]``, 0 off the ``KP`` rotated pairs. For the dequantization of many tokens (the cache
+    write, one token, selects per-pair scalars instead), not the attention loop: the angles of
+    all pairs at once by :func:`_cos_sin` with ``tl.cos`` / ``tl.sin`` (``[T, KP]``), then each
+    channel gathers its pair's value (``[T, 2 KP]``: column ``2 n`` is pair ``n``'s first channel
+    ``i``, ``2 n + 1`` its second ``i + D/2``), whose slot depends on the channel only."""
     n = tl.arange(0, KP)
     idx = tl.load(rot_idx_ptr + h * KP + n)
     b1 = tl.load(rot_b_ptr + 2 * h * KP + n)[None, :]
