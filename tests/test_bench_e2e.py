@@ -271,6 +271,14 @@ def test_recorder_round_trip_skips_cut_line(tmp_path):
     assert records.prior_records([tmp_path / "r.jsonl"])[0]["prior"] == str(tmp_path / "r.jsonl")
 
 
+def test_prior_versions_come_from_the_summary_beside_each_records_file(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "e2e_records.jsonl").write_text("")
+    (tmp_path / "a" / orchestrate.SUMMARY).write_text(json.dumps({"versions": {"gpu": "H100, 1"}}))
+    paths = [str(tmp_path / "a" / "e2e_records.jsonl"), str(tmp_path / "b.jsonl")]  # b: no summary
+    assert orchestrate.prior_versions(paths) == {paths[0]: {"gpu": "H100, 1"}}
+
+
 def test_latest_and_merge_records():
     old = [dict(kind="ttft", config="fp8", context=1, ttft_s=9.0),
            dict(kind="ttft", config="auto", context=1, ttft_s=8.0),
@@ -471,6 +479,11 @@ def test_plot_summary(tmp_path):
                "model": {"preset": "llama8b"}}
     path.write_text(json.dumps(summary))
     assert title_suffix(summary) == " (H200, llama8b shape)" and title_suffix({}) == ""
+    merged = {"versions": {"gpu": None}, "prior_versions": {"a": {"gpu": "NVIDIA H100 80GB HBM3, 1"},
+                                                             "b": {"gpu": "NVIDIA H100 80GB HBM3, 1"}}}
+    assert title_suffix(merged) == " (H100 80GB HBM3)"  # a merge made off the GPU names the priors'
+    merged["prior_versions"]["c"] = {"gpu": "NVIDIA H200, 2"}
+    assert title_suffix(merged) == ""  # no one GPU to name
     files = plot_summary(path, tmp_path / "img")
     assert [f.name for f in files] == ["e2e_capacity.png", "e2e_decode.png", "e2e_context.png"]
     assert all(f.stat().st_size > 1000 for f in files)

@@ -227,6 +227,14 @@ def test_merge_replaces_a_configuration_served_again():
     assert merged[-1]["output_throughput"] == 1600.0 and "prior" not in merged[-1]
 
 
+def test_merge_drops_a_skip_that_a_later_run_measured():
+    skip = dict(kind="skip", config="fp8", workload="chat", label="chat_c256", reason="budget", prior="a")
+    other = dict(skip, label="chat_c512")
+    later = _bench("fp8", "chat_c256", "chat", 1500.0, 900.0, 40.0, concurrency=256)
+    merged = report.merge([skip, other], [later])
+    assert [(r["kind"], r["label"]) for r in merged] == [("skip", "chat_c512"), ("bench", "chat_c256")]
+
+
 def test_rate_search_resumes_from_earlier_probes(tmp_path, monkeypatch):
     """Probes of an earlier call (same objective) seed the bisection; the new probes continue it."""
     obj = dict(p99_tpot_ms=50.0, p99_ttft_ms=None)
@@ -299,6 +307,15 @@ def test_plots_are_written(tmp_path):
     files = plot_summary(path, tmp_path)
     assert [f.name for f in files] == ["serving_chat.png", "serving_rate.png"]
     assert all(f.stat().st_size > 10000 for f in files)
+
+
+def test_chat_title_names_the_lengths_a_summary_stores():
+    from benchmarks.serving.plots import chat_title
+
+    a = parse_args(["--out", "o", "--model", "/m", "--chat-input", "2k-8k", "--chat-output", "512-1024"])
+    stored = json.loads(json.dumps(vars(a), default=str))  # as the summary writes them
+    assert chat_title(stored) == "Chat, 2048-8192 prompt / 512-1024 output tokens"
+    assert chat_title({"chat_input": "LengthRange(lo=1, hi=2)"}) == "Chat" and chat_title({}) == "Chat"
 
 
 def test_scrape_counter_sums_label_sets(monkeypatch):

@@ -156,6 +156,17 @@ def versions() -> dict[str, Any]:
     return out
 
 
+def prior_versions(paths: list[str], summary_name: str = SUMMARY) -> dict[str, Any]:
+    """``versions`` of the summary (``summary_name``) beside each ``--prior-records`` file, by
+    records path (where there is one): the machines the merged records were measured on."""
+    out: dict[str, Any] = {}
+    for p in paths:
+        summary = Path(p).parent / summary_name
+        if summary.exists():
+            out[p] = json.loads(summary.read_text()).get("versions")
+    return out
+
+
 def summarize(a: Namespace, meta: dict, t_start: float) -> dict:
     """Merge earlier runs' records with this run's, compute ratios and targets, write the summary."""
     now = read_records(Path(a.out) / RECORDS)
@@ -254,7 +265,8 @@ def run(a: Namespace) -> int:
     p = plan(a)
     meta = dict(started_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 command=shlex.join([sys.executable, "-m", "benchmarks.e2e"] + a.argv), args=vars(a),
-                versions=versions(), model=dict(p["model"], load_format="dummy"), configs=p["configs"],
+                versions=versions(), prior_versions=prior_versions(a.prior_records),
+                model=dict(p["model"], load_format="dummy"), configs=p["configs"],
                 method="benchmarks/e2e/__init__.py")
     log(f"model {a.model}: {p['model']}; configs {a.dtypes}; contexts {a.contexts}; "
         f"budget {a.budget_s or 'none'}")

@@ -10,8 +10,11 @@ from benchmarks.e2e.report import FP8_CONFIGS, compute_ratios
 
 
 def title_suffix(summary: dict) -> str:
-    """' (GPU, PRESET shape)' from a summary's versions and model, as far as it has them."""
-    gpu = ((summary.get("versions") or {}).get("gpu") or "").split(",")[0].replace("NVIDIA ", "")
+    """' (GPU, PRESET shape)' from a summary's versions and model, as far as it has them. A
+    summary that only merged earlier runs' records names their GPU where they all ran on one."""
+    gpus = {(v or {}).get("gpu") for v in (summary.get("prior_versions") or {}).values()}
+    gpu = (summary.get("versions") or {}).get("gpu") or (gpus.pop() if len(gpus) == 1 else None)
+    gpu = (gpu or "").split(",")[0].replace("NVIDIA ", "")
     preset = (summary.get("model") or {}).get("preset")
     parts = [p for p in (gpu, f"{preset} shape" if preset else "") if p]
     return f" ({', '.join(parts)})" if parts else ""

@@ -21,7 +21,8 @@ from typing import Callable, Optional
 
 from benchmarks.e2e.budget import deadline_share
 from benchmarks.e2e.configs import CONFIGS, BenchConfig, policy_for, unavailable_reason
-from benchmarks.e2e.orchestrate import child_env, prepare_model, start_run, versions, wait_gpu_free
+from benchmarks.e2e.orchestrate import (child_env, prepare_model, prior_versions, start_run, versions,
+                                        wait_gpu_free)
 from benchmarks.e2e.records import Recorder, prior_records, read_records
 from benchmarks.e2e.serve import bench_serve_base, result_record, serve_command, stop_group, wait_healthy
 from benchmarks.e2e.worker import log
@@ -202,6 +203,7 @@ def meta(a: Namespace) -> dict:
     return dict(started_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 command=shlex.join([sys.executable, "-m", "benchmarks.serving"] + a.argv),
                 args={k: v for k, v in vars(a).items() if k != "argv"}, versions=versions(),
+                prior_versions=prior_versions(a.prior_records, SUMMARY),
                 model=dict(shape.to_json(), path=a.model, preset=None if a.model_given else a.preset,
                            load_format="dummy"),
                 policies={n: policy_for(CONFIGS[n], shape.layer_types, a.mixed_policy) for n in a.configs},

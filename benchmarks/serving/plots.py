@@ -4,6 +4,7 @@ concurrency, and the rate search's p99 TPOT against the request rate."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from benchmarks.e2e.plots import title_suffix
@@ -23,6 +24,15 @@ def _series(runs: list[dict], workload: str) -> dict[str, list[dict]]:
     return {k: sorted(v, key=lambda r: r["concurrency"]) for k, v in out.items()}
 
 
+def chat_title(args: dict) -> str:
+    """'Chat, 2048-8192 prompt / 512-1024 output tokens' from a summary's arguments (where they
+    give the ranges as numbers)."""
+    lengths = [str(args.get(k, "")) for k in ("chat_input", "chat_output")]
+    if all(re.fullmatch(r"\d+-\d+", t) for t in lengths):
+        return f"Chat, {lengths[0]} prompt / {lengths[1]} output tokens"
+    return "Chat"
+
+
 def plot_summary(summary_path: Path, plot_dir: Path) -> list[Path]:
     """``serving_chat.png``, ``serving_prefix.png`` (output tok/s, TTFT p50, TPOT p99 against
     max concurrency) and ``serving_rate.png`` (each probe's p99 TPOT against its rate, the
@@ -37,7 +47,7 @@ def plot_summary(summary_path: Path, plot_dir: Path) -> list[Path]:
     suffix = title_suffix(summary)
     plot_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for workload, title in (("chat", "Long-context chat"), ("prefix", "Shared prefixes")):
+    for workload, title in (("chat", chat_title(summary.get("args") or {})), ("prefix", "Shared prefixes")):
         series = _series(summary["runs"], workload)
         if not series:
             continue

@@ -20,12 +20,15 @@ PREFERRED_REFERENCE = "fp8"
 
 def merge(prior: list[dict], now: list[dict]) -> list[dict]:
     """Earlier runs' records, then this run's: a record of this run replaces the earlier ones of
-    the same configuration, kind and label (a run of one concurrency level keeps the others)."""
+    the same configuration, kind and label (a run of one concurrency level keeps the others), and
+    a run's skip goes where another run measured it."""
     def key(r: dict) -> tuple:
         return r.get("config"), r["kind"], r.get("label")
 
     fresh = {key(r) for r in now}
-    return [r for r in prior if key(r) not in fresh] + now
+    merged = [r for r in prior if key(r) not in fresh] + now
+    measured = {(r["config"], r["label"]) for r in merged if r["kind"] == "bench"}
+    return [r for r in merged if r["kind"] != "skip" or (r.get("config"), r.get("label")) not in measured]
 
 
 def measured_labels(records: list[dict]) -> dict[str, set[str]]:

@@ -39,6 +39,10 @@ class LengthRange:
     def mean(self) -> float:
         return (self.lo + self.hi) / 2
 
+    def __str__(self) -> str:
+        """'2048-8192', as a summary's arguments and a plot's title show it."""
+        return f"{self.lo}-{self.hi}"
+
 
 def parse_tokens(text: str) -> int:
     """'16k' -> 16384, '300' -> 300."""
