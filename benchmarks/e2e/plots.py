@@ -63,7 +63,11 @@ def plot_summary(summary_path: Path, plot_dir: Path) -> list[Path]:
                     for c, t, b in pts:
                         ax.annotate(f"b{b}", (c, t), fontsize=7, textcoords="offset points", xytext=(3, 3))
             ax.set_xscale("log", base=2)
-            ax.set_ylim(bottom=0)  # a zoomed axis would magnify a 2% gap into a cliff
+            values = [r["tok_per_s"] for r in dec if r["tok_per_s"]]
+            if values and max(values) > 4 * min(values):
+                ax.set_yscale("log")  # contexts 8k-128k span 30x: equal ratios, equal distances
+            else:
+                ax.set_ylim(bottom=0)  # a zoomed axis would magnify a 2% gap into a cliff
             ax.set_xlabel("prompt tokens")
             ax.set_ylabel("decode output tokens/s")
             ax.set_title(title, fontsize=9)
