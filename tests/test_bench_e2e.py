@@ -122,6 +122,29 @@ def test_dry_run_prints_the_plan(tmp_path):
     assert not (tmp_path / "o" / records.RECORDS).exists()
 
 
+def test_a_merge_only_run_summarizes_earlier_records(tmp_path):
+    """``--dtypes none --prior-records``: no engine, the records merged, each run's machine kept."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    engine = dict(kind="engine", engine_start_s=5.0)
+    recs = [dict(engine, config="fp8", capacity_tokens=100, max_batch={"64": 4}),
+            dict(engine, config="nvfp4-mixed", capacity_tokens=162, max_batch={"64": 6}),
+            dict(kind="decode", config="fp8", context=64, batch=4, label="ref+max", tok_per_s=10.0,
+                 tpot_ms=400.0),
+            dict(kind="decode", config="nvfp4-mixed", context=64, batch=4, label="ref", tok_per_s=15.0,
+                 tpot_ms=266.7)]
+    (run_dir / records.RECORDS).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run_dir / orchestrate.SUMMARY).write_text(json.dumps({"versions": {"gpu": "NVIDIA H100, 1"}}))
+    subprocess.run([sys.executable, "-m", "benchmarks.e2e", "--out", str(tmp_path / "o"), "--cpu-tiny",
+                    "--model-dir", str(tmp_path / "m"), "--dtypes", "none", "--contexts", "64",
+                    "--prior-records", str(run_dir / records.RECORDS)],
+                   cwd=REPO, capture_output=True, text=True, check=True)
+    summary = json.loads((tmp_path / "o" / orchestrate.SUMMARY).read_text())
+    assert summary["ratios"]["decode_vs_fp8"]["64"]["nvfp4-mixed"] == 1.5
+    assert summary["prior_versions"] == {str(run_dir / records.RECORDS): {"gpu": "NVIDIA H100, 1"}}
+    assert summary["model"]["preset"] == "tiny"  # the preset whose model it wrote
+
+
 # ---------------------------------------------------------------- capacity arithmetic
 
 def test_kv_bytes_per_token_llama8b_matches_the_library():

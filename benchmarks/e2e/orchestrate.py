@@ -266,7 +266,8 @@ def run(a: Namespace) -> int:
     meta = dict(started_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 command=shlex.join([sys.executable, "-m", "benchmarks.e2e"] + a.argv), args=vars(a),
                 versions=versions(), prior_versions=prior_versions(a.prior_records),
-                model=dict(p["model"], load_format="dummy"), configs=p["configs"],
+                model=dict(p["model"], load_format="dummy", preset=None if a.model_given else a.preset),
+                configs=p["configs"],
                 method="benchmarks/e2e/__init__.py")
     log(f"model {a.model}: {p['model']}; configs {a.dtypes}; contexts {a.contexts}; "
         f"budget {a.budget_s or 'none'}")
