@@ -288,6 +288,19 @@ def test_skip_measured_serves_only_what_prior_records_lack(tmp_path, monkeypatch
     assert "--skip-measured leaves out what --prior-records holds" in capsys.readouterr().err
 
 
+def test_a_missing_prior_records_file_is_an_error(tmp_path, capsys):
+    """A mistyped path would merge nothing: both benchmarks refuse it, naming it."""
+    from benchmarks.e2e.cli import parse_args as e2e_args
+
+    there = tmp_path / "a.jsonl"
+    there.write_text("")
+    for parse in (parse_args, e2e_args):
+        assert parse(["--out", "o", "--model", "/m", "--prior-records", str(there)]).prior_records == [str(there)]
+        with pytest.raises(SystemExit):
+            parse(["--out", "o", "--model", "/m", "--prior-records", f"{there},{tmp_path}/typo.jsonl"])
+        assert f"no such file: {tmp_path}/typo.jsonl" in capsys.readouterr().err
+
+
 def test_estimator_corrects_itself_with_measured_runs():
     est = orchestrate.Estimator(prefill_tok_s=10000.0, decode_tok_s=1000.0)
     run = workloads.BenchRun("chat", "x", (), 10, 20000.0, 500.0, max_concurrency=10)

@@ -20,6 +20,16 @@ def _list(text: str) -> list[str]:
     return [p for p in text.split(",") if p]
 
 
+def existing_files(text: str) -> list[str]:
+    """Comma-separated paths, each an existing file (a mistyped ``--prior-records`` would
+    otherwise merge nothing, silently)."""
+    paths = _list(text)
+    missing = [p for p in paths if not Path(p).is_file()]
+    if missing:
+        raise ValueError(f"no such file: {', '.join(missing)} (earlier runs' records files)")
+    return paths
+
+
 def _checked(parse):
     """An argparse ``type`` that shows ``parse``'s ValueError message."""
     def convert(text: str):
@@ -59,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt lengths in tokens ('32k' ok) for TTFT and decode")
     g.add_argument("--ttft-contexts", type=CONTEXTS, default=[],
                    help="extra prompt lengths measured for TTFT only")
-    g.add_argument("--prior-records", type=_list, default=[],
+    g.add_argument("--prior-records", type=_checked(existing_files), default=[],
                    help="e2e_records.jsonl files of earlier runs (comma-separated): merged into the "
                         "summary; fp8's largest batches come from them when fp8 is not run now")
     g.add_argument("--targets", default=str(DEFAULT_TARGETS),

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 import benchmarks.serving as package
-from benchmarks.e2e.cli import DTYPES, _checked, parse_common
+from benchmarks.e2e.cli import DTYPES, _checked, existing_files, parse_common
 from benchmarks.e2e.configs import CONFIGS, parse_dtypes
 from benchmarks.serving.workloads import WORKLOADS, longest_request, parse_ints, parse_range, parse_tokens
 from vllm_nvfp4.testing.weightless import PRESETS
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budget-s", type=float, default=None,
                    help="wall-clock budget of the whole run: runs that would not fit are skipped and "
                         "recorded, a client past its configuration's deadline is killed")
-    g.add_argument("--prior-records", default="", help="serving_records.jsonl files of earlier runs "
+    g.add_argument("--prior-records", type=_checked(existing_files), default=[], help="serving_records.jsonl files of earlier runs "
                    "(comma-separated), merged into the summary (a run measured again replaces them)")
     g.add_argument("--skip-measured", action="store_true",
                    help="leave out the runs (configuration and label) --prior-records already hold "
@@ -124,7 +124,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         a.max_model_len = need + 256  # vLLM's random prompts may re-tokenize a few tokens longer
     elif a.max_model_len < need:
         ap.error(f"--max-model-len {a.max_model_len} < the longest request of the workloads ({need})")
-    a.prior_records = [p for p in a.prior_records.split(",") if p]
     if a.skip_measured and not a.prior_records:
         ap.error("--skip-measured leaves out what --prior-records holds: name the earlier "
                  "serving_records.jsonl with --prior-records")
