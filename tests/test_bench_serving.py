@@ -10,6 +10,7 @@ of ``--cpu-tiny`` whose pressure pass preempts.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import subprocess
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 
 from benchmarks.e2e import configs
+from benchmarks.e2e.serve import SERVER_KEEP_ALIVE_S, server_env
 from benchmarks.serving import orchestrate, rate_search, report, workloads
 from benchmarks.serving.cli import parse_args
 from benchmarks.serving.soak import compare, worker
@@ -301,6 +303,19 @@ def test_a_missing_prior_records_file_is_an_error(tmp_path, capsys):
         assert f"no such file: {tmp_path}/typo.jsonl" in capsys.readouterr().err
 
 
+def test_the_server_keeps_idle_connections_longer_than_vllms_benchmark_client():
+    """A server that closes a connection the client still pools fails the request sent on it."""
+    import re
+
+    vllm_serve = pytest.importorskip("vllm.benchmarks.serve")
+    client_s = int(re.search(r"keepalive_timeout=(\d+)", inspect.getsource(vllm_serve)).group(1))
+    env = server_env({"HOME": "/h"}, "0:fp8,*:nvfp4")
+    assert int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) > client_s
+    assert env["VLLM_NVFP4_POLICY"] == "0:fp8,*:nvfp4" and env["HOME"] == "/h"
+    mine = server_env({"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "7"}, None)
+    assert mine == {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "7"}  # the user's setting stands
+
+
 def test_estimator_corrects_itself_with_measured_runs():
     est = orchestrate.Estimator(prefill_tok_s=10000.0, decode_tok_s=1000.0)
     run = workloads.BenchRun("chat", "x", (), 10, 20000.0, 500.0, max_concurrency=10)
@@ -323,11 +338,12 @@ def test_plots_are_written(tmp_path):
 
 
 def test_chat_title_names_the_lengths_a_summary_stores():
-    from benchmarks.serving.plots import chat_title
+    from benchmarks.serving.plots import chat_title, lengths_label
 
     a = parse_args(["--out", "o", "--model", "/m", "--chat-input", "2k-8k", "--chat-output", "512-1024"])
     stored = json.loads(json.dumps(vars(a), default=str))  # as the summary writes them
     assert chat_title(stored) == "Chat, 2048-8192 prompt / 512-1024 output tokens"
+    assert lengths_label(stored) == "2048-8192 prompt / 512-1024 output tokens" and lengths_label({}) == ""
     assert chat_title({"chat_input": "LengthRange(lo=1, hi=2)"}) == "Chat" and chat_title({}) == "Chat"
 
 
@@ -450,6 +466,7 @@ def test_cpu_tiny_serving_run_end_to_end(tmp_path):
     summary = json.loads((out / orchestrate.SUMMARY).read_text())
     kinds = [r["kind"] for r in summary["records"]]
     assert kinds == ["server", "bench", "rate_probe", "rate_search"], kinds
+    assert summary["records"][0]["http_keep_alive_s"] == SERVER_KEEP_ALIVE_S
     assert summary["rate_search"]["nvfp4-mixed"]["max_rate"] == 4.0  # the 2 s objective holds
     assert summary["policies"]["nvfp4-mixed"] == "0:fp8,*:nvfp4"
     assert "| rate_0_4 | nvfp4-mixed |" in (out / orchestrate.TABLE).read_text()

@@ -19,13 +19,18 @@ import time
 import urllib.request
 from argparse import Namespace
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 from benchmarks.e2e.configs import BenchConfig, backend_for
 from benchmarks.e2e.records import Recorder
 from vllm_nvfp4.model_shape import ModelShape
 
 SERVE_LOG = "serve.log"
+#: idle HTTP keep-alive of the server, s (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, vLLM's default 5): longer
+#: than the 60 s ``vllm bench serve`` keeps a pooled connection, so the client never sends a request
+#: on a connection the server is closing (that request fails with "Server disconnected", unseen
+#: by the engine)
+SERVER_KEEP_ALIVE_S = 75
 #: fields of vLLM's result JSON copied into the ``bench_serve`` record
 RESULT_FIELDS = ("duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
                  "request_throughput", "output_throughput", "total_token_throughput",
@@ -118,12 +123,20 @@ def stop_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
         pass
 
 
+def server_env(base: Mapping[str, str], policy: Optional[str]) -> dict[str, str]:
+    """``base`` with the nvfp4 policy (``VLLM_NVFP4_POLICY``, when given) and the server's HTTP
+    keep-alive (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``: :data:`SERVER_KEEP_ALIVE_S` unless ``base`` sets it)."""
+    env = dict(base)
+    env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEP_ALIVE_S))
+    if policy:
+        env["VLLM_NVFP4_POLICY"] = policy
+    return env
+
+
 def run_serve(a: Namespace, cfg: BenchConfig, policy: Optional[str], deadline: float,
               rec: Recorder, log) -> None:
     """One configuration: server up, ``vllm bench serve``, record, server down."""
-    env = dict(os.environ)
-    if policy:
-        env["VLLM_NVFP4_POLICY"] = policy
+    env = server_env(os.environ, policy)
     cmd = serve_command(a, cfg, ModelShape.from_model_dir(a.model).needs_packed_groups)
     log(f"serve {cfg.name}: {shlex.join(cmd)}")
     t0 = time.time()

@@ -24,7 +24,8 @@ from benchmarks.e2e.configs import CONFIGS, BenchConfig, policy_for, unavailable
 from benchmarks.e2e.orchestrate import (child_env, prepare_model, prior_versions, start_run, versions,
                                         wait_gpu_free)
 from benchmarks.e2e.records import Recorder, prior_records, read_records
-from benchmarks.e2e.serve import bench_serve_base, result_record, serve_command, stop_group, wait_healthy
+from benchmarks.e2e.serve import (bench_serve_base, result_record, serve_command, server_env, stop_group,
+                                  wait_healthy)
 from benchmarks.e2e.worker import log
 from benchmarks.serving import rate_search, report
 from benchmarks.serving.workloads import BenchRun, chat_runs, prefix_runs, rate_run
@@ -168,9 +169,7 @@ class ConfigRun:
 
     def run(self, policy: Optional[str]) -> None:
         a = self.a
-        env = child_env()
-        if policy:
-            env["VLLM_NVFP4_POLICY"] = policy
+        env = server_env(child_env(), policy)
         hybrid = ModelShape.from_model_dir(a.model).needs_packed_groups
         cmd = serve_command(a, self.cfg, hybrid, prefix_caching=True)
         raw_dir(a, self.cfg).mkdir(parents=True, exist_ok=True)
@@ -186,7 +185,8 @@ class ConfigRun:
                 self.rec.write("error", what="vllm serve", error=f"{why} (see {self.log_path.name})")
                 log(f"{self.cfg.name}: {why}")
                 return
-            self.rec.write("server", start_s=round(time.time() - t0, 1), command=shlex.join(cmd), policy=policy)
+            self.rec.write("server", start_s=round(time.time() - t0, 1), command=shlex.join(cmd), policy=policy,
+                           http_keep_alive_s=int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]))
             log(f"{self.cfg.name}: /health after {time.time() - t0:.0f}s")
             steps: dict[str, Callable[[], None]] = {
                 "chat": lambda: [self.bench(r) for r in pending_runs(a, "chat", self.done)],

@@ -24,13 +24,18 @@ def _series(runs: list[dict], workload: str) -> dict[str, list[dict]]:
     return {k: sorted(v, key=lambda r: r["concurrency"]) for k, v in out.items()}
 
 
-def chat_title(args: dict) -> str:
-    """'Chat, 2048-8192 prompt / 512-1024 output tokens' from a summary's arguments (where they
-    give the ranges as numbers)."""
+def lengths_label(args: dict) -> str:
+    """'2048-8192 prompt / 512-1024 output tokens' from a summary's arguments (the chat and rate
+    workloads' lengths), '' where they do not give the ranges as numbers."""
     lengths = [str(args.get(k, "")) for k in ("chat_input", "chat_output")]
     if all(re.fullmatch(r"\d+-\d+", t) for t in lengths):
-        return f"Chat, {lengths[0]} prompt / {lengths[1]} output tokens"
-    return "Chat"
+        return f"{lengths[0]} prompt / {lengths[1]} output tokens"
+    return ""
+
+
+def chat_title(args: dict) -> str:
+    """'Chat, 2048-8192 prompt / 512-1024 output tokens' (or 'Chat')."""
+    return ", ".join(filter(None, ("Chat", lengths_label(args))))
 
 
 def plot_summary(summary_path: Path, plot_dir: Path) -> list[Path]:
@@ -72,6 +77,10 @@ def plot_summary(summary_path: Path, plot_dir: Path) -> list[Path]:
         for name in dict.fromkeys(r["config"] for r in probes):
             pts = sorted((r["rate"], r["p99_tpot_ms"]) for r in probes if r["config"] == name)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        failed = [r for r in probes if r.get("failed")]
+        if failed:  # such a probe fails the objective whatever its TPOT
+            ax.scatter([r["rate"] for r in failed], [r["p99_tpot_ms"] for r in failed], marker="x", s=90,
+                       color="black", zorder=3, label="requests failed")
         obj = next(iter(summary["rate_search"].values()), {}).get("objective", {})
         if obj.get("p99_tpot_ms"):
             ax.axhline(obj["p99_tpot_ms"], color="grey", linestyle="--", label="objective")
@@ -82,7 +91,9 @@ def plot_summary(summary_path: Path, plot_dir: Path) -> list[Path]:
         ax.set_ylim(bottom=0)
         ax.set_xlabel("request rate (requests/s, Poisson; ticks at the probed rates)")
         ax.set_ylabel("TPOT p99 (ms)")
-        ax.set_title("Request rate against the latency objective" + suffix, fontsize=9)
+        lengths = lengths_label(summary.get("args") or {})
+        ax.set_title("Request rate against the latency objective" + (f"\n{lengths}" if lengths else "")
+                     + suffix, fontsize=9)
         ax.legend(fontsize=8)
         fig.tight_layout()
         written.append(plot_dir / "serving_rate.png")
