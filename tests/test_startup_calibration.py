@@ -262,6 +262,10 @@ def test_sliding_window_and_sink_model_binds_the_scales_of_calibrate(tmp_path: P
     assert {t.window for t in ref.layer_types} == {32, None} and all(t.sinks for t in ref.layer_types)
     assert all(lp.k == lp.v == "fp8" for lp in served.layers if lp.layer_type.kind == "sliding")
     assert all(lp.k_center is None and lp.k_sink_uncentered is None for lp in served.layers)
+    # every layer has sinks, so nothing to center: no centering pass, no sink-key choice
+    assert served.provenance["k_center"] is False and served.provenance["k_rot_pairs"] == 0
+    assert served.provenance["cache_key"]["recipe"]["k_sink_uncentered"] is False
+    assert "sink_key" not in served.provenance
     _assert_bound_equals(bound, ref, heads=2, rel=1e-3, atol=1e-4)
 
     unwindowed = tmp_path / "unwindowed"

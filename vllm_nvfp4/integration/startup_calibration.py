@@ -325,11 +325,14 @@ def cached_source(path: Path) -> str:
 def calibration_plan(vllm_config: Any, tokenizer: Any,
                      soft_cap: bool) -> tuple[Recipe, dict[str, Any], Path]:
     """``(recipe, cache-key parts, cache file)`` of this engine's start-up calibration over the
-    built-in text (``soft_cap``: its attention layers have a logits soft-cap, so no K
-    centering); the mode from ``$VLLM_NVFP4_STARTUP_CALIBRATION``."""
+    built-in text; the mode from ``$VLLM_NVFP4_STARTUP_CALIBRATION``. K is centered unless
+    ``soft_cap`` (its attention layers have a logits soft-cap) or every KV layer has attention
+    sinks (:func:`~vllm_nvfp4.calibration.rot_center.centered_layers`: none to center)."""
     text_tokens = len(tokenizer(BUILTIN_TEXT.read_text(encoding="utf-8"),
                                 add_special_tokens=False, verbose=False)["input_ids"])
-    recipe = recipe_for(vllm_config, text_tokens, soft_cap, select=startup_mode() == "select")
+    layer_types = ModelShape.from_vllm_config(vllm_config).layer_types
+    no_k_center = soft_cap or not rot_center.centered_layers(layer_types)
+    recipe = recipe_for(vllm_config, text_tokens, no_k_center, select=startup_mode() == "select")
     parts = _key_parts(vllm_config, recipe)
     return recipe, parts, cache_path(cache_key(parts))
 
@@ -500,6 +503,8 @@ def calibrate_worker(worker: Any) -> dict[str, Any]:
     set_startup_policy(vllm_config, policy)
     return {"tokens": int(policy.provenance.get("tokens", 0)),
             "seconds": time.perf_counter() - start, "cached": cached_dict is not None,
+            "statistics": "K/V scales" + (" and K centering" if any(
+                lp.k_center is not None for lp in policy.layers) else ""),
             "path": str(path), "formats": "; ".join(filter(None, (
                 formats_line(policy.provenance), sink_line(policy.provenance.get("sink_key")),
                 rot_line(policy.provenance)))),
@@ -539,8 +544,8 @@ def _log_calibrated(summary: dict[str, Any]) -> None:
         logger.info("vllm-nvfp4: start-up calibration reused from %s (%d tokens; %.1f s): %s",
                     summary["path"], summary["tokens"], summary["seconds"], summary["formats"])
     else:
-        logger.info("vllm-nvfp4: calibrated at start-up on %d tokens in %.1f s (K/V scales and "
-                    "K centering of the built-in text; %s; cached in %s; set %s=scales for the "
-                    "default rule's formats, =0 to switch off)",
-                    summary["tokens"], summary["seconds"], summary["formats"], summary["path"],
-                    STARTUP_CALIBRATION_ENV)
+        logger.info("vllm-nvfp4: calibrated at start-up on %d tokens in %.1f s (%s of the "
+                    "built-in text; %s; cached in %s; set %s=scales for the default rule's "
+                    "formats, =0 to switch off)",
+                    summary["tokens"], summary["seconds"], summary["statistics"], summary["formats"],
+                    summary["path"], STARTUP_CALIBRATION_ENV)

@@ -84,20 +84,21 @@ class Recipe:
         return out
 
 
-def recipe_for(vllm_config: Any, text_tokens: int, soft_cap: bool, select: bool = True) -> Recipe:
+def recipe_for(vllm_config: Any, text_tokens: int, no_k_center: bool, select: bool = True) -> Recipe:
     """The recipe for an engine: windows no longer than ``MAX_WINDOW``, ``max_model_len``, one
     batch (``max_num_batched_tokens``) or the text, ``TARGET_TOKENS`` tokens in all, the first
     ``SENSITIVITY_TOKENS`` of them (at least one window) for the sensitivity forwards, the
     range offsets of :func:`~vllm_nvfp4.calibration.position_range.range_offsets` for
-    ``max_model_len``; with K centering, :func:`rot_pairs` for the rotating K center."""
+    ``max_model_len``; K centering unless ``no_k_center``, and with it :func:`rot_pairs` for the
+    rotating K center."""
     batch = vllm_config.scheduler_config.max_num_batched_tokens
     max_len = vllm_config.model_config.max_model_len
     window = min(MAX_WINDOW, max_len, batch, text_tokens)
     windows = max(1, min(TARGET_TOKENS // window, text_tokens // window))
-    return Recipe(window, windows, max(1, batch // window), k_center=not soft_cap, select=select,
+    return Recipe(window, windows, max(1, batch // window), k_center=not no_k_center, select=select,
                   sensitivity_windows=max(1, min(windows, SENSITIVITY_TOKENS // window)),
                   max_model_len=max_len, offsets=range_offsets(max_len, window),
-                  k_rot_pairs=0 if soft_cap else rot_pairs(vllm_config))
+                  k_rot_pairs=0 if no_k_center else rot_pairs(vllm_config))
 
 
 def asked_rot_pairs() -> int:
