@@ -316,6 +316,31 @@ def test_the_server_keeps_idle_connections_longer_than_vllms_benchmark_client():
     assert mine == {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "7"}  # the user's setting stands
 
 
+def test_client_errors_name_why_requests_failed():
+    """The exception lines ``vllm bench serve`` prints for failed requests (as it printed them
+    for a keep-alive race on an H100), deduplicated; none where nothing failed."""
+    from benchmarks.e2e.serve import client_errors
+
+    trace = ("Error {i}: Traceback (most recent call last):\n"
+             '  File "/x/vllm/benchmarks/lib/endpoint_request_func.py", line 252, in f\n'
+             "    async with session.post(url=api_url) as response:\n"
+             "    await self._waiter\n"
+             "aiohttp.client_exceptions.ServerDisconnectedError: Server disconnected\n")
+    out = ("INFO: 200 OK\nValueError: a line before the failures is not theirs\n"
+           "Failed requests during benchmark run detected (capping to 10):\n"
+           + trace.format(i=0) + trace.format(i=1) + "Error 2: TimeoutError\n"
+           "============ Serving Benchmark Result ============\nFailed requests: 3\n")
+    assert client_errors(out) == ["aiohttp.client_exceptions.ServerDisconnectedError: Server disconnected",
+                                  "TimeoutError"]
+    assert client_errors(out, limit=1) == ["aiohttp.client_exceptions.ServerDisconnectedError: Server disconnected"]
+    assert client_errors("Successful requests: 8\nFailed requests: 0\n") == []
+    ok, why = rate_search.Objective(50.0).check(
+        dict(completed=304, num_prompts=305, failed=1, p99_tpot_ms=41.4,
+             failed_errors=["aiohttp.client_exceptions.ServerDisconnectedError: Server disconnected"]))
+    assert not ok and why == ("1 failed, 304 of 305 completed "
+                              "(aiohttp.client_exceptions.ServerDisconnectedError: Server disconnected)")
+
+
 def test_estimator_corrects_itself_with_measured_runs():
     est = orchestrate.Estimator(prefill_tok_s=10000.0, decode_tok_s=1000.0)
     run = workloads.BenchRun("chat", "x", (), 10, 20000.0, 500.0, max_concurrency=10)

@@ -34,9 +34,15 @@ SERVER_KEEP_ALIVE_S = 75
 #: fields of vLLM's result JSON copied into the ``bench_serve`` record
 RESULT_FIELDS = ("duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
                  "request_throughput", "output_throughput", "total_token_throughput",
-                 "max_concurrency", "request_rate")
+                 "max_concurrency", "request_rate", "failed_errors")
 PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
 LATENCY_FIELD = re.compile(r"^(mean|median|std|p[0-9.]+)_[a-z0-9]+_ms$")
+#: where ``vllm bench serve`` starts printing the errors of its failed requests
+FAILED_REQUESTS = "Failed requests during benchmark run detected"
+#: the first line of one failed request's error: ``Error 3: <its error>``
+FAILED_REQUEST_LINE = re.compile(r"^Error \d+: (.*)$")
+#: the last line of a Python traceback: ``module.ExceptionName: message``
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Timeout\w*)\b.*$")
 VLLM_CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
@@ -92,6 +98,27 @@ def result_record(result: dict) -> dict:
     out = {k: result[k] for k in RESULT_FIELDS if k in result}
     out.update({k: v for k, v in result.items() if LATENCY_FIELD.match(k)})
     return out
+
+
+def client_errors(output: str, limit: int = 3) -> list[str]:
+    """The distinct exception lines (at most ``limit``, first seen first) that ``vllm bench
+    serve`` printed for its failed requests in ``output`` (its stdout), [] where none failed."""
+    if FAILED_REQUESTS not in output:
+        return []
+    found = []
+    for line in output[output.index(FAILED_REQUESTS):].splitlines()[1:]:
+        line = line.strip()
+        if line.startswith("="):  # the result banner: the errors are over
+            break
+        numbered = FAILED_REQUEST_LINE.match(line)  # "Error 3: <its error>"
+        if numbered:
+            line = numbered.group(1)
+            if line.startswith("Traceback"):  # its last line names the exception
+                continue
+            found.append(line)
+        elif EXCEPTION_LINE.match(line):
+            found.append(line)
+    return list(dict.fromkeys(found))[:limit]
 
 
 def wait_healthy(port: int, proc: subprocess.Popen, deadline: float) -> bool:

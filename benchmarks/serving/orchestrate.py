@@ -24,8 +24,8 @@ from benchmarks.e2e.configs import CONFIGS, BenchConfig, policy_for, unavailable
 from benchmarks.e2e.orchestrate import (child_env, prepare_model, prior_versions, start_run, versions,
                                         wait_gpu_free)
 from benchmarks.e2e.records import Recorder, prior_records, read_records
-from benchmarks.e2e.serve import (bench_serve_base, result_record, serve_command, server_env, stop_group,
-                                  wait_healthy)
+from benchmarks.e2e.serve import (bench_serve_base, client_errors, result_record, serve_command, server_env,
+                                  stop_group, wait_healthy)
 from benchmarks.e2e.worker import log
 from benchmarks.serving import rate_search, report
 from benchmarks.serving.workloads import BenchRun, chat_runs, prefix_runs, rate_run
@@ -117,6 +117,7 @@ class ConfigRun:
         with open(self.log_path, "a") as lf:
             lf.write(f"\n===== {shlex.join(cmd)}\n")
             lf.flush()
+            start = lf.tell()
             timeout = None if math.isinf(self.deadline) else max(10.0, self.left())
             try:
                 rc = subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT, timeout=timeout,
@@ -131,6 +132,10 @@ class ConfigRun:
             return None
         self.est.measured(run, wall)
         result = json.loads(path.read_text())
+        if result.get("failed"):  # the client's reasons, from its output in the log
+            with open(self.log_path) as lf:
+                lf.seek(start)
+                result["failed_errors"] = client_errors(lf.read())
         after = scrape_counter(self.a.port, PREEMPTIONS)
         self.rec.write("bench", workload=run.workload, label=run.label, wall_s=round(wall, 1),
                        num_prompts=run.num_prompts, result_file=str(path.relative_to(self.a.out)),

@@ -24,7 +24,9 @@ class Objective:
         """(passed, why) of one ``vllm bench serve`` result JSON (``p99_*`` fields present)."""
         done, want = result.get("completed", 0), result.get("num_prompts")
         if result.get("failed") or (want is not None and done < want):
-            return False, f"{result.get('failed', 0)} failed, {done} of {want} completed"
+            errors = "; ".join(result.get("failed_errors") or [])
+            return False, (f"{result.get('failed', 0)} failed, {done} of {want} completed"
+                           + (f" ({errors})" if errors else ""))
         tpot = result.get("p99_tpot_ms")
         if tpot is None or not math.isfinite(tpot):
             return False, "no p99 TPOT in the result"
