@@ -25,7 +25,8 @@ pipelined loop (``LaunchShape.key0_in_loop``); their output differs from BEFORE'
 ``LaunchShape.rot_rows``); the table ends with their time over ``new`` (the same kernel without
 it). Their output differs from BEFORE's by the correction. ``--rot-pairs K ..`` adds ``rot_kK``:
 the correction on each KV head's ``K`` pairs of largest ``|b_pair|`` only (``RotCenter.top_pairs``;
-``K`` >= head_dim / 2 is ``rot``).
+``K`` >= head_dim / 2 is ``rot``). ``--rot-variants V ..`` adds ``rot_kK_V``: ``rot_kK`` under each
+launch variant ``V`` (e.g. ``r232``: the register cap the correction's extra state may want).
 
     python3 benchmarks/bench_variants.py --before /tmp/attention_before.py --variants \
         --shapes 64x32768 16x32768 64x4096 16x4096 --formats nvfp4 fp8 --rot-center \
@@ -193,9 +194,12 @@ def main() -> None:
                     help="with --rot-center: also with tables of these row counts (rot_qN)")
     ap.add_argument("--rot-pairs", type=int, nargs="*", default=[],
                     help="with --rot-center: also on only these many pairs per KV head (rot_kK)")
+    ap.add_argument("--rot-variants", nargs="*", default=[],
+                    help="launch variants (names as --variants) each --rot-pairs row also runs under")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shape, no timing")
     args = ap.parse_args()
-    unknown = [v for v in args.variants if all(variant_config(v, k) is None for k in VARIANTS)]
+    unknown = [v for v in args.variants + args.rot_variants
+               if all(variant_config(v, k) is None for k in VARIANTS)]
     if unknown:
         ap.error(f"unknown variants {unknown}: use names from VARIANTS or sN / rN / stN / sN_rN")
     dev = "cpu" if args.smoke else "cuda"
@@ -236,6 +240,11 @@ def main() -> None:
                 runs += [(f"rot_k{k}", new_mod,
                           {"rot_center": new_mod.RotCenter.top_pairs(*rot, k)})
                          for k in args.rot_pairs if k < bd.D // 2]
+                runs += [(f"rot_k{k}_{v}", new_mod,
+                          {"rot_center": new_mod.RotCenter.top_pairs(*rot, k),
+                           **variant_config(v, "decode")})
+                         for k in args.rot_pairs if k < bd.D // 2 for v in args.rot_variants
+                         if not prefill and variant_config(v, "decode") is not None]
             kind = "prefill" if prefill else "decode"
             runs += [(v, new_mod, variant_config(v, kind)) for v in args.variants
                      if variant_config(v, kind) is not None]

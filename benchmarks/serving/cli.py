@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fresh", action="store_true", help="delete earlier records in --out first")
     g.add_argument("--dry-run", action="store_true", help="print the server and client commands and exit")
     g.add_argument("--plot", default=None, metavar="SUMMARY_JSON", help="only plot a summary, then exit")
+    g.add_argument("--merge-only", action="store_true",
+                   help="serve nothing: write --out's summary, table and plots from --prior-records "
+                        "alone (runs measured apart, one rate search over all their probes)")
     g = ap.add_argument_group("model and server (`vllm serve`)")
     g.add_argument("--model", default=None, help="model dir (default: the weight-less --preset)")
     g.add_argument("--model-dir", default=None, help="where --preset's model is written")
@@ -113,6 +116,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     a = parse_common(ap, argv, CPU_TINY)
     if a.plot:
         return a
+    if a.merge_only:
+        if not a.prior_records:
+            ap.error("--merge-only writes a summary of --prior-records: name the serving_records.jsonl files")
+        a.out = str(Path(a.out))
+        return a
     if not a.configs:
         ap.error("--configs is empty")
     if a.prefix_num_prefixes <= 0 or a.max_probes <= 0 or a.probe_s <= 0 or a.min_prompts <= 0:
@@ -141,4 +149,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     from benchmarks.serving import orchestrate
 
+    if a.merge_only:
+        return orchestrate.merge_only(a)
     return orchestrate.dry_run(a) if a.dry_run else orchestrate.run(a)

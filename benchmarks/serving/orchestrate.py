@@ -226,6 +226,28 @@ def summarize(a: Namespace, head: dict) -> dict:
     return summary
 
 
+def merge_only(a: Namespace) -> int:
+    """The summary, table and plots of ``--prior-records`` alone, in ``--out`` (no server): the
+    arguments, model and policies of the newest summary beside them, each file's machine in
+    ``prior_versions``."""
+    beside = [Path(p).parent / SUMMARY for p in a.prior_records]
+    summaries = [json.loads(p.read_text()) for p in beside if p.exists()]
+    last = summaries[-1] if summaries else {}
+    policies = {k: v for s in summaries for k, v in (s.get("policies") or {}).items()}
+    head = dict(started_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                command=shlex.join([sys.executable, "-m", "benchmarks.serving"] + a.argv),
+                args=last.get("args"), versions=None, prior_versions=prior_versions(a.prior_records, SUMMARY),
+                model=last.get("model"), policies=policies, method="benchmarks/serving/__init__.py")
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    summarize(a, head)
+    print((Path(a.out) / TABLE).read_text(), flush=True)
+    from benchmarks.serving.plots import plot_summary
+
+    for p in plot_summary(Path(a.out) / SUMMARY, Path(a.out)):
+        log(f"plot {p}")
+    return 0
+
+
 def dry_run(a: Namespace) -> int:
     prepare_model(a)
     hybrid = ModelShape.from_model_dir(a.model).needs_packed_groups

@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from benchmarks.e2e.report import ratio
+from benchmarks.serving import rate_search
+from benchmarks.serving.workloads import rate_label, run_key
 
 #: (record field, column title) of the per-run table
 COLUMNS = (("output_throughput", "output tok/s"), ("request_throughput", "req/s"),
@@ -23,12 +25,12 @@ def merge(prior: list[dict], now: list[dict]) -> list[dict]:
     the same configuration, kind and label (a run of one concurrency level keeps the others), and
     a run's skip goes where another run measured it."""
     def key(r: dict) -> tuple:
-        return r.get("config"), r["kind"], r.get("label")
+        return r.get("config"), r["kind"], run_key(r.get("label"))
 
     fresh = {key(r) for r in now}
     merged = [r for r in prior if key(r) not in fresh] + now
-    measured = {(r["config"], r["label"]) for r in merged if r["kind"] == "bench"}
-    return [r for r in merged if r["kind"] != "skip" or (r.get("config"), r.get("label")) not in measured]
+    measured = {(r["config"], run_key(r["label"])) for r in merged if r["kind"] == "bench"}
+    return [r for r in merged if r["kind"] != "skip" or (r.get("config"), run_key(r.get("label"))) not in measured]
 
 
 def measured_labels(records: list[dict]) -> dict[str, set[str]]:
@@ -45,12 +47,25 @@ def reference(records: list[dict]) -> Optional[str]:
     return PREFERRED_REFERENCE if PREFERRED_REFERENCE in names else (names[0] if names else None)
 
 
+def rate_probes(records: list[dict]) -> dict[str, tuple[dict, dict[str, tuple[float, bool]]]]:
+    """Per configuration with a rate search: the objective of its newest search and every probe
+    under that objective, of this run and of merged earlier ones (label -> (rate, passed); a
+    rate probed again keeps the newest result)."""
+    objectives = {r["config"]: r["objective"] for r in records if r["kind"] == "rate_search"}
+    out: dict[str, tuple[dict, dict[str, tuple[float, bool]]]] = {
+        cfg: (obj, {}) for cfg, obj in objectives.items()}
+    for r in records:
+        if r["kind"] == "rate_probe" and r.get("config") in out and r.get("objective") == objectives[r["config"]]:
+            out[r["config"]][1][run_key(r["label"])] = (r["rate"], r["passed"])
+    return out
+
+
 def tables(records: list[dict]) -> dict[str, Any]:
     """``reference``, ``runs`` (newest result per configuration and label, with ratios) and
     ``rate_search`` (per configuration: highest rate within the objective, vs the reference,
     and TTFT p50 at that rate)."""
     ref = reference(records)
-    latest = {(r["config"], r["label"]): r for r in records if r["kind"] == "bench"}
+    latest = {(r["config"], run_key(r["label"])): r for r in records if r["kind"] == "bench"}
     runs = []
     for (cfg, label), r in latest.items():
         row = dict(config=cfg, label=label, workload=r["workload"],
@@ -61,15 +76,13 @@ def tables(records: list[dict]) -> dict[str, Any]:
         for name, field in RATIOS:
             row[name] = ratio(r.get(field), base.get(field)) if base else None
         runs.append(row)
-    searches = {r["config"]: r for r in records if r["kind"] == "rate_search"}
     rates: dict[str, Any] = {}
-    for cfg, s in searches.items():
-        at = [r for (c, _), r in latest.items() if c == cfg and r["workload"] == "rate"
-              and r.get("rate") == s["max_rate"]]
-        rates[cfg] = dict(max_rate=s["max_rate"], lowest_failing_rate=s["lowest_failing_rate"],
-                          probes=s["probes"], objective=s["objective"],
-                          p50_ttft_ms_at_max_rate=at[-1].get("p50_ttft_ms") if at else None,
-                          p99_tpot_ms_at_max_rate=at[-1].get("p99_tpot_ms") if at else None)
+    for cfg, (objective, probes) in rate_probes(records).items():
+        s = rate_search.summarize({rate: ok for rate, ok in probes.values()})
+        at = latest.get((cfg, rate_label(s["max_rate"]))) if s["max_rate"] else None
+        rates[cfg] = dict(s, objective=objective,
+                          p50_ttft_ms_at_max_rate=at.get("p50_ttft_ms") if at else None,
+                          p99_tpot_ms_at_max_rate=at.get("p99_tpot_ms") if at else None)
     for cfg, row in rates.items():
         base = rates.get(ref)
         row["max_rate_vs_ref"] = ratio(row["max_rate"], base["max_rate"]) if base else None
@@ -93,7 +106,8 @@ def markdown(summary: dict) -> str:
         f"{n.split('_vs_')[0]} / {ref}" for n, _ in RATIOS]
     lines = [f"Serving: `vllm bench serve` against `vllm serve` (reference {ref})", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in sorted(summary["runs"], key=lambda r: (r["workload"], r["label"], r["config"] != ref)):
+    for r in sorted(summary["runs"], key=lambda r: (r["workload"], r["concurrency"] or 0, r["prefix_len"] or 0,
+                                                    r["rate"] or 0, r["label"], r["config"] != ref)):
         cells = [r["label"], r["config"]] + [r[k] for k, _ in COLUMNS] + [r["preemptions"]] + [
             r[n] for n, _ in RATIOS]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import zlib
 from argparse import Namespace
 from dataclasses import dataclass, field
@@ -145,11 +146,27 @@ def prefix_runs(a: Namespace) -> list[BenchRun]:
     return runs
 
 
+def rate_label(rate: float) -> str:
+    """The label of a rate probe, ``rate_3.557``: four significant digits, so that a rate a user
+    gives (3.557) and the search's (3.5573) are one label, one seed, one set of prompts."""
+    return f"rate_{rate:.4g}"
+
+
+def run_key(label: str) -> str:
+    """``label`` as one run's key across runs: a rate probe's by its rate (the probe's index that
+    labels of earlier versions carried, ``rate_2_3.5573``, dropped: ``rate_3.557``), others as
+    they are."""
+    m = re.fullmatch(r"rate_(?:\d+_)?(\d+(?:\.\d+)?)", label or "")
+    return rate_label(float(m.group(1))) if m else label
+
+
 def rate_run(a: Namespace, rate: float, index: int) -> BenchRun:
-    """One probe of the rate search: the chat lengths at ``rate`` requests/s (Poisson arrivals),
-    ``--probe-s`` seconds of arrivals (at least ``--min-prompts`` requests), no concurrency cap."""
+    """Probe ``index`` of the rate search: the chat lengths at ``rate`` requests/s (Poisson
+    arrivals), ``--probe-s`` seconds of arrivals (at least ``--min-prompts`` requests), no
+    concurrency cap. Its seed follows the rate (:func:`rate_label`), not the probe's index: every
+    configuration probed at a rate gets the same prompts and arrival times."""
     n = max(a.min_prompts, math.ceil(rate * a.probe_s))
-    return BenchRun("rate", f"rate_{index}_{rate:g}", random_dataset(a.chat_input, a.chat_output), n,
+    return BenchRun("rate", rate_label(rate), random_dataset(a.chat_input, a.chat_output), n,
                     a.chat_input.mean, a.chat_output.mean, request_rate=rate,
                     extra=dict(rate=rate, probe=index))
 
