@@ -241,6 +241,32 @@ def test_rate_search_answer_counts_every_probe_of_merged_runs():
     assert s["p50_ttft_ms_at_max_rate"] == 250.0 and s["p99_tpot_ms_at_max_rate"] == 40.0
 
 
+def test_merge_only_summarizes_runs_measured_apart(tmp_path, capsys):
+    """--merge-only serves nothing: one summary, table and rate plot of two runs' records, the
+    lengths taken from the newest summary beside them; without --prior-records it is an error."""
+    runs = {"fp8": [r for r in RECORDS if r.get("config") == "fp8"],
+            "mixed": [r for r in RECORDS if r.get("config") == "nvfp4-mixed"]}
+    files = []
+    for name, recs in runs.items():
+        (tmp_path / name).mkdir()
+        files.append(tmp_path / name / orchestrate.RECORDS)
+        files[-1].write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    (tmp_path / "mixed" / orchestrate.SUMMARY).write_text(json.dumps(
+        dict(args=dict(chat_input="2048-8192", chat_output="512-1024"), policies={"nvfp4-mixed": "p"})))
+    out = tmp_path / "all"
+    from benchmarks.serving.cli import main
+
+    assert main(["--merge-only", "--out", str(out), "--prior-records", ",".join(map(str, files))]) == 0
+    summary = json.loads((out / orchestrate.SUMMARY).read_text())
+    assert summary["rate_search"]["nvfp4-mixed"]["max_rate_vs_ref"] == 2.0
+    assert summary["args"]["chat_input"] == "2048-8192" and summary["policies"] == {"nvfp4-mixed": "p"}
+    assert "| chat_c64 | nvfp4-mixed | 2400.0 |" in (out / orchestrate.TABLE).read_text()
+    assert (out / "serving_rate.png").stat().st_size > 0 and not (out / orchestrate.RECORDS).exists()
+    with pytest.raises(SystemExit):
+        parse_args(["--merge-only", "--out", str(out)])
+    assert "--merge-only writes a summary of --prior-records" in capsys.readouterr().err
+
+
 def test_merge_replaces_a_configuration_served_again():
     prior = [dict(r, prior="old") for r in RECORDS[:4]]
     now = [_bench("nvfp4-mixed", "chat_c16", "chat", 1600.0, 800.0, 30.0, concurrency=16)]
