@@ -202,6 +202,9 @@ def main() -> None:
                if all(variant_config(v, k) is None for k in VARIANTS)]
     if unknown:
         ap.error(f"unknown variants {unknown}: use names from VARIANTS or sN / rN / stN / sN_rN")
+    if args.rot_variants and not (args.rot_center and any(k < args.head_dim // 2 for k in args.rot_pairs)):
+        ap.error("--rot-variants runs the --rot-pairs rows under other launches: give --rot-center "
+                 f"and --rot-pairs K (K < head_dim / 2 = {args.head_dim // 2})")
     dev = "cpu" if args.smoke else "cuda"
     bd.set_shape(args.q_heads, args.kv_heads, args.head_dim, args.sinks, dev)
     if args.smoke:

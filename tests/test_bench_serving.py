@@ -265,6 +265,10 @@ def test_merge_only_summarizes_runs_measured_apart(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--merge-only", "--out", str(out)])
     assert "--merge-only writes a summary of --prior-records" in capsys.readouterr().err
+    before = (tmp_path / "mixed" / orchestrate.SUMMARY).read_text()  # a run's folder is not overwritten
+    with pytest.raises(SystemExit, match="exists; a run's summary there would be replaced"):
+        main(["--merge-only", "--out", str(tmp_path / "mixed"), "--prior-records", str(files[0])])
+    assert (tmp_path / "mixed" / orchestrate.SUMMARY).read_text() == before
 
 
 def test_merge_replaces_a_configuration_served_again():

@@ -229,7 +229,11 @@ def summarize(a: Namespace, head: dict) -> dict:
 def merge_only(a: Namespace) -> int:
     """The summary, table and plots of ``--prior-records`` alone, in ``--out`` (no server): the
     arguments, model and policies of the newest summary beside them, each file's machine in
-    ``prior_versions``."""
+    ``prior_versions``. Refuses an ``--out`` that holds a run's records (its summary would be
+    replaced)."""
+    if (Path(a.out) / RECORDS).exists():
+        sys.exit(f"--merge-only: {Path(a.out) / RECORDS} exists; a run's summary there would be "
+                 "replaced. Give --out a folder of its own and name that file in --prior-records")
     beside = [Path(p).parent / SUMMARY for p in a.prior_records]
     summaries = [json.loads(p.read_text()) for p in beside if p.exists()]
     last = summaries[-1] if summaries else {}
