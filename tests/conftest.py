@@ -11,6 +11,8 @@ Environment (set before any test imports vLLM; values already set win):
   (torch.compile), and in-process hooks are visible to the test. Tests of the multi-process path
   start a subprocess with :func:`vllm_subprocess_env`.
 * Offline Hugging Face, no usage stats.
+
+The Triton interpreter skips re-patching the language on nested calls (:mod:`interpreter_speedup`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+import interpreter_speedup
 
 _ENV_DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -60,6 +64,10 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    interpreter_speedup.install()  # after the test modules chose TRITON_INTERPRET
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
