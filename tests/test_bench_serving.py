@@ -241,6 +241,18 @@ def test_rate_search_answer_counts_every_probe_of_merged_runs():
     assert s["p50_ttft_ms_at_max_rate"] == 250.0 and s["p99_tpot_ms_at_max_rate"] == 40.0
 
 
+def test_rate_search_cut_off_before_its_record_still_answers():
+    """A run stopped mid-search writes its probes but no ``rate_search`` record: the answer comes
+    from the probes under the newest probe's objective (an older objective's probes left out)."""
+    strict = dict(OBJECTIVE, p99_tpot_ms=OBJECTIVE["p99_tpot_ms"] / 2)
+    probes = [dict(kind="rate_probe", config="nvfp4", label=f"rate_{r:g}", rate=r, passed=ok,
+                   objective=obj) for r, ok, obj in ((4.0, True, OBJECTIVE), (2.736, True, strict),
+                                                     (3.557, False, strict))]
+    s = report.tables(probes)["rate_search"]["nvfp4"]
+    assert (s["max_rate"], s["lowest_failing_rate"], s["probes"]) == (2.736, 3.557, 2)
+    assert s["objective"] == strict
+
+
 def test_merge_only_summarizes_runs_measured_apart(tmp_path, capsys):
     """--merge-only serves nothing: one summary, table and rate plot of two runs' records, the
     lengths taken from the newest summary beside them; without --prior-records it is an error."""

@@ -32,7 +32,8 @@ Output in ``--out``: ``raw/CONFIG/LABEL.json`` (vLLM's result files, unchanged),
 ``serving_records.jsonl`` (one record per run as it completes: ``server``, ``bench``,
 ``rate_probe``, ``rate_search``, ``skip``, ``error``; a ``bench`` record has vLLM's throughput and
 latency fields and the server's preemption count during the run), ``serving_summary.json``
-(records, per-run rows with ratios to fp8, the rate search per configuration, versions, command),
+(records, per-run rows with ratios to fp8, the rate search per configuration - from its probes,
+also where a search was cut off before its ``rate_search`` record -, versions, command),
 ``serving_summary.md`` (the tables, printed last), ``serving_chat.png``, ``serving_prefix.png``,
 ``serving_rate.png`` (matplotlib; without it the run says how to plot later), ``serve_CONFIG.log``.
 

@@ -48,10 +48,12 @@ def reference(records: list[dict]) -> Optional[str]:
 
 
 def rate_probes(records: list[dict]) -> dict[str, tuple[dict, dict[str, tuple[float, bool]]]]:
-    """Per configuration with a rate search: the objective of its newest search and every probe
-    under that objective, of this run and of merged earlier ones (label -> (rate, passed); a
-    rate probed again keeps the newest result)."""
-    objectives = {r["config"]: r["objective"] for r in records if r["kind"] == "rate_search"}
+    """Per configuration with a rate search: the objective of its newest search (of its newest
+    probe where a search was cut off before its ``rate_search`` record) and every probe under that
+    objective, of this run and of merged earlier ones (label -> (rate, passed); a rate probed
+    again keeps the newest result)."""
+    objectives = {r["config"]: r["objective"] for r in records
+                  if r["kind"] in ("rate_search", "rate_probe") and r.get("config")}
     out: dict[str, tuple[dict, dict[str, tuple[float, bool]]]] = {
         cfg: (obj, {}) for cfg, obj in objectives.items()}
     for r in records:
