@@ -17,6 +17,7 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 from paged_cases import (  # noqa: E402
     check_written_bytes, make_batch, random_sinks, reference_attention, roundtrip, run_attention,
@@ -838,3 +839,30 @@ def test_dequantize_kv_key0_shift_bit_exact(kf, vf):
         assert torch.equal(outs["torch"][0][first], plain_k[first] - shift.cpu())
         assert torch.equal(outs["torch"][0][~first], plain_k[~first])
         assert torch.equal(outs["torch"][1], outs["plain"][1])
+
+
+@triton.jit
+def _doubled(x):
+    return x * 2.0
+
+
+@triton.jit
+def _nested_call_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(y_ptr + o, _doubled(tl.load(x_ptr + o)) + tl.zeros([N], tl.float32))
+
+
+@pytest.mark.skipif(CUDA, reason="the Triton interpreter runs the kernels only without a GPU here")
+def test_interpreter_speedup_is_in_force_and_a_launch_restores_the_language():
+    """The test suite's interpreter speed-up (``interpreter_speedup``, installed by conftest) took
+    on this Triton; a kernel with nested ``@triton.jit`` calls computes what it should, and its
+    launch leaves no mark on ``triton.language``."""
+    import interpreter_speedup
+    from triton.runtime import interpreter
+
+    assert getattr(interpreter._patch_lang, "_skips_nested", False), "conftest's install() did not take"
+    x = torch.randn(16, generator=torch.Generator().manual_seed(3)) + 0.5
+    y = torch.empty_like(x)
+    _nested_call_kernel[(1,)](x, y, 16)
+    assert torch.equal(y, x * 2)
+    assert not hasattr(tl, interpreter_speedup._MARK)
