@@ -19,7 +19,7 @@ setup(
     # tomli: the benchmarks' TOML targets on Python 3.10 (3.11 has tomllib)
     install_requires=["torch>=2.4", "numpy", "tomli>=1.1; python_version < '3.11'"],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "transformers>=5", "matplotlib", "tqdm"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "transformers>=5", "matplotlib", "tqdm"],
         # vllm-nvfp4 calibrate/analyze/select/tune; accelerate also for --device cuda (device_map),
         # gguf only for scripts/prepare_assets.py
         "calibrate": ["transformers>=5", "matplotlib", "tqdm", "accelerate", "gguf", "psutil"],
