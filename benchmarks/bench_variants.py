@@ -14,10 +14,11 @@ Writes JSON and prints a table last.
     python3 benchmarks/bench_variants.py --before /tmp/attention_before.py --head-dim 256 \
         --shapes 16x32768 64x8192 --variants no_fold_k s32 --out $OUT/v256.json
 
-``--key0-shift`` adds the rows ``key0`` and ``key0_loop``: the current default with the sink
-key's logit correction on (a random ``key0_shift [kv_heads, head_dim]``, as a layer whose policy
-stores the sink key uncentered passes it), position 0's tile run alone or corrected in the
-pipelined loop (``LaunchShape.key0_in_loop``); their output differs from BEFORE's by the correction.
+``--key0-shift`` adds the rows ``key0``, ``key0_loop`` and ``key0_after``: the current default
+with the sink key's logit correction on (a random ``key0_shift [kv_heads, head_dim]``, as a layer
+whose policy stores the sink key uncentered passes it), position 0's tile run alone, corrected in
+the pipelined loop (``LaunchShape.key0_in_loop``) or after it (``LaunchShape.key0_after_loop``);
+their output differs from BEFORE's by the correction.
 
 ``--rot-center`` adds the row ``rot``: the current default with the rotating-center correction on
 (K stored as ``k - R(p) b``: a random ``b [kv_heads, head_dim]`` and Llama-3.1's RoPE angles), and
@@ -232,6 +233,7 @@ def main() -> None:
                 shift = torch.randn(bd.HKV, bd.D, generator=gen).to(dev)
                 runs.append(("key0", new_mod, {"key0_shift": shift}))
                 runs.append(("key0_loop", new_mod, {"key0_shift": shift, "key0_in_loop": True}))
+                runs.append(("key0_after", new_mod, {"key0_shift": shift, "key0_after_loop": True}))
             if args.rot_center:
                 rot = ((torch.randn(bd.HKV, bd.D, generator=gen) * 0.5).to(dev),
                        llama3_theta(bd.D).to(dev))

@@ -55,7 +55,7 @@ def default_stages(lay: KVPageLayout, kind: str) -> int:
 
 def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: str = "decode",
                sinks: bool = False, rows: int = 16, variants: tuple = (), parts: int = 1,
-               stages: int = 3, rot_rows: int = 0, rot_pairs: int = 0):
+               stages: int = 3, rot_rows: int = 0, rot_pairs: int = 0, key0: str = ""):
     """The decode or the prefill kernel (``kind``; prefill: ``rows`` query rows per program; with
     attention ``sinks`` or without) as Triton source for ``triton.compile``. A ``--module`` of a commit that still had the rows family:
     its keys kernels. ``variants``: names of LaunchShape code variants switched on
@@ -63,7 +63,9 @@ def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: st
     ``stages``: the tile loop's pipeline stages (``STAGES``, where the module has it);
     ``rot_rows``: with the rotating-center logit correction (``USE_ROT``), tables of that many
     rows (``ROT_ROWS``); 0: without; ``rot_pairs``: on that many RoPE pairs per KV head
-    (``ROT_PAIRS``; 0: all, ``head_dim / 2``)."""
+    (``ROT_PAIRS``; 0: all, ``head_dim / 2``); ``key0``: with the uncentered sink key's logit
+    correction (``USE_KEY0``) as ``peel`` (position 0's tile alone), ``loop`` (``KEY0_IN_LOOP``)
+    or ``after`` (``KEY0_AFTER``); empty: without."""
     prefill = kind == "prefill"
     sig = {n: "*bf16" for n in ("query_ptr", "out_ptr")}
     sig.update(cache_ptr="*u8", k_scale_ptr="*fp32", v_scale_ptr="*fp32")
@@ -108,12 +110,14 @@ def kernel_src(lay: KVPageLayout, tile_n: int, splits: int, g: int = 4, kind: st
         raise SystemExit("this attention module has no head-dim parts")
     if "STAGES" in fn.arg_names:
         const.update(STAGES=stages)
-    for flag, value in (("USE_KEY0", False), ("KEY0_IN_LOOP", False),
+    for flag, value in (("USE_KEY0", bool(key0)), ("KEY0_IN_LOOP", key0 == "loop"),
+                        ("KEY0_AFTER", key0 == "after"),
                         ("USE_ROT", rot_rows > 0), ("ROT_ROWS", rot_rows or 16),
                         ("ROT_PAIRS", rot_pairs or lay.head_dim // 2)):
         if flag in fn.arg_names:
             const[flag] = value
-        elif (flag == "USE_ROT" and value) or (flag == "ROT_PAIRS" and rot_pairs and rot_rows):
+        elif (flag in ("USE_ROT", "USE_KEY0", "KEY0_IN_LOOP", "KEY0_AFTER") and value) or (
+                flag == "ROT_PAIRS" and rot_pairs and rot_rows):
             raise SystemExit(f"this attention module has no {flag}")
     if "PREFETCH" in fn.arg_names:  # an older module (--module) with register prefetch: its own default
         const.update(PREFETCH="nvfp4" in (lay.k_format, lay.v_format))
@@ -197,6 +201,8 @@ def main() -> None:
                     help="rows of its cos / sin tables (default: launch.rot_rows's)")
     ap.add_argument("--rot-pairs", type=int, default=0,
                     help="with --rot-center: RoPE pairs corrected per KV head (default: all)")
+    ap.add_argument("--key0", choices=["peel", "loop", "after"],
+                    help="with the uncentered sink key's logit correction, done this way")
     ap.add_argument("--variant", nargs="*", choices=["none", *CODE_VARIANTS],
                     help="LaunchShape code variants to switch on, the others off (none: all off; "
                          "default: those of launch_defaults for each format pair)")
@@ -233,7 +239,7 @@ def main() -> None:
                           args.rot_pairs or None) if args.rot_center else 0)
         k = triton.compile(kernel_src(lay, tile, args.splits, args.group, kind, args.sinks,
                                       args.rows, variants, dim_parts, stages, rot,
-                                      args.rot_pairs if rot else 0),
+                                      args.rot_pairs if rot else 0, args.key0 or ""),
                            target=TARGET,
                            options=dict(num_warps=warps, num_stages=stages,
                                         **({"maxnreg": maxnreg} if maxnreg else {})))
@@ -248,7 +254,8 @@ def main() -> None:
         print(f"triton {triton.__version__} D {args.head_dim} {fmt:11} {kind:7} tile {tile:3} "
               f"group {args.group}{' sinks' if args.sinks else ''}"
               f"{f' rot_center {rot} rows' if rot else ''}"
-              f"{f' {args.rot_pairs or args.head_dim // 2} pairs' if rot else ''} "
+              f"{f' {args.rot_pairs or args.head_dim // 2} pairs' if rot else ''}"
+              f"{f' key0 {args.key0}' if args.key0 else ''} "
               f"warps {warps}{f' parts {dim_parts}' if dim_parts > 1 else ''} "
               f"stages {stages}{''.join(' ' + v for v in variants)}: "
               f"regs {regs} smem {k.metadata.shared} "

@@ -762,12 +762,18 @@ def test_key0_shift_matches_float64_and_the_torch_path(kind, window, kf, vf):
     assert (unshifted - want).norm() / want.norm() > 100 * tol
 
 
-@pytest.mark.parametrize("kind,window,kf,vf", [
-    ("decode", None, "nvfp4", "nvfp4"), ("decode", 30 * SCALE, "fp8", "nvfp4"),
-    ("prefill", None, "nvfp4", "fp8")])
-def test_key0_in_loop_equals_the_peeled_tile(kind, window, kf, vf):
+@pytest.mark.parametrize("mode,kind,window,kf,vf,parts", [
+    ("in_loop", "decode", None, "nvfp4", "nvfp4", 1), ("in_loop", "decode", 30 * SCALE, "fp8", "nvfp4", 1),
+    ("in_loop", "prefill", None, "nvfp4", "fp8", 1),
+    ("after_loop", "decode", None, "nvfp4", "nvfp4", 1), ("after_loop", "decode", 30 * SCALE, "fp8", "nvfp4", 1),
+    ("after_loop", "decode", None, "nvfp4", "fp8", 2), ("after_loop", "prefill", None, "nvfp4", "fp8", 1),
+    ("after_loop", "prefill", 35 * SCALE, "fp8", "nvfp4", 2)])
+def test_key0_in_loop_and_after_loop_equal_the_peeled_tile(mode, kind, window, kf, vf, parts):
     """``key0_in_loop`` (the correction inside the pipelined tile loop) gives the peeled first
-    tile's result (the same arithmetic, tiles in the same order), and the correction itself."""
+    tile's result (the same arithmetic, tiles in the same order); ``key0_after_loop`` (the loop
+    without it, then position 0's weight moved from one K and one V row) gives it to FP32
+    rounding, head-dim parts and windows that hide position 0 from later queries included; both
+    give the correction itself."""
     lay = KVPageLayout(2, 128, 16, kf, vf)
     seqs = ([(90 * SCALE + 7, 1), (5, 1), (33 * SCALE, 1)] if kind == "decode" else
             [(40 * SCALE, 40 * SCALE), (50 * SCALE + 3, 11)])
@@ -775,20 +781,38 @@ def test_key0_in_loop_equals_the_peeled_tile(kind, window, kf, vf):
     shift = _key0_shift(lay, 8)
     decode = kind == "decode"
     outs = []
-    for in_loop in (False, True):
+    for on in (False, True):
         out = torch.empty_like(batch.query)
+        launch = _launch(lay, decode, num_splits=3 if decode else None, num_warps=max(parts, 1),
+                         dim_parts=parts, **{f"key0_{mode}": on})
         attn_kernels.paged_attention(
             batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
             batch.seq_lens, batch.query_start_loc, batch.max_query_len, batch.max_seq_len, 0.1,
-            out, window, key0_shift=shift,
-            launch=_launch(lay, decode, num_splits=3 if decode else None, key0_in_loop=in_loop))
+            out, window, key0_shift=shift, launch=launch)
         outs.append(out)
-    if CUDA:  # the pipelined loop may order the FP32 sums differently
+    if CUDA or mode == "after_loop":  # other FP32 sums (the pipelined loop; one weight moved)
         assert_close_rel(outs[1], outs[0].double().cpu(), 1e-5)
     else:
         assert torch.equal(outs[0], outs[1])
     assert_close_rel(outs[1], fast_reference(batch, 0.1, window, key0_shift=shift),
                      2e-3 if CUDA else 1e-5)
+
+
+def test_key0_after_loop_refuses_the_rotating_center():
+    """``key0_after_loop`` leaves the rotating-center term out of position 0's logit, so a launch
+    with both is refused, and so is one with both ways of the correction."""
+    lay = KVPageLayout(2, 128, 16, "nvfp4", "nvfp4")
+    batch = make_batch(lay, [(20, 1)], 4, device=DEV, seed=3, write_backend=WRITE)
+    rot = attn_kernels.RotCenter.all_pairs(torch.randn(2, 128, device=DEV),
+                                           torch.rand(64, device=DEV))
+    with pytest.raises(ValueError, match="key0_after_loop does not add the rotating-center"):
+        attn_kernels.paged_attention(
+            batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
+            batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.1,
+            torch.empty_like(batch.query), key0_shift=_key0_shift(lay, 1), rot_center=rot,
+            launch=_launch(lay, True, key0_after_loop=True))
+    with pytest.raises(ValueError, match="set at most one"):
+        _launch(lay, True, key0_in_loop=True, key0_after_loop=True)
 
 
 @pytest.mark.parametrize("kf,vf", [("nvfp4", "nvfp4"), ("nvfp4", "fp8")])

@@ -96,6 +96,74 @@ def _key0_logit_shift(q_cols, col_ok, key0_shift_ptr, h, softmax_scale, covers_k
     return out
 
 
+@triton.jit
+def _row0_operands(page, off, valid, h, FMT: tl.constexpr, DATA: tl.constexpr,
+                   SCALE: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, F32: tl.constexpr,
+                   PARTS: tl.constexpr):
+    """One token's K or V row (``page``, ``off``, ``valid``: ``[1]`` from :func:`_tile_rows`) as
+    FP32 column vectors in the operand layout of :func:`_attend_keys` (:func:`_part_cols`):
+    ``[16, 1]`` per NVFP4 chunk (``e2m1 * 2^-14`` times its block scale), or the even and odd
+    columns ``[D/2, 1]`` of an FP8 row; with ``PARTS > 1`` each ``[PARTS, ., 1]``. The layer
+    scale is left out, as in the tile loop."""
+    out = ()
+    if FMT == FMT_FP8:
+        ev, od = _fp8_planes(_tile_words(page, off, valid, h, DATA, D, 0, D // 2 // PARTS, BLOCK,
+                                         True, False, PARTS), F32)
+        out = (ev.to(tl.float32), od.to(tl.float32))
+    else:
+        C: tl.constexpr = D // 16
+        CP: tl.constexpr = C // PARTS
+        sc_row = page + SCALE + (h * BLOCK + off) * C  # [1]
+        for gi in tl.static_range(D // 64 // PARTS):
+            planes = _planes(_tile_words(page, off, valid, h, DATA, D // 2, 16 * gi, 16, BLOCK,
+                                         True, False, PARTS), F32)
+            for j in tl.static_range(4):
+                if PARTS > 1:
+                    k = tl.arange(0, PARTS)[:, None, None] * CP + 4 * gi + j
+                    sc = tl.load(tl.reshape(sc_row, [1, 1, 1]) + k)
+                else:
+                    sc = tl.load(sc_row[None, :] + 4 * gi + j)  # [1, 1]
+                sc = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                out = out + (planes[j].to(tl.float32) * sc,)
+    return out
+
+
+@triton.jit
+def _key0_correction(qs, q_pos, accs, m_i, l_i, shift0, cache_ptr, stride_blk, bt_row, h,
+                     qk_scale, window, K_FMT: tl.constexpr, V_FMT: tl.constexpr,
+                     K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr,
+                     V_SCALE: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                     USE_WINDOW: tl.constexpr, F32: tl.constexpr, PARTS: tl.constexpr):
+    """After the tile loop of a key range from position 0, which gave the key there its stored
+    logit ``l0``: move its weight to ``l0 - shift0`` (the uncentered sink key, no soft-cap).
+    ``l_i += d`` and ``acc += d * v0`` with ``d = 2^(l0 - shift0 - m) - 2^(l0 - m)`` per query
+    column (0 where position 0 is outside its window or the column saw no key): the loop's result
+    with that one logit shifted, from one K and one V row read after the loop (no tile runs
+    apart)."""
+    toks, valid, page, off = _tile_rows(cache_ptr, stride_blk, bt_row, 0, 1, BLOCK, 1, False)
+    ks = _row0_operands(page, off, valid, h, K_FMT, K_DATA, K_SCALE, D, BLOCK, F32, PARTS)
+    l0 = tl.zeros_like(m_i)
+    for c in tl.static_range(len(qs)):
+        prod = ks[c] * qs[c].to(tl.float32)
+        if PARTS > 1:
+            prod = tl.sum(prod, axis=0)
+        l0 += tl.sum(prod, axis=0)
+    l0 = l0 * qk_scale
+    seen = m_i > float("-inf")
+    if USE_WINDOW:
+        seen = seen & (q_pos < window)
+    m_safe = tl.where(seen, m_i, 0.0)
+    d = tl.where(seen, tl.exp2(l0 - shift0 - m_safe) - tl.exp2(l0 - m_safe), 0.0)
+    vs = _row0_operands(page, off, valid, h, V_FMT, V_DATA, V_SCALE, D, BLOCK, F32, PARTS)
+    out = ()
+    for c in tl.static_range(len(accs)):
+        if PARTS > 1:
+            out = out + (accs[c] + vs[c] * d[None, None, :],)
+        else:
+            out = out + (accs[c] + vs[c] * d[None, :],)
+    return out, l_i + d
+
+
 #: 2 pi in two FP32 parts (Cody-Waite) and 1 / (2 pi): :func:`_cos_sin`
 _TWO_PI_HI = tl.constexpr(6.2831854820251465)
 _TWO_PI_LO = tl.constexpr(-1.7484555314695172e-07)
@@ -563,12 +631,13 @@ def _attend_keys(
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, F32: tl.constexpr,
     HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PARTS: tl.constexpr,
     LAZY: tl.constexpr, STAGES: tl.constexpr, SHIFT0: tl.constexpr, KEY0_IN_LOOP: tl.constexpr,
-    ROT: tl.constexpr, ROT_ROWS: tl.constexpr, ROT_PAIRS: tl.constexpr,
+    KEY0_AFTER: tl.constexpr, ROT: tl.constexpr, ROT_ROWS: tl.constexpr, ROT_PAIRS: tl.constexpr,
 ):
     """:func:`_attend_tiles` over keys ``[t_begin, t_end)``: the whole tiles of ``[t_begin,
     t_full)`` unmasked, then the rest masked. ``SHIFT0`` (the key at position 0 stored
     uncentered): a range from ``t_begin == 0`` runs its first tile alone (unpipelined) with the
-    correction, or, ``KEY0_IN_LOOP``, every whole tile checks for position 0. ``ROT``: ``rot``
+    correction, or, ``KEY0_IN_LOOP``, every whole tile checks for position 0, or, ``KEY0_AFTER``
+    (not with ``ROT``), the loop runs as without it and :func:`_key0_correction` follows. ``ROT``: ``rot``
     (:func:`_rot_center_setup` at ``t_begin``) adds each key's rotating-center correction.
     ``HOIST_Q``: the score tiles start from ``0 . q_c`` computed once, so the query operands are
     converted to the MMA layout once. Other flags: :func:`_attend_tiles`."""
@@ -585,7 +654,9 @@ def _attend_keys(
             else:
                 s0 = _dot_f(tl.zeros([TILE_N, W], dtype=KT), qs[c], s0, F32)
     lo = t_begin
-    if SHIFT0 and not KEY0_IN_LOOP:  # position 0's whole tile, if this range starts there
+    PEEL: tl.constexpr = SHIFT0 and not KEY0_IN_LOOP and not KEY0_AFTER
+    IN_TILES: tl.constexpr = SHIFT0 and not KEY0_AFTER
+    if PEEL:  # position 0's whole tile, if this range starts there
         peel_end = tl.where(t_begin == 0, tl.minimum(t_full, TILE_N), t_begin)
         accs, m_i, l_i, rot = _attend_tiles(
             qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_begin, peel_end,
@@ -602,7 +673,13 @@ def _attend_keys(
         qs, s0, q_pos, accs, m_i, l_i, cache_ptr, stride_blk, bt_row, h, t_full, t_end, t_end,
         qk_scale, softcap, window, shift0, rot, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE,
         D, BLOCK, TILE_N, M, CAUSAL, USE_WINDOW, USE_SOFTCAP, F32, True, FOLD_K, FOLD_V, PARTS,
-        LAZY, STAGES, SHIFT0, ROT, ROT_ROWS, ROT_PAIRS)
+        LAZY, STAGES, IN_TILES, ROT, ROT_ROWS, ROT_PAIRS)
+    if SHIFT0 and KEY0_AFTER:
+        if t_begin == 0:
+            accs, l_i = _key0_correction(
+                qs, q_pos, accs, m_i, l_i, shift0, cache_ptr, stride_blk, bt_row, h, qk_scale,
+                window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK, USE_WINDOW,
+                F32, PARTS)
     return accs, m_i, l_i
 
 
@@ -754,8 +831,8 @@ def _decode_kernel(
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
     F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,
     PARTS: tl.constexpr, LAZY: tl.constexpr, STAGES: tl.constexpr, USE_KEY0: tl.constexpr,
-    KEY0_IN_LOOP: tl.constexpr, USE_ROT: tl.constexpr, ROT_ROWS: tl.constexpr,
-    ROT_PAIRS: tl.constexpr,
+    KEY0_IN_LOOP: tl.constexpr, KEY0_AFTER: tl.constexpr, USE_ROT: tl.constexpr,
+    ROT_ROWS: tl.constexpr, ROT_PAIRS: tl.constexpr,
 ):
     """Decode through :func:`_attend_keys`: the ``BG`` query columns are one KV head's GQA group
     (padded, >= 8). Grid ``(seqs, kv_heads, splits)``; with splits, FP32 partials ``(o, m, l)``
@@ -781,7 +858,8 @@ def _decode_kernel(
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, shift0, rot, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE,
         D, BLOCK, TILE_N, BG, False, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V,
-        PARTS, LAZY, STAGES, USE_KEY0, KEY0_IN_LOOP, USE_ROT, ROT_ROWS, ROT_PAIRS)
+        PARTS, LAZY, STAGES, USE_KEY0, KEY0_IN_LOOP, KEY0_AFTER, USE_ROT, ROT_ROWS,
+        ROT_PAIRS)
     if USE_SINKS:  # into the first split's partial only
         first_split = tl.full([BG], split, tl.int32) == 0
         m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok & first_split, m_i, l_i)
@@ -867,8 +945,8 @@ def _prefill_kernel(
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
     F32: tl.constexpr, HOIST_Q: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,
     PARTS: tl.constexpr, LAZY: tl.constexpr, STAGES: tl.constexpr, USE_KEY0: tl.constexpr,
-    KEY0_IN_LOOP: tl.constexpr, USE_ROT: tl.constexpr, ROT_ROWS: tl.constexpr,
-    ROT_PAIRS: tl.constexpr,
+    KEY0_IN_LOOP: tl.constexpr, KEY0_AFTER: tl.constexpr, USE_ROT: tl.constexpr,
+    ROT_ROWS: tl.constexpr, ROT_PAIRS: tl.constexpr,
 ):
     """Prefill through :func:`_attend_keys` (the program's ``BLOCK_Q * G_PAD`` query rows as
     columns, causal); grid ``(query blocks + seqs, kv_heads)`` (:func:`_prefill_program`)."""
@@ -896,7 +974,8 @@ def _prefill_kernel(
         cache_ptr, stride_blk, block_table_ptr + seq * stride_bt, h, t_begin, t_full, t_end,
         qk_scale, softcap, window, shift0, rot, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE,
         D, BLOCK, TILE_N, BLOCK_M, True, USE_WINDOW, USE_SOFTCAP, F32, HOIST_Q, FOLD_K, FOLD_V,
-        PARTS, LAZY, STAGES, USE_KEY0, KEY0_IN_LOOP, USE_ROT, ROT_ROWS, ROT_PAIRS)
+        PARTS, LAZY, STAGES, USE_KEY0, KEY0_IN_LOOP, KEY0_AFTER, USE_ROT, ROT_ROWS,
+        ROT_PAIRS)
     if USE_SINKS:
         m_i, l_i, keep = _fold_sinks(sinks_ptr, qh, row_ok, m_i, l_i)
         vf = vf * keep
@@ -968,6 +1047,9 @@ def paged_attention(
     common_args = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                    cache.stride(0), block_table.stride(0), softmax_scale, softcap, window)
     shape = launch or launch_defaults(layout, decode)
+    if shape.key0_after_loop and key0_shift is not None and rot_center is not None:
+        raise ValueError("key0_after_loop does not add the rotating-center term to position 0's "
+                         "logit: launch with key0_after_loop=False when rot_center is given")
     if d % (64 * shape.dim_parts):
         raise ValueError(f"dim_parts {shape.dim_parts} needs a head_dim multiple of "
                          f"{64 * shape.dim_parts}, got {d}")
@@ -997,6 +1079,7 @@ def paged_attention(
             HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales, FOLD_V=shape.fold_v_scales,
             PARTS=shape.dim_parts, LAZY=shape.lazy_rescale, STAGES=stages,
             USE_KEY0=key0_shift is not None, KEY0_IN_LOOP=shape.key0_in_loop,
+            KEY0_AFTER=shape.key0_after_loop,
             USE_ROT=rot_center is not None, ROT_PAIRS=rot_pairs,
             ROT_ROWS=rot_rows(shape, tn, None if rot_center is None else rot_pairs),
             num_warps=warps, num_stages=stages,
@@ -1021,6 +1104,7 @@ def paged_attention(
         HOIST_Q=shape.hoist_query, FOLD_K=shape.fold_k_scales, FOLD_V=shape.fold_v_scales,
         PARTS=shape.dim_parts, LAZY=shape.lazy_rescale, STAGES=stages,
         USE_KEY0=key0_shift is not None, KEY0_IN_LOOP=shape.key0_in_loop,
+        KEY0_AFTER=shape.key0_after_loop,
         USE_ROT=rot_center is not None, ROT_PAIRS=rot_pairs,
         ROT_ROWS=rot_rows(shape, tn, None if rot_center is None else rot_pairs),
         num_warps=warps, num_stages=stages,

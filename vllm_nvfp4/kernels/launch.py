@@ -132,6 +132,8 @@ class LaunchShape:
     of some query column (exact: the same products, skipped where the factor is 1);
     ``key0_in_loop`` (with ``key0_shift``) corrects the key at position 0 in every whole tile of
     the pipelined loop instead of running position 0's tile alone first (the same arithmetic);
+    ``key0_after_loop`` instead runs the loop as without the correction and then moves position
+    0's softmax weight to its corrected logit from one K and one V row (not with ``rot_center``);
     ``rot_rows`` (with ``rot_center``): the rows of the correction's cos / sin tables
     (:func:`rot_rows`).
     """
@@ -150,6 +152,7 @@ class LaunchShape:
     dim_parts: int = 1
     lazy_rescale: bool = False
     key0_in_loop: bool = False
+    key0_after_loop: bool = False
     rot_rows: Optional[int] = None
 
     def __post_init__(self) -> None:
@@ -160,6 +163,9 @@ class LaunchShape:
         parts = self.dim_parts
         if parts < 1 or parts & (parts - 1) or parts > self.num_warps:
             raise ValueError(f"dim_parts must be a power of 2 <= num_warps, got {parts}")
+        if self.key0_in_loop and self.key0_after_loop:
+            raise ValueError("key0_in_loop and key0_after_loop are two ways of one correction: "
+                             "set at most one")
         rows = self.rot_rows
         if rows is not None and (rows < 1 or rows & (rows - 1)):
             raise ValueError(f"rot_rows must be a power of 2, got {rows}")
