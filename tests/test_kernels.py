@@ -798,19 +798,10 @@ def test_key0_in_loop_and_after_loop_equal_the_peeled_tile(mode, kind, window, k
                      2e-3 if CUDA else 1e-5)
 
 
-def test_key0_after_loop_refuses_the_rotating_center():
-    """``key0_after_loop`` leaves the rotating-center term out of position 0's logit, so a launch
-    with both is refused, and so is one with both ways of the correction."""
+def test_key0_correction_ways_are_exclusive():
+    """``key0_in_loop`` and ``key0_after_loop`` are two ways of one correction: a launch shape
+    with both is refused."""
     lay = KVPageLayout(2, 128, 16, "nvfp4", "nvfp4")
-    batch = make_batch(lay, [(20, 1)], 4, device=DEV, seed=3, write_backend=WRITE)
-    rot = attn_kernels.RotCenter.all_pairs(torch.randn(2, 128, device=DEV),
-                                           torch.rand(64, device=DEV))
-    with pytest.raises(ValueError, match="key0_after_loop does not add the rotating-center"):
-        attn_kernels.paged_attention(
-            batch.query, batch.cache, lay, batch.k_scale, batch.v_scale, batch.block_table,
-            batch.seq_lens, batch.query_start_loc, 1, batch.max_seq_len, 0.1,
-            torch.empty_like(batch.query), key0_shift=_key0_shift(lay, 1), rot_center=rot,
-            launch=_launch(lay, True, key0_after_loop=True))
     with pytest.raises(ValueError, match="set at most one"):
         _launch(lay, True, key0_in_loop=True, key0_after_loop=True)
 

@@ -139,16 +139,20 @@ def test_default_decode_launch_and_the_option_off(kf, vf, rows):
         assert_close_rel(run(batch, None, theta), plain_reference(batch, 0.1), TOL)
 
 
-def test_with_the_sink_key_stored_uncentered():
+@pytest.mark.parametrize("after_loop", [False, True])
+def test_with_the_sink_key_stored_uncentered(after_loop):
     """With ``key0_shift = b`` on one head (its key at position 0 stored uncentered, as the
-    study's ``sink`` heads) position 0 gets ``stored + R(0) b - b`` = its stored key there."""
+    study's ``sink`` heads) position 0 gets ``stored + R(0) b - b`` = its stored key there; also
+    with the correction after the tile loop (``key0_after_loop``: position 0's logit there
+    includes its rotating term)."""
     lay = KVPageLayout(2, 64, 16, "nvfp4", "nvfp4")
     batch = make_batch(lay, [(70 * SCALE + 3, 1), (2, 1)], 4, device=DEV, seed=12,
                        write_backend=WRITE)
     b, theta = random_center(lay, 4), rope_theta(64)
     shift = b.clone()
     shift[1] = 0.0
-    got = run(batch, b, theta, _launch(lay, True, tile_n=16, num_splits=2), key0_shift=shift)
+    got = run(batch, b, theta, _launch(lay, True, tile_n=16, num_splits=2,
+                                       key0_after_loop=after_loop), key0_shift=shift)
     assert_close_rel(got, rot_reference(batch, 0.1, b, theta, key0_shift=shift), TOL)
 
 

@@ -129,13 +129,14 @@ def _row0_operands(page, off, valid, h, FMT: tl.constexpr, DATA: tl.constexpr,
 
 
 @triton.jit
-def _key0_correction(qs, q_pos, accs, m_i, l_i, shift0, cache_ptr, stride_blk, bt_row, h,
+def _key0_correction(qs, q_pos, accs, m_i, l_i, shift0, rot0, cache_ptr, stride_blk, bt_row, h,
                      qk_scale, window, K_FMT: tl.constexpr, V_FMT: tl.constexpr,
                      K_DATA: tl.constexpr, K_SCALE: tl.constexpr, V_DATA: tl.constexpr,
                      V_SCALE: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                      USE_WINDOW: tl.constexpr, F32: tl.constexpr, PARTS: tl.constexpr):
     """After the tile loop of a key range from position 0, which gave the key there its stored
-    logit ``l0``: move its weight to ``l0 - shift0`` (the uncentered sink key, no soft-cap).
+    logit ``l0`` (plus ``rot0 [M]``, its rotating-center term, if any): move its weight to
+    ``l0 - shift0`` (the uncentered sink key, no soft-cap).
     ``l_i += d`` and ``acc += d * v0`` with ``d = 2^(l0 - shift0 - m) - 2^(l0 - m)`` per query
     column (0 where position 0 is outside its window or the column saw no key): the loop's result
     with that one logit shifted, from one K and one V row read after the loop (no tile runs
@@ -148,7 +149,7 @@ def _key0_correction(qs, q_pos, accs, m_i, l_i, shift0, cache_ptr, stride_blk, b
         if PARTS > 1:
             prod = tl.sum(prod, axis=0)
         l0 += tl.sum(prod, axis=0)
-    l0 = l0 * qk_scale
+    l0 = l0 * qk_scale + rot0
     seen = m_i > float("-inf")
     if USE_WINDOW:
         seen = seen & (q_pos < window)
@@ -636,8 +637,8 @@ def _attend_keys(
     """:func:`_attend_tiles` over keys ``[t_begin, t_end)``: the whole tiles of ``[t_begin,
     t_full)`` unmasked, then the rest masked. ``SHIFT0`` (the key at position 0 stored
     uncentered): a range from ``t_begin == 0`` runs its first tile alone (unpipelined) with the
-    correction, or, ``KEY0_IN_LOOP``, every whole tile checks for position 0, or, ``KEY0_AFTER``
-    (not with ``ROT``), the loop runs as without it and :func:`_key0_correction` follows. ``ROT``: ``rot``
+    correction, or, ``KEY0_IN_LOOP``, every whole tile checks for position 0, or, ``KEY0_AFTER``,
+    the loop runs as without it and :func:`_key0_correction` follows. ``ROT``: ``rot``
     (:func:`_rot_center_setup` at ``t_begin``) adds each key's rotating-center correction.
     ``HOIST_Q``: the score tiles start from ``0 . q_c`` computed once, so the query operands are
     converted to the MMA layout once. Other flags: :func:`_attend_tiles`."""
@@ -653,6 +654,9 @@ def _attend_keys(
                 s0 = _dot_f(tl.zeros([PARTS, TILE_N, W], dtype=KT), qs[c], s0, F32)
             else:
                 s0 = _dot_f(tl.zeros([TILE_N, W], dtype=KT), qs[c], s0, F32)
+    rot0 = tl.zeros_like(m_i)
+    if SHIFT0 and KEY0_AFTER and ROT:  # position 0's term of the first tile (a range from 0):
+        rot0 = tl.sum(rot[0].to(KT).to(tl.float32), axis=0)  # cos 0 = 1, sin 0 = 0, operand type
     lo = t_begin
     PEEL: tl.constexpr = SHIFT0 and not KEY0_IN_LOOP and not KEY0_AFTER
     IN_TILES: tl.constexpr = SHIFT0 and not KEY0_AFTER
@@ -677,7 +681,7 @@ def _attend_keys(
     if SHIFT0 and KEY0_AFTER:
         if t_begin == 0:
             accs, l_i = _key0_correction(
-                qs, q_pos, accs, m_i, l_i, shift0, cache_ptr, stride_blk, bt_row, h, qk_scale,
+                qs, q_pos, accs, m_i, l_i, shift0, rot0, cache_ptr, stride_blk, bt_row, h, qk_scale,
                 window, K_FMT, V_FMT, K_DATA, K_SCALE, V_DATA, V_SCALE, D, BLOCK, USE_WINDOW,
                 F32, PARTS)
     return accs, m_i, l_i
@@ -1047,9 +1051,6 @@ def paged_attention(
     common_args = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                    cache.stride(0), block_table.stride(0), softmax_scale, softcap, window)
     shape = launch or launch_defaults(layout, decode)
-    if shape.key0_after_loop and key0_shift is not None and rot_center is not None:
-        raise ValueError("key0_after_loop does not add the rotating-center term to position 0's "
-                         "logit: launch with key0_after_loop=False when rot_center is given")
     if d % (64 * shape.dim_parts):
         raise ValueError(f"dim_parts {shape.dim_parts} needs a head_dim multiple of "
                          f"{64 * shape.dim_parts}, got {d}")

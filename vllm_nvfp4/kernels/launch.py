@@ -133,7 +133,7 @@ class LaunchShape:
     ``key0_in_loop`` (with ``key0_shift``) corrects the key at position 0 in every whole tile of
     the pipelined loop instead of running position 0's tile alone first (the same arithmetic);
     ``key0_after_loop`` instead runs the loop as without the correction and then moves position
-    0's softmax weight to its corrected logit from one K and one V row (not with ``rot_center``);
+    0's softmax weight to its corrected logit from one K and one V row;
     ``rot_rows`` (with ``rot_center``): the rows of the correction's cos / sin tables
     (:func:`rot_rows`).
     """
