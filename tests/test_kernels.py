@@ -763,10 +763,13 @@ def test_key0_shift_matches_float64_and_the_torch_path(kind, window, kf, vf):
 
 
 @pytest.mark.parametrize("mode,kind,window,kf,vf,parts", [
-    ("in_loop", "decode", None, "nvfp4", "nvfp4", 1), ("in_loop", "decode", 30 * SCALE, "fp8", "nvfp4", 1),
+    ("in_loop", "decode", None, "nvfp4", "nvfp4", 1),
+    ("in_loop", "decode", 30 * SCALE, "fp8", "nvfp4", 1),
     ("in_loop", "prefill", None, "nvfp4", "fp8", 1),
-    ("after_loop", "decode", None, "nvfp4", "nvfp4", 1), ("after_loop", "decode", 30 * SCALE, "fp8", "nvfp4", 1),
-    ("after_loop", "decode", None, "nvfp4", "fp8", 2), ("after_loop", "prefill", None, "nvfp4", "fp8", 1),
+    ("after_loop", "decode", None, "nvfp4", "nvfp4", 1),
+    ("after_loop", "decode", 30 * SCALE, "fp8", "nvfp4", 1),
+    ("after_loop", "decode", None, "nvfp4", "fp8", 2),
+    ("after_loop", "prefill", None, "nvfp4", "fp8", 1),
     ("after_loop", "prefill", 35 * SCALE, "fp8", "nvfp4", 2)])
 def test_key0_in_loop_and_after_loop_equal_the_peeled_tile(mode, kind, window, kf, vf, parts):
     """``key0_in_loop`` (the correction inside the pipelined tile loop) gives the peeled first
